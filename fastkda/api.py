@@ -1,0 +1,189 @@
+"""Public functions of fastkda.
+
+``kda_prefill`` validates everything it can see on the host, then calls the ``fastkda::prefill`` custom op:
+the Triton kernels on CUDA tensors, the vectorised PyTorch chunked path on CPU tensors. Nothing is written
+when validation fails, and nothing synchronises host and device, so the call is CUDA-graph capturable.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .plan import choose_plan, sm_count
+from .reference import kda_chunked
+
+SUPPORTED_DIMS = (64, 128)
+FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+STATE_DTYPES = (torch.bfloat16, torch.float32)
+MIN_LOWER_BOUND = -5.0  # exp(-G) over a 16-token block stays below e^80 (fp32/bf16 range) for λ >= -5
+
+
+def _fail(name, expected, got):
+    raise ValueError(f"kda_prefill: {name} must be {expected}, got {got}")
+
+
+def _check_tensor(name, x, shape, dtypes, device):
+    if not isinstance(x, torch.Tensor):
+        _fail(name, "a torch.Tensor", type(x).__name__)
+    if tuple(x.shape) != tuple(shape):
+        _fail(name, f"of shape {list(shape)}", list(x.shape))
+    if x.dtype not in dtypes:
+        _fail(name, f"of dtype {' or '.join(str(d) for d in dtypes)}", x.dtype)
+    if x.device != device:
+        _fail(name, f"on {device} (where q is)", x.device)
+
+
+def _check_token_rows(name, x):
+    """The kernels address token t of batch b as ``base + (b*T + t) * stride(1)``, rows contiguous."""
+    batch, length, heads, dim = x.shape
+    if x.stride(3) != 1 or x.stride(2) != dim or (batch > 1 and x.stride(0) != length * x.stride(1)):
+        _fail(name, "contiguous within each token ([H, D] rows) with batch rows back to back",
+              f"strides {tuple(x.stride())}")
+
+
+def validate_prefill(q, k, v, g, beta, A_log, dt_bias, lower_bound, scale, initial_state, final_state,
+                     cu_seqlens, out):
+    """Raise ``ValueError`` naming the first argument that breaks the contract (spec §3); return N."""
+    if not isinstance(q, torch.Tensor) or q.dim() != 4:
+        _fail("q", "a 4-D tensor [B, T, H, K]", getattr(q, "shape", type(q).__name__))
+    batch, length, heads, key_dim = q.shape
+    device = q.device
+    if key_dim not in SUPPORTED_DIMS:
+        _fail("q", f"of key dimension K in {SUPPORTED_DIMS}", key_dim)
+    _check_tensor("q", q, q.shape, FLOAT_DTYPES, device)
+    _check_tensor("k", k, q.shape, (q.dtype,), device)
+    if not isinstance(v, torch.Tensor) or v.dim() != 4 or v.shape[-1] not in SUPPORTED_DIMS:
+        _fail("v", f"a 4-D tensor [B, T, H, V] with V in {SUPPORTED_DIMS}", getattr(v, "shape", type(v).__name__))
+    value_dim = v.shape[-1]
+    _check_tensor("v", v, (batch, length, heads, value_dim), (q.dtype,), device)
+    _check_tensor("g", g, q.shape, FLOAT_DTYPES, device)
+    _check_tensor("beta", beta, (batch, length, heads), FLOAT_DTYPES, device)
+    for name, x in (("q", q), ("k", k), ("v", v), ("g", g)):
+        _check_token_rows(name, x)
+    if batch > 1 and beta.stride(0) != length * beta.stride(1):
+        _fail("beta", "a view whose batch rows are back to back", f"strides {tuple(beta.stride())}")
+    gate_args = (A_log, dt_bias, lower_bound)
+    if any(x is not None for x in gate_args) and any(x is None for x in gate_args):
+        _fail("A_log, dt_bias and lower_bound", "all given (lower-bound gate) or all None (g is the log-decay)",
+              f"A_log={'set' if A_log is not None else None}, dt_bias={'set' if dt_bias is not None else None}, "
+              f"lower_bound={lower_bound}")
+    if lower_bound is not None:
+        if not isinstance(lower_bound, (int, float)) or not MIN_LOWER_BOUND <= lower_bound < 0:
+            _fail("lower_bound", f"a number in [{MIN_LOWER_BOUND}, 0)", lower_bound)
+        _check_tensor("A_log", A_log.reshape(-1) if isinstance(A_log, torch.Tensor) else A_log, (heads,),
+                      FLOAT_DTYPES, device)
+        if isinstance(dt_bias, torch.Tensor) and dt_bias.numel() == heads * key_dim and dt_bias.is_contiguous():
+            dt_bias = dt_bias.reshape(heads, key_dim)
+        else:
+            _fail("dt_bias", f"a contiguous tensor of {heads * key_dim} values ([H, K] or [H*K])",
+                  getattr(dt_bias, "shape", type(dt_bias).__name__))
+        _check_tensor("dt_bias", dt_bias, (heads, key_dim), FLOAT_DTYPES, device)
+    if not isinstance(scale, (int, float)) or not scale > 0:
+        _fail("scale", "a positive number", scale)
+    if cu_seqlens is None:
+        num_seqs = batch
+    else:
+        if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
+            _fail("cu_seqlens", "a 1-D tensor [N+1]", getattr(cu_seqlens, "shape", type(cu_seqlens).__name__))
+        _check_tensor("cu_seqlens", cu_seqlens, cu_seqlens.shape, (torch.int32, torch.int64), device)
+        if batch != 1:
+            _fail("q", "of batch size 1 when cu_seqlens is given", batch)
+        if not cu_seqlens.is_contiguous():
+            _fail("cu_seqlens", "contiguous", f"strides {tuple(cu_seqlens.stride())}")
+        num_seqs = cu_seqlens.numel() - 1
+    state_shape = (num_seqs, heads, value_dim, key_dim)
+    for name, state in (("initial_state", initial_state), ("final_state", final_state)):
+        if state is not None:
+            _check_tensor(name, state, state_shape, STATE_DTYPES, device)
+            if not state.is_contiguous():
+                _fail(name, "contiguous", f"strides {tuple(state.stride())}")
+    if out is not None:
+        _check_tensor("out", out, v.shape, (v.dtype,), device)
+        if not out.is_contiguous():
+            _fail("out", "contiguous", f"strides {tuple(out.stride())}")
+        if out.data_ptr() in {x.data_ptr() for x in (q, k, v, g)}:
+            _fail("out", "a buffer that is not also an input", "an input tensor")
+    return num_seqs
+
+
+def check_cu_seqlens_values(cu_seqlens, length):
+    """Offsets nondecreasing from 0 to T. Reading them costs a device sync, so only CPU tensors are checked."""
+    offsets = cu_seqlens.tolist()
+    if offsets[0] != 0 or offsets[-1] != length or any(b < a for a, b in zip(offsets, offsets[1:])):
+        _fail("cu_seqlens", f"nondecreasing from 0 to T={length}", offsets)
+
+
+@torch.library.custom_op("fastkda::prefill", mutates_args=("out", "final_state"))
+def _prefill_op(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+    A_log: Optional[torch.Tensor], dt_bias: Optional[torch.Tensor], lower_bound: Optional[float], scale: float,
+    initial_state: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor], use_qk_l2norm: bool,
+    use_beta_sigmoid: bool, v_slices: int, out: torch.Tensor, final_state: Optional[torch.Tensor],
+) -> None:
+    """One opaque op for torch.compile and CUDA graphs: Triton on CUDA, the chunked PyTorch path on CPU."""
+    gate = dict(A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound)
+    if q.is_cuda:
+        from .ops.prefill import chunk_kda_forward  # Triton is only needed on the GPU
+
+        chunk_kda_forward(q, k, v, g, beta, **gate, scale=scale, initial_state=initial_state,
+                          cu_seqlens=cu_seqlens, use_qk_l2norm=use_qk_l2norm, use_beta_sigmoid=use_beta_sigmoid,
+                          v_slices=v_slices, out=out, final_state=final_state)
+        return
+    if cu_seqlens is not None:
+        check_cu_seqlens_values(cu_seqlens, q.shape[1])
+    o, state = kda_chunked(q, k, v, g, beta, **gate, scale=scale, initial_state=initial_state,
+                           cu_seqlens=cu_seqlens, use_qk_l2norm=use_qk_l2norm, use_beta_sigmoid=use_beta_sigmoid)
+    out.copy_(o)
+    if final_state is not None:
+        final_state.copy_(state)
+
+
+@_prefill_op.register_fake
+def _prefill_fake(q, k, v, g, beta, A_log, dt_bias, lower_bound, scale, initial_state, cu_seqlens,
+                  use_qk_l2norm, use_beta_sigmoid, v_slices, out, final_state):
+    return None
+
+
+def kda_prefill(
+    q, k, v, g, beta, *, A_log=None, dt_bias=None, lower_bound=None, scale=None, initial_state=None,
+    final_state=None, output_final_state=False, cu_seqlens=None, use_qk_l2norm=True, use_beta_sigmoid=True,
+    out=None, v_slices="auto",
+):
+    """Kimi Delta Attention prefill (spec §1, §3). Returns ``(o, final_state)``.
+
+    Args:
+        q, k, g: ``[B, T, H, K]``; v: ``[B, T, H, V]``; beta: ``[B, T, H]`` (any strides), K, V in {64, 128}.
+            q/k/v share one dtype (bf16 on the GPU's fast path); g and beta may be bf16 or fp32.
+        A_log ``[H]``, dt_bias ``[H, K]`` or ``[H*K]``, lower_bound in [-5, 0): the lower-bound gate
+            ``a = λ·sigmoid(exp(A_log)·(g + dt_bias))``, fused. Leave all three None to pass the log-decay
+            ``a`` itself as ``g`` (any value ≤ 0; values below -30 act as -30, a 1e-13 difference).
+        scale: defaults to K^-1/2.
+        initial_state / final_state: ``[N, H, V, K]`` (V-first), bf16 or fp32; ``final_state`` is filled in
+            place. ``output_final_state=True`` without a buffer allocates an fp32 one.
+        cu_seqlens: ``[N+1]`` int32/int64 token offsets for varlen (B must be 1); empty sequences allowed.
+        use_qk_l2norm, use_beta_sigmoid: turn off for callers who already normalised q/k or applied σ to beta.
+        out: optional preallocated output, shape and dtype of v, contiguous.
+        v_slices: ``"auto"`` (the launch plan, :mod:`fastkda.plan`), or 1, 2, 4; ``$FASTKDA_V_SLICES``
+            applies when this is ``"auto"``. Results are bitwise identical for every choice.
+    """
+    key_dim = q.shape[-1] if isinstance(q, torch.Tensor) and q.dim() == 4 else None
+    if scale is None and key_dim:
+        scale = key_dim ** -0.5
+    if isinstance(lower_bound, int) and not isinstance(lower_bound, bool):
+        lower_bound = float(lower_bound)
+    num_seqs = validate_prefill(q, k, v, g, beta, A_log, dt_bias, lower_bound, scale, initial_state, final_state,
+                                cu_seqlens, out)
+    batch, length, heads, _ = q.shape
+    value_dim = v.shape[-1]
+    sms = sm_count(q.device.index if q.device.index is not None else torch.cuda.current_device()) if q.is_cuda else 1
+    tokens = batch * length // max(num_seqs, 1)
+    plan = choose_plan(num_seqs, heads, tokens, value_dim, sms, v_slices)
+    if out is None:
+        out = torch.empty_like(v, memory_format=torch.contiguous_format)
+    if final_state is None and output_final_state:
+        final_state = torch.empty(num_seqs, heads, value_dim, key_dim, dtype=torch.float32, device=q.device)
+    _prefill_op(q, k, v, g, beta, A_log, dt_bias, lower_bound, float(scale), initial_state, cu_seqlens,
+                use_qk_l2norm, use_beta_sigmoid, plan.v_slices, out, final_state)
+    return out, final_state

@@ -1,0 +1,309 @@
+"""Side-by-side benchmark: fastkda (auto plan and s = 1), FLA ``chunk_kda`` and FlashKDA on the same inputs.
+
+``python -m fastkda.bench [--only NAME] [--group G] [--quick] [--out-dir DIR]`` runs the workloads of
+``benchmarks/workloads.json`` in eager mode and CUDA-graph replay (median of ``triton.testing.do_bench``),
+prints a table and writes ``<date>-<gpu>.json``, ``.md`` and ``.png`` to ``benchmarks/results/``.
+Peers are timed when they import; FLA is forced onto its own Triton path (``FLA_FLASH_KDA=0``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+os.environ.setdefault("FLA_FLASH_KDA", "0")  # FLA would otherwise dispatch to FlashKDA when it imports
+
+REPO = Path(__file__).resolve().parent.parent
+WORKLOADS = REPO / "benchmarks" / "workloads.json"
+RESULTS = REPO / "benchmarks" / "results"
+LOWER_BOUND = -5.0
+DIM = 128
+ACCURACY_CASE = dict(name="accuracy_H4_T2048", H=4, lengths=[2048], layout="varlen")  # spec §6
+
+
+def load_workloads(path=WORKLOADS):
+    with open(path) as f:
+        return json.load(f)
+
+
+def make_prefill_inputs(workload, device, seed=0):
+    """Inputs as the workloads file describes them: randn bf16, A_log/dt_bias ~ U(0,1), fp32 states."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    heads, lengths = workload["H"], workload["lengths"]
+    varlen = workload["layout"] == "varlen"
+    batch, length = (1, sum(lengths)) if varlen else (len(lengths), lengths[0])
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen, device=device).to(torch.bfloat16)
+
+    offsets = [0]
+    for n in lengths:
+        offsets.append(offsets[-1] + n)
+    return dict(
+        q=randn(batch, length, heads, DIM), k=randn(batch, length, heads, DIM), v=randn(batch, length, heads, DIM),
+        g=randn(batch, length, heads, DIM), beta=randn(batch, length, heads),
+        A_log=torch.rand(heads, generator=gen, device=device), dt_bias=torch.rand(heads, DIM, generator=gen, device=device),
+        initial_state=torch.randn(len(lengths), heads, DIM, DIM, generator=gen, device=device),
+        cu_seqlens=torch.tensor(offsets, dtype=torch.int32, device=device) if varlen else None,
+        scale=DIM ** -0.5,
+    )
+
+
+def fastkda_runner(inp, v_slices="auto"):
+    from .api import kda_prefill
+
+    out = torch.empty_like(inp["v"])
+    final = torch.empty_like(inp["initial_state"])
+
+    def run():
+        kda_prefill(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], A_log=inp["A_log"], dt_bias=inp["dt_bias"],
+                    lower_bound=LOWER_BOUND, scale=inp["scale"], initial_state=inp["initial_state"], final_state=final,
+                    cu_seqlens=inp["cu_seqlens"], out=out, v_slices=v_slices)
+        return out, final
+    return run
+
+
+def fla_runner(inp):
+    from fla.ops.kda import chunk_kda
+
+    cu = inp["cu_seqlens"]
+    cu_long = cu.long() if cu is not None else None
+    cu_cpu = cu_long.cpu() if cu is not None else None
+    dt_flat = inp["dt_bias"].reshape(-1)
+
+    def run():
+        return chunk_kda(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], scale=inp["scale"],
+                         initial_state=inp["initial_state"], output_final_state=True, use_qk_l2norm_in_kernel=True,
+                         use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True, safe_gate=True,
+                         lower_bound=LOWER_BOUND, state_v_first=True, cu_seqlens=cu_long, cu_seqlens_cpu=cu_cpu,
+                         A_log=inp["A_log"], dt_bias=dt_flat)
+    return run
+
+
+def flashkda_runner(inp):
+    import flash_kda
+
+    cu = inp["cu_seqlens"].long() if inp["cu_seqlens"] is not None else None
+    out = torch.empty_like(inp["v"])
+    final = torch.empty_like(inp["initial_state"])
+
+    def run():
+        flash_kda.fwd(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], inp["scale"], out, inp["A_log"],
+                      inp["dt_bias"], LOWER_BOUND, initial_state=inp["initial_state"], final_state=final, cu_seqlens=cu)
+        return out, final
+    return run
+
+
+IMPLS = {
+    "fastkda": lambda inp: fastkda_runner(inp, "auto"),
+    "fastkda_s1": lambda inp: fastkda_runner(inp, 1),
+    "flashkda": flashkda_runner,
+    "fla": fla_runner,
+}
+
+
+def peer_versions():
+    from importlib import metadata
+
+    found = {}
+    for impl, dist in (("fla", "fla-core"), ("flashkda", "tokenspeed-flashkda")):
+        try:
+            found[impl] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            pass
+    return found
+
+
+def time_eager(run):
+    from triton.testing import do_bench
+
+    return do_bench(run, warmup=25, rep=100, return_mode="median")
+
+
+def time_graph(run):
+    """Median replay time of a CUDA graph holding one call."""
+    from triton.testing import do_bench
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        run()
+        run()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    return do_bench(graph.replay, warmup=25, rep=100, return_mode="median")
+
+
+def relative_error(x, ref):
+    return ((x.double() - ref).norm() / ref.norm()).item()
+
+
+def accuracy(impl_factory, device):
+    """Relative L2 error of (output, final state) against the float64 recurrence on the spec §6 case."""
+    from .reference import kda_reference
+
+    inp = make_prefill_inputs(ACCURACY_CASE, device, seed=1)
+    ref_o, ref_s = kda_reference(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], A_log=inp["A_log"],
+                                 dt_bias=inp["dt_bias"], lower_bound=LOWER_BOUND, scale=inp["scale"],
+                                 initial_state=inp["initial_state"], cu_seqlens=inp["cu_seqlens"])
+    o, s = impl_factory(inp)()
+    torch.cuda.synchronize()
+    return relative_error(o, ref_o), relative_error(s, ref_s)
+
+
+def git_commit():
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True,
+                              check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return os.environ.get("FASTKDA_COMMIT", "unknown")
+
+
+def select(workloads, only=None, group=None, quick=False):
+    chosen = [w for w in workloads["prefill"] if (not only or w["name"] in only) and (not group or w["group"] == group)]
+    if quick:
+        chosen = [w for w in chosen if sum(w["lengths"]) * w["H"] <= 12 * 8192]
+    return chosen
+
+
+def progress(items, desc):
+    if sys.stderr.isatty():
+        try:
+            from tqdm import tqdm
+
+            return tqdm(items, desc=desc)
+        except ImportError:
+            pass
+    return items
+
+
+def run_benchmark(workloads, impls, modes=("eager", "graph"), device="cuda"):
+    """Rows ``{workload, impl, mode, ms}`` for every workload x available impl x mode."""
+    rows, available = [], {}
+    for name, factory in impls.items():
+        try:
+            available[name] = factory
+            factory(make_prefill_inputs(dict(H=1, lengths=[64], layout="varlen"), device))()
+        except Exception as exc:  # a peer that does not import or run is reported, not fatal
+            available.pop(name)
+            print(f"[bench] {name} unavailable: {type(exc).__name__}: {exc}", file=sys.stderr)
+    for w in progress(workloads, "workloads"):
+        inp = make_prefill_inputs(w, device)
+        for name, factory in available.items():
+            run = factory(inp)
+            for mode in modes:
+                try:
+                    ms = time_eager(run) if mode == "eager" else time_graph(run)
+                except Exception as exc:
+                    print(f"[bench] {w['name']} {name} {mode} failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+                    continue
+                rows.append(dict(workload=w["name"], group=w["group"], impl=name, mode=mode, ms=round(ms, 4)))
+        del inp
+        torch.cuda.empty_cache()
+    return rows, list(available)
+
+
+def markdown_table(rows, impls, mode):
+    names = list(dict.fromkeys(r["workload"] for r in rows))
+    ms = {(r["workload"], r["impl"]): r["ms"] for r in rows if r["mode"] == mode}
+    peers = [p for p in ("flashkda", "fla") if p in impls]
+    head = ["workload"] + [f"{i} ms" for i in impls] + [f"vs {p}" for p in peers]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for n in names:
+        cells = [n] + [f"{ms[(n, i)]:.3f}" if (n, i) in ms else "—" for i in impls]
+        for p in peers:
+            ok = (n, p) in ms and (n, "fastkda") in ms
+            cells.append(f"{ms[(n, p)] / ms[(n, 'fastkda')]:.2f}×" if ok else "—")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def plot(rows, impls, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    graph = [r for r in rows if r["mode"] == "graph"]
+    names = list(dict.fromkeys(r["workload"] for r in graph))
+    ms = {(r["workload"], r["impl"]): r["ms"] for r in graph}
+    fig, ax = plt.subplots(figsize=(max(8, len(names) * 0.9), 5))
+    width = 0.8 / len(impls)
+    for i, impl in enumerate(impls):
+        xs = [j + i * width for j, n in enumerate(names) if (n, impl) in ms]
+        ax.bar(xs, [ms[(n, impl)] for n in names if (n, impl) in ms], width, label=impl)
+    for j, n in enumerate(names):
+        peer_best = min((ms[(n, p)] for p in ("flashkda", "fla") if (n, p) in ms), default=None)
+        if peer_best and (n, "fastkda") in ms:
+            ax.annotate(f"{peer_best / ms[(n, 'fastkda')]:.2f}×", (j, ms[(n, "fastkda")]), ha="center",
+                        va="bottom", fontsize=7)
+    ax.set_yscale("log")
+    ax.set_ylabel("ms (CUDA-graph replay, log scale)")
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(names))], names, rotation=45, ha="right", fontsize=7)
+    ax.set_title("KDA prefill; label: fastkda speed-up over the faster peer")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--only", nargs="*", help="workload names to run")
+    parser.add_argument("--group", help="run one group (low_parallelism, long_sequence, high_parallelism)")
+    parser.add_argument("--quick", action="store_true", help="only the small workloads")
+    parser.add_argument("--impls", nargs="*", default=list(IMPLS), help="implementations to time")
+    parser.add_argument("--workloads", default=str(WORKLOADS))
+    parser.add_argument("--out-dir", default=str(RESULTS))
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("fastkda.bench needs a CUDA GPU; `python -m fastkda demo` runs the CPU path.", file=sys.stderr)
+        return 2
+    workloads = load_workloads(args.workloads)
+    chosen = select(workloads, args.only, args.group, args.quick)
+    impls = {k: IMPLS[k] for k in args.impls}
+    rows, available = run_benchmark(chosen, impls)
+    errors = {}
+    for impl in available:
+        errors[impl] = accuracy(impls[impl], "cuda")
+        for r in rows:
+            if r["impl"] == impl:
+                r["rel_err"], r["rel_err_state"] = (round(e, 6) for e in errors[impl])
+    props = torch.cuda.get_device_properties(0)
+    import triton
+
+    date = datetime.date.today().isoformat()
+    meta = dict(gpu=props.name, sms=props.multi_processor_count, torch=torch.__version__, triton=triton.__version__,
+                commit=git_commit(), date=date, peers=peer_versions(),
+                skipped=[d["name"] + " (decode operator not built yet)" for d in workloads.get("decode", [])])
+    out_dir = Path(args.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stem = out_dir / f"{date}-{props.name.replace(' ', '_')}"
+    with open(f"{stem}.json", "w") as f:
+        json.dump(dict(meta=meta, rows=rows), f, indent=1)
+    md = [f"# KDA prefill, {props.name} ({meta['sms']} SMs), {date}, commit {meta['commit']}",
+          f"torch {meta['torch']}, triton {meta['triton']}, peers {meta['peers']}. Median ms.", ""]
+    for mode in ("graph", "eager"):
+        md += [f"## {mode}", "", markdown_table(rows, available, mode), ""]
+    md += ["## accuracy (relative L2 vs float64, H=4 T=2048: output, final state)", ""]
+    md += [f"- {impl}: {o:.2e}, {s:.2e}" for impl, (o, s) in errors.items()]
+    md += ["", "Skipped: " + ", ".join(meta["skipped"])] if meta["skipped"] else []
+    Path(f"{stem}.md").write_text("\n".join(md) + "\n")
+    try:
+        plot(rows, available, f"{stem}.png")
+    except ImportError:
+        print("[bench] matplotlib missing: no plot", file=sys.stderr)
+    print("\n".join(md))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

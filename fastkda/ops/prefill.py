@@ -1,0 +1,307 @@
+"""Chunked KDA prefill on the GPU: a token-parallel preparation kernel and a serial recurrence kernel.
+
+Spec §2 in the WY form, chunk ``C`` = 64 tokens split into 16-token blocks:
+
+* ``_prepare_kernel`` (one program per (chunk, head)) computes everything that does not depend on the
+  state: gate, in-chunk cumulative decay ``G``, normalised q/k, the in-chunk matrices
+  ``M = lower_incl(qd·kiᵀ)`` and ``L = strictly_lower(β·kd·kiᵀ)`` and ``T = (I + L)⁻¹``, and writes the
+  bf16 workspace ``w = T·β·kd``, ``u = T·β·v``, ``qg = qd``, ``kg = kr``, ``A = M`` and the fp32 chunk decay
+  ``exp(G_C)``. No factor ``exp(-G)`` is ever formed across more than one 16-token block, so nothing
+  overflows: off-diagonal blocks use ``exp(G_i - G_end(J))·exp(G_end(J) - G_j)`` (both ≤ 1); diagonal blocks
+  use ``exp(G_i - G_end(J)) ≤ e^75`` for the lower-bound gate, and an element-wise decay for an unbounded
+  precomputed gate.
+* ``_recurrence_kernel`` (one program per (sequence, head, V-slice)) walks the chunks in order with the
+  state in fp32 registers: ``v_new = u - w·S``, ``o = qg·S + A·v_new``, ``S = diag(exp(G_C))·S + kgᵀ·v_new``.
+  No step reduces over V, and every slice runs the same instructions over K, so results are bitwise
+  identical for any number of V-slices.
+
+Chunks are numbered by *slot*: sequence ``n`` owns slots from ``cu[n] // C + n`` (varlen) or
+``n · ceil(T / C)`` (fixed length), a layout both kernels derive from host-known values, with no
+host-device synchronisation.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from ..reference import LOG_DECAY_FLOOR as _FLOOR
+from .common import bf16_operand, interpreting, load_f32, store_as
+
+CHUNK = 64  # tokens per chunk (one serial step of the recurrence)
+BLOCK = 16  # tokens per block inside a chunk (the range over which exp(-G) factors are formed)
+LOG_DECAY_FLOOR: tl.constexpr = tl.constexpr(_FLOOR)  # precomputed gates are clamped here (reference.py)
+
+
+@triton.jit
+def _sequence_span(cu_seqlens, n, seq_len, IS_VARLEN: tl.constexpr):
+    """First and one-past-last flattened token of sequence ``n``."""
+    if IS_VARLEN:
+        bos = tl.load(cu_seqlens + n).to(tl.int32)
+        eos = tl.load(cu_seqlens + n + 1).to(tl.int32)
+    else:
+        bos = n * seq_len
+        eos = bos + seq_len
+    return bos, eos
+
+
+@triton.jit
+def _first_slot(n, bos, seq_len, C: tl.constexpr, IS_VARLEN: tl.constexpr):
+    """Slot of sequence ``n``'s first chunk (see the module docstring)."""
+    if IS_VARLEN:
+        return bos // C + n
+    else:
+        return n * tl.cdiv(seq_len, C)
+
+
+@triton.jit
+def _expand_blocks(x, NB: tl.constexpr, BC: tl.constexpr, D: tl.constexpr):
+    """``[NB, D]`` per-block rows -> ``[NB*BC, D]``, each block's row repeated over its BC tokens."""
+    return tl.reshape(tl.broadcast_to(x[:, None, :], (NB, BC, D)), (NB * BC, D))
+
+
+@triton.jit
+def _block_rows(x, J, NB: tl.constexpr, BC: tl.constexpr, D: tl.constexpr):
+    """Rows ``J*BC .. J*BC+BC-1`` of ``x [NB*BC, D]`` as a ``[BC, D]`` tensor."""
+    x3 = tl.reshape(x, (NB, BC, D))
+    return tl.sum(tl.where((tl.arange(0, NB) == J)[:, None, None], x3, 0.0), axis=0)
+
+
+@triton.jit
+def _row_of_block(x, J, NB: tl.constexpr, D: tl.constexpr):
+    """Row ``J`` of ``x [NB, D]``."""
+    return tl.sum(tl.where((tl.arange(0, NB) == J)[:, None], x, 0.0), axis=0)
+
+
+@triton.jit
+def _place_columns(slab, J, C: tl.constexpr, NB: tl.constexpr, BC: tl.constexpr):
+    """``slab [C, BC]`` placed at column block ``J`` of a ``[C, C]`` matrix, zeros elsewhere."""
+    wide = tl.reshape(tl.broadcast_to(slab[:, None, :], (C, NB, BC)), (C, C))
+    return tl.where((tl.arange(0, C) // BC == J)[None, :], wide, 0.0)
+
+
+@triton.jit
+def _prepare_kernel(
+    q, k, v, g, beta, A_log, dt_bias, cu_seqlens,
+    w_ws, u_ws, qg_ws, kg_ws, A_ws, decay_ws,
+    stride_q, stride_k, stride_v, stride_g, stride_beta_tok, stride_beta_head,
+    seq_len, num_seqs, lower_bound, scale,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BC: tl.constexpr,
+    IS_VARLEN: tl.constexpr, LOWER_BOUND_GATE: tl.constexpr, L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, EMULATE: tl.constexpr,
+):
+    slot = tl.program_id(0)
+    h = tl.program_id(1)
+    NB: tl.constexpr = C // BC
+    if IS_VARLEN:  # the last sequence whose first slot is <= slot
+        lo = 0
+        hi = num_seqs - 1
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if tl.load(cu_seqlens + mid).to(tl.int32) // C + mid <= slot:
+                lo = mid
+            else:
+                hi = mid - 1
+        n = lo
+    else:
+        n = slot // tl.cdiv(seq_len, C)
+    bos, eos = _sequence_span(cu_seqlens, n, seq_len, IS_VARLEN)
+    chunk_start = bos + (slot - _first_slot(n, bos, seq_len, C, IS_VARLEN)) * C
+
+    r = tl.arange(0, C)
+    kk = tl.arange(0, K)
+    vv = tl.arange(0, V)
+    tok = chunk_start + r
+    valid = tok < eos
+    tok64 = tok.to(tl.int64)
+    m_k = valid[:, None] & (kk[None, :] < K)
+    m_v = valid[:, None] & (vv[None, :] < V)
+
+    qv = load_f32(q + tok64[:, None] * stride_q + h * K + kk[None, :], m_k)
+    kv = load_f32(k + tok64[:, None] * stride_k + h * K + kk[None, :], m_k)
+    vvv = load_f32(v + tok64[:, None] * stride_v + h * V + vv[None, :], m_v)
+    gv = load_f32(g + tok64[:, None] * stride_g + h * K + kk[None, :], m_k)
+    bv = load_f32(beta + tok64 * stride_beta_tok + h * stride_beta_head, valid)
+    if L2NORM:
+        qv = qv * tl.rsqrt(tl.sum(qv * qv, axis=1) + 1e-6)[:, None]
+        kv = kv * tl.rsqrt(tl.sum(kv * kv, axis=1) + 1e-6)[:, None]
+    qv = qv * scale
+    if LOWER_BOUND_GATE:
+        a_scale = tl.exp(tl.load(A_log + h).to(tl.float32))
+        bias = tl.load(dt_bias + h * K + kk).to(tl.float32)
+        a = lower_bound * tl.sigmoid(a_scale * (gv + bias[None, :]))
+    else:  # floor: exp(-30) leaves 1e-13 of the state, below fp32 resolution; keeps G's ulp small
+        a = tl.maximum(gv, LOG_DECAY_FLOOR)
+    a = tl.where(m_k, a, 0.0)
+    if BETA_SIGMOID:
+        bv = tl.sigmoid(bv)
+    bv = tl.where(valid, bv, 0.0)
+
+    G = tl.cumsum(a, axis=0)  # in-chunk cumulative log-decay, <= 0, non-increasing
+    G_block_end = tl.cumsum(tl.sum(tl.reshape(a, (NB, BC, K)), axis=1), axis=0)  # [NB, K]
+    G_own_end = _expand_blocks(G_block_end, NB, BC, K)
+    col_factor = tl.exp(G_own_end - G)  # exp(G_end(J) - G_j) <= 1
+    k_col = kv * col_factor
+    blk = r // BC
+    cols = tl.arange(0, C)
+    lower_incl = r[:, None] >= cols[None, :]
+
+    M = tl.zeros((C, C), dtype=tl.float32)
+    L = tl.zeros((C, C), dtype=tl.float32)
+    for J in tl.static_range(NB):
+        G_ref = _row_of_block(G_block_end, J, NB, K)
+        if LOWER_BOUND_GATE:  # diagonal block too: exp(G_i - G_end(J)) <= e^(15*5) for i in block J
+            rows_used = blk >= J
+        else:
+            rows_used = blk > J
+        exponent = tl.where(rows_used[:, None], G - G_ref[None, :], 0.0)
+        row_factor = tl.where(rows_used[:, None], tl.exp(exponent), 0.0)
+        col_J = _block_rows(k_col, J, NB, BC, K)
+        M += _place_columns(
+            tl.dot(qv * row_factor, tl.trans(col_J), input_precision=DOT_PRECISION), J, C, NB, BC)
+        L += _place_columns(
+            tl.dot(kv * row_factor, tl.trans(col_J), input_precision=DOT_PRECISION), J, C, NB, BC)
+    if not LOWER_BOUND_GATE:  # diagonal blocks element-wise: exp(G_i - G_j) is never split in two factors
+        local = r % BC
+        for jj in tl.static_range(BC):
+            G_j = _expand_blocks(tl.sum(tl.where((tl.arange(0, BC) == jj)[None, :, None],
+                                                 tl.reshape(G, (NB, BC, K)), 0.0), axis=1), NB, BC, K)
+            k_j = _expand_blocks(tl.sum(tl.where((tl.arange(0, BC) == jj)[None, :, None],
+                                                 tl.reshape(kv, (NB, BC, K)), 0.0), axis=1), NB, BC, K)
+            below = local >= jj
+            decay = tl.where(below[:, None], tl.exp(tl.minimum(G - G_j, 0.0)), 0.0) * k_j
+            at_col = (cols[None, :] == (blk * BC + jj)[:, None]) & below[:, None]
+            M += tl.where(at_col, tl.sum(qv * decay, axis=1)[:, None], 0.0)
+            L += tl.where(at_col, tl.sum(kv * decay, axis=1)[:, None], 0.0)
+    M = tl.where(lower_incl, M, 0.0)
+    L = tl.where(r[:, None] > cols[None, :], L * bv[:, None], 0.0)
+
+    # (I + L)^-1: block-diagonal part by the nilpotent product formula, then the 4-block Neumann series.
+    eye = (r[:, None] == cols[None, :]).to(tl.float32)
+    L_diag = tl.where(blk[:, None] == (cols // BC)[None, :], L, 0.0)
+    power = L_diag
+    D_inv = eye - L_diag
+    for _ in tl.static_range(3):  # (I - Ld)(I + Ld^2)(I + Ld^4)(I + Ld^8)
+        power = tl.dot(power, power, input_precision=DOT_PRECISION)
+        D_inv = tl.dot(D_inv, eye + power, input_precision=DOT_PRECISION)
+    Y = tl.dot(D_inv, L - L_diag, input_precision=DOT_PRECISION)
+    Y2 = tl.dot(Y, Y, input_precision=DOT_PRECISION)
+    T_inv = tl.dot(tl.dot(eye - Y, eye + Y2, input_precision=DOT_PRECISION), D_inv,
+                   input_precision=DOT_PRECISION)
+
+    decay_in = tl.exp(G)
+    w = tl.dot(T_inv, kv * decay_in * bv[:, None], input_precision=DOT_PRECISION)
+    u = tl.dot(T_inv, vvv * bv[:, None], input_precision=DOT_PRECISION)
+    G_last = tl.sum(a, axis=0)
+    qg = qv * decay_in
+    kg = kv * tl.exp(G_last[None, :] - G)
+
+    row_k = tok64[:, None] * (H * K) + h * K + kk[None, :]
+    store_as(w_ws + row_k, w, m_k, EMULATE)
+    store_as(qg_ws + row_k, qg, m_k, EMULATE)
+    store_as(kg_ws + row_k, kg, m_k, EMULATE)
+    store_as(u_ws + tok64[:, None] * (H * V) + h * V + vv[None, :], u, m_v, EMULATE)
+    store_as(A_ws + tok64[:, None] * (H * C) + h * C + cols[None, :], M, valid[:, None] & (cols[None, :] < C),
+             EMULATE)
+    tl.store(decay_ws + (slot * H + h) * K + kk, tl.exp(G_last))
+
+
+@triton.jit
+def _recurrence_kernel(
+    w_ws, u_ws, qg_ws, kg_ws, A_ws, decay_ws, out, initial_state, final_state, cu_seqlens,
+    stride_out, seq_len,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
+    IS_VARLEN: tl.constexpr, HAS_INITIAL: tl.constexpr, HAS_FINAL: tl.constexpr, EMULATE: tl.constexpr,
+):
+    vs = tl.program_id(0)
+    h = tl.program_id(1)
+    n = tl.program_id(2)
+    bos, eos = _sequence_span(cu_seqlens, n, seq_len, IS_VARLEN)
+    slot0 = _first_slot(n, bos, seq_len, C, IS_VARLEN)
+    kk = tl.arange(0, K)
+    vv = vs * BV + tl.arange(0, BV)
+    r = tl.arange(0, C)
+    cc = tl.arange(0, C)
+    state_offsets = ((n * H + h) * V).to(tl.int64) * K + vv[None, :] * K + kk[:, None]  # S[k, v] = state[v, k]
+    if HAS_INITIAL:
+        S = tl.load(initial_state + state_offsets).to(tl.float32)
+    else:
+        S = tl.zeros((K, BV), dtype=tl.float32)
+    for c in range(tl.cdiv(eos - bos, C)):
+        tok = (bos + c * C + r).to(tl.int64)
+        valid = tok < eos
+        m_k = valid[:, None] & (kk[None, :] < K)
+        m_v = valid[:, None] & (vv[None, :] < V)
+        row_k = tok[:, None] * (H * K) + h * K + kk[None, :]
+        w = tl.load(w_ws + row_k, mask=m_k, other=0.0)
+        qg = tl.load(qg_ws + row_k, mask=m_k, other=0.0)
+        kg = tl.load(kg_ws + row_k, mask=m_k, other=0.0)
+        u = load_f32(u_ws + tok[:, None] * (H * V) + h * V + vv[None, :], m_v)
+        A = tl.load(A_ws + tok[:, None] * (H * C) + h * C + cc[None, :], mask=valid[:, None] & (cc[None, :] < C),
+                    other=0.0)
+        chunk_decay = tl.load(decay_ws + ((slot0 + c) * H + h) * K + kk)
+        S_op = bf16_operand(S, EMULATE)
+        v_new = u - tl.dot(bf16_operand(w, EMULATE), S_op)
+        v_op = bf16_operand(v_new, EMULATE)
+        o = tl.dot(bf16_operand(qg, EMULATE), S_op) + tl.dot(bf16_operand(A, EMULATE), v_op)
+        store_as(out + tok[:, None] * stride_out + h * V + vv[None, :], o, m_v, EMULATE)
+        S = S * chunk_decay[:, None] + tl.dot(tl.trans(bf16_operand(kg, EMULATE)), v_op)
+    if HAS_FINAL:
+        store_as(final_state + state_offsets, S, None, EMULATE)
+
+
+def num_slots(batch, seq_len, num_seqs, varlen):
+    """Chunk slots the workspace holds (see the module docstring)."""
+    if varlen:
+        return batch * seq_len // CHUNK + num_seqs + 1
+    return batch * triton.cdiv(seq_len, CHUNK)
+
+
+def chunk_kda_forward(
+    q, k, v, g, beta, *, A_log, dt_bias, lower_bound, scale, initial_state, cu_seqlens,
+    use_qk_l2norm, use_beta_sigmoid, v_slices, out, final_state, dot_precision="tf32",
+):
+    """Launch both kernels on validated inputs; writes ``out`` and ``final_state`` (if given) in place.
+
+    ``q, k, g [B, T, H, K]``, ``v [B, T, H, V]`` with ``[H, K]`` contiguous per token; ``beta [B, T, H]``
+    any strides; ``out`` contiguous; states ``[N, H, V, K]`` contiguous."""
+    batch, seq_len, heads, key_dim = q.shape
+    value_dim = v.shape[-1]
+    varlen = cu_seqlens is not None
+    num_seqs = cu_seqlens.numel() - 1 if varlen else batch
+    tokens = batch * seq_len
+    slots = num_slots(batch, seq_len, num_seqs, varlen)
+    dev = q.device
+    ws = dict(dtype=torch.bfloat16, device=dev)
+    w_ws = torch.empty(tokens, heads, key_dim, **ws)
+    qg_ws = torch.empty(tokens, heads, key_dim, **ws)
+    kg_ws = torch.empty(tokens, heads, key_dim, **ws)
+    u_ws = torch.empty(tokens, heads, value_dim, **ws)
+    A_ws = torch.empty(tokens, heads, CHUNK, **ws)
+    decay_ws = torch.empty(slots, heads, key_dim, dtype=torch.float32, device=dev)
+    lower_bound_gate = lower_bound is not None
+    emulate = interpreting()
+    dummy = decay_ws  # stands for absent optional tensors; never dereferenced
+    if slots > 0:
+        _prepare_kernel[(slots, heads)](
+            q, k, v, g, beta,
+            A_log if lower_bound_gate else dummy, dt_bias if lower_bound_gate else dummy,
+            cu_seqlens if varlen else dummy,
+            w_ws, u_ws, qg_ws, kg_ws, A_ws, decay_ws,
+            q.stride(1), k.stride(1), v.stride(1), g.stride(1), beta.stride(1), beta.stride(2),
+            seq_len, num_seqs, float(lower_bound) if lower_bound_gate else 0.0, float(scale),
+            H=heads, K=key_dim, V=value_dim, C=CHUNK, BC=BLOCK,
+            IS_VARLEN=varlen, LOWER_BOUND_GATE=lower_bound_gate, L2NORM=use_qk_l2norm,
+            BETA_SIGMOID=use_beta_sigmoid, DOT_PRECISION=dot_precision, EMULATE=emulate,
+            num_warps=4,
+        )
+    if num_seqs > 0:
+        _recurrence_kernel[(v_slices, heads, num_seqs)](
+            w_ws, u_ws, qg_ws, kg_ws, A_ws, decay_ws, out,
+            initial_state if initial_state is not None else dummy,
+            final_state if final_state is not None else dummy,
+            cu_seqlens if varlen else dummy,
+            out.stride(1), seq_len,
+            H=heads, K=key_dim, V=value_dim, BV=value_dim // v_slices, C=CHUNK,
+            IS_VARLEN=varlen, HAS_INITIAL=initial_state is not None, HAS_FINAL=final_state is not None,
+            EMULATE=emulate, num_warps=4, num_stages=2,
+        )

@@ -1,0 +1,75 @@
+"""Launch plan of the prefill recurrence: how many V-slices each (sequence, head) is split into.
+
+The recurrence runs one program per (sequence, head, V-slice) through a long serial chain of chunks, so
+with few sequences and heads most SMs idle. Splitting V into ``s`` slices gives ``s·N·H`` programs, each
+bitwise identical to the unsplit computation of its columns (no step reduces over V). The plan depends
+only on host-known facts (N, H, T, K, V and the device's SM count), so a CUDA graph replays the plan it was
+captured with and no launch synchronises with the device.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+
+import torch
+
+V_SLICE_CHOICES = (1, 2, 4)
+ENV_V_SLICES = "FASTKDA_V_SLICES"
+MIN_SLICE_WIDTH = 16  # a V-slice narrower than this cannot feed a tensor-core dot
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What the prefill launches: ``v_slices`` programs per (sequence, head), and why."""
+
+    v_slices: int
+    programs: int
+    sms: int
+    reason: str
+
+
+@functools.lru_cache(maxsize=None)
+def sm_count(device_index: int) -> int:
+    """Streaming multiprocessors of a CUDA device (read once per device)."""
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def parse_v_slices(value, source: str):
+    """``"auto"`` or one of :data:`V_SLICE_CHOICES`; anything else raises ``ValueError`` naming ``source``."""
+    if isinstance(value, str):
+        text = value.strip().lower()
+        if text == "auto":
+            return "auto"
+        if text.isdigit():
+            value = int(text)
+    if isinstance(value, bool) or not isinstance(value, int) or value not in V_SLICE_CHOICES:
+        raise ValueError(f"{source} must be 'auto' or one of {V_SLICE_CHOICES}, got {value!r}")
+    return value
+
+
+def requested_v_slices(argument="auto"):
+    """The caller's choice: the argument unless it is ``"auto"``, then ``$FASTKDA_V_SLICES``, then auto."""
+    choice = parse_v_slices(argument, "v_slices")
+    if choice == "auto" and os.environ.get(ENV_V_SLICES):
+        choice = parse_v_slices(os.environ[ENV_V_SLICES], ENV_V_SLICES)
+    return choice
+
+
+def choose_plan(num_seqs: int, heads: int, tokens: int, value_dim: int, sms: int, v_slices="auto") -> Plan:
+    """The plan for ``num_seqs`` sequences of about ``tokens`` tokens and ``heads`` heads on ``sms`` SMs.
+
+    Auto: the most slices ``s`` with ``s·N·H ≤ SMs`` (one program per SM at most, so every slice runs
+    concurrently), at least :data:`MIN_SLICE_WIDTH` columns wide; ``s = 1`` when nothing fits."""
+    choice = requested_v_slices(v_slices)
+    pairs = max(num_seqs * heads, 1)
+    if choice != "auto":
+        if value_dim // choice < MIN_SLICE_WIDTH or value_dim % choice:
+            raise ValueError(f"v_slices={choice} leaves slices narrower than {MIN_SLICE_WIDTH} for V={value_dim}")
+        return Plan(choice, choice * pairs, sms, f"v_slices={choice} requested")
+    fitting = [s for s in V_SLICE_CHOICES if s * pairs <= sms and value_dim // s >= MIN_SLICE_WIDTH]
+    slices = max(fitting, default=1)
+    reason = (f"{slices} slice(s): {slices}*N*H = {slices * pairs} programs <= {sms} SMs" if fitting
+              else f"1 slice: N*H = {pairs} programs already exceed {sms} SMs")
+    return Plan(slices, slices * pairs, sms, reason)

@@ -1,0 +1,142 @@
+"""PyTorch implementations of KDA: the token-by-token truth (spec §1) and the chunked CPU path (spec §2).
+
+Both take the operator's raw inputs (bf16 or any float dtype) and compute in ``dtype``. States are V-first,
+``[N, H, V, K]``. Neither is fast on a GPU; the Triton path in :mod:`fastkda.ops` is.
+"""
+
+from __future__ import annotations
+
+import torch
+
+CPU_CHUNK = 16  # chunk length of the CPU path: the decay matrix of a chunk is formed element-wise
+# Chunked paths clamp a precomputed log-decay here: exp(-30) keeps 1e-13 of the state (below fp32
+# resolution), and the floor bounds the in-chunk cumulative decay, so its fp32 ulp stays small.
+LOG_DECAY_FLOOR = -30.0
+
+
+def log_decay(g, A_log=None, dt_bias=None, lower_bound=None, dtype=torch.float32):
+    """Per-token log-decay ``a`` (spec §1 step 2): the lower-bound gate when ``lower_bound`` is given, else ``g``."""
+    g = g.to(dtype)
+    if lower_bound is None:
+        return g
+    heads = g.shape[-2]
+    A = A_log.to(dtype).reshape(heads, 1).exp()
+    bias = dt_bias.to(dtype).reshape(heads, -1)
+    return lower_bound * torch.sigmoid(A * (g + bias))
+
+
+def l2_normalize(x):
+    """``x / sqrt(sum x^2 + 1e-6)`` over the last dimension (spec §1 step 1)."""
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + 1e-6)
+
+
+def prepare_inputs(q, k, v, g, beta, *, A_log, dt_bias, lower_bound, scale, use_qk_l2norm, use_beta_sigmoid, dtype):
+    """Apply the token-local parts of spec §1: norms, scale, gate and beta sigmoid, all in ``dtype``."""
+    q, k, v, beta = q.to(dtype), k.to(dtype), v.to(dtype), beta.to(dtype)
+    if use_qk_l2norm:
+        q, k = l2_normalize(q), l2_normalize(k)
+    if scale is None:
+        scale = q.shape[-1] ** -0.5
+    a = log_decay(g, A_log, dt_bias, lower_bound, dtype)
+    if use_beta_sigmoid:
+        beta = torch.sigmoid(beta)
+    return q * scale, k, v, a, beta
+
+
+def sequence_bounds(batch, length, cu_seqlens):
+    """``[(batch_index, start, end)]`` of each sequence: the B rows, or the ``cu_seqlens`` spans of row 0."""
+    if cu_seqlens is None:
+        return [(b, 0, length) for b in range(batch)]
+    offsets = cu_seqlens.tolist()
+    return [(0, offsets[n], offsets[n + 1]) for n in range(len(offsets) - 1)]
+
+
+def kda_reference(
+    q, k, v, g, beta, *, A_log=None, dt_bias=None, lower_bound=None, scale=None, initial_state=None,
+    cu_seqlens=None, use_qk_l2norm=True, use_beta_sigmoid=True, dtype=torch.float64,
+):
+    """Token-by-token recurrence of spec §1 in ``dtype``; returns ``(o [B,T,H,V], final_state [N,H,V,K])``."""
+    q, k, v, a, beta = prepare_inputs(
+        q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, scale=scale,
+        use_qk_l2norm=use_qk_l2norm, use_beta_sigmoid=use_beta_sigmoid, dtype=dtype,
+    )
+    batch, length, heads, key_dim = q.shape
+    value_dim = v.shape[-1]
+    bounds = sequence_bounds(batch, length, cu_seqlens)
+    out = torch.zeros(batch, length, heads, value_dim, dtype=dtype, device=q.device)
+    final = torch.zeros(len(bounds), heads, key_dim, value_dim, dtype=dtype, device=q.device)
+    for n, (b, start, end) in enumerate(bounds):
+        S = final[n]
+        if initial_state is not None:
+            S.copy_(initial_state[n].to(dtype).transpose(-1, -2))
+        for t in range(start, end):
+            S.mul_(a[b, t].exp().unsqueeze(-1))
+            u = beta[b, t].unsqueeze(-1) * (v[b, t] - torch.einsum("hkv,hk->hv", S, k[b, t]))
+            S.add_(k[b, t].unsqueeze(-1) * u.unsqueeze(-2))
+            out[b, t] = torch.einsum("hkv,hk->hv", S, q[b, t])
+    return out, final.transpose(-1, -2).contiguous()
+
+
+def _chunk_decay_matrix(G):
+    """``exp(G_i - G_j)`` for i >= j inside each chunk, zero above the diagonal: ``[..., C, C, K]``.
+
+    Formed element-wise, so an unbounded precomputed gate cannot overflow (no ``exp(-G)`` factor)."""
+    diff = G.unsqueeze(-2) - G.unsqueeze(-3)
+    size = G.shape[-2]
+    lower = torch.ones(size, size, dtype=torch.bool, device=G.device).tril()
+    return torch.where(lower.unsqueeze(-1), diff.clamp(max=0), float("-inf")).exp()
+
+
+def _chunked_sequence(q, k, v, a, beta, S, chunk):
+    """Chunked form (spec §2) for one sequence, all heads at once: q,k,a ``[T,H,K]``, v ``[T,H,V]``,
+    beta ``[T,H]``, S ``[H,K,V]`` (updated in place). Returns o ``[T,H,V]``."""
+    length, heads, key_dim = q.shape
+    pad = (-length) % chunk
+    if pad:  # padded tokens: zero k and beta, zero decay: they leave the state unchanged
+        q, k, v, a, beta = (torch.nn.functional.pad(x, (0, 0) * (x.dim() - 1) + (0, pad)) for x in (q, k, v, a, beta))
+    n_chunks = (length + pad) // chunk
+    # [H, n_chunks, C, ...]
+    q, k, v, a = (x.reshape(n_chunks, chunk, heads, -1).permute(2, 0, 1, 3) for x in (q, k, v, a))
+    beta = beta.reshape(n_chunks, chunk, heads).permute(2, 0, 1)
+    G = a.cumsum(-2)
+    decay = _chunk_decay_matrix(G)  # [H, n, C, C, K]
+    kk = torch.einsum("hnik,hnjk,hnijk->hnij", k, k, decay)
+    qk = torch.einsum("hnik,hnjk,hnijk->hnij", q, k, decay)
+    eye = torch.eye(chunk, dtype=q.dtype, device=q.device)
+    system = eye + (beta.unsqueeze(-1) * kk).tril(-1)  # I + L
+    kd = k * G.exp()
+    qd = q * G.exp()
+    kr = k * (G[:, :, -1:] - G).exp()
+    w = torch.linalg.solve_triangular(system, beta.unsqueeze(-1) * kd, upper=False, unitriangular=True)
+    u = torch.linalg.solve_triangular(system, beta.unsqueeze(-1) * v, upper=False, unitriangular=True)
+    chunk_decay = G[:, :, -1].exp()  # [H, n, K]
+    out = torch.empty_like(v)
+    for c in range(n_chunks):
+        v_new = u[:, c] - w[:, c] @ S
+        out[:, c] = qd[:, c] @ S + qk[:, c] @ v_new
+        S.mul_(chunk_decay[:, c].unsqueeze(-1)).add_(kr[:, c].transpose(-1, -2) @ v_new)
+    return out.permute(1, 2, 0, 3).reshape(n_chunks * chunk, heads, -1)[:length]
+
+
+def kda_chunked(
+    q, k, v, g, beta, *, A_log=None, dt_bias=None, lower_bound=None, scale=None, initial_state=None,
+    cu_seqlens=None, use_qk_l2norm=True, use_beta_sigmoid=True, dtype=torch.float32, chunk=CPU_CHUNK,
+):
+    """Vectorised chunked KDA (the CPU path); same arguments and results as :func:`kda_reference`."""
+    q, k, v, a, beta = prepare_inputs(
+        q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, scale=scale,
+        use_qk_l2norm=use_qk_l2norm, use_beta_sigmoid=use_beta_sigmoid, dtype=dtype,
+    )
+    a = a.clamp(min=LOG_DECAY_FLOOR)
+    batch, length, heads, key_dim = q.shape
+    value_dim = v.shape[-1]
+    bounds = sequence_bounds(batch, length, cu_seqlens)
+    out = torch.zeros(batch, length, heads, value_dim, dtype=dtype, device=q.device)
+    final = torch.zeros(len(bounds), heads, key_dim, value_dim, dtype=dtype, device=q.device)
+    for n, (b, start, end) in enumerate(bounds):
+        if initial_state is not None:
+            final[n].copy_(initial_state[n].to(dtype).transpose(-1, -2))
+        if end > start:
+            span = slice(start, end)
+            out[b, span] = _chunked_sequence(q[b, span], k[b, span], v[b, span], a[b, span], beta[b, span], final[n], chunk)
+    return out, final.transpose(-1, -2).contiguous()

@@ -1,0 +1,154 @@
+"""The public API on the CPU: validation, adapters, torch.compile."""
+
+import pytest
+import torch
+
+import fastkda
+from fastkda.compat import fla, flash_kda
+from fastkda.reference import kda_reference
+from helpers import make_inputs, rel_err
+
+
+def call(inp, **overrides):
+    kw = dict(A_log=inp["A_log"], dt_bias=inp["dt_bias"], lower_bound=inp["lower_bound"],
+              initial_state=inp["initial_state"], cu_seqlens=inp["cu_seqlens"], output_final_state=True)
+    kw.update(overrides)
+    args = [overrides.pop(x, inp[x]) for x in ("q", "k", "v", "g", "beta")]
+    for x in ("q", "k", "v", "g", "beta"):
+        kw.pop(x, None)
+    return fastkda.kda_prefill(*args, **kw)
+
+
+def test_prefill_matches_reference_and_fills_buffers():
+    inp = make_inputs([0, 30, 1, 90], seed=11)
+    out = torch.full_like(inp["v"], float("nan"))
+    final = torch.full_like(inp["initial_state"], float("nan"))
+    o, s = call(inp, out=out, final_state=final)
+    assert o is out and s is final
+    ref_o, ref_s = kda_reference(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], A_log=inp["A_log"],
+                                 dt_bias=inp["dt_bias"], lower_bound=inp["lower_bound"],
+                                 initial_state=inp["initial_state"], cu_seqlens=inp["cu_seqlens"])
+    assert rel_err(o, ref_o) < 4e-3 and rel_err(s, ref_s) < 1e-5
+    assert torch.equal(s[0], inp["initial_state"][0])  # the empty sequence keeps its initial state
+
+
+def test_switches_off_norm_and_sigmoid():
+    inp = make_inputs([40], seed=12)
+    q = torch.nn.functional.normalize(inp["q"].float(), dim=-1).bfloat16()
+    k = torch.nn.functional.normalize(inp["k"].float(), dim=-1).bfloat16()
+    beta = torch.sigmoid(inp["beta"].float())
+    o, s = call(inp, q=q, k=k, beta=beta, use_qk_l2norm=False, use_beta_sigmoid=False)
+    ref_o, ref_s = kda_reference(q, k, inp["v"], inp["g"], beta, A_log=inp["A_log"], dt_bias=inp["dt_bias"],
+                                 lower_bound=inp["lower_bound"], initial_state=inp["initial_state"],
+                                 cu_seqlens=inp["cu_seqlens"], use_qk_l2norm=False, use_beta_sigmoid=False)
+    assert rel_err(o, ref_o) < 4e-3 and rel_err(s, ref_s) < 1e-5
+
+
+def bad_inputs():
+    """(description, overrides, word the message must contain)."""
+    inp = make_inputs([10, 20], seed=13)
+    return inp, [
+        ("q dtype int", dict(q=inp["q"].int()), "q"),
+        ("k shape", dict(k=inp["k"][:, :-1]), "k"),
+        ("v dtype mismatch", dict(v=inp["v"].float()), "v"),
+        ("K unsupported", dict(q=torch.zeros(1, 30, 2, 32, dtype=torch.bfloat16)), "key dimension"),
+        ("beta shape", dict(beta=inp["beta"][..., None]), "beta"),
+        ("g device", dict(g=inp["g"].to("meta")), "g"),
+        ("B>1 with cu_seqlens", {x: inp[x].expand(2, *inp[x].shape[1:]).contiguous()
+                                 for x in ("q", "k", "v", "g", "beta")}, "batch size 1"),
+        ("cu_seqlens float", dict(cu_seqlens=inp["cu_seqlens"].float()), "cu_seqlens"),
+        ("cu_seqlens values", dict(cu_seqlens=torch.tensor([0, 25, 20], dtype=torch.int32)), "cu_seqlens"),
+        ("state dtype", dict(initial_state=inp["initial_state"].half()), "initial_state"),
+        ("state shape", dict(initial_state=inp["initial_state"][:1]), "initial_state"),
+        ("final state layout", dict(final_state=torch.empty(2, 2, 64, 64).transpose(-1, -2)), "final_state"),
+        ("lower_bound range", dict(lower_bound=-6.0), "lower_bound"),
+        ("lower_bound positive", dict(lower_bound=0.5), "lower_bound"),
+        ("gate half given", dict(A_log=None), "A_log"),
+        ("dt_bias size", dict(dt_bias=inp["dt_bias"][:1]), "dt_bias"),
+        ("scale", dict(scale=-1.0), "scale"),
+        ("q strided", dict(q=torch.zeros(1, 30, 2, 128, dtype=torch.bfloat16)[..., ::2]), "q"),
+        ("out dtype", dict(out=torch.empty(1, 30, 2, 64)), "out"),
+        ("v_slices", dict(v_slices=3), "v_slices"),
+    ]
+
+
+@pytest.mark.parametrize("index", range(len(bad_inputs()[1])))
+def test_bad_input_is_rejected_before_writing(index):
+    inp, cases = bad_inputs()
+    name, overrides, word = cases[index]
+    final = torch.full((2, 2, 64, 64), float("nan"))
+    overrides.setdefault("final_state", final)
+    with pytest.raises(ValueError, match=word):
+        call(inp, **overrides)
+    assert torch.isnan(final).all(), f"{name}: final_state was written before the error"
+
+
+def test_strided_beta_view_is_accepted():
+    inp = make_inputs([33], seed=14)
+    wide = torch.randn(1, 33, 2, 3).bfloat16()
+    wide[..., 1] = inp["beta"]
+    o_view, _ = call(inp, beta=wide[..., 1])
+    o_dense, _ = call(inp)
+    assert not wide[..., 1].is_contiguous() and torch.equal(o_view, o_dense)
+
+
+def test_flash_kda_adapter_matches_native():
+    inp = make_inputs([12, 50], key_dim=128, seed=15)
+    native_o, native_s = call(inp)
+    out = torch.empty_like(inp["v"])
+    final = torch.empty_like(inp["initial_state"])
+    assert flash_kda.fwd(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], 128 ** -0.5, out, inp["A_log"],
+                         inp["dt_bias"], inp["lower_bound"], initial_state=inp["initial_state"], final_state=final,
+                         cu_seqlens=inp["cu_seqlens"].long()) is None
+    assert torch.equal(out, native_o) and torch.equal(final, native_s)
+    with pytest.raises(ValueError, match="share a dtype"):
+        flash_kda.fwd(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], 128 ** -0.5, out, inp["A_log"],
+                      inp["dt_bias"], inp["lower_bound"], initial_state=inp["initial_state"],
+                      final_state=final.bfloat16(), cu_seqlens=inp["cu_seqlens"])
+
+
+@pytest.mark.parametrize("state_v_first", [False, True])
+def test_fla_adapter_lower_bound_gate(state_v_first):
+    inp = make_inputs([20, 44], seed=16)
+    native_o, native_s = call(inp)
+    h0 = inp["initial_state"] if state_v_first else inp["initial_state"].transpose(-1, -2).contiguous()
+    o, s = fla.chunk_kda(inp["q"], inp["k"], inp["v"], inp["g"], torch.sigmoid(inp["beta"].float()),
+                         initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=True,
+                         use_gate_in_kernel=True, safe_gate=True, lower_bound=inp["lower_bound"],
+                         state_v_first=state_v_first, cu_seqlens=inp["cu_seqlens"].long(), A_log=inp["A_log"],
+                         dt_bias=inp["dt_bias"].reshape(-1))
+    assert rel_err(o, native_o) < 1e-2
+    s = s if state_v_first else s.transpose(-1, -2)
+    assert s.dtype == torch.float32 and rel_err(s, native_s) < 1e-5
+
+
+def test_fla_adapter_softplus_gate_and_precomputed_gate():
+    inp = make_inputs([64], seed=17)
+    A_log, dt_bias = inp["A_log"], inp["dt_bias"]
+    a = -A_log.exp()[:, None] * torch.nn.functional.softplus(inp["g"].float() + dt_bias)
+    ref_o, ref_s = kda_reference(inp["q"], inp["k"], inp["v"], a, inp["beta"], initial_state=inp["initial_state"],
+                                 cu_seqlens=inp["cu_seqlens"])
+    h0 = inp["initial_state"].transpose(-1, -2).contiguous()
+    common = dict(initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=True,
+                  use_beta_sigmoid_in_kernel=True, cu_seqlens=inp["cu_seqlens"])
+    o, s = fla.chunk_kda(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], use_gate_in_kernel=True,
+                         A_log=A_log, dt_bias=dt_bias.reshape(-1), **common)
+    assert rel_err(o, ref_o) < 4e-3 and rel_err(s.transpose(-1, -2), ref_s) < 1e-5
+    o2, s2 = fla.chunk_kda(inp["q"], inp["k"], inp["v"], a, inp["beta"], **common)
+    assert torch.equal(o2, o) and torch.equal(s2, s)
+
+
+def test_torch_compile_treats_prefill_as_one_op():
+    inp = make_inputs([0, 25, 40], seed=18)
+    kw = dict(A_log=inp["A_log"], dt_bias=inp["dt_bias"], lower_bound=inp["lower_bound"],
+              initial_state=inp["initial_state"], cu_seqlens=inp["cu_seqlens"], output_final_state=True)
+
+    def layer(q, k, v, g, beta):
+        o, s = fastkda.kda_prefill(q, k, v, g, beta, **kw)
+        return o * 2, s
+
+    compiled = torch.compile(layer, fullgraph=True)
+    args = [inp[x] for x in ("q", "k", "v", "g", "beta")]
+    o, s = compiled(*args)
+    eager_o, eager_s = layer(*args)
+    assert torch.equal(o, eager_o) and torch.equal(s, eager_s)

@@ -1,0 +1,48 @@
+"""The launch plan: a pure function of host-known facts, with overrides."""
+
+import pytest
+
+from fastkda.plan import V_SLICE_CHOICES, choose_plan, parse_v_slices, requested_v_slices
+
+
+@pytest.mark.parametrize("sms", [78, 132, 188])
+def test_slices_never_decrease_as_parallelism_drops(sms):
+    for heads in (1, 4, 8, 12, 16, 24, 48, 96):
+        previous = None
+        for num_seqs in range(64, 0, -1):
+            plan = choose_plan(num_seqs, heads, 8192, 128, sms)
+            assert plan.v_slices in V_SLICE_CHOICES
+            assert previous is None or plan.v_slices >= previous
+            previous = plan.v_slices
+
+
+def test_slices_respect_value_width():
+    assert choose_plan(1, 1, 8192, 64, 132).v_slices * 16 <= 64
+    with pytest.raises(ValueError, match="narrower"):
+        choose_plan(1, 1, 8192, 32, 132, v_slices=4)
+
+
+def test_seed_rule_boundary():
+    assert choose_plan(5, 12, 8192, 128, 132).v_slices == 2  # 2*12*5 = 120 <= 132
+    assert choose_plan(6, 12, 8192, 128, 132).v_slices == 1  # 2*12*6 = 144 > 132
+
+
+def test_override_precedence(monkeypatch):
+    monkeypatch.setenv("FASTKDA_V_SLICES", "4")
+    assert requested_v_slices("auto") == 4
+    assert requested_v_slices(2) == 2  # the argument wins
+    assert choose_plan(64, 96, 8192, 128, 132).v_slices == 4
+    monkeypatch.setenv("FASTKDA_V_SLICES", " AUTO ")
+    assert requested_v_slices("auto") == "auto"
+
+
+@pytest.mark.parametrize("bad", [0, 3, 8, "two", 2.0, True, None, ""])
+def test_bad_values_are_rejected(bad):
+    with pytest.raises(ValueError, match="v_slices"):
+        parse_v_slices(bad, "v_slices")
+
+
+def test_bad_environment_is_rejected(monkeypatch):
+    monkeypatch.setenv("FASTKDA_V_SLICES", "3")
+    with pytest.raises(ValueError, match="FASTKDA_V_SLICES"):
+        requested_v_slices("auto")
