@@ -99,7 +99,7 @@ def test_cuda_graph_replay_with_new_inputs(lengths, varlen):
     inp = make_inputs(lengths, heads=4, key_dim=128, varlen=varlen, device="cuda", seed=3)
     out = torch.empty_like(inp["v"])
     final = torch.empty_like(inp["initial_state"])
-    names = ("q", "k", "v", "g", "beta", "initial_state")
+    names = ("q", "k", "v", "g", "beta", "initial_state", "A_log", "dt_bias")
 
     def step():
         fastkda.kda_prefill(*(inp[x] for x in names[:5]), A_log=inp["A_log"], dt_bias=inp["dt_bias"],
