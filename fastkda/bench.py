@@ -255,6 +255,39 @@ def plot(rows, impls, path):
     fig.savefig(path, dpi=120)
 
 
+def write_results(rows, available, workloads, out_dir, errors):
+    """Write ``<date>-<gpu>.json/.md/.png``; returns the markdown."""
+    import triton
+
+    for r in rows:
+        if r["impl"] in errors:
+            r["rel_err"], r["rel_err_state"] = (round(e, 6) for e in errors[r["impl"]])
+    props = torch.cuda.get_device_properties(0)
+    date = datetime.date.today().isoformat()
+    meta = dict(gpu=props.name, sms=props.multi_processor_count, torch=torch.__version__, triton=triton.__version__,
+                commit=git_commit(), date=date, peers=peer_versions(),
+                skipped=[d["name"] + " (decode operator not built yet)" for d in workloads.get("decode", [])])
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stem = out_dir / f"{date}-{props.name.replace(' ', '_')}"
+    with open(f"{stem}.json", "w") as f:
+        json.dump(dict(meta=meta, rows=rows), f, indent=1)
+    md = [f"# KDA prefill, {props.name} ({meta['sms']} SMs), {date}, commit {meta['commit']}",
+          f"torch {meta['torch']}, triton {meta['triton']}, peers {meta['peers']}. Median ms.", ""]
+    for mode in ("graph", "eager"):
+        md += [f"## {mode}", "", markdown_table(rows, available, mode), ""]
+    if errors:
+        md += ["## accuracy (relative L2 vs float64, H=4 T=2048: output, final state)", ""]
+        md += [f"- {impl}: {o:.2e}, {s:.2e}" for impl, (o, s) in errors.items()]
+    md += ["", "Skipped: " + ", ".join(meta["skipped"])] if meta["skipped"] else []
+    text = "\n".join(md) + "\n"
+    Path(f"{stem}.md").write_text(text)
+    try:
+        plot(rows, available, f"{stem}.png")
+    except ImportError:
+        print("[bench] matplotlib missing: no plot", file=sys.stderr)
+    return text
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--only", nargs="*", help="workload names to run")
@@ -270,38 +303,13 @@ def main(argv=None):
     workloads = load_workloads(args.workloads)
     chosen = select(workloads, args.only, args.group, args.quick)
     impls = {k: IMPLS[k] for k in args.impls}
-    rows, available = run_benchmark(chosen, impls)
-    errors = {}
-    for impl in available:
-        errors[impl] = accuracy(impls[impl], "cuda")
-        for r in rows:
-            if r["impl"] == impl:
-                r["rel_err"], r["rel_err_state"] = (round(e, 6) for e in errors[impl])
-    props = torch.cuda.get_device_properties(0)
-    import triton
-
-    date = datetime.date.today().isoformat()
-    meta = dict(gpu=props.name, sms=props.multi_processor_count, torch=torch.__version__, triton=triton.__version__,
-                commit=git_commit(), date=date, peers=peer_versions(),
-                skipped=[d["name"] + " (decode operator not built yet)" for d in workloads.get("decode", [])])
-    out_dir = Path(args.out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    stem = out_dir / f"{date}-{props.name.replace(' ', '_')}"
-    with open(f"{stem}.json", "w") as f:
-        json.dump(dict(meta=meta, rows=rows), f, indent=1)
-    md = [f"# KDA prefill, {props.name} ({meta['sms']} SMs), {date}, commit {meta['commit']}",
-          f"torch {meta['torch']}, triton {meta['triton']}, peers {meta['peers']}. Median ms.", ""]
-    for mode in ("graph", "eager"):
-        md += [f"## {mode}", "", markdown_table(rows, available, mode), ""]
-    md += ["## accuracy (relative L2 vs float64, H=4 T=2048: output, final state)", ""]
-    md += [f"- {impl}: {o:.2e}, {s:.2e}" for impl, (o, s) in errors.items()]
-    md += ["", "Skipped: " + ", ".join(meta["skipped"])] if meta["skipped"] else []
-    Path(f"{stem}.md").write_text("\n".join(md) + "\n")
-    try:
-        plot(rows, available, f"{stem}.png")
-    except ImportError:
-        print("[bench] matplotlib missing: no plot", file=sys.stderr)
-    print("\n".join(md))
+    rows, available = [], list(impls)
+    for w in chosen:  # results are rewritten after every workload, so a run cut short still leaves them
+        new_rows, available = run_benchmark([w], {k: impls[k] for k in available})
+        rows += new_rows
+        write_results(rows, available, workloads, Path(args.out_dir), errors={})
+    errors = {impl: accuracy(impls[impl], "cuda") for impl in available}
+    print(write_results(rows, available, workloads, Path(args.out_dir), errors))
     return 0
 
 

@@ -11,8 +11,10 @@ if ls .whl/*.whl >/dev/null 2>&1; then
 fi
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader | tee "$OUT/gpu.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/gpu.txt"
+# each step has its own time limit (seconds) so one slow step cannot starve the others
+timeout "${BENCH_S:-400}" python3 -m fastkda.bench --out-dir "$OUT/results" "$@" 2>&1 | tee "$OUT/bench.log" | tail -40
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
-  python3 -m pytest -q -s -m gpu tests/test_gpu.py ${TEST_FILTER:+-k "$TEST_FILTER"} 2>&1 | tee "$OUT/gpu-tests.log" | grep -E "accuracy|passed|failed|Error" | tail -20
+  timeout "${TESTS_S:-600}" python3 -m pytest -q -s -m gpu tests/test_gpu.py ${TEST_FILTER:+-k "$TEST_FILTER"} 2>&1 \
+    | tee "$OUT/gpu-tests.log" | grep -E "accuracy|passed|failed|Error" | tail -20
 fi
-python3 scripts/kernel_times.py 2>&1 | tee "$OUT/kernel-times.log" | grep kernels
-python3 -m fastkda.bench --out-dir "$OUT/results" "$@" 2>&1 | tee "$OUT/bench.log" | tail -60
+timeout "${KERNELS_S:-120}" python3 scripts/kernel_times.py 2>&1 | tee "$OUT/kernel-times.log" | grep kernels

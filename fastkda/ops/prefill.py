@@ -29,6 +29,7 @@ from .common import bf16_operand, interpreting, load_f32, store_as
 
 CHUNK = 64  # tokens per chunk (one serial step of the recurrence)
 BLOCK = 16  # tokens per block inside a chunk (the range over which exp(-G) factors are formed)
+CHANNEL_BLOCK = 32  # key/value channels the preparation kernel holds in registers at a time
 LOG_DECAY_FLOOR: tl.constexpr = tl.constexpr(_FLOOR)  # precomputed gates are clamped here (reference.py)
 
 
@@ -80,15 +81,32 @@ def _place_columns(slab, J, C: tl.constexpr, NB: tl.constexpr, BC: tl.constexpr)
 
 
 @triton.jit
+def _log_decay_block(g, tok64, stride_g, h, kk, mask, A_log, dt_bias, lower_bound,
+                     K: tl.constexpr, LOWER_BOUND_GATE: tl.constexpr):
+    """Log-decay ``a`` of one ``[C, BK]`` block of key channels, zero outside ``mask``."""
+    gv = load_f32(g + tok64[:, None] * stride_g + h * K + kk[None, :], mask)
+    if LOWER_BOUND_GATE:
+        a_scale = tl.exp(tl.load(A_log + h).to(tl.float32))
+        bias = tl.load(dt_bias + h * K + kk).to(tl.float32)
+        a = lower_bound * tl.sigmoid(a_scale * (gv + bias[None, :]))
+    else:  # floor: exp(-30) leaves 1e-13 of the state, below fp32 resolution; keeps G's ulp small
+        a = tl.maximum(gv, LOG_DECAY_FLOOR)
+    return tl.where(mask, a, 0.0)
+
+
+@triton.jit
 def _prepare_kernel(
     q, k, v, g, beta, A_log, dt_bias, cu_seqlens,
     w_ws, u_ws, qg_ws, kg_ws, A_ws, decay_ws,
     stride_q, stride_k, stride_v, stride_g, stride_beta_tok, stride_beta_head,
     seq_len, num_seqs, lower_bound, scale,
-    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BC: tl.constexpr,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
     IS_VARLEN: tl.constexpr, LOWER_BOUND_GATE: tl.constexpr, L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr,
     DOT_PRECISION: tl.constexpr, EMULATE: tl.constexpr,
 ):
+    """One (chunk, head). Key channels are independent except in the q·k reductions, so every
+    ``[C, K]`` quantity is handled ``BK`` channels at a time: registers hold ``[C, BK]`` blocks and the
+    ``[C, C]`` matrices, never a whole ``[C, K]`` set (that spilled)."""
     slot = tl.program_id(0)
     h = tl.program_id(1)
     NB: tl.constexpr = C // BC
@@ -108,101 +126,105 @@ def _prepare_kernel(
     chunk_start = bos + (slot - _first_slot(n, bos, seq_len, C, IS_VARLEN)) * C
 
     r = tl.arange(0, C)
-    kk = tl.arange(0, K)
-    vv = tl.arange(0, V)
+    cols = tl.arange(0, C)
+    blk = r // BC
     tok = chunk_start + r
     valid = tok < eos
     tok64 = tok.to(tl.int64)
-    m_k = valid[:, None] & (kk[None, :] < K)
-    m_v = valid[:, None] & (vv[None, :] < V)
+    q_rows = q + tok64[:, None] * stride_q + h * K
+    k_rows = k + tok64[:, None] * stride_k + h * K
 
-    qv = load_f32(q + tok64[:, None] * stride_q + h * K + kk[None, :], m_k)
-    kv = load_f32(k + tok64[:, None] * stride_k + h * K + kk[None, :], m_k)
-    vvv = load_f32(v + tok64[:, None] * stride_v + h * V + vv[None, :], m_v)
-    gv = load_f32(g + tok64[:, None] * stride_g + h * K + kk[None, :], m_k)
-    bv = load_f32(beta + tok64 * stride_beta_tok + h * stride_beta_head, valid)
+    # row scales: 1/||q||·scale and 1/||k|| (spec §1 step 1)
+    q_ss = tl.zeros((C,), dtype=tl.float32)
+    k_ss = tl.zeros((C,), dtype=tl.float32)
     if L2NORM:
-        qv = qv * tl.rsqrt(tl.sum(qv * qv, axis=1) + 1e-6)[:, None]
-        kv = kv * tl.rsqrt(tl.sum(kv * kv, axis=1) + 1e-6)[:, None]
-    qv = qv * scale
-    if LOWER_BOUND_GATE:
-        a_scale = tl.exp(tl.load(A_log + h).to(tl.float32))
-        bias = tl.load(dt_bias + h * K + kk).to(tl.float32)
-        a = lower_bound * tl.sigmoid(a_scale * (gv + bias[None, :]))
-    else:  # floor: exp(-30) leaves 1e-13 of the state, below fp32 resolution; keeps G's ulp small
-        a = tl.maximum(gv, LOG_DECAY_FLOOR)
-    a = tl.where(m_k, a, 0.0)
+        for kb in tl.static_range(K // BK):
+            kk = kb * BK + tl.arange(0, BK)
+            m = valid[:, None] & (kk[None, :] < K)
+            qb = load_f32(q_rows + kk[None, :], m)
+            kb_ = load_f32(k_rows + kk[None, :], m)
+            q_ss += tl.sum(qb * qb, axis=1)
+            k_ss += tl.sum(kb_ * kb_, axis=1)
+        q_scale = tl.rsqrt(q_ss + 1e-6) * scale
+        k_scale = tl.rsqrt(k_ss + 1e-6)
+    else:
+        q_scale = q_ss + scale
+        k_scale = k_ss + 1.0
+    bv = load_f32(beta + tok64 * stride_beta_tok + h * stride_beta_head, valid)
     if BETA_SIGMOID:
         bv = tl.sigmoid(bv)
     bv = tl.where(valid, bv, 0.0)
 
-    G = tl.cumsum(a, axis=0)  # in-chunk cumulative log-decay, <= 0, non-increasing
-    G_block_end = tl.cumsum(tl.sum(tl.reshape(a, (NB, BC, K)), axis=1), axis=0)  # [NB, K]
-    G_own_end = _expand_blocks(G_block_end, NB, BC, K)
-    col_factor = tl.exp(G_own_end - G)  # exp(G_end(J) - G_j) <= 1
-    k_col = kv * col_factor
-    blk = r // BC
-    cols = tl.arange(0, C)
-    lower_incl = r[:, None] >= cols[None, :]
-
     M = tl.zeros((C, C), dtype=tl.float32)
     L = tl.zeros((C, C), dtype=tl.float32)
-    for J in tl.static_range(NB):
-        G_ref = _row_of_block(G_block_end, J, NB, K)
-        if LOWER_BOUND_GATE:  # diagonal block too: exp(G_i - G_end(J)) <= e^(15*5) for i in block J
-            rows_used = blk >= J
-        else:
-            rows_used = blk > J
-        exponent = tl.where(rows_used[:, None], G - G_ref[None, :], 0.0)
-        row_factor = tl.where(rows_used[:, None], tl.exp(exponent), 0.0)
-        col_J = _block_rows(k_col, J, NB, BC, K)
-        M += _place_columns(
-            tl.dot(qv * row_factor, tl.trans(col_J), input_precision=DOT_PRECISION), J, C, NB, BC)
-        L += _place_columns(
-            tl.dot(kv * row_factor, tl.trans(col_J), input_precision=DOT_PRECISION), J, C, NB, BC)
-    if not LOWER_BOUND_GATE:  # diagonal blocks element-wise: exp(G_i - G_j) is never split in two factors
-        local = r % BC
-        for jj in tl.static_range(BC):
-            G_j = _expand_blocks(tl.sum(tl.where((tl.arange(0, BC) == jj)[None, :, None],
-                                                 tl.reshape(G, (NB, BC, K)), 0.0), axis=1), NB, BC, K)
-            k_j = _expand_blocks(tl.sum(tl.where((tl.arange(0, BC) == jj)[None, :, None],
-                                                 tl.reshape(kv, (NB, BC, K)), 0.0), axis=1), NB, BC, K)
-            below = local >= jj
-            decay = tl.where(below[:, None], tl.exp(tl.minimum(G - G_j, 0.0)), 0.0) * k_j
-            at_col = (cols[None, :] == (blk * BC + jj)[:, None]) & below[:, None]
-            M += tl.where(at_col, tl.sum(qv * decay, axis=1)[:, None], 0.0)
-            L += tl.where(at_col, tl.sum(kv * decay, axis=1)[:, None], 0.0)
-    M = tl.where(lower_incl, M, 0.0)
-    L = tl.where(r[:, None] > cols[None, :], L * bv[:, None], 0.0)
+    row_k = tok64[:, None] * (H * K) + h * K
+    for kb in tl.static_range(K // BK):
+        kk = kb * BK + tl.arange(0, BK)
+        m = valid[:, None] & (kk[None, :] < K)
+        qv = load_f32(q_rows + kk[None, :], m) * q_scale[:, None]
+        kv = load_f32(k_rows + kk[None, :], m) * k_scale[:, None]
+        a = _log_decay_block(g, tok64, stride_g, h, kk, m, A_log, dt_bias, lower_bound, K, LOWER_BOUND_GATE)
+        G = tl.cumsum(a, axis=0)  # in-chunk cumulative log-decay, <= 0, non-increasing
+        G_block_end = tl.cumsum(tl.sum(tl.reshape(a, (NB, BC, BK)), axis=1), axis=0)  # [NB, BK]
+        G_last = tl.sum(a, axis=0)
+        k_col = kv * tl.exp(_expand_blocks(G_block_end, NB, BC, BK) - G)  # k_j·exp(G_end(J) - G_j), <= 1
+        for J in tl.static_range(NB):
+            G_ref = _row_of_block(G_block_end, J, NB, BK)
+            if LOWER_BOUND_GATE:  # diagonal block too: exp(G_i - G_end(J)) <= e^(15*5) for i in block J
+                rows_used = blk >= J
+            else:
+                rows_used = blk > J
+            row_factor = tl.where(rows_used[:, None], tl.exp(tl.where(rows_used[:, None], G - G_ref[None, :], 0.0)),
+                                  0.0)
+            col_J = tl.trans(_block_rows(k_col, J, NB, BC, BK))
+            M += _place_columns(tl.dot(qv * row_factor, col_J, input_precision=DOT_PRECISION), J, C, NB, BC)
+            L += _place_columns(tl.dot(kv * row_factor, col_J, input_precision=DOT_PRECISION), J, C, NB, BC)
+        if not LOWER_BOUND_GATE:  # diagonal blocks element-wise: exp(G_i - G_j) is never split in two factors
+            local = r % BC
+            for jj in tl.static_range(BC):
+                pick = (tl.arange(0, BC) == jj)[None, :, None]
+                G_j = _expand_blocks(tl.sum(tl.where(pick, tl.reshape(G, (NB, BC, BK)), 0.0), axis=1), NB, BC, BK)
+                k_j = _expand_blocks(tl.sum(tl.where(pick, tl.reshape(kv, (NB, BC, BK)), 0.0), axis=1), NB, BC, BK)
+                below = local >= jj
+                decay = tl.where(below[:, None], tl.exp(tl.minimum(G - G_j, 0.0)), 0.0) * k_j
+                at_col = (cols[None, :] == (blk * BC + jj)[:, None]) & below[:, None]
+                M += tl.where(at_col, tl.sum(qv * decay, axis=1)[:, None], 0.0)
+                L += tl.where(at_col, tl.sum(kv * decay, axis=1)[:, None], 0.0)
+        store_as(qg_ws + row_k + kk[None, :], qv * tl.exp(G), m, EMULATE)
+        store_as(kg_ws + row_k + kk[None, :], kv * tl.exp(G_last[None, :] - G), m, EMULATE)
+        tl.store(decay_ws + (slot * H + h) * K + kk, tl.exp(G_last))
+    store_as(A_ws + tok64[:, None] * (H * C) + h * C + cols[None, :], tl.where(r[:, None] >= cols[None, :], M, 0.0),
+             valid[:, None] & (cols[None, :] < C), EMULATE)
 
-    # (I + L)^-1: block-diagonal part by the nilpotent product formula, then the 4-block Neumann series.
-    eye = (r[:, None] == cols[None, :]).to(tl.float32)
-    L_diag = tl.where(blk[:, None] == (cols // BC)[None, :], L, 0.0)
-    power = L_diag
-    D_inv = eye - L_diag
+    # T = (I + L)^-1: block-diagonal part by the nilpotent product formula, then the 4-block Neumann series.
+    L = tl.where(r[:, None] > cols[None, :], L * bv[:, None], 0.0)
+    same_block = blk[:, None] == (cols // BC)[None, :]
+    eye = r[:, None] == cols[None, :]
+    power = tl.where(same_block, L, 0.0)
+    off_diagonal = L - power
+    D_inv = tl.where(eye, 1.0, 0.0) - power
     for _ in tl.static_range(3):  # (I - Ld)(I + Ld^2)(I + Ld^4)(I + Ld^8)
         power = tl.dot(power, power, input_precision=DOT_PRECISION)
-        D_inv = tl.dot(D_inv, eye + power, input_precision=DOT_PRECISION)
-    Y = tl.dot(D_inv, L - L_diag, input_precision=DOT_PRECISION)
+        D_inv = tl.dot(D_inv, tl.where(eye, 1.0, 0.0) + power, input_precision=DOT_PRECISION)
+    Y = tl.dot(D_inv, off_diagonal, input_precision=DOT_PRECISION)
     Y2 = tl.dot(Y, Y, input_precision=DOT_PRECISION)
-    T_inv = tl.dot(tl.dot(eye - Y, eye + Y2, input_precision=DOT_PRECISION), D_inv,
-                   input_precision=DOT_PRECISION)
+    T_inv = tl.dot(tl.dot(tl.where(eye, 1.0, 0.0) - Y, tl.where(eye, 1.0, 0.0) + Y2, input_precision=DOT_PRECISION),
+                   D_inv, input_precision=DOT_PRECISION)
 
-    decay_in = tl.exp(G)
-    w = tl.dot(T_inv, kv * decay_in * bv[:, None], input_precision=DOT_PRECISION)
-    u = tl.dot(T_inv, vvv * bv[:, None], input_precision=DOT_PRECISION)
-    G_last = tl.sum(a, axis=0)
-    qg = qv * decay_in
-    kg = kv * tl.exp(G_last[None, :] - G)
-
-    row_k = tok64[:, None] * (H * K) + h * K + kk[None, :]
-    store_as(w_ws + row_k, w, m_k, EMULATE)
-    store_as(qg_ws + row_k, qg, m_k, EMULATE)
-    store_as(kg_ws + row_k, kg, m_k, EMULATE)
-    store_as(u_ws + tok64[:, None] * (H * V) + h * V + vv[None, :], u, m_v, EMULATE)
-    store_as(A_ws + tok64[:, None] * (H * C) + h * C + cols[None, :], M, valid[:, None] & (cols[None, :] < C),
-             EMULATE)
-    tl.store(decay_ws + (slot * H + h) * K + kk, tl.exp(G_last))
+    for kb in tl.static_range(K // BK):  # w = T·β·kd, recomputing kd (cheaper than a round trip)
+        kk = kb * BK + tl.arange(0, BK)
+        m = valid[:, None] & (kk[None, :] < K)
+        kv = load_f32(k_rows + kk[None, :], m) * k_scale[:, None]
+        G = tl.cumsum(_log_decay_block(g, tok64, stride_g, h, kk, m, A_log, dt_bias, lower_bound, K,
+                                       LOWER_BOUND_GATE), axis=0)
+        w = tl.dot(T_inv, kv * tl.exp(G) * bv[:, None], input_precision=DOT_PRECISION)
+        store_as(w_ws + row_k + kk[None, :], w, m, EMULATE)
+    for vb in tl.static_range(V // BK):  # u = T·β·v
+        vv = vb * BK + tl.arange(0, BK)
+        m = valid[:, None] & (vv[None, :] < V)
+        vvv = load_f32(v + tok64[:, None] * stride_v + h * V + vv[None, :], m)
+        u = tl.dot(T_inv, vvv * bv[:, None], input_precision=DOT_PRECISION)
+        store_as(u_ws + tok64[:, None] * (H * V) + h * V + vv[None, :], u, m, EMULATE)
 
 
 @triton.jit
@@ -289,7 +311,7 @@ def chunk_kda_forward(
             w_ws, u_ws, qg_ws, kg_ws, A_ws, decay_ws,
             q.stride(1), k.stride(1), v.stride(1), g.stride(1), beta.stride(1), beta.stride(2),
             seq_len, num_seqs, float(lower_bound) if lower_bound_gate else 0.0, float(scale),
-            H=heads, K=key_dim, V=value_dim, C=CHUNK, BC=BLOCK,
+            H=heads, K=key_dim, V=value_dim, C=CHUNK, BC=BLOCK, BK=CHANNEL_BLOCK,
             IS_VARLEN=varlen, LOWER_BOUND_GATE=lower_bound_gate, L2NORM=use_qk_l2norm,
             BETA_SIGMOID=use_beta_sigmoid, DOT_PRECISION=dot_precision, EMULATE=emulate,
             num_warps=4,
