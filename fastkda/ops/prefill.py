@@ -29,7 +29,8 @@ from .common import bf16_operand, interpreting, load_f32, store_as
 
 CHUNK = 64  # tokens per chunk (one serial step of the recurrence)
 BLOCK = 16  # tokens per block inside a chunk (the range over which exp(-G) factors are formed)
-CHANNEL_BLOCK = 32  # key/value channels the preparation kernel holds in registers at a time
+CHANNEL_BLOCK = 16  # key/value channels the preparation kernel holds in registers at a time
+PREPARE_WARPS = 8  # with CHANNEL_BLOCK = 16: no register spills (ptxas, sm_90a); 4 warps or 32 channels spill
 LOG_DECAY_FLOOR: tl.constexpr = tl.constexpr(_FLOOR)  # precomputed gates are clamped here (reference.py)
 
 
@@ -61,23 +62,9 @@ def _expand_blocks(x, NB: tl.constexpr, BC: tl.constexpr, D: tl.constexpr):
 
 
 @triton.jit
-def _block_rows(x, J, NB: tl.constexpr, BC: tl.constexpr, D: tl.constexpr):
-    """Rows ``J*BC .. J*BC+BC-1`` of ``x [NB*BC, D]`` as a ``[BC, D]`` tensor."""
-    x3 = tl.reshape(x, (NB, BC, D))
-    return tl.sum(tl.where((tl.arange(0, NB) == J)[:, None, None], x3, 0.0), axis=0)
-
-
-@triton.jit
-def _row_of_block(x, J, NB: tl.constexpr, D: tl.constexpr):
-    """Row ``J`` of ``x [NB, D]``."""
-    return tl.sum(tl.where((tl.arange(0, NB) == J)[:, None], x, 0.0), axis=0)
-
-
-@triton.jit
-def _place_columns(slab, J, C: tl.constexpr, NB: tl.constexpr, BC: tl.constexpr):
-    """``slab [C, BC]`` placed at column block ``J`` of a ``[C, C]`` matrix, zeros elsewhere."""
-    wide = tl.reshape(tl.broadcast_to(slab[:, None, :], (C, NB, BC)), (C, C))
-    return tl.where((tl.arange(0, C) // BC == J)[None, :], wide, 0.0)
+def _row_at(x, i, C: tl.constexpr):
+    """Row ``i`` of ``x [C, D]`` as a ``[D]`` vector."""
+    return tl.sum(tl.where((tl.arange(0, C) == i)[:, None], x, 0.0), axis=0)
 
 
 @triton.jit
@@ -165,23 +152,27 @@ def _prepare_kernel(
         kv = load_f32(k_rows + kk[None, :], m) * k_scale[:, None]
         a = _log_decay_block(g, tok64, stride_g, h, kk, m, A_log, dt_bias, lower_bound, K, LOWER_BOUND_GATE)
         G = tl.cumsum(a, axis=0)  # in-chunk cumulative log-decay, <= 0, non-increasing
-        G_block_end = tl.cumsum(tl.sum(tl.reshape(a, (NB, BC, BK)), axis=1), axis=0)  # [NB, BK]
         G_last = tl.sum(a, axis=0)
-        k_col = kv * tl.exp(_expand_blocks(G_block_end, NB, BC, BK) - G)  # k_j·exp(G_end(J) - G_j), <= 1
+        G_own_end = tl.zeros((C, BK), dtype=tl.float32)
         for J in tl.static_range(NB):
-            G_ref = _row_of_block(G_block_end, J, NB, BK)
+            G_own_end = tl.where((blk == J)[:, None], _row_at(G, J * BC + BC - 1, C)[None, :], G_own_end)
+        k_col = kv * tl.exp(G_own_end - G)  # k_j·exp(G_end(J) - G_j), <= 1
+        for J in tl.static_range(NB):
+            # columns of block J: exp(G_i - G_j) = exp(G_i - G_end(J)) · exp(G_end(J) - G_j). Full-width dots
+            # on zero-masked operands keep every tensor 2-D (block extraction spilled registers).
+            G_ref = _row_at(G, J * BC + BC - 1, C)
             if LOWER_BOUND_GATE:  # diagonal block too: exp(G_i - G_end(J)) <= e^(15*5) for i in block J
                 rows_used = blk >= J
             else:
                 rows_used = blk > J
             row_factor = tl.where(rows_used[:, None], tl.exp(tl.where(rows_used[:, None], G - G_ref[None, :], 0.0)),
                                   0.0)
-            col_J = tl.trans(_block_rows(k_col, J, NB, BC, BK))
-            M += _place_columns(tl.dot(qv * row_factor, col_J, input_precision=DOT_PRECISION), J, C, NB, BC)
-            L += _place_columns(tl.dot(kv * row_factor, col_J, input_precision=DOT_PRECISION), J, C, NB, BC)
+            col_J = tl.trans(tl.where((blk == J)[:, None], k_col, 0.0))
+            M = tl.dot(qv * row_factor, col_J, M, input_precision=DOT_PRECISION)
+            L = tl.dot(kv * row_factor, col_J, L, input_precision=DOT_PRECISION)
         if not LOWER_BOUND_GATE:  # diagonal blocks element-wise: exp(G_i - G_j) is never split in two factors
             local = r % BC
-            for jj in tl.static_range(BC):
+            for jj in range(BC):  # a runtime loop: unrolling it made compiles take minutes
                 pick = (tl.arange(0, BC) == jj)[None, :, None]
                 G_j = _expand_blocks(tl.sum(tl.where(pick, tl.reshape(G, (NB, BC, BK)), 0.0), axis=1), NB, BC, BK)
                 k_j = _expand_blocks(tl.sum(tl.where(pick, tl.reshape(kv, (NB, BC, BK)), 0.0), axis=1), NB, BC, BK)
@@ -314,7 +305,7 @@ def chunk_kda_forward(
             H=heads, K=key_dim, V=value_dim, C=CHUNK, BC=BLOCK, BK=CHANNEL_BLOCK,
             IS_VARLEN=varlen, LOWER_BOUND_GATE=lower_bound_gate, L2NORM=use_qk_l2norm,
             BETA_SIGMOID=use_beta_sigmoid, DOT_PRECISION=dot_precision, EMULATE=emulate,
-            num_warps=4,
+            num_warps=PREPARE_WARPS,
         )
     if num_seqs > 0:
         _recurrence_kernel[(v_slices, heads, num_seqs)](

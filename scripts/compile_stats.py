@@ -1,0 +1,67 @@
+"""Compile the prefill kernels for sm_90a on any machine (no GPU needed) and report what ptxas says:
+registers, spills, shared memory, barrier and wgmma counts. Costs no device time.
+
+python scripts/compile_stats.py [--warps N]"""
+
+import argparse
+import os
+import re
+import subprocess
+from pathlib import Path
+
+os.environ.pop("TRITON_INTERPRET", None)
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from fastkda.ops import prefill  # noqa: E402
+
+PTXAS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+BF16, F32 = "*bf16", "*fp32"
+
+
+def compile_stats(fn, signature, constants, num_warps, num_stages=2):
+    signature = dict(signature, **{k: "constexpr" for k in constants})
+    src = ASTSource(fn=fn, signature=signature,
+                    constexprs={(fn.arg_names.index(k),): v for k, v in constants.items()})
+    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                            options=dict(num_warps=num_warps, num_stages=num_stages))
+    ptx = kernel.asm["ptx"]
+    path = Path("/tmp/fastkda_stats.ptx")
+    path.write_text(ptx)
+    report = subprocess.run([str(PTXAS), "--gpu-name", "sm_90a", "-v", str(path), "-o", "/tmp/fastkda_stats.cubin"],
+                            capture_output=True, text=True).stderr
+    regs = re.search(r"Used (\d+) registers", report)
+    spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", report)
+    return dict(regs=int(regs.group(1)) if regs else None, spill_st=int(spills.group(1)) if spills else 0,
+                spill_ld=int(spills.group(2)) if spills else 0, shared=kernel.metadata.shared,
+                barriers=len(re.findall(r"bar\.sync|barrier\.sync", ptx)), wgmma=ptx.count("wgmma.mma_async"))
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--warps", type=int, default=prefill.PREPARE_WARPS)
+    args = parser.parse_args()
+    prepare_sig = dict(q=BF16, k=BF16, v=BF16, g=BF16, beta=BF16, A_log=F32, dt_bias=F32, cu_seqlens="*i32",
+                       w_ws=BF16, u_ws=BF16, qg_ws=BF16, kg_ws=BF16, A_ws=BF16, decay_ws=F32,
+                       stride_q="i32", stride_k="i32", stride_v="i32", stride_g="i32", stride_beta_tok="i32",
+                       stride_beta_head="i32", seq_len="i32", num_seqs="i32", lower_bound="fp32", scale="fp32")
+    for dim in (128, 64):
+        for gate in (True, False):
+            for varlen in (True, False):
+                consts = dict(H=12, K=dim, V=dim, C=prefill.CHUNK, BC=prefill.BLOCK, BK=prefill.CHANNEL_BLOCK,
+                              IS_VARLEN=varlen, LOWER_BOUND_GATE=gate, L2NORM=True, BETA_SIGMOID=True,
+                              DOT_PRECISION="tf32", EMULATE=False)
+                stats = compile_stats(prefill._prepare_kernel, prepare_sig, consts, args.warps)
+                print(f"prepare K=V={dim} lower_bound_gate={gate} varlen={varlen} warps={args.warps}: {stats}")
+    recurrence_sig = dict(w_ws=BF16, u_ws=BF16, qg_ws=BF16, kg_ws=BF16, A_ws=BF16, decay_ws=F32, out=BF16,
+                          initial_state=F32, final_state=F32, cu_seqlens="*i32", stride_out="i32", seq_len="i32")
+    for slices in (1, 2, 4):
+        consts = dict(H=12, K=128, V=128, BV=128 // slices, C=prefill.CHUNK, IS_VARLEN=True, HAS_INITIAL=True,
+                      HAS_FINAL=True, EMULATE=False)
+        print(f"recurrence K=V=128 v_slices={slices}: {compile_stats(prefill._recurrence_kernel, recurrence_sig, consts, 4)}")
+
+
+if __name__ == "__main__":
+    main()
