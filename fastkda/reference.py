@@ -51,6 +51,16 @@ def sequence_bounds(batch, length, cu_seqlens):
     return [(0, offsets[n], offsets[n + 1]) for n in range(len(offsets) - 1)]
 
 
+def _zero_outputs(q, v, bounds, initial_state, dtype):
+    """Zeroed output ``[B, T, H, V]`` and per-sequence states ``[N, H, K, V]`` set from ``initial_state``."""
+    batch, length, heads, key_dim = q.shape
+    out = torch.zeros(batch, length, heads, v.shape[-1], dtype=dtype, device=q.device)
+    states = torch.zeros(len(bounds), heads, key_dim, v.shape[-1], dtype=dtype, device=q.device)
+    if initial_state is not None:
+        states.copy_(initial_state.to(dtype).transpose(-1, -2))
+    return out, states
+
+
 def kda_reference(
     q, k, v, g, beta, *, A_log=None, dt_bias=None, lower_bound=None, scale=None, initial_state=None,
     cu_seqlens=None, use_qk_l2norm=True, use_beta_sigmoid=True, dtype=torch.float64,
@@ -60,15 +70,10 @@ def kda_reference(
         q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, scale=scale,
         use_qk_l2norm=use_qk_l2norm, use_beta_sigmoid=use_beta_sigmoid, dtype=dtype,
     )
-    batch, length, heads, key_dim = q.shape
-    value_dim = v.shape[-1]
-    bounds = sequence_bounds(batch, length, cu_seqlens)
-    out = torch.zeros(batch, length, heads, value_dim, dtype=dtype, device=q.device)
-    final = torch.zeros(len(bounds), heads, key_dim, value_dim, dtype=dtype, device=q.device)
+    bounds = sequence_bounds(q.shape[0], q.shape[1], cu_seqlens)
+    out, final = _zero_outputs(q, v, bounds, initial_state, dtype)
     for n, (b, start, end) in enumerate(bounds):
         S = final[n]
-        if initial_state is not None:
-            S.copy_(initial_state[n].to(dtype).transpose(-1, -2))
         for t in range(start, end):
             S.mul_(a[b, t].exp().unsqueeze(-1))
             u = beta[b, t].unsqueeze(-1) * (v[b, t] - torch.einsum("hkv,hk->hv", S, k[b, t]))
@@ -128,14 +133,9 @@ def kda_chunked(
         use_qk_l2norm=use_qk_l2norm, use_beta_sigmoid=use_beta_sigmoid, dtype=dtype,
     )
     a = a.clamp(min=LOG_DECAY_FLOOR)
-    batch, length, heads, key_dim = q.shape
-    value_dim = v.shape[-1]
-    bounds = sequence_bounds(batch, length, cu_seqlens)
-    out = torch.zeros(batch, length, heads, value_dim, dtype=dtype, device=q.device)
-    final = torch.zeros(len(bounds), heads, key_dim, value_dim, dtype=dtype, device=q.device)
+    bounds = sequence_bounds(q.shape[0], q.shape[1], cu_seqlens)
+    out, final = _zero_outputs(q, v, bounds, initial_state, dtype)
     for n, (b, start, end) in enumerate(bounds):
-        if initial_state is not None:
-            final[n].copy_(initial_state[n].to(dtype).transpose(-1, -2))
         if end > start:
             span = slice(start, end)
             out[b, span] = _chunked_sequence(q[b, span], k[b, span], v[b, span], a[b, span], beta[b, span], final[n], chunk)
