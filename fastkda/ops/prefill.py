@@ -20,6 +20,9 @@ Chunks are numbered by *slot*: sequence ``n`` owns slots from ``cu[n] // C + n``
 host-device synchronisation.
 """
 
+from dataclasses import dataclass
+from typing import Optional
+
 import torch
 import triton
 import triton.language as tl
@@ -269,52 +272,81 @@ def num_slots(batch, seq_len, num_seqs, varlen):
     return batch * triton.cdiv(seq_len, CHUNK)
 
 
-def chunk_kda_forward(
-    q, k, v, g, beta, *, A_log, dt_bias, lower_bound, scale, initial_state, cu_seqlens,
-    use_qk_l2norm, use_beta_sigmoid, v_slices, out, final_state, dot_precision="tf32",
-):
-    """Launch both kernels on validated inputs; writes ``out`` and ``final_state`` (if given) in place.
+@dataclass
+class Workspace:
+    """What the preparation kernel writes for the recurrence (bf16 per token, fp32 decay per chunk slot)."""
 
-    ``q, k, g [B, T, H, K]``, ``v [B, T, H, V]`` with ``[H, K]`` contiguous per token; ``beta [B, T, H]``
-    any strides; ``out`` contiguous; states ``[N, H, V, K]`` contiguous."""
+    w: torch.Tensor
+    u: torch.Tensor
+    qg: torch.Tensor
+    kg: torch.Tensor
+    A: torch.Tensor
+    decay: torch.Tensor
+    cu_seqlens: Optional[torch.Tensor]
+    seq_len: int
+    num_seqs: int
+
+
+def prepare(q, k, v, g, beta, *, A_log, dt_bias, lower_bound, scale, cu_seqlens, use_qk_l2norm, use_beta_sigmoid,
+            dot_precision="tf32"):
+    """Run the preparation kernel on validated inputs (``q, k, g [B, T, H, K]``, ``v [B, T, H, V]`` with
+    ``[H, K]`` contiguous per token, ``beta [B, T, H]`` any strides) and return its :class:`Workspace`."""
     batch, seq_len, heads, key_dim = q.shape
     value_dim = v.shape[-1]
     varlen = cu_seqlens is not None
     num_seqs = cu_seqlens.numel() - 1 if varlen else batch
     tokens = batch * seq_len
     slots = num_slots(batch, seq_len, num_seqs, varlen)
-    dev = q.device
-    ws = dict(dtype=torch.bfloat16, device=dev)
-    w_ws = torch.empty(tokens, heads, key_dim, **ws)
-    qg_ws = torch.empty(tokens, heads, key_dim, **ws)
-    kg_ws = torch.empty(tokens, heads, key_dim, **ws)
-    u_ws = torch.empty(tokens, heads, value_dim, **ws)
-    A_ws = torch.empty(tokens, heads, CHUNK, **ws)
-    decay_ws = torch.empty(slots, heads, key_dim, dtype=torch.float32, device=dev)
+    bf16 = dict(dtype=torch.bfloat16, device=q.device)
+    ws = Workspace(w=torch.empty(tokens, heads, key_dim, **bf16), u=torch.empty(tokens, heads, value_dim, **bf16),
+                   qg=torch.empty(tokens, heads, key_dim, **bf16), kg=torch.empty(tokens, heads, key_dim, **bf16),
+                   A=torch.empty(tokens, heads, CHUNK, **bf16),
+                   decay=torch.empty(slots, heads, key_dim, dtype=torch.float32, device=q.device),
+                   cu_seqlens=cu_seqlens, seq_len=seq_len, num_seqs=num_seqs)
     lower_bound_gate = lower_bound is not None
-    emulate = interpreting()
-    dummy = decay_ws  # stands for absent optional tensors; never dereferenced
+    absent = ws.decay  # stands for absent optional tensors; never dereferenced
     if slots > 0:
         _prepare_kernel[(slots, heads)](
             q, k, v, g, beta,
-            A_log if lower_bound_gate else dummy, dt_bias if lower_bound_gate else dummy,
-            cu_seqlens if varlen else dummy,
-            w_ws, u_ws, qg_ws, kg_ws, A_ws, decay_ws,
+            A_log if lower_bound_gate else absent, dt_bias if lower_bound_gate else absent,
+            cu_seqlens if varlen else absent,
+            ws.w, ws.u, ws.qg, ws.kg, ws.A, ws.decay,
             q.stride(1), k.stride(1), v.stride(1), g.stride(1), beta.stride(1), beta.stride(2),
             seq_len, num_seqs, float(lower_bound) if lower_bound_gate else 0.0, float(scale),
             H=heads, K=key_dim, V=value_dim, C=CHUNK, BC=BLOCK, BK=CHANNEL_BLOCK,
             IS_VARLEN=varlen, LOWER_BOUND_GATE=lower_bound_gate, L2NORM=use_qk_l2norm,
-            BETA_SIGMOID=use_beta_sigmoid, DOT_PRECISION=dot_precision, EMULATE=emulate,
+            BETA_SIGMOID=use_beta_sigmoid, DOT_PRECISION=dot_precision, EMULATE=interpreting(),
             num_warps=PREPARE_WARPS,
         )
-    if num_seqs > 0:
-        _recurrence_kernel[(v_slices, heads, num_seqs)](
-            w_ws, u_ws, qg_ws, kg_ws, A_ws, decay_ws, out,
-            initial_state if initial_state is not None else dummy,
-            final_state if final_state is not None else dummy,
-            cu_seqlens if varlen else dummy,
-            out.stride(1), seq_len,
-            H=heads, K=key_dim, V=value_dim, BV=value_dim // v_slices, C=CHUNK,
-            IS_VARLEN=varlen, HAS_INITIAL=initial_state is not None, HAS_FINAL=final_state is not None,
-            EMULATE=emulate, num_warps=4, num_stages=2,
-        )
+    return ws
+
+
+def recur(ws, *, initial_state, final_state, out, v_slices):
+    """Run the recurrence over a :class:`Workspace` with ``v_slices`` programs per (sequence, head);
+    writes ``out [B, T, H, V]`` (contiguous) and ``final_state [N, H, V, K]`` (if given) in place."""
+    if ws.num_seqs == 0:
+        return
+    tokens, heads, key_dim = ws.w.shape
+    value_dim = ws.u.shape[-1]
+    absent = ws.decay
+    _recurrence_kernel[(v_slices, heads, ws.num_seqs)](
+        ws.w, ws.u, ws.qg, ws.kg, ws.A, ws.decay, out,
+        initial_state if initial_state is not None else absent,
+        final_state if final_state is not None else absent,
+        ws.cu_seqlens if ws.cu_seqlens is not None else absent,
+        out.stride(1), ws.seq_len,
+        H=heads, K=key_dim, V=value_dim, BV=value_dim // v_slices, C=CHUNK,
+        IS_VARLEN=ws.cu_seqlens is not None, HAS_INITIAL=initial_state is not None,
+        HAS_FINAL=final_state is not None, EMULATE=interpreting(), num_warps=4, num_stages=2,
+    )
+
+
+def chunk_kda_forward(
+    q, k, v, g, beta, *, A_log, dt_bias, lower_bound, scale, initial_state, cu_seqlens,
+    use_qk_l2norm, use_beta_sigmoid, v_slices, out, final_state, dot_precision="tf32",
+):
+    """Both kernels on validated inputs: :func:`prepare`, then :func:`recur`."""
+    ws = prepare(q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, scale=scale,
+                 cu_seqlens=cu_seqlens, use_qk_l2norm=use_qk_l2norm, use_beta_sigmoid=use_beta_sigmoid,
+                 dot_precision=dot_precision)
+    recur(ws, initial_state=initial_state, final_state=final_state, out=out, v_slices=v_slices)

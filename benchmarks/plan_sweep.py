@@ -1,0 +1,80 @@
+"""Sweep of the launch plan (issue 3): recurrence time for V-slices s in {1, 2, 4} over N x H x tokens.
+
+The preparation kernel does the same work for every s, so each configuration is prepared once and only the
+recurrence is timed (CUDA-graph replay, median of do_bench); outputs and final states are also compared
+bitwise across s. Rows go to ``benchmarks/results/<date>-<gpu>-plan-sweep.json`` after every configuration,
+so a run cut short keeps what it measured. Then it prints how often the auto plan is within 2% of the best.
+
+python benchmarks/plan_sweep.py [--budget-s 400] [--seqs 1 2 ...] [--heads 4 8 ...] [--tokens 256 1024 8192]
+"""
+
+import argparse
+import datetime
+import itertools
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from fastkda.bench import LOWER_BOUND, make_prefill_inputs, time_graph
+from fastkda.ops.prefill import prepare, recur
+from fastkda.plan import V_SLICE_CHOICES, choose_plan
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def sweep_one(heads, seqs, tokens):
+    """``{s: ms}`` for one configuration, after checking every s gives the same bits."""
+    inp = make_prefill_inputs(dict(H=heads, lengths=[tokens] * seqs, layout="varlen"), "cuda")
+    ws = prepare(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], A_log=inp["A_log"], dt_bias=inp["dt_bias"],
+                 lower_bound=LOWER_BOUND, scale=inp["scale"], cu_seqlens=inp["cu_seqlens"], use_qk_l2norm=True,
+                 use_beta_sigmoid=True)
+    times, first = {}, None
+    for s in V_SLICE_CHOICES:
+        out = torch.empty_like(inp["v"])
+        final = torch.empty_like(inp["initial_state"])
+
+        def run():
+            recur(ws, initial_state=inp["initial_state"], final_state=final, out=out, v_slices=s)
+        run()
+        if first is None:
+            first = (out.clone(), final.clone())
+        elif not (torch.equal(out, first[0]) and torch.equal(final, first[1])):
+            raise AssertionError(f"v_slices={s} differs from v_slices=1 at H={heads} N={seqs} T={tokens}")
+        times[s] = time_graph(run)
+    return times
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--seqs", nargs="*", type=int, default=list(range(1, 17)))
+    parser.add_argument("--heads", nargs="*", type=int, default=[4, 8, 12, 16, 24, 48, 96])
+    parser.add_argument("--tokens", nargs="*", type=int, default=[256, 1024, 8192])
+    parser.add_argument("--budget-s", type=float, default=400.0)
+    args = parser.parse_args()
+    props = torch.cuda.get_device_properties(0)
+    path = RESULTS / f"{datetime.date.today().isoformat()}-{props.name.replace(' ', '_')}-plan-sweep.json"
+    RESULTS.mkdir(exist_ok=True)
+    rows, start = [], time.time()
+    for tokens, heads, seqs in itertools.product(args.tokens, args.heads, args.seqs):
+        if time.time() - start > args.budget_s:
+            print(f"[sweep] budget reached after {len(rows)} configurations")
+            break
+        times = sweep_one(heads, seqs, tokens)
+        auto = choose_plan(seqs, heads, tokens, 128, props.multi_processor_count).v_slices
+        best = min(times, key=times.get)
+        rows.append(dict(H=heads, N=seqs, T=tokens, ms={str(s): round(t, 5) for s, t in times.items()}, best=best,
+                         auto=auto, auto_over_best=round(times[auto] / times[best], 4)))
+        path.write_text(json.dumps(dict(meta=dict(gpu=props.name, sms=props.multi_processor_count,
+                                                  date=datetime.date.today().isoformat()), rows=rows), indent=1))
+    within = sum(r["auto_over_best"] <= 1.02 for r in rows)
+    print(f"[sweep] {len(rows)} configurations, auto within 2% of the best in {within}; results in {path}")
+    for r in rows:
+        if r["auto_over_best"] > 1.02:
+            print(f"[sweep] auto s={r['auto']} is {r['auto_over_best']:.2f}x the best s={r['best']} at "
+                  f"H={r['H']} N={r['N']} T={r['T']}")
+
+
+if __name__ == "__main__":
+    main()
