@@ -18,6 +18,7 @@ import torch
 V_SLICE_CHOICES = (1, 2, 4)
 ENV_V_SLICES = "FASTKDA_V_SLICES"
 MIN_SLICE_WIDTH = 16  # a V-slice narrower than this cannot feed a tensor-core dot
+CHUNK = 64  # tokens per serial step of the prefill recurrence (fastkda.ops.prefill uses this one)
 
 
 @dataclass(frozen=True)
@@ -64,12 +65,13 @@ def choose_plan(num_seqs: int, heads: int, tokens: int, value_dim: int, sms: int
     concurrently), at least :data:`MIN_SLICE_WIDTH` columns wide; ``s = 1`` when nothing fits."""
     choice = requested_v_slices(v_slices)
     pairs = max(num_seqs * heads, 1)
+    chain = f"; each program walks {-(-tokens // CHUNK)} chunk(s) of {CHUNK} tokens in order"
     if choice != "auto":
         if value_dim // choice < MIN_SLICE_WIDTH or value_dim % choice:
             raise ValueError(f"v_slices={choice} leaves slices narrower than {MIN_SLICE_WIDTH} for V={value_dim}")
-        return Plan(choice, choice * pairs, sms, f"v_slices={choice} requested")
+        return Plan(choice, choice * pairs, sms, f"v_slices={choice} requested" + chain)
     fitting = [s for s in V_SLICE_CHOICES if s * pairs <= sms and value_dim // s >= MIN_SLICE_WIDTH]
     slices = max(fitting, default=1)
     reason = (f"{slices} slice(s): {slices}*N*H = {slices * pairs} programs <= {sms} SMs" if fitting
               else f"1 slice: N*H = {pairs} programs already exceed {sms} SMs")
-    return Plan(slices, slices * pairs, sms, reason)
+    return Plan(slices, slices * pairs, sms, reason + chain)

@@ -6,7 +6,6 @@ python scripts/prepare_variants.py [--only H96_B1_T8192 ...] [--blocks 16 32] [-
 import argparse
 import itertools
 
-import torch
 from triton.testing import do_bench
 
 from fastkda.bench import fastkda_runner, load_workloads, make_prefill_inputs

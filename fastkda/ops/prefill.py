@@ -27,10 +27,10 @@ import torch
 import triton
 import triton.language as tl
 
+from ..plan import CHUNK  # tokens per chunk (one serial step of the recurrence)
 from ..reference import LOG_DECAY_FLOOR as _FLOOR
 from .common import bf16_operand, interpreting, load_f32, store_as
 
-CHUNK = 64  # tokens per chunk (one serial step of the recurrence)
 BLOCK = 16  # tokens per block inside a chunk (the range over which exp(-G) factors are formed)
 CHANNEL_BLOCK = 16  # key/value channels the preparation kernel holds in registers at a time
 PREPARE_WARPS = 8  # with CHANNEL_BLOCK = 16: no register spills (ptxas, sm_90a); 4 warps or 32 channels spill
