@@ -303,12 +303,17 @@ def main(argv=None):
     workloads = load_workloads(args.workloads)
     chosen = select(workloads, args.only, args.group, args.quick)
     impls = {k: IMPLS[k] for k in args.impls}
+    errors = {}
+    for impl, factory in impls.items():  # first, so that a run cut short still reports accuracy
+        try:
+            errors[impl] = accuracy(factory, "cuda")
+        except Exception as exc:
+            print(f"[bench] {impl} accuracy not measured: {type(exc).__name__}: {exc}", file=sys.stderr)
     rows, available = [], list(impls)
     for w in chosen:  # results are rewritten after every workload, so a run cut short still leaves them
         new_rows, available = run_benchmark([w], {k: impls[k] for k in available})
         rows += new_rows
-        write_results(rows, available, workloads, Path(args.out_dir), errors={})
-    errors = {impl: accuracy(impls[impl], "cuda") for impl in available}
+        write_results(rows, available, workloads, Path(args.out_dir), errors)
     print(write_results(rows, available, workloads, Path(args.out_dir), errors))
     return 0
 
