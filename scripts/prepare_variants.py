@@ -1,33 +1,41 @@
-"""Time the preparation kernel's launch variants (channel block x warps) in one device call, and check each
-variant's output against the default's (they differ only in summation order, so within 1e-2 relative).
+"""Time the preparation step's implementations and launch settings in one device call (whole prefill call,
+auto plan), checking each variant's output against the first's (they differ only in summation order).
 
-python scripts/prepare_variants.py [--only H96_B1_T8192 ...] [--blocks 16 32] [--warps 4 8]"""
+python scripts/prepare_variants.py [--only H12_N1_T8192 H96_B1_T8192]"""
 
 import argparse
-import itertools
 
 from triton.testing import do_bench
 
 from fastkda.bench import fastkda_runner, load_workloads, make_prefill_inputs
 from fastkda.ops import prefill
 
+# (label, module settings): the split path's solve kernel and the fused kernel's channel block and warps
+VARIANTS = [
+    ("split solve32/w8", dict(PREPARE_PATH="split", SOLVE_CHANNEL_BLOCK=32, SOLVE_WARPS=8, INTRA_WARPS=4)),
+    ("split solve16/w4", dict(PREPARE_PATH="split", SOLVE_CHANNEL_BLOCK=16, SOLVE_WARPS=4, INTRA_WARPS=4)),
+    ("split intra w8", dict(PREPARE_PATH="split", SOLVE_CHANNEL_BLOCK=32, SOLVE_WARPS=8, INTRA_WARPS=8)),
+    ("fused 16/w8", dict(PREPARE_PATH="fused", CHANNEL_BLOCK=16, PREPARE_WARPS=8)),
+    ("fused 32/w4", dict(PREPARE_PATH="fused", CHANNEL_BLOCK=32, PREPARE_WARPS=4)),
+]
+
 parser = argparse.ArgumentParser()
 parser.add_argument("--only", nargs="*", default=["H12_N1_T8192", "H96_B1_T8192"])
-parser.add_argument("--blocks", nargs="*", type=int, default=[16, 32])
-parser.add_argument("--warps", nargs="*", type=int, default=[4, 8])
 args = parser.parse_args()
-default = (prefill.CHANNEL_BLOCK, prefill.PREPARE_WARPS)
+defaults = {name: getattr(prefill, name) for _, settings in VARIANTS for name in settings}
 for w in load_workloads()["prefill"]:
     if w["name"] not in args.only:
         continue
     run = fastkda_runner(make_prefill_inputs(w, "cuda"), "auto")
-    prefill.CHANNEL_BLOCK, prefill.PREPARE_WARPS = default
-    expected = run()[0].clone()
-    for block, warps in itertools.product(args.blocks, args.warps):
-        prefill.CHANNEL_BLOCK, prefill.PREPARE_WARPS = block, warps
+    expected = None
+    for label, settings in VARIANTS:
+        for name, value in settings.items():
+            setattr(prefill, name, value)
         out = run()[0]
-        err = ((out.float() - expected.float()).norm() / expected.float().norm()).item()
+        if expected is None:
+            expected = out.float().clone()
+        err = ((out.float() - expected).norm() / expected.norm()).item()
         ms = do_bench(run, warmup=10, rep=50, return_mode="median")
-        print(f"[variants] {w['name']} channel_block={block} warps={warps}: {ms:.3f} ms (whole call), "
-              f"vs default {err:.1e}")
-prefill.CHANNEL_BLOCK, prefill.PREPARE_WARPS = default
+        print(f"[variants] {w['name']} {label}: {ms:.3f} ms (whole call), vs first variant {err:.1e}")
+    for name, value in defaults.items():
+        setattr(prefill, name, value)

@@ -32,7 +32,15 @@ from ..reference import LOG_DECAY_FLOOR as _FLOOR
 from .common import bf16_operand, interpreting, load_f32, store_as
 
 BLOCK = 16  # tokens per block inside a chunk (the range over which exp(-G) factors are formed)
-CHANNEL_BLOCK = 16  # key/value channels the preparation kernel holds in registers at a time
+# Two implementations of the preparation step, kept side by side until the H200 decides between them
+# (docs/perf-notes.md): "fused", one program per (chunk, head) (_prepare_kernel), and "split", one program per
+# 16-token row block for the in-chunk products (_intra_kernel) then one per (chunk, head) for the inverse
+# and w, u (_solve_kernel), with an fp32 scratch for β·L between them.
+PREPARE_PATH = "split"
+INTRA_WARPS = 4  # ptxas (sm_90a): 226 registers, no spills; 8 warps: 208 registers, 1 program per SM
+SOLVE_CHANNEL_BLOCK = 32  # channels _solve_kernel holds in registers at a time
+SOLVE_WARPS = 8  # with 32 channels: 196 registers, no spills; 4 warps with 64 channels spill 1.4 KB
+CHANNEL_BLOCK = 16  # key/value channels the fused preparation kernel holds in registers at a time
 PREPARE_WARPS = 8  # with CHANNEL_BLOCK = 16: no register spills (ptxas, sm_90a); 4 warps or 32 channels spill
 LOG_DECAY_FLOOR: tl.constexpr = tl.constexpr(_FLOOR)  # precomputed gates are clamped here (reference.py)
 
@@ -56,6 +64,26 @@ def _first_slot(n, bos, seq_len, C: tl.constexpr, IS_VARLEN: tl.constexpr):
         return bos // C + n
     else:
         return n * tl.cdiv(seq_len, C)
+
+
+@triton.jit
+def _chunk_of_slot(slot, cu_seqlens, seq_len, num_seqs, C: tl.constexpr, IS_VARLEN: tl.constexpr):
+    """First token of chunk ``slot`` and one past its sequence's last token (a slot past the end of its
+    sequence gives an empty chunk)."""
+    if IS_VARLEN:  # the last sequence whose first slot is <= slot
+        lo = 0
+        hi = num_seqs - 1
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if tl.load(cu_seqlens + mid).to(tl.int32) // C + mid <= slot:
+                lo = mid
+            else:
+                hi = mid - 1
+        n = lo
+    else:
+        n = slot // tl.cdiv(seq_len, C)
+    bos, eos = _sequence_span(cu_seqlens, n, seq_len, IS_VARLEN)
+    return bos + (slot - _first_slot(n, bos, seq_len, C, IS_VARLEN)) * C, eos
 
 
 @triton.jit
@@ -100,20 +128,7 @@ def _prepare_kernel(
     slot = tl.program_id(0)
     h = tl.program_id(1)
     NB: tl.constexpr = C // BC
-    if IS_VARLEN:  # the last sequence whose first slot is <= slot
-        lo = 0
-        hi = num_seqs - 1
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            if tl.load(cu_seqlens + mid).to(tl.int32) // C + mid <= slot:
-                lo = mid
-            else:
-                hi = mid - 1
-        n = lo
-    else:
-        n = slot // tl.cdiv(seq_len, C)
-    bos, eos = _sequence_span(cu_seqlens, n, seq_len, IS_VARLEN)
-    chunk_start = bos + (slot - _first_slot(n, bos, seq_len, C, IS_VARLEN)) * C
+    chunk_start, eos = _chunk_of_slot(slot, cu_seqlens, seq_len, num_seqs, C, IS_VARLEN)
 
     r = tl.arange(0, C)
     cols = tl.arange(0, C)
@@ -190,11 +205,19 @@ def _prepare_kernel(
     store_as(A_ws + tok64[:, None] * (H * C) + h * C + cols[None, :], tl.where(r[:, None] >= cols[None, :], M, 0.0),
              valid[:, None] & (cols[None, :] < C), EMULATE)
 
-    # T = (I + L)^-1: block-diagonal part by the nilpotent product formula, then the 4-block Neumann series.
     L = tl.where(r[:, None] > cols[None, :], L * bv[:, None], 0.0)
-    same_block = blk[:, None] == (cols // BC)[None, :]
-    eye = r[:, None] == cols[None, :]
-    power = tl.where(same_block, L, 0.0)
+    T_inv = _unit_lower_inverse(L, C, BC, DOT_PRECISION)
+    _write_w_u(T_inv, k, v, g, tok64, valid, k_scale, bv, stride_k, stride_v, stride_g, h, A_log, dt_bias,
+               lower_bound, w_ws, u_ws, H, K, V, BK, LOWER_BOUND_GATE, DOT_PRECISION, EMULATE)
+
+
+@triton.jit
+def _unit_lower_inverse(L, C: tl.constexpr, BC: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """``(I + L)^-1`` for a strictly lower ``[C, C]`` L: the block-diagonal part by the nilpotent product
+    formula, then the Neumann series of the C/BC = 4 block-lower part (it ends at the third power)."""
+    r = tl.arange(0, C)
+    eye = r[:, None] == r[None, :]
+    power = tl.where((r // BC)[:, None] == (r // BC)[None, :], L, 0.0)
     off_diagonal = L - power
     D_inv = tl.where(eye, 1.0, 0.0) - power
     for _ in tl.static_range(3):  # (I - Ld)(I + Ld^2)(I + Ld^4)(I + Ld^8)
@@ -202,23 +225,166 @@ def _prepare_kernel(
         D_inv = tl.dot(D_inv, tl.where(eye, 1.0, 0.0) + power, input_precision=DOT_PRECISION)
     Y = tl.dot(D_inv, off_diagonal, input_precision=DOT_PRECISION)
     Y2 = tl.dot(Y, Y, input_precision=DOT_PRECISION)
-    T_inv = tl.dot(tl.dot(tl.where(eye, 1.0, 0.0) - Y, tl.where(eye, 1.0, 0.0) + Y2, input_precision=DOT_PRECISION),
-                   D_inv, input_precision=DOT_PRECISION)
+    return tl.dot(tl.dot(tl.where(eye, 1.0, 0.0) - Y, tl.where(eye, 1.0, 0.0) + Y2, input_precision=DOT_PRECISION),
+                  D_inv, input_precision=DOT_PRECISION)
 
-    for kb in tl.static_range(K // BK):  # w = T·β·kd, recomputing kd (cheaper than a round trip)
+
+@triton.jit
+def _write_w_u(T_inv, k, v, g, tok64, valid, k_scale, bv, stride_k, stride_v, stride_g, h, A_log, dt_bias,
+               lower_bound, w_ws, u_ws, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
+               LOWER_BOUND_GATE: tl.constexpr, DOT_PRECISION: tl.constexpr, EMULATE: tl.constexpr):
+    """``w = T·β·kd`` and ``u = T·β·v`` for one chunk, BK channels at a time; kd = k̂·exp(G) is recomputed
+    from the inputs (cheaper than a round trip through memory)."""
+    for kb in tl.static_range(K // BK):
         kk = kb * BK + tl.arange(0, BK)
         m = valid[:, None] & (kk[None, :] < K)
-        kv = load_f32(k_rows + kk[None, :], m) * k_scale[:, None]
+        kv = load_f32(k + tok64[:, None] * stride_k + h * K + kk[None, :], m) * k_scale[:, None]
         G = tl.cumsum(_log_decay_block(g, tok64, stride_g, h, kk, m, A_log, dt_bias, lower_bound, K,
                                        LOWER_BOUND_GATE), axis=0)
         w = tl.dot(T_inv, kv * tl.exp(G) * bv[:, None], input_precision=DOT_PRECISION)
-        store_as(w_ws + row_k + kk[None, :], w, m, EMULATE)
-    for vb in tl.static_range(V // BK):  # u = T·β·v
+        store_as(w_ws + tok64[:, None] * (H * K) + h * K + kk[None, :], w, m, EMULATE)
+    for vb in tl.static_range(V // BK):
         vv = vb * BK + tl.arange(0, BK)
         m = valid[:, None] & (vv[None, :] < V)
         vvv = load_f32(v + tok64[:, None] * stride_v + h * V + vv[None, :], m)
         u = tl.dot(T_inv, vvv * bv[:, None], input_precision=DOT_PRECISION)
         store_as(u_ws + tok64[:, None] * (H * V) + h * V + vv[None, :], u, m, EMULATE)
+
+
+@triton.jit
+def _diagonal_block_elementwise(q_b, k_b, G_b, BC: tl.constexpr):
+    """``[BC, BC]`` blocks ``q_i·k_j`` and ``k_i·k_j`` weighted by ``exp(G_i - G_j)`` for i >= j, the exponent
+    never split in two factors (for an unbounded precomputed gate)."""
+    cb = tl.arange(0, BC)
+    m_blk = tl.zeros((BC, BC), dtype=tl.float32)
+    l_blk = tl.zeros((BC, BC), dtype=tl.float32)
+    for jj in range(BC):
+        k_j = _row_at(k_b, jj, BC)
+        G_j = _row_at(G_b, jj, BC)
+        decay = tl.where((cb >= jj)[:, None], tl.exp(tl.minimum(G_b - G_j[None, :], 0.0)), 0.0) * k_j[None, :]
+        at_col = cb[None, :] == jj
+        m_blk += tl.where(at_col, tl.sum(q_b * decay, axis=1)[:, None], 0.0)
+        l_blk += tl.where(at_col, tl.sum(k_b * decay, axis=1)[:, None], 0.0)
+    return m_blk, l_blk
+
+
+@triton.jit
+def _intra_kernel(
+    q, k, g, beta, A_log, dt_bias, cu_seqlens,
+    qg_ws, kg_ws, A_ws, L_ws, k_scale_ws, decay_ws,
+    stride_q, stride_k, stride_g, stride_beta_tok, stride_beta_head,
+    seq_len, num_seqs, lower_bound, scale,
+    H: tl.constexpr, K: tl.constexpr, C: tl.constexpr, BC: tl.constexpr,
+    IS_VARLEN: tl.constexpr, LOWER_BOUND_GATE: tl.constexpr, L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, EMULATE: tl.constexpr,
+):
+    """Split preparation, step 1: one 16-token row block ``I`` of one (chunk, head). Writes rows I of
+    ``M`` (the A workspace) and of ``β·L`` (fp32 scratch), qg/kg and the key scale of its tokens, and (I = 0)
+    the chunk decay. Each block pair is one ``[16, K] @ [K, 16]`` product: small programs, many per SM."""
+    slot = tl.program_id(0)
+    h = tl.program_id(1)
+    I = tl.program_id(2)
+    NB: tl.constexpr = C // BC
+    chunk_start, eos = _chunk_of_slot(slot, cu_seqlens, seq_len, num_seqs, C, IS_VARLEN)
+    kk = tl.arange(0, K)
+    cb = tl.arange(0, BC)
+
+    G_before = tl.zeros((K,), dtype=tl.float32)  # log-decay summed over the blocks before I, and over the chunk
+    G_last = tl.zeros((K,), dtype=tl.float32)
+    for J in range(NB):  # runtime loops here and below: unrolled, their loads were hoisted and spilled
+        tok_J = (chunk_start + J * BC + cb).to(tl.int64)
+        m_J = (tok_J < eos)[:, None] & (kk[None, :] < K)
+        total = tl.sum(_log_decay_block(g, tok_J, stride_g, h, kk, m_J, A_log, dt_bias, lower_bound, K,
+                                        LOWER_BOUND_GATE), axis=0)
+        G_last += total
+        G_before += tl.where(J < I, total, 0.0)
+
+    tok = (chunk_start + I * BC + cb).to(tl.int64)
+    valid = tok < eos
+    m_I = valid[:, None] & (kk[None, :] < K)
+    q_I = load_f32(q + tok[:, None] * stride_q + h * K + kk[None, :], m_I)
+    k_I = load_f32(k + tok[:, None] * stride_k + h * K + kk[None, :], m_I)
+    if L2NORM:
+        q_I = q_I * (tl.rsqrt(tl.sum(q_I * q_I, axis=1) + 1e-6) * scale)[:, None]
+        k_scale = tl.rsqrt(tl.sum(k_I * k_I, axis=1) + 1e-6)
+        k_I = k_I * k_scale[:, None]
+    else:
+        q_I = q_I * scale
+        k_scale = tl.zeros((BC,), dtype=tl.float32) + 1.0
+    tl.store(k_scale_ws + tok * H + h, k_scale, mask=valid)
+    G_I = G_before[None, :] + tl.cumsum(_log_decay_block(g, tok, stride_g, h, kk, m_I, A_log, dt_bias, lower_bound,
+                                                         K, LOWER_BOUND_GATE), axis=0)
+    bv = load_f32(beta + tok * stride_beta_tok + h * stride_beta_head, valid)
+    if BETA_SIGMOID:
+        bv = tl.sigmoid(bv)
+    bv = tl.where(valid, bv, 0.0)
+    row_k = tok[:, None] * (H * K) + h * K + kk[None, :]
+    store_as(qg_ws + row_k, q_I * tl.exp(G_I), m_I, EMULATE)
+    store_as(kg_ws + row_k, k_I * tl.exp(G_last[None, :] - G_I), m_I, EMULATE)
+    tl.store(decay_ws + (slot * H + h) * K + kk, tl.exp(G_last), mask=(kk < K) & (I == 0))
+
+    row_c = tok[:, None] * (H * C) + h * C
+    m_row = valid[:, None] & (cb[None, :] < BC)
+    G_start_J = tl.zeros((K,), dtype=tl.float32)
+    for J in range(I + 1):
+        tok_J = (chunk_start + J * BC + cb).to(tl.int64)
+        m_J = (tok_J < eos)[:, None] & (kk[None, :] < K)
+        k_J = load_f32(k + tok_J[:, None] * stride_k + h * K + kk[None, :], m_J)
+        if L2NORM:
+            k_J = k_J * tl.rsqrt(tl.sum(k_J * k_J, axis=1) + 1e-6)[:, None]
+        a_J = _log_decay_block(g, tok_J, stride_g, h, kk, m_J, A_log, dt_bias, lower_bound, K, LOWER_BOUND_GATE)
+        G_J = G_start_J[None, :] + tl.cumsum(a_J, axis=0)
+        G_end_J = G_start_J + tl.sum(a_J, axis=0)
+        # exp(G_i - G_j) = exp(G_i - G_end(J)) * exp(G_end(J) - G_j); the first factor is <= 1 for J < I and
+        # <= e^(15*5) on the diagonal block under the lower-bound gate
+        exponent = G_I - G_end_J[None, :]
+        if not LOWER_BOUND_GATE:
+            exponent = tl.minimum(exponent, 0.0)  # the diagonal block is replaced below
+        row_factor = tl.exp(exponent)
+        col = tl.trans(k_J * tl.exp(G_end_J[None, :] - G_J))
+        m_blk = tl.dot(q_I * row_factor, col, input_precision=DOT_PRECISION)
+        l_blk = tl.dot(k_I * row_factor, col, input_precision=DOT_PRECISION)
+        if not LOWER_BOUND_GATE:
+            if J == I:
+                m_blk, l_blk = _diagonal_block_elementwise(q_I, k_I, G_I, BC)
+        earlier = J < I
+        m_blk = tl.where((cb[:, None] >= cb[None, :]) | earlier, m_blk, 0.0)
+        l_blk = tl.where((cb[:, None] > cb[None, :]) | earlier, l_blk * bv[:, None], 0.0)
+        store_as(A_ws + row_c + J * BC + cb[None, :], m_blk, m_row, EMULATE)
+        tl.store(L_ws + row_c + J * BC + cb[None, :], l_blk, mask=m_row)
+        G_start_J = G_end_J
+    zeros = tl.zeros((BC, BC), dtype=tl.float32)
+    for J in range(I + 1, NB):  # the blocks above the diagonal
+        store_as(A_ws + row_c + J * BC + cb[None, :], zeros, m_row, EMULATE)
+        tl.store(L_ws + row_c + J * BC + cb[None, :], zeros, mask=m_row)
+
+
+@triton.jit
+def _solve_kernel(
+    k, v, g, beta, A_log, dt_bias, cu_seqlens, L_ws, k_scale_ws, w_ws, u_ws,
+    stride_k, stride_v, stride_g, stride_beta_tok, stride_beta_head, seq_len, num_seqs, lower_bound,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
+    IS_VARLEN: tl.constexpr, LOWER_BOUND_GATE: tl.constexpr, BETA_SIGMOID: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, EMULATE: tl.constexpr,
+):
+    """Split preparation, step 2: one (chunk, head). ``T = (I + β·L)^-1`` from the scratch, then
+    ``w = T·β·kd`` and ``u = T·β·v``."""
+    slot = tl.program_id(0)
+    h = tl.program_id(1)
+    chunk_start, eos = _chunk_of_slot(slot, cu_seqlens, seq_len, num_seqs, C, IS_VARLEN)
+    r = tl.arange(0, C)
+    tok64 = (chunk_start + r).to(tl.int64)
+    valid = tok64 < eos
+    L = tl.load(L_ws + tok64[:, None] * (H * C) + h * C + r[None, :], mask=valid[:, None] & (r[None, :] < C),
+                other=0.0)
+    T_inv = _unit_lower_inverse(L, C, BC, DOT_PRECISION)
+    k_scale = tl.load(k_scale_ws + tok64 * H + h, mask=valid, other=0.0)
+    bv = load_f32(beta + tok64 * stride_beta_tok + h * stride_beta_head, valid)
+    if BETA_SIGMOID:
+        bv = tl.sigmoid(bv)
+    bv = tl.where(valid, bv, 0.0)
+    _write_w_u(T_inv, k, v, g, tok64, valid, k_scale, bv, stride_k, stride_v, stride_g, h, A_log, dt_bias,
+               lower_bound, w_ws, u_ws, H, K, V, BK, LOWER_BOUND_GATE, DOT_PRECISION, EMULATE)
 
 
 @triton.jit
@@ -305,17 +471,34 @@ def prepare(q, k, v, g, beta, *, A_log, dt_bias, lower_bound, scale, cu_seqlens,
                    cu_seqlens=cu_seqlens, seq_len=seq_len, num_seqs=num_seqs)
     lower_bound_gate = lower_bound is not None
     absent = ws.decay  # stands for absent optional tensors; never dereferenced
-    if slots > 0:
+    gate = (A_log if lower_bound_gate else absent, dt_bias if lower_bound_gate else absent)
+    cu = cu_seqlens if varlen else absent
+    flags = dict(IS_VARLEN=varlen, LOWER_BOUND_GATE=lower_bound_gate, BETA_SIGMOID=use_beta_sigmoid,
+                 DOT_PRECISION=dot_precision, EMULATE=interpreting())
+    bound = float(lower_bound) if lower_bound_gate else 0.0
+    if slots == 0:
+        return ws
+    if PREPARE_PATH == "split":
+        L_ws = torch.empty(tokens, heads, CHUNK, dtype=torch.float32, device=q.device)
+        k_scale_ws = torch.empty(tokens, heads, dtype=torch.float32, device=q.device)
+        _intra_kernel[(slots, heads, CHUNK // BLOCK)](
+            q, k, g, beta, *gate, cu, ws.qg, ws.kg, ws.A, L_ws, k_scale_ws, ws.decay,
+            q.stride(1), k.stride(1), g.stride(1), beta.stride(1), beta.stride(2),
+            seq_len, num_seqs, bound, float(scale),
+            H=heads, K=key_dim, C=CHUNK, BC=BLOCK, L2NORM=use_qk_l2norm, **flags, num_warps=INTRA_WARPS,
+        )
+        _solve_kernel[(slots, heads)](
+            k, v, g, beta, *gate, cu, L_ws, k_scale_ws, ws.w, ws.u,
+            k.stride(1), v.stride(1), g.stride(1), beta.stride(1), beta.stride(2), seq_len, num_seqs, bound,
+            H=heads, K=key_dim, V=value_dim, C=CHUNK, BC=BLOCK, BK=SOLVE_CHANNEL_BLOCK, **flags,
+            num_warps=SOLVE_WARPS,
+        )
+    else:
         _prepare_kernel[(slots, heads)](
-            q, k, v, g, beta,
-            A_log if lower_bound_gate else absent, dt_bias if lower_bound_gate else absent,
-            cu_seqlens if varlen else absent,
-            ws.w, ws.u, ws.qg, ws.kg, ws.A, ws.decay,
+            q, k, v, g, beta, *gate, cu, ws.w, ws.u, ws.qg, ws.kg, ws.A, ws.decay,
             q.stride(1), k.stride(1), v.stride(1), g.stride(1), beta.stride(1), beta.stride(2),
-            seq_len, num_seqs, float(lower_bound) if lower_bound_gate else 0.0, float(scale),
-            H=heads, K=key_dim, V=value_dim, C=CHUNK, BC=BLOCK, BK=CHANNEL_BLOCK,
-            IS_VARLEN=varlen, LOWER_BOUND_GATE=lower_bound_gate, L2NORM=use_qk_l2norm,
-            BETA_SIGMOID=use_beta_sigmoid, DOT_PRECISION=dot_precision, EMULATE=interpreting(),
+            seq_len, num_seqs, bound, float(scale),
+            H=heads, K=key_dim, V=value_dim, C=CHUNK, BC=BLOCK, BK=CHANNEL_BLOCK, L2NORM=use_qk_l2norm, **flags,
             num_warps=PREPARE_WARPS,
         )
     return ws
