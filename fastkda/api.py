@@ -12,7 +12,7 @@ from typing import Optional
 import torch
 
 from .plan import choose_plan, sm_count
-from .reference import kda_chunked
+from .reference import kda_chunked, kda_decode_reference
 
 SUPPORTED_DIMS = (64, 128)
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -21,7 +21,7 @@ MIN_LOWER_BOUND = -5.0  # exp(-G) over a 16-token block stays below e^80 (fp32/b
 
 
 def _fail(name, expected, got):
-    raise ValueError(f"kda_prefill: {name} must be {expected}, got {got}")
+    raise ValueError(f"fastkda: {name} must be {expected}, got {got}")
 
 
 def _check_tensor(name, x, shape, dtypes, device):
@@ -43,9 +43,8 @@ def _check_token_rows(name, x):
               f"strides {tuple(x.stride())}")
 
 
-def validate_prefill(q, k, v, g, beta, A_log, dt_bias, lower_bound, scale, initial_state, final_state,
-                     cu_seqlens, out):
-    """Raise ``ValueError`` naming the first argument that breaks the contract (spec §3); return N."""
+def _check_inputs(q, k, v, g, beta):
+    """q, k, g ``[B, T, H, K]``, v ``[B, T, H, V]``, beta ``[B, T, H]``; returns the value dimension."""
     if not isinstance(q, torch.Tensor) or q.dim() != 4:
         _fail("q", "a 4-D tensor [B, T, H, K]", getattr(q, "shape", type(q).__name__))
     batch, length, heads, key_dim = q.shape
@@ -64,22 +63,46 @@ def validate_prefill(q, k, v, g, beta, A_log, dt_bias, lower_bound, scale, initi
         _check_token_rows(name, x)
     if batch > 1 and beta.stride(0) != length * beta.stride(1):
         _fail("beta", "a view whose batch rows are back to back", f"strides {tuple(beta.stride())}")
+    return value_dim
+
+
+def _check_gate(A_log, dt_bias, lower_bound, heads, key_dim, device):
+    """All three lower-bound gate arguments, or none (then g is the log-decay)."""
     gate_args = (A_log, dt_bias, lower_bound)
     if any(x is not None for x in gate_args) and any(x is None for x in gate_args):
         _fail("A_log, dt_bias and lower_bound", "all given (lower-bound gate) or all None (g is the log-decay)",
               f"A_log={'set' if A_log is not None else None}, dt_bias={'set' if dt_bias is not None else None}, "
               f"lower_bound={lower_bound}")
-    if lower_bound is not None:
-        if not isinstance(lower_bound, (int, float)) or not MIN_LOWER_BOUND <= lower_bound < 0:
-            _fail("lower_bound", f"a number in [{MIN_LOWER_BOUND}, 0)", lower_bound)
-        _check_tensor("A_log", A_log.reshape(-1) if isinstance(A_log, torch.Tensor) else A_log, (heads,),
-                      FLOAT_DTYPES, device)
-        if isinstance(dt_bias, torch.Tensor) and dt_bias.numel() == heads * key_dim and dt_bias.is_contiguous():
-            dt_bias = dt_bias.reshape(heads, key_dim)
-        else:
-            _fail("dt_bias", f"a contiguous tensor of {heads * key_dim} values ([H, K] or [H*K])",
-                  getattr(dt_bias, "shape", type(dt_bias).__name__))
-        _check_tensor("dt_bias", dt_bias, (heads, key_dim), FLOAT_DTYPES, device)
+    if lower_bound is None:
+        return
+    if not isinstance(lower_bound, (int, float)) or not MIN_LOWER_BOUND <= lower_bound < 0:
+        _fail("lower_bound", f"a number in [{MIN_LOWER_BOUND}, 0)", lower_bound)
+    _check_tensor("A_log", A_log.reshape(-1) if isinstance(A_log, torch.Tensor) else A_log, (heads,),
+                  FLOAT_DTYPES, device)
+    if isinstance(dt_bias, torch.Tensor) and dt_bias.numel() == heads * key_dim and dt_bias.is_contiguous():
+        dt_bias = dt_bias.reshape(heads, key_dim)
+    else:
+        _fail("dt_bias", f"a contiguous tensor of {heads * key_dim} values ([H, K] or [H*K])",
+              getattr(dt_bias, "shape", type(dt_bias).__name__))
+    _check_tensor("dt_bias", dt_bias, (heads, key_dim), FLOAT_DTYPES, device)
+
+
+def _check_out(out, v, inputs):
+    if out is not None:
+        _check_tensor("out", out, v.shape, (v.dtype,), v.device)
+        if not out.is_contiguous():
+            _fail("out", "contiguous", f"strides {tuple(out.stride())}")
+        if out.data_ptr() in {x.data_ptr() for x in inputs}:
+            _fail("out", "a buffer that is not also an input", "an input tensor")
+
+
+def validate_prefill(q, k, v, g, beta, A_log, dt_bias, lower_bound, scale, initial_state, final_state,
+                     cu_seqlens, out):
+    """Raise ``ValueError`` naming the first argument that breaks the contract (spec §3); return N."""
+    value_dim = _check_inputs(q, k, v, g, beta)
+    batch, length, heads, key_dim = q.shape
+    device = q.device
+    _check_gate(A_log, dt_bias, lower_bound, heads, key_dim, device)
     if not isinstance(scale, (int, float)) or not scale > 0:
         _fail("scale", "a positive number", scale)
     if cu_seqlens is None:
@@ -99,12 +122,7 @@ def validate_prefill(q, k, v, g, beta, A_log, dt_bias, lower_bound, scale, initi
             _check_tensor(name, state, state_shape, STATE_DTYPES, device)
             if not state.is_contiguous():
                 _fail(name, "contiguous", f"strides {tuple(state.stride())}")
-    if out is not None:
-        _check_tensor("out", out, v.shape, (v.dtype,), device)
-        if not out.is_contiguous():
-            _fail("out", "contiguous", f"strides {tuple(out.stride())}")
-        if out.data_ptr() in {x.data_ptr() for x in (q, k, v, g)}:
-            _fail("out", "a buffer that is not also an input", "an input tensor")
+    _check_out(out, v, (q, k, v, g))
     return num_seqs
 
 
@@ -187,3 +205,83 @@ def kda_prefill(
     _prefill_op(q, k, v, g, beta, A_log, dt_bias, lower_bound, float(scale), initial_state, cu_seqlens,
                 use_qk_l2norm, use_beta_sigmoid, plan.v_slices, out, final_state)
     return out, final_state
+
+
+def validate_decode(q, k, v, g, beta, state_pool, slots, A_log, dt_bias, lower_bound, scale, num_accepted_tokens,
+                    out):
+    """Raise ``ValueError`` naming the first argument that breaks the decode contract (spec §5)."""
+    value_dim = _check_inputs(q, k, v, g, beta)
+    num_seqs, tokens, heads, key_dim = q.shape
+    device = q.device
+    _check_gate(A_log, dt_bias, lower_bound, heads, key_dim, device)
+    if not isinstance(scale, (int, float)) or not scale > 0:
+        _fail("scale", "a positive number", scale)
+    if not isinstance(state_pool, torch.Tensor) or state_pool.dim() != 4:
+        _fail("state_pool", "a 4-D tensor [P, H, V, K]", getattr(state_pool, "shape", type(state_pool).__name__))
+    _check_tensor("state_pool", state_pool, (state_pool.shape[0], heads, value_dim, key_dim), STATE_DTYPES, device)
+    if not state_pool.is_contiguous():
+        _fail("state_pool", "contiguous", f"strides {tuple(state_pool.stride())}")
+    if not isinstance(slots, torch.Tensor) or tuple(slots.shape) not in ((num_seqs,), (num_seqs, tokens)):
+        _fail("slots", f"of shape [{num_seqs}] or [{num_seqs}, {tokens}]", getattr(slots, "shape", type(slots).__name__))
+    _check_tensor("slots", slots, slots.shape, (torch.int32, torch.int64), device)
+    if num_accepted_tokens is not None:
+        if slots.dim() != 2:
+            _fail("slots", "per-token [N, T] when num_accepted_tokens is given", list(slots.shape))
+        _check_tensor("num_accepted_tokens", num_accepted_tokens, (num_seqs,), (torch.int32, torch.int64), device)
+    _check_out(out, v, (q, k, v, g, state_pool))
+
+
+@torch.library.custom_op("fastkda::decode", mutates_args=("state_pool", "out"))
+def _decode_op(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+    state_pool: torch.Tensor, slots: torch.Tensor, A_log: Optional[torch.Tensor], dt_bias: Optional[torch.Tensor],
+    lower_bound: Optional[float], scale: float, num_accepted_tokens: Optional[torch.Tensor], use_qk_l2norm: bool,
+    use_beta_sigmoid: bool, v_slices: int, out: torch.Tensor,
+) -> None:
+    """One opaque op: the Triton kernel on CUDA, the token-by-token PyTorch path on CPU."""
+    kw = dict(A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, scale=scale,
+              num_accepted_tokens=num_accepted_tokens, use_qk_l2norm=use_qk_l2norm, use_beta_sigmoid=use_beta_sigmoid)
+    if q.is_cuda:
+        from .ops.decode import recurrent_kda_decode
+
+        recurrent_kda_decode(q, k, v, g, beta, state_pool, slots, **kw, v_slices=v_slices, out=out)
+        return
+    out.copy_(kda_decode_reference(q, k, v, g, beta, state_pool, slots, **kw))
+
+
+@_decode_op.register_fake
+def _decode_fake(q, k, v, g, beta, state_pool, slots, A_log, dt_bias, lower_bound, scale, num_accepted_tokens,
+                 use_qk_l2norm, use_beta_sigmoid, v_slices, out):
+    return None
+
+
+def kda_decode(
+    q, k, v, g, beta, state_pool, slots, *, A_log=None, dt_bias=None, lower_bound=None, scale=None,
+    num_accepted_tokens=None, use_qk_l2norm=True, use_beta_sigmoid=True, out=None, v_slices="auto",
+):
+    """KDA decode over a state pool, updated in place (spec §5). Returns o ``[N, T, H, V]``.
+
+    Args:
+        q, k, g: ``[N, T, H, K]``; v: ``[N, T, H, V]``; beta: ``[N, T, H]``: T >= 1 tokens per sequence.
+        state_pool: ``[P, H, V, K]``, fp32 or bf16, contiguous.
+        slots: ``[N]`` int (each sequence reads and writes its slot) or ``[N, T]`` (the state after token t is
+            written to ``slots[n, t]``; the initial state is read from ``slots[n, num_accepted_tokens[n] - 1]``
+            when ``num_accepted_tokens [N]`` is given, else ``slots[n, 0]``). A negative read slot is a padding
+            row: zero output, nothing read or written; a negative write slot skips that write.
+        A_log, dt_bias, lower_bound, scale, use_qk_l2norm, use_beta_sigmoid: as in :func:`kda_prefill`.
+        v_slices: the launch plan's V-split (``"auto"``, 1, 2, 4), as in :func:`kda_prefill`.
+    """
+    if scale is None and isinstance(q, torch.Tensor) and q.dim() == 4:
+        scale = q.shape[-1] ** -0.5
+    if isinstance(lower_bound, int) and not isinstance(lower_bound, bool):
+        lower_bound = float(lower_bound)
+    validate_decode(q, k, v, g, beta, state_pool, slots, A_log, dt_bias, lower_bound, scale, num_accepted_tokens,
+                    out)
+    num_seqs, tokens, heads, _ = q.shape
+    sms = sm_count(q.device.index if q.device.index is not None else torch.cuda.current_device()) if q.is_cuda else 1
+    plan = choose_plan(num_seqs, heads, tokens, v.shape[-1], sms, v_slices)
+    if out is None:
+        out = torch.empty_like(v, memory_format=torch.contiguous_format)
+    _decode_op(q, k, v, g, beta, state_pool, slots, A_log, dt_bias, lower_bound, float(scale), num_accepted_tokens,
+               use_qk_l2norm, use_beta_sigmoid, plan.v_slices, out)
+    return out

@@ -140,3 +140,38 @@ def kda_chunked(
             span = slice(start, end)
             out[b, span] = _chunked_sequence(q[b, span], k[b, span], v[b, span], a[b, span], beta[b, span], final[n], chunk)
     return out, final.transpose(-1, -2).contiguous()
+
+
+def kda_decode_reference(
+    q, k, v, g, beta, state_pool, slots, *, A_log=None, dt_bias=None, lower_bound=None, scale=None,
+    num_accepted_tokens=None, use_qk_l2norm=True, use_beta_sigmoid=True, dtype=torch.float32,
+):
+    """Decode over a state pool, token by token in ``dtype`` (the CPU path; float64 is the truth).
+
+    q, k, g ``[N, T, H, K]``, v ``[N, T, H, V]``, beta ``[N, T, H]``; ``state_pool [P, H, V, K]`` updated in
+    place; ``slots [N]`` or ``[N, T]`` (see :mod:`fastkda.ops.decode`). Returns o ``[N, T, H, V]`` in ``dtype``."""
+    q, k, v, a, beta = prepare_inputs(
+        q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, scale=scale,
+        use_qk_l2norm=use_qk_l2norm, use_beta_sigmoid=use_beta_sigmoid, dtype=dtype,
+    )
+    num_seqs, tokens = q.shape[:2]
+    per_token = slots.dim() == 2
+    rows = torch.arange(num_seqs, device=slots.device)
+    read_t = (num_accepted_tokens.long() - 1) if num_accepted_tokens is not None else torch.zeros_like(rows)
+    read_slot = (slots[rows, read_t] if per_token else slots).long()
+    live = read_slot >= 0
+    S = torch.zeros(num_seqs, q.shape[2], q.shape[3], v.shape[3], dtype=dtype, device=q.device)
+    S[live] = state_pool[read_slot[live]].to(dtype).transpose(-1, -2)
+    out = torch.zeros_like(v)
+    for t in range(tokens):
+        S.mul_(a[:, t].exp().unsqueeze(-1))
+        u = beta[:, t].unsqueeze(-1) * (v[:, t] - torch.einsum("nhkv,nhk->nhv", S, k[:, t]))
+        S.add_(k[:, t].unsqueeze(-1) * u.unsqueeze(-2))
+        out[:, t] = torch.einsum("nhkv,nhk->nhv", S, q[:, t])
+        if per_token:
+            write = live & (slots[:, t] >= 0)
+            state_pool[slots[write, t].long()] = S[write].transpose(-1, -2).to(state_pool.dtype)
+    if not per_token:
+        state_pool[read_slot[live]] = S[live].transpose(-1, -2).to(state_pool.dtype)
+    out[~live] = 0
+    return out

@@ -1,0 +1,90 @@
+"""KDA decode on the GPU: a few tokens per sequence, states read from and written back to a pool in place.
+
+One program per (sequence, head, V-slice) holds its ``[K, BV]`` slice of the state in fp32 registers and walks
+the sequence's tokens (spec §1, token by token). Slots: ``[N]`` (read and write one slot per sequence) or
+``[N, T]`` (the state after token t goes to ``slots[n, t]``; the initial state comes from
+``slots[n, num_accepted_tokens[n] - 1]``, or ``slots[n, 0]``). A negative read slot marks a padding row: zero
+output, no pool access; a negative write slot skips that write.
+"""
+
+import triton
+import triton.language as tl
+
+from .common import interpreting, load_f32, store_as
+
+
+@triton.jit
+def _decode_kernel(
+    q, k, v, g, beta, A_log, dt_bias, pool, slots, num_accepted, out,
+    stride_q, stride_k, stride_v, stride_g, stride_beta_n, stride_beta_t, stride_beta_h, stride_slot_n,
+    stride_slot_t, lower_bound, scale, T,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
+    LOWER_BOUND_GATE: tl.constexpr, L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr,
+    PER_TOKEN_SLOTS: tl.constexpr, HAS_ACCEPTED: tl.constexpr, EMULATE: tl.constexpr,
+):
+    vs = tl.program_id(0)
+    h = tl.program_id(1)
+    n = tl.program_id(2)
+    kk = tl.arange(0, K)
+    vv = vs * BV + tl.arange(0, BV)
+    read_t = 0
+    if HAS_ACCEPTED:
+        read_t = tl.load(num_accepted + n).to(tl.int32) - 1
+    read_slot = tl.load(slots + n * stride_slot_n + read_t * stride_slot_t).to(tl.int64)
+    live = read_slot >= 0
+    state_cols = (h * V + vv[None, :]).to(tl.int64) * K + kk[:, None]  # S[k, v] = pool[slot, h, v, k]
+    m_state = live & (kk[:, None] < K) & (vv[None, :] < V)
+    S = load_f32(pool + read_slot * (H * V * K) + state_cols, m_state)
+    if LOWER_BOUND_GATE:
+        a_scale = tl.exp(tl.load(A_log + h).to(tl.float32))
+        bias = tl.load(dt_bias + h * K + kk).to(tl.float32)
+    for t in range(T):
+        row = n * T + t  # q, k, v, g are [N, T, H, D] with rows of one token contiguous
+        q_t = load_f32(q + row.to(tl.int64) * stride_q + h * K + kk, kk < K)
+        k_t = load_f32(k + row.to(tl.int64) * stride_k + h * K + kk, kk < K)
+        v_t = load_f32(v + row.to(tl.int64) * stride_v + h * V + vv, vv < V)
+        g_t = load_f32(g + row.to(tl.int64) * stride_g + h * K + kk, kk < K)
+        b_t = tl.load(beta + n * stride_beta_n + t * stride_beta_t + h * stride_beta_h).to(tl.float32)
+        if L2NORM:
+            q_t = q_t * tl.rsqrt(tl.sum(q_t * q_t) + 1e-6)
+            k_t = k_t * tl.rsqrt(tl.sum(k_t * k_t) + 1e-6)
+        if LOWER_BOUND_GATE:
+            a_t = lower_bound * tl.sigmoid(a_scale * (g_t + bias))
+        else:
+            a_t = g_t
+        if BETA_SIGMOID:
+            b_t = tl.sigmoid(b_t)
+        S = S * tl.exp(a_t)[:, None]
+        u = b_t * (v_t - tl.sum(S * k_t[:, None], axis=0))
+        S = S + k_t[:, None] * u[None, :]
+        o_t = tl.sum(S * (q_t * scale)[:, None], axis=0)
+        store_as(out + row.to(tl.int64) * (H * V) + h * V + vv, tl.where(live, o_t, 0.0), vv < V, EMULATE)
+        if PER_TOKEN_SLOTS:
+            write_slot = tl.load(slots + n * stride_slot_n + t * stride_slot_t).to(tl.int64)
+            store_as(pool + write_slot * (H * V * K) + state_cols, S, m_state & (write_slot >= 0), EMULATE)
+    if not PER_TOKEN_SLOTS:
+        store_as(pool + read_slot * (H * V * K) + state_cols, S, m_state, EMULATE)
+
+
+def recurrent_kda_decode(q, k, v, g, beta, state_pool, slots, *, A_log, dt_bias, lower_bound, scale,
+                         num_accepted_tokens, use_qk_l2norm, use_beta_sigmoid, v_slices, out):
+    """Launch the decode kernel on validated inputs; ``out [N, T, H, V]`` contiguous, written in place, and
+    the pool updated in place."""
+    num_seqs, tokens, heads, key_dim = q.shape
+    value_dim = v.shape[-1]
+    if num_seqs == 0 or tokens == 0:
+        return
+    lower_bound_gate = lower_bound is not None
+    per_token = slots.dim() == 2
+    absent = slots  # stands for absent optional tensors; never dereferenced
+    block_v = value_dim // v_slices
+    _decode_kernel[(v_slices, heads, num_seqs)](
+        q, k, v, g, beta, A_log if lower_bound_gate else absent, dt_bias if lower_bound_gate else absent,
+        state_pool, slots, num_accepted_tokens if num_accepted_tokens is not None else absent, out,
+        q.stride(1), k.stride(1), v.stride(1), g.stride(1), beta.stride(0), beta.stride(1), beta.stride(2),
+        slots.stride(0), slots.stride(1) if per_token else 0,
+        float(lower_bound) if lower_bound_gate else 0.0, float(scale), tokens,
+        H=heads, K=key_dim, V=value_dim, BV=block_v, LOWER_BOUND_GATE=lower_bound_gate, L2NORM=use_qk_l2norm,
+        BETA_SIGMOID=use_beta_sigmoid, PER_TOKEN_SLOTS=per_token, HAS_ACCEPTED=num_accepted_tokens is not None,
+        EMULATE=interpreting(), num_warps=4 if block_v <= 64 else 8,
+    )

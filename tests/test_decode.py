@@ -1,0 +1,115 @@
+"""Decode over a state pool: the CPU path (kda_decode on CPU tensors) and, without a GPU, the Triton kernel on the
+interpreter, against float64. Untouched pool slots are filled with 1e30 and must stay bitwise unchanged."""
+
+import os
+
+import pytest
+import torch
+
+import fastkda
+from fastkda.reference import kda_decode_reference, kda_reference
+from helpers import make_inputs, rel_err
+
+FILL = 1e30
+BACKENDS = ["cpu"] + (["triton"] if os.environ.get("TRITON_INTERPRET") == "1" else [])
+
+
+def decode(backend, inp, pool, slots, num_accepted=None, v_slices=1):
+    gate = dict(A_log=inp["A_log"], dt_bias=inp["dt_bias"], lower_bound=inp["lower_bound"])
+    if backend == "cpu":
+        return fastkda.kda_decode(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], pool, slots, **gate,
+                                  num_accepted_tokens=num_accepted, v_slices=v_slices)
+    from fastkda.ops.decode import recurrent_kda_decode
+
+    out = torch.full_like(inp["v"], float("nan"))
+    recurrent_kda_decode(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], pool, slots, **gate,
+                         scale=inp["q"].shape[-1] ** -0.5, num_accepted_tokens=num_accepted, use_qk_l2norm=True,
+                         use_beta_sigmoid=True, v_slices=v_slices, out=out)
+    return out
+
+
+def step_inputs(inp, t):
+    """Token t of every sequence of a fixed-length input, as a 1-token decode input."""
+    return {x: (inp[x][:, t:t + 1].contiguous() if x in ("q", "k", "v", "g", "beta") else inp[x]) for x in inp}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("gate,pool_dtype", [("lower_bound", torch.float32), ("precomputed", torch.bfloat16)])
+def test_decode_after_prefill_equals_longer_prefill(backend, gate, pool_dtype):
+    prefix, extra, heads = 70, 3, 2
+    inp = make_inputs([prefix + extra] * 2, heads=heads, varlen=False, gate=gate, seed=21)
+    head = {x: (inp[x][:, :prefix].contiguous() if x in ("q", "k", "v", "g", "beta") else inp[x]) for x in inp}
+    _, state = fastkda.kda_prefill(head["q"], head["k"], head["v"], head["g"], head["beta"], A_log=inp["A_log"],
+                                   dt_bias=inp["dt_bias"], lower_bound=inp["lower_bound"],
+                                   initial_state=inp["initial_state"], output_final_state=True)
+    pool = torch.full((5, heads, 64, 64), FILL, dtype=pool_dtype)
+    slots = torch.tensor([3, 1], dtype=torch.int32)
+    pool[slots.long()] = state.to(pool_dtype)
+    outs = [decode(backend, step_inputs(inp, prefix + t), pool, slots) for t in range(extra)]
+    ref_o, ref_s = kda_reference(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], A_log=inp["A_log"],
+                                 dt_bias=inp["dt_bias"], lower_bound=inp["lower_bound"],
+                                 initial_state=inp["initial_state"])
+    assert rel_err(torch.cat(outs, dim=1), ref_o[:, prefix:]) < 4e-3
+    assert rel_err(pool[slots.long()], ref_s) < (6e-3 if pool_dtype == torch.bfloat16 else 1e-4)
+    untouched = torch.ones(5, dtype=torch.bool)
+    untouched[slots.long()] = False
+    assert (pool[untouched] == FILL).all()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_speculative_decode_with_accepted_counts(backend):
+    seqs, tokens, heads = 3, 4, 2
+    inp = make_inputs([tokens] * seqs, heads=heads, varlen=False, seed=22)
+    pool = torch.full((20, heads, 64, 64), FILL)
+    slots = torch.arange(seqs * tokens, dtype=torch.int64).reshape(seqs, tokens) + 2
+    accepted = torch.tensor([1, 4, 2], dtype=torch.int32)
+    for n in range(seqs):  # a distinct state at every draft slot, so reading the wrong one shows
+        pool[slots[n]] = torch.randn(tokens, heads, 64, 64)
+    expected_pool = pool.double().clone()
+    ref = kda_decode_reference(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], expected_pool, slots,
+                               A_log=inp["A_log"], dt_bias=inp["dt_bias"], lower_bound=inp["lower_bound"],
+                               num_accepted_tokens=accepted, dtype=torch.float64)
+    out = decode(backend, inp, pool, slots, num_accepted=accepted)
+    assert rel_err(out, ref) < 4e-3
+    assert rel_err(pool, expected_pool) < 1e-5
+    assert (pool[:2] == FILL).all() and (pool[2 + seqs * tokens:] == FILL).all()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_null_slots_give_zero_rows_and_touch_nothing(backend):
+    inp = make_inputs([2] * 3, heads=2, varlen=False, seed=23)
+    pool = torch.full((4, 2, 64, 64), FILL)
+    pool[1] = torch.randn(2, 64, 64)
+    before = pool.clone()
+    slots = torch.tensor([[-1, -1], [1, -1], [-1, 2]], dtype=torch.int32)
+    out = decode(backend, inp, pool, slots)
+    assert (out[0] == 0).all() and (out[2] == 0).all() and out[1].abs().sum() > 0
+    assert torch.equal(pool[[0, 2, 3]], before[[0, 2, 3]])  # row 2 reads -1: a padding row writes nothing
+    assert not torch.equal(pool[1], before[1])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_v_slices_agree(backend):
+    inp = make_inputs([3] * 2, heads=2, varlen=False, seed=24)
+    results = []
+    for s in (1, 2, 4):
+        pool = torch.randn(3, 2, 64, 64, generator=torch.Generator().manual_seed(0))
+        out = decode(backend, inp, pool, torch.tensor([2, 0]), v_slices=s)
+        results.append((out, pool))
+    for out, pool in results[1:]:
+        assert rel_err(out, results[0][0]) < 1e-6 and rel_err(pool, results[0][1]) < 1e-6
+
+
+def test_decode_rejects_bad_slots():
+    inp = make_inputs([2] * 2, heads=2, varlen=False, seed=25)
+    pool = torch.zeros(3, 2, 64, 64)
+    with pytest.raises(ValueError, match="slots"):
+        fastkda.kda_decode(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], pool, torch.zeros(3, dtype=torch.int32))
+    with pytest.raises(ValueError, match="slots"):
+        fastkda.kda_decode(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], pool, torch.zeros(2),
+                           A_log=inp["A_log"], dt_bias=inp["dt_bias"], lower_bound=-5.0)
+    with pytest.raises(ValueError, match="state_pool"):
+        fastkda.kda_decode(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], pool.half(), torch.zeros(2).int())
+    with pytest.raises(ValueError, match="num_accepted_tokens"):
+        fastkda.kda_decode(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], pool,
+                           torch.zeros(2, 2, dtype=torch.int32), num_accepted_tokens=torch.ones(3, dtype=torch.int32))
