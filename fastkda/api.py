@@ -11,7 +11,7 @@ from typing import Optional
 
 import torch
 
-from .plan import choose_plan, sm_count
+from .plan import choose_decode_plan, choose_plan, sm_count
 from .reference import kda_chunked, kda_decode_reference
 
 SUPPORTED_DIMS = (64, 128)
@@ -277,9 +277,9 @@ def kda_decode(
         lower_bound = float(lower_bound)
     validate_decode(q, k, v, g, beta, state_pool, slots, A_log, dt_bias, lower_bound, scale, num_accepted_tokens,
                     out)
-    num_seqs, tokens, heads, _ = q.shape
+    num_seqs, _, heads, _ = q.shape
     sms = sm_count(q.device.index if q.device.index is not None else torch.cuda.current_device()) if q.is_cuda else 1
-    plan = choose_plan(num_seqs, heads, tokens, v.shape[-1], sms, v_slices)
+    plan = choose_decode_plan(num_seqs, heads, v.shape[-1], sms, v_slices)
     if out is None:
         out = torch.empty_like(v, memory_format=torch.contiguous_format)
     _decode_op(q, k, v, g, beta, state_pool, slots, A_log, dt_bias, lower_bound, float(scale), num_accepted_tokens,

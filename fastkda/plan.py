@@ -75,3 +75,19 @@ def choose_plan(num_seqs: int, heads: int, tokens: int, value_dim: int, sms: int
     reason = (f"{slices} slice(s): {slices}*N*H = {slices * pairs} programs <= {sms} SMs" if fitting
               else f"1 slice: N*H = {pairs} programs already exceed {sms} SMs")
     return Plan(slices, slices * pairs, sms, reason + chain)
+
+
+DECODE_SLICE_WIDTH = 32  # decode holds a [32, K] fp32 state slice per program: no register spills (ptxas, sm_90a)
+
+
+def choose_decode_plan(num_seqs: int, heads: int, value_dim: int, sms: int, v_slices="auto") -> Plan:
+    """Decode's plan: slices of :data:`DECODE_SLICE_WIDTH` columns unless overridden. Decode is bound by the
+    state's bytes, not a serial chain, so the slice width is set by registers (to be tuned on the device)."""
+    choice = requested_v_slices(v_slices)
+    pairs = max(num_seqs * heads, 1)
+    if choice == "auto":
+        slices = max(value_dim // DECODE_SLICE_WIDTH, 1)
+        return Plan(slices, slices * pairs, sms, f"{slices} slice(s) of {DECODE_SLICE_WIDTH} columns (decode)")
+    if value_dim // choice < MIN_SLICE_WIDTH or value_dim % choice:
+        raise ValueError(f"v_slices={choice} leaves slices narrower than {MIN_SLICE_WIDTH} for V={value_dim}")
+    return Plan(choice, choice * pairs, sms, f"v_slices={choice} requested (decode)")

@@ -1,6 +1,6 @@
 """KDA decode on the GPU: a few tokens per sequence, states read from and written back to a pool in place.
 
-One program per (sequence, head, V-slice) holds its ``[K, BV]`` slice of the state in fp32 registers and walks
+One program per (sequence, head, V-slice) holds its ``[BV, K]`` slice of the state in fp32 registers and walks
 the sequence's tokens (spec §1, token by token). Slots: ``[N]`` (read and write one slot per sequence) or
 ``[N, T]`` (the state after token t goes to ``slots[n, t]``; the initial state comes from
 ``slots[n, num_accepted_tokens[n] - 1]``, or ``slots[n, 0]``). A negative read slot marks a padding row: zero
@@ -32,8 +32,8 @@ def _decode_kernel(
         read_t = tl.load(num_accepted + n).to(tl.int32) - 1
     read_slot = tl.load(slots + n * stride_slot_n + read_t * stride_slot_t).to(tl.int64)
     live = read_slot >= 0
-    state_cols = (h * V + vv[None, :]).to(tl.int64) * K + kk[:, None]  # S[k, v] = pool[slot, h, v, k]
-    m_state = live & (kk[:, None] < K) & (vv[None, :] < V)
+    state_cols = (h * V + vv[:, None]) * K + kk[None, :]  # S[v, k] = pool[slot, h, v, k]; int32 within a slot
+    m_state = live & (vv[:, None] < V) & (kk[None, :] < K)
     S = load_f32(pool + read_slot * (H * V * K) + state_cols, m_state)
     if LOWER_BOUND_GATE:
         a_scale = tl.exp(tl.load(A_log + h).to(tl.float32))
@@ -54,10 +54,12 @@ def _decode_kernel(
             a_t = g_t
         if BETA_SIGMOID:
             b_t = tl.sigmoid(b_t)
-        S = S * tl.exp(a_t)[:, None]
-        u = b_t * (v_t - tl.sum(S * k_t[:, None], axis=0))
-        S = S + k_t[:, None] * u[None, :]
-        o_t = tl.sum(S * (q_t * scale)[:, None], axis=0)
+        decay = tl.exp(a_t)
+        # the state is held as [BV, K] (memory order, K reductions inside a warp);
+        # (diag(decay)·S)ᵀk = Sᵀ(decay ⊙ k): one pass over S for the product, one for the update
+        u = b_t * (v_t - tl.sum(S * (decay * k_t)[None, :], axis=1))
+        S = S * decay[None, :] + u[:, None] * k_t[None, :]
+        o_t = tl.sum(S * (q_t * scale)[None, :], axis=1)
         store_as(out + row.to(tl.int64) * (H * V) + h * V + vv, tl.where(live, o_t, 0.0), vv < V, EMULATE)
         if PER_TOKEN_SLOTS:
             write_slot = tl.load(slots + n * stride_slot_n + t * stride_slot_t).to(tl.int64)
