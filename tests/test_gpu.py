@@ -123,3 +123,64 @@ def test_cuda_graph_replay_with_new_inputs(lengths, varlen):
     torch.cuda.synchronize()
     eager_o, eager_s, _ = run(fresh, torch.float32, torch.float32)
     assert torch.equal(out, eager_o) and torch.equal(final, eager_s)
+
+
+@pytest.mark.parametrize("pool_dtype,gate,spec", [(torch.float32, "lower_bound", False),
+                                                  (torch.bfloat16, "precomputed", False),
+                                                  (torch.float32, "lower_bound", True)])
+def test_decode_matches_float64(pool_dtype, gate, spec):
+    from fastkda.reference import kda_decode_reference
+
+    seqs, tokens = 5, (4 if spec else 1)
+    inp = make_inputs([tokens] * seqs, heads=4, key_dim=128, varlen=False, gate=gate, device="cuda", seed=8)
+    pool = torch.full((3 * seqs * tokens, 4, 128, 128), 2.0 ** 100, device="cuda").to(pool_dtype)
+    slots = (torch.randperm(3 * seqs * tokens, device="cuda")[:seqs * tokens].reshape(seqs, tokens) if spec
+             else torch.randperm(3 * seqs, device="cuda")[:seqs]).int()
+    slots[1] = -1  # a padding row
+    accepted = torch.randint(1, tokens + 1, (seqs,), device="cuda", dtype=torch.int32) if spec else None
+    read = slots[torch.arange(seqs), accepted.long() - 1] if spec else slots
+    pool[read[read >= 0].long()] = torch.randn(int((read >= 0).sum()), 4, 128, 128, device="cuda").to(pool_dtype)
+    expected = pool.double().clone()
+    ref = kda_decode_reference(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], expected, slots,
+                               A_log=inp["A_log"], dt_bias=inp["dt_bias"], lower_bound=inp["lower_bound"],
+                               num_accepted_tokens=accepted, dtype=torch.float64)
+    out = torch.full_like(inp["v"], float("nan"))
+    fastkda.kda_decode(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], pool, slots, A_log=inp["A_log"],
+                       dt_bias=inp["dt_bias"], lower_bound=inp["lower_bound"], num_accepted_tokens=accepted, out=out)
+    assert rel_err(out, ref) < OUT_BOUND
+    touched = expected != 2.0 ** 100
+    assert rel_err(pool.double()[touched], expected[touched]) < (BF16_STATE_BOUND if pool_dtype == torch.bfloat16
+                                                                 else 1e-5)
+    assert (pool.double()[~touched] == 2.0 ** 100).all()
+    assert (out[1] == 0).all()
+
+
+def test_decode_cuda_graph_replay():
+    inp = make_inputs([1] * 8, heads=4, key_dim=128, varlen=False, device="cuda", seed=9)
+    pool = torch.randn(16, 4, 128, 128, device="cuda")
+    slots = torch.arange(8, device="cuda", dtype=torch.int32) * 2
+    out = torch.empty_like(inp["v"])
+    gate = dict(A_log=inp["A_log"], dt_bias=inp["dt_bias"], lower_bound=inp["lower_bound"])
+
+    def step():
+        fastkda.kda_decode(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], pool, slots, **gate, out=out)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    start = torch.randn_like(pool)
+    pool.copy_(start)
+    fresh = make_inputs([1] * 8, heads=4, key_dim=128, varlen=False, device="cuda", seed=10)
+    for x in ("q", "k", "v", "g", "beta"):
+        inp[x].copy_(fresh[x])
+    graph.replay()
+    torch.cuda.synchronize()
+    eager_pool = start.clone()
+    eager_out = fastkda.kda_decode(fresh["q"], fresh["k"], fresh["v"], fresh["g"], fresh["beta"], eager_pool, slots,
+                                   **gate)
+    assert torch.equal(out, eager_out) and torch.equal(pool, eager_pool)
