@@ -101,6 +101,79 @@ def flashkda_runner(inp):
     return run
 
 
+def make_decode_inputs(workload, device, seed=0):
+    """One decode step: N sequences x tokens_per_seq tokens, an fp32 pool with one slot per token (plus a
+    spare), slots ``[N]`` or ``[N, T]`` and, for T > 1, every draft accepted."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    heads, seqs, tokens = workload["H"], workload["N"], workload["tokens_per_seq"]
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen, device=device).to(torch.bfloat16)
+
+    slots = torch.arange(seqs * tokens, dtype=torch.int32, device=device)
+    return dict(
+        q=randn(seqs, tokens, heads, DIM), k=randn(seqs, tokens, heads, DIM), v=randn(seqs, tokens, heads, DIM),
+        g=randn(seqs, tokens, heads, DIM), beta=randn(seqs, tokens, heads),
+        A_log=torch.rand(heads, generator=gen, device=device), dt_bias=torch.rand(heads, DIM, generator=gen, device=device),
+        pool=torch.randn(seqs * tokens + 1, heads, DIM, DIM, generator=gen, device=device),
+        slots=slots.reshape(seqs, tokens) if tokens > 1 else slots,
+        accepted=torch.full((seqs,), tokens, dtype=torch.int32, device=device) if tokens > 1 else None,
+        scale=DIM ** -0.5,
+    )
+
+
+def fastkda_decode_runner(inp):
+    from .api import kda_decode
+
+    out = torch.empty_like(inp["v"])
+
+    def run():
+        return kda_decode(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], inp["pool"], inp["slots"],
+                          A_log=inp["A_log"], dt_bias=inp["dt_bias"], lower_bound=LOWER_BOUND, scale=inp["scale"],
+                          num_accepted_tokens=inp["accepted"], out=out)
+    return run
+
+
+def fla_decode_runner(inp):
+    """FLA's fused_recurrent_kda_fwd as vLLM drives it: varlen tokens, pool + ssm_state_indices, in place."""
+    from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
+
+    seqs, tokens, heads, _ = inp["q"].shape
+    flat = {x: inp[x].reshape(1, seqs * tokens, *inp[x].shape[2:]) for x in ("q", "k", "v", "g", "beta")}
+    cu = torch.arange(0, seqs * tokens + 1, tokens, dtype=torch.long, device=inp["q"].device)
+
+    def run():
+        return fused_recurrent_kda_fwd(flat["q"], flat["k"], flat["v"], flat["g"], flat["beta"], A_log=inp["A_log"],
+                                       dt_bias=inp["dt_bias"].reshape(-1), initial_state=inp["pool"],
+                                       scale=inp["scale"], inplace_final_state=True, state_v_first=True,
+                                       cu_seqlens=cu, ssm_state_indices=inp["slots"],
+                                       num_accepted_tokens=inp["accepted"], use_qk_l2norm_in_kernel=True,
+                                       use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
+                                       lower_bound=LOWER_BOUND)
+    return run
+
+
+DECODE_IMPLS = {"fastkda": fastkda_decode_runner, "fla": fla_decode_runner}
+
+
+def run_decode_benchmark(workloads, impls, modes=("eager", "graph"), device="cuda"):
+    """Rows for decode workloads, with ``gbps``: state bytes read and written per second."""
+    rows = []
+    for w in workloads:
+        inp = make_decode_inputs(w, device)
+        state_bytes = 2 * w["N"] * w["H"] * DIM * DIM * 4
+        for name, factory in impls.items():
+            try:
+                run = factory(inp)
+                for mode in modes:
+                    ms = time_eager(run) if mode == "eager" else time_graph(run)
+                    rows.append(dict(workload=w["name"], group="decode", impl=name, mode=mode, ms=round(ms, 5),
+                                     gbps=round(state_bytes / ms / 1e6, 1)))
+            except Exception as exc:  # a peer that does not run here is reported, not fatal
+                print(f"[bench] {w['name']} {name} failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+    return rows
+
+
 IMPLS = {
     "fastkda": lambda inp: fastkda_runner(inp, "auto"),
     "fastkda_s1": lambda inp: fastkda_runner(inp, 1),
@@ -227,6 +300,19 @@ def markdown_table(rows, impls, mode):
     return "\n".join(lines)
 
 
+def decode_table(rows):
+    """µs per step and state GB/s (read + written) per implementation, from graph-mode decode rows."""
+    by = {(r["workload"], r["impl"]): r for r in rows}
+    lines = ["| workload | fastkda µs | fastkda GB/s | fla µs | fla GB/s | vs fla |", "|---|---|---|---|---|---|"]
+    for name in dict.fromkeys(r["workload"] for r in rows):
+        ours, peer = by.get((name, "fastkda")), by.get((name, "fla"))
+        cell = lambda r, key, f: f(r[key]) if r else "—"  # noqa: E731
+        ratio = f"{peer['ms'] / ours['ms']:.2f}×" if ours and peer else "—"
+        lines.append(f"| {name} | {cell(ours, 'ms', lambda x: f'{x * 1e3:.1f}')} | {cell(ours, 'gbps', str)} | "
+                     f"{cell(peer, 'ms', lambda x: f'{x * 1e3:.1f}')} | {cell(peer, 'gbps', str)} | {ratio} |")
+    return "\n".join(lines)
+
+
 def plot(rows, impls, path):
     import matplotlib
 
@@ -265,24 +351,26 @@ def write_results(rows, available, workloads, out_dir, errors):
     props = torch.cuda.get_device_properties(0)
     date = datetime.date.today().isoformat()
     meta = dict(gpu=props.name, sms=props.multi_processor_count, torch=torch.__version__, triton=triton.__version__,
-                commit=git_commit(), date=date, peers=peer_versions(),
-                skipped=[d["name"] + " (decode operator not built yet)" for d in workloads.get("decode", [])])
+                commit=git_commit(), date=date, peers=peer_versions())
     out_dir.mkdir(parents=True, exist_ok=True)
     stem = out_dir / f"{date}-{props.name.replace(' ', '_')}"
     with open(f"{stem}.json", "w") as f:
         json.dump(dict(meta=meta, rows=rows), f, indent=1)
     md = [f"# KDA prefill, {props.name} ({meta['sms']} SMs), {date}, commit {meta['commit']}",
           f"torch {meta['torch']}, triton {meta['triton']}, peers {meta['peers']}. Median ms.", ""]
+    prefill_rows = [r for r in rows if r["group"] != "decode"]
     for mode in ("graph", "eager"):
-        md += [f"## {mode}", "", markdown_table(rows, available, mode), ""]
+        md += [f"## {mode}", "", markdown_table(prefill_rows, available, mode), ""]
     if errors:
         md += ["## accuracy (relative L2 vs float64, H=4 T=2048: output, final state)", ""]
         md += [f"- {impl}: {o:.2e}, {s:.2e}" for impl, (o, s) in errors.items()]
-    md += ["", "Skipped: " + ", ".join(meta["skipped"])] if meta["skipped"] else []
+    decode = [r for r in rows if r["group"] == "decode" and r["mode"] == "graph"]
+    if decode:
+        md += ["", "## decode (CUDA graph)", "", decode_table(decode)]
     text = "\n".join(md) + "\n"
     Path(f"{stem}.md").write_text(text)
     try:
-        plot(rows, available, f"{stem}.png")
+        plot(prefill_rows, available, f"{stem}.png")
     except ImportError:
         print("[bench] matplotlib missing: no plot", file=sys.stderr)
     return text
@@ -296,6 +384,7 @@ def main(argv=None):
     parser.add_argument("--impls", nargs="*", default=list(IMPLS), help="implementations to time")
     parser.add_argument("--workloads", default=str(WORKLOADS))
     parser.add_argument("--out-dir", default=str(RESULTS))
+    parser.add_argument("--no-decode", action="store_true", help="skip the decode workloads")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("fastkda.bench needs a CUDA GPU; `python -m fastkda demo` runs the CPU path.", file=sys.stderr)
@@ -314,6 +403,8 @@ def main(argv=None):
         new_rows, available = run_benchmark([w], {k: impls[k] for k in available})
         rows += new_rows
         write_results(rows, available, workloads, Path(args.out_dir), errors)
+    decode = [] if args.no_decode else [d for d in workloads.get("decode", []) if not args.only or d["name"] in args.only]
+    rows += run_decode_benchmark(decode, {k: v for k, v in DECODE_IMPLS.items() if k in ("fastkda", "fla")})
     print(write_results(rows, available, workloads, Path(args.out_dir), errors))
     return 0
 

@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from fastkda import bench
 
@@ -41,3 +42,15 @@ def test_select_and_table():
     rows = [dict(workload="w", impl="fastkda", mode="graph", ms=0.5), dict(workload="w", impl="fla", mode="graph", ms=1.0)]
     table = bench.markdown_table(rows, ["fastkda", "fla"], "graph")
     assert "| w | 0.500 | 1.000 | 2.00× |" in table
+
+
+def test_decode_workload_inputs_run_on_cpu():
+    workload = dict(name="decode_test", H=2, N=3, tokens_per_seq=2)
+    inp = bench.make_decode_inputs(workload, "cpu")
+    assert inp["slots"].shape == (3, 2) and inp["accepted"].tolist() == [2, 2, 2]
+    before = inp["pool"].clone()
+    out = bench.fastkda_decode_runner(inp)()
+    assert torch.isfinite(out).all() and not torch.equal(inp["pool"][:6], before[:6])
+    assert torch.equal(inp["pool"][6], before[6])  # the spare slot is untouched
+    table = bench.decode_table([dict(workload="w", group="decode", impl="fastkda", mode="graph", ms=0.01, gbps=9.0)])
+    assert "| w | 10.0 | 9.0 | — | — | — |" in table
