@@ -11,7 +11,7 @@ from typing import Optional
 
 import torch
 
-from .plan import choose_decode_plan, choose_plan, sm_count
+from .plan import CHUNK, choose_decode_plan, choose_plan, sm_count
 from .reference import kda_chunked, kda_decode_reference
 
 SUPPORTED_DIMS = (64, 128)
@@ -92,12 +92,12 @@ def _check_out(out, v, inputs):
         _check_tensor("out", out, v.shape, (v.dtype,), v.device)
         if not out.is_contiguous():
             _fail("out", "contiguous", f"strides {tuple(out.stride())}")
-        if out.data_ptr() in {x.data_ptr() for x in inputs}:
+        if out.numel() and out.data_ptr() in {x.data_ptr() for x in inputs if x.numel()}:
             _fail("out", "a buffer that is not also an input", "an input tensor")
 
 
 def validate_prefill(q, k, v, g, beta, A_log, dt_bias, lower_bound, scale, initial_state, final_state,
-                     cu_seqlens, out):
+                     cu_seqlens, out, checkpoint_offsets=None, checkpoint_states=None):
     """Raise ``ValueError`` naming the first argument that breaks the contract (spec §3); return N."""
     value_dim = _check_inputs(q, k, v, g, beta)
     batch, length, heads, key_dim = q.shape
@@ -123,7 +123,30 @@ def validate_prefill(q, k, v, g, beta, A_log, dt_bias, lower_bound, scale, initi
             if not state.is_contiguous():
                 _fail(name, "contiguous", f"strides {tuple(state.stride())}")
     _check_out(out, v, (q, k, v, g))
+    if (checkpoint_offsets is None) != (checkpoint_states is None):
+        _fail("checkpoint_offsets and checkpoint_states", "given together",
+              f"checkpoint_offsets={'set' if checkpoint_offsets is not None else None}, "
+              f"checkpoint_states={'set' if checkpoint_states is not None else None}")
+    if checkpoint_offsets is not None:
+        if not isinstance(checkpoint_offsets, torch.Tensor) or tuple(checkpoint_offsets.shape) not in (
+                (num_seqs,), (num_seqs, 1), (num_seqs, 2)):
+            _fail("checkpoint_offsets", f"of shape [{num_seqs}] or [{num_seqs}, 2]",
+                  getattr(checkpoint_offsets, "shape", type(checkpoint_offsets).__name__))
+        dtypes = (cu_seqlens.dtype,) if cu_seqlens is not None else (torch.int32, torch.int64)
+        _check_tensor("checkpoint_offsets", checkpoint_offsets, checkpoint_offsets.shape, dtypes, device)
+        _check_tensor("checkpoint_states", checkpoint_states, (num_seqs, 2, heads, value_dim, key_dim),
+                      (torch.float32,), device)
+        if not checkpoint_states.is_contiguous():
+            _fail("checkpoint_states", "contiguous", f"strides {tuple(checkpoint_states.stride())}")
     return num_seqs
+
+
+def check_checkpoint_offsets_values(checkpoint_offsets):
+    """Offsets non-negative multiples of the chunk. Reading them costs a device sync, so only CPU tensors are
+    checked; on the GPU an offset that is not a multiple of the chunk never matches and is not written."""
+    offsets = checkpoint_offsets.reshape(-1).tolist()
+    if any(o < 0 or o % CHUNK for o in offsets):
+        _fail("checkpoint_offsets", f"non-negative multiples of the chunk size {CHUNK}", offsets)
 
 
 def check_cu_seqlens_values(cu_seqlens, length):
@@ -133,26 +156,31 @@ def check_cu_seqlens_values(cu_seqlens, length):
         _fail("cu_seqlens", f"nondecreasing from 0 to T={length}", offsets)
 
 
-@torch.library.custom_op("fastkda::prefill", mutates_args=("out", "final_state"))
+@torch.library.custom_op("fastkda::prefill", mutates_args=("out", "final_state", "checkpoint_states"))
 def _prefill_op(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
     A_log: Optional[torch.Tensor], dt_bias: Optional[torch.Tensor], lower_bound: Optional[float], scale: float,
     initial_state: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor], use_qk_l2norm: bool,
     use_beta_sigmoid: bool, v_slices: int, out: torch.Tensor, final_state: Optional[torch.Tensor],
+    checkpoint_offsets: Optional[torch.Tensor], checkpoint_states: Optional[torch.Tensor],
 ) -> None:
     """One opaque op for torch.compile and CUDA graphs: Triton on CUDA, the chunked PyTorch path on CPU."""
     gate = dict(A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound)
+    checkpoints = dict(checkpoint_offsets=checkpoint_offsets, checkpoint_states=checkpoint_states)
     if q.is_cuda:
         from .ops.prefill import chunk_kda_forward  # Triton is only needed on the GPU
 
         chunk_kda_forward(q, k, v, g, beta, **gate, scale=scale, initial_state=initial_state,
                           cu_seqlens=cu_seqlens, use_qk_l2norm=use_qk_l2norm, use_beta_sigmoid=use_beta_sigmoid,
-                          v_slices=v_slices, out=out, final_state=final_state)
+                          v_slices=v_slices, out=out, final_state=final_state, **checkpoints)
         return
     if cu_seqlens is not None:
         check_cu_seqlens_values(cu_seqlens, q.shape[1])
+    if checkpoint_offsets is not None:
+        check_checkpoint_offsets_values(checkpoint_offsets)
     o, state = kda_chunked(q, k, v, g, beta, **gate, scale=scale, initial_state=initial_state,
-                           cu_seqlens=cu_seqlens, use_qk_l2norm=use_qk_l2norm, use_beta_sigmoid=use_beta_sigmoid)
+                           cu_seqlens=cu_seqlens, use_qk_l2norm=use_qk_l2norm, use_beta_sigmoid=use_beta_sigmoid,
+                           **checkpoints)
     out.copy_(o)
     if final_state is not None:
         final_state.copy_(state)
@@ -160,14 +188,14 @@ def _prefill_op(
 
 @_prefill_op.register_fake
 def _prefill_fake(q, k, v, g, beta, A_log, dt_bias, lower_bound, scale, initial_state, cu_seqlens,
-                  use_qk_l2norm, use_beta_sigmoid, v_slices, out, final_state):
+                  use_qk_l2norm, use_beta_sigmoid, v_slices, out, final_state, checkpoint_offsets, checkpoint_states):
     return None
 
 
 def kda_prefill(
     q, k, v, g, beta, *, A_log=None, dt_bias=None, lower_bound=None, scale=None, initial_state=None,
     final_state=None, output_final_state=False, cu_seqlens=None, use_qk_l2norm=True, use_beta_sigmoid=True,
-    out=None, v_slices="auto",
+    out=None, v_slices="auto", checkpoint_offsets=None, checkpoint_states=None,
 ):
     """Kimi Delta Attention prefill (spec §1, §3). Returns ``(o, final_state)``.
 
@@ -185,6 +213,11 @@ def kda_prefill(
         out: optional preallocated output, shape and dtype of v, contiguous.
         v_slices: ``"auto"`` (the launch plan, :mod:`fastkda.plan`), or 1, 2, 4; ``$FASTKDA_V_SLICES``
             applies when this is ``"auto"``. Results are bitwise identical for every choice.
+        checkpoint_offsets, checkpoint_states: prefix-cache checkpoints. Offsets ``[N]`` or ``[N, 2]`` (the
+            dtype of ``cu_seqlens``) from each sequence's start, multiples of 64 (CPU tensors are checked; on
+            the GPU another value never matches); the fp32 state after that many tokens is written to
+            ``checkpoint_states [N, 2, H, V, K]``, bitwise equal to the final state of a prefill of that prefix
+            on the same device. An offset beyond its sequence is ignored.
     """
     key_dim = q.shape[-1] if isinstance(q, torch.Tensor) and q.dim() == 4 else None
     if scale is None and key_dim:
@@ -192,7 +225,7 @@ def kda_prefill(
     if isinstance(lower_bound, int) and not isinstance(lower_bound, bool):
         lower_bound = float(lower_bound)
     num_seqs = validate_prefill(q, k, v, g, beta, A_log, dt_bias, lower_bound, scale, initial_state, final_state,
-                                cu_seqlens, out)
+                                cu_seqlens, out, checkpoint_offsets, checkpoint_states)
     batch, length, heads, _ = q.shape
     value_dim = v.shape[-1]
     sms = sm_count(q.device.index if q.device.index is not None else torch.cuda.current_device()) if q.is_cuda else 1
@@ -203,7 +236,7 @@ def kda_prefill(
     if final_state is None and output_final_state:
         final_state = torch.empty(num_seqs, heads, value_dim, key_dim, dtype=torch.float32, device=q.device)
     _prefill_op(q, k, v, g, beta, A_log, dt_bias, lower_bound, float(scale), initial_state, cu_seqlens,
-                use_qk_l2norm, use_beta_sigmoid, plan.v_slices, out, final_state)
+                use_qk_l2norm, use_beta_sigmoid, plan.v_slices, out, final_state, checkpoint_offsets, checkpoint_states)
     return out, final_state
 
 

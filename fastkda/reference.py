@@ -92,9 +92,10 @@ def _chunk_decay_matrix(G):
     return torch.where(lower.unsqueeze(-1), diff.clamp(max=0), float("-inf")).exp()
 
 
-def _chunked_sequence(q, k, v, a, beta, S, chunk):
+def _chunked_sequence(q, k, v, a, beta, S, chunk, checkpoints):
     """Chunked form (spec §2) for one sequence, all heads at once: q,k,a ``[T,H,K]``, v ``[T,H,V]``,
-    beta ``[T,H]``, S ``[H,K,V]`` (updated in place). Returns o ``[T,H,V]``."""
+    beta ``[T,H]``, S ``[H,K,V]`` (updated in place), ``checkpoints [(offset, [H,V,K] target)]`` (offsets
+    multiples of ``chunk``, 0 < offset <= T). Returns o ``[T,H,V]``."""
     length, heads, key_dim = q.shape
     pad = (-length) % chunk
     if pad:  # padded tokens: zero k and beta, zero decay: they leave the state unchanged
@@ -117,17 +118,26 @@ def _chunked_sequence(q, k, v, a, beta, S, chunk):
     chunk_decay = G[:, :, -1].exp()  # [H, n, K]
     out = torch.empty_like(v)
     for c in range(n_chunks):
+        for offset, target in checkpoints:
+            if offset == c * chunk:
+                target.copy_(S.transpose(-1, -2))
         v_new = u[:, c] - w[:, c] @ S
         out[:, c] = qd[:, c] @ S + qk[:, c] @ v_new
         S.mul_(chunk_decay[:, c].unsqueeze(-1)).add_(kr[:, c].transpose(-1, -2) @ v_new)
+    for offset, target in checkpoints:
+        if offset == n_chunks * chunk == length:
+            target.copy_(S.transpose(-1, -2))
     return out.permute(1, 2, 0, 3).reshape(n_chunks * chunk, heads, -1)[:length]
 
 
 def kda_chunked(
     q, k, v, g, beta, *, A_log=None, dt_bias=None, lower_bound=None, scale=None, initial_state=None,
     cu_seqlens=None, use_qk_l2norm=True, use_beta_sigmoid=True, dtype=torch.float32, chunk=CPU_CHUNK,
+    checkpoint_offsets=None, checkpoint_states=None,
 ):
-    """Vectorised chunked KDA (the CPU path); same arguments and results as :func:`kda_reference`."""
+    """Vectorised chunked KDA (the CPU path); same arguments and results as :func:`kda_reference`, plus
+    prefix-cache checkpoints: the state after ``checkpoint_offsets[n, j]`` tokens (a multiple of ``chunk``;
+    beyond the sequence: ignored) is written to ``checkpoint_states[n, j]`` (``[N, 2, H, V, K]``)."""
     q, k, v, a, beta = prepare_inputs(
         q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, scale=scale,
         use_qk_l2norm=use_qk_l2norm, use_beta_sigmoid=use_beta_sigmoid, dtype=dtype,
@@ -135,10 +145,18 @@ def kda_chunked(
     a = a.clamp(min=LOG_DECAY_FLOOR)
     bounds = sequence_bounds(q.shape[0], q.shape[1], cu_seqlens)
     out, final = _zero_outputs(q, v, bounds, initial_state, dtype)
+    offsets = [] if checkpoint_offsets is None else checkpoint_offsets.reshape(len(bounds), -1).tolist()
     for n, (b, start, end) in enumerate(bounds):
+        checkpoints = [(o, checkpoint_states[n, j]) for j, o in enumerate(offsets[n] if offsets else [])
+                       if 0 <= o <= end - start]
+        for offset, target in checkpoints:
+            if offset == 0:
+                target.copy_(final[n].transpose(-1, -2))
+        checkpoints = [(o, t) for o, t in checkpoints if o > 0]
         if end > start:
             span = slice(start, end)
-            out[b, span] = _chunked_sequence(q[b, span], k[b, span], v[b, span], a[b, span], beta[b, span], final[n], chunk)
+            out[b, span] = _chunked_sequence(q[b, span], k[b, span], v[b, span], a[b, span], beta[b, span], final[n],
+                                             chunk, checkpoints)
     return out, final.transpose(-1, -2).contiguous()
 
 

@@ -14,7 +14,7 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
 # each step has its own time limit (seconds) so one slow step cannot starve the others
 timeout "${BENCH_S:-400}" python3 -m fastkda.bench --out-dir "$OUT/results" "$@" 2>&1 | tee "$OUT/bench.log" | tail -40
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
-  timeout "${TESTS_S:-600}" python3 -m pytest -q -s -m gpu tests/test_gpu.py ${TEST_FILTER:+-k "$TEST_FILTER"} 2>&1 \
+  timeout "${TESTS_S:-600}" python3 -m pytest -q -s tests/test_gpu.py tests/test_checkpoints.py ${TEST_FILTER:+-k "$TEST_FILTER"} 2>&1 \
     | tee "$OUT/gpu-tests.log" | grep -E "accuracy|passed|failed|Error" | tail -20
 fi
 timeout "${KERNELS_S:-120}" python3 scripts/kernel_times.py 2>&1 | tee "$OUT/kernel-times.log" | grep kernels

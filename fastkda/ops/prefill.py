@@ -390,9 +390,10 @@ def _solve_kernel(
 @triton.jit
 def _recurrence_kernel(
     w_ws, u_ws, qg_ws, kg_ws, A_ws, decay_ws, out, initial_state, final_state, cu_seqlens,
-    stride_out, seq_len,
+    ckpt_offsets, ckpt_states, stride_out, seq_len, stride_ckpt_n, stride_ckpt_j,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
-    IS_VARLEN: tl.constexpr, HAS_INITIAL: tl.constexpr, HAS_FINAL: tl.constexpr, EMULATE: tl.constexpr,
+    IS_VARLEN: tl.constexpr, HAS_INITIAL: tl.constexpr, HAS_FINAL: tl.constexpr, NUM_CKPT: tl.constexpr,
+    EMULATE: tl.constexpr,
 ):
     vs = tl.program_id(0)
     h = tl.program_id(1)
@@ -408,7 +409,11 @@ def _recurrence_kernel(
         S = tl.load(initial_state + state_offsets).to(tl.float32)
     else:
         S = tl.zeros((K, BV), dtype=tl.float32)
-    for c in range(tl.cdiv(eos - bos, C)):
+    num_chunks = tl.cdiv(eos - bos, C)
+    for c in range(num_chunks):
+        for j in tl.static_range(NUM_CKPT):  # prefix-cache checkpoint: the state after c*C tokens
+            _store_checkpoint(ckpt_offsets, ckpt_states, n, j, stride_ckpt_n, stride_ckpt_j, c * C, eos - bos, S,
+                              state_offsets, H, V, K, EMULATE)
         tok = (bos + c * C + r).to(tl.int64)
         valid = tok < eos
         m_k = valid[:, None] & (kk[None, :] < K)
@@ -427,8 +432,24 @@ def _recurrence_kernel(
         o = tl.dot(bf16_operand(qg, EMULATE), S_op) + tl.dot(bf16_operand(A, EMULATE), v_op)
         store_as(out + tok[:, None] * stride_out + h * V + vv[None, :], o, m_v, EMULATE)
         S = S * chunk_decay[:, None] + tl.dot(tl.trans(bf16_operand(kg, EMULATE)), v_op)
+    for j in tl.static_range(NUM_CKPT):
+        _store_checkpoint(ckpt_offsets, ckpt_states, n, j, stride_ckpt_n, stride_ckpt_j, num_chunks * C, eos - bos, S,
+                          state_offsets, H, V, K, EMULATE)
     if HAS_FINAL:
         store_as(final_state + state_offsets, S, None, EMULATE)
+
+
+@triton.jit
+def _store_checkpoint(ckpt_offsets, ckpt_states, n, j, stride_n, stride_j, done, length, S, state_offsets,
+                      H: tl.constexpr, V: tl.constexpr, K: tl.constexpr, EMULATE: tl.constexpr):
+    """Write ``S`` (the state after ``done`` tokens) to checkpoint ``j`` of sequence ``n`` if its offset is
+    ``done`` and inside the sequence. ``state_offsets`` address ``[n, h, v, k]`` of an ``[N, H, V, K]``
+    tensor; checkpoints are ``[N, 2, H, V, K]``."""
+    offset = tl.load(ckpt_offsets + n * stride_n + j * stride_j).to(tl.int32)
+    if (offset == done) & (offset <= length):
+        per_seq = H * V * K
+        target = n.to(tl.int64) * (2 * per_seq) + j * per_seq + (state_offsets - n.to(tl.int64) * per_seq)
+        store_as(ckpt_states + target, S, None, EMULATE)
 
 
 def num_slots(batch, seq_len, num_seqs, varlen):
@@ -504,32 +525,39 @@ def prepare(q, k, v, g, beta, *, A_log, dt_bias, lower_bound, scale, cu_seqlens,
     return ws
 
 
-def recur(ws, *, initial_state, final_state, out, v_slices):
+def recur(ws, *, initial_state, final_state, out, v_slices, checkpoint_offsets=None, checkpoint_states=None):
     """Run the recurrence over a :class:`Workspace` with ``v_slices`` programs per (sequence, head);
-    writes ``out [B, T, H, V]`` (contiguous) and ``final_state [N, H, V, K]`` (if given) in place."""
+    writes ``out [B, T, H, V]`` (contiguous), ``final_state [N, H, V, K]`` and the prefix-cache checkpoints
+    ``checkpoint_states [N, 2, H, V, K]`` at ``checkpoint_offsets [N]`` or ``[N, 2]`` (if given) in place."""
     if ws.num_seqs == 0:
         return
     tokens, heads, key_dim = ws.w.shape
     value_dim = ws.u.shape[-1]
     absent = ws.decay
+    checkpoints = 0 if checkpoint_offsets is None else (1 if checkpoint_offsets.dim() == 1 else checkpoint_offsets.shape[1])
     _recurrence_kernel[(v_slices, heads, ws.num_seqs)](
         ws.w, ws.u, ws.qg, ws.kg, ws.A, ws.decay, out,
         initial_state if initial_state is not None else absent,
         final_state if final_state is not None else absent,
         ws.cu_seqlens if ws.cu_seqlens is not None else absent,
+        checkpoint_offsets if checkpoints else absent, checkpoint_states if checkpoints else absent,
         out.stride(1), ws.seq_len,
+        checkpoint_offsets.stride(0) if checkpoints else 0, checkpoint_offsets.stride(-1) if checkpoints else 0,
         H=heads, K=key_dim, V=value_dim, BV=value_dim // v_slices, C=CHUNK,
         IS_VARLEN=ws.cu_seqlens is not None, HAS_INITIAL=initial_state is not None,
-        HAS_FINAL=final_state is not None, EMULATE=interpreting(), num_warps=4, num_stages=2,
+        HAS_FINAL=final_state is not None, NUM_CKPT=checkpoints, EMULATE=interpreting(), num_warps=4,
+        num_stages=2,
     )
 
 
 def chunk_kda_forward(
     q, k, v, g, beta, *, A_log, dt_bias, lower_bound, scale, initial_state, cu_seqlens,
-    use_qk_l2norm, use_beta_sigmoid, v_slices, out, final_state, dot_precision="tf32",
+    use_qk_l2norm, use_beta_sigmoid, v_slices, out, final_state, checkpoint_offsets=None, checkpoint_states=None,
+    dot_precision="tf32",
 ):
     """Both kernels on validated inputs: :func:`prepare`, then :func:`recur`."""
     ws = prepare(q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, scale=scale,
                  cu_seqlens=cu_seqlens, use_qk_l2norm=use_qk_l2norm, use_beta_sigmoid=use_beta_sigmoid,
                  dot_precision=dot_precision)
-    recur(ws, initial_state=initial_state, final_state=final_state, out=out, v_slices=v_slices)
+    recur(ws, initial_state=initial_state, final_state=final_state, out=out, v_slices=v_slices,
+          checkpoint_offsets=checkpoint_offsets, checkpoint_states=checkpoint_states)

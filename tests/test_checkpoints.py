@@ -1,0 +1,99 @@
+"""Prefix-cache checkpoints in prefill: the state after an offset equals the final state of a prefill of that
+prefix (bitwise for the Triton kernels, run on the interpreter without a GPU; the CPU path to fp32 rounding)."""
+
+import os
+
+import pytest
+import torch
+
+import fastkda
+from helpers import make_inputs
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+BACKENDS = ["api"] + (["triton"] if os.environ.get("TRITON_INTERPRET") == "1" else [])
+
+
+def prefill(backend, inp, final, checkpoint_offsets=None, checkpoint_states=None):
+    args = [inp[x] for x in ("q", "k", "v", "g", "beta")]
+    gate = dict(A_log=inp["A_log"], dt_bias=inp["dt_bias"], lower_bound=inp["lower_bound"])
+    out = torch.full_like(inp["v"], float("nan"))
+    if backend == "api":
+        fastkda.kda_prefill(*args, **gate, initial_state=inp["initial_state"], final_state=final,
+                            cu_seqlens=inp["cu_seqlens"], out=out, checkpoint_offsets=checkpoint_offsets,
+                            checkpoint_states=checkpoint_states)
+    else:
+        from fastkda.ops.prefill import chunk_kda_forward
+
+        chunk_kda_forward(*args, **gate, scale=inp["q"].shape[-1] ** -0.5, initial_state=inp["initial_state"],
+                          cu_seqlens=inp["cu_seqlens"], use_qk_l2norm=True, use_beta_sigmoid=True, v_slices=2,
+                          out=out, final_state=final, checkpoint_offsets=checkpoint_offsets,
+                          checkpoint_states=checkpoint_states)
+    return out
+
+
+def prefix_of(inp, lengths, n, prefix, varlen):
+    """Sequence n's first ``prefix`` tokens as a one-sequence input of the same layout."""
+    cut = dict(inp)
+    start = sum(lengths[:n]) if varlen else 0
+    row = 0 if varlen else n
+    for x in ("q", "k", "v", "g", "beta"):
+        cut[x] = inp[x][row:row + 1, start:start + prefix].contiguous()
+    cut["initial_state"] = inp["initial_state"][n:n + 1]
+    if varlen:
+        cut["cu_seqlens"] = torch.tensor([0, prefix], dtype=inp["cu_seqlens"].dtype, device=inp["q"].device)
+    return cut
+
+
+CASES = [
+    dict(lengths=[200, 0, 130, 64], varlen=True, cu_dtype=torch.int32, offsets=[[128, 64], [0, 64], [64, 128], [64, 0]]),
+    dict(lengths=[150, 150], varlen=False, cu_dtype=torch.int64, offsets=[[64, 128], [128, 64]]),
+    dict(lengths=[70, 190], varlen=True, cu_dtype=torch.int64, offsets=[64, 128]),
+]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("case", CASES)
+def test_checkpoints_equal_prefix_runs(backend, case):
+    lengths, varlen = case["lengths"], case["varlen"]
+    inp = make_inputs(lengths, heads=2, varlen=varlen, cu_dtype=case["cu_dtype"], seed=31, device=DEVICE)
+    offsets = torch.tensor(case["offsets"], dtype=case["cu_dtype"], device=DEVICE)
+    states = torch.full((len(lengths), 2, 2, 64, 64), float("nan"), device=DEVICE)
+    final = torch.empty(len(lengths), 2, 64, 64, device=DEVICE)
+    prefill(backend, inp, final, offsets, states)
+    per_seq = offsets.reshape(len(lengths), -1).tolist()
+    for n, seq_offsets in enumerate(per_seq):
+        for j, offset in enumerate(seq_offsets):
+            if offset > lengths[n]:
+                continue
+            prefix_final = torch.empty_like(final[:1])
+            prefill(backend, prefix_of(inp, lengths, n, offset, varlen), prefix_final)
+            if backend == "triton" or DEVICE == "cuda":
+                assert torch.equal(states[n, j], prefix_final[0]), (n, j)
+            else:
+                torch.testing.assert_close(states[n, j], prefix_final[0], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_offsets_beyond_the_sequence_are_ignored(backend):
+    inp = make_inputs([100, 64], heads=2, seed=32, device=DEVICE)
+    states = torch.full((2, 2, 2, 64, 64), float("nan"), device=DEVICE)
+    prefill(backend, inp, None, torch.tensor([[128, 192], [128, 64]], dtype=torch.int32, device=DEVICE), states)
+    assert torch.isnan(states[0]).all() and torch.isnan(states[1, 0]).all()
+    assert torch.isfinite(states[1, 1]).all()
+
+
+def test_bad_checkpoint_arguments():
+    inp = make_inputs([128], heads=2, seed=33)
+    args = [inp[x] for x in ("q", "k", "v", "g", "beta")]
+    kw = dict(A_log=inp["A_log"], dt_bias=inp["dt_bias"], lower_bound=inp["lower_bound"], cu_seqlens=inp["cu_seqlens"])
+    states = torch.zeros(1, 2, 2, 64, 64)
+    with pytest.raises(ValueError, match="multiples of the chunk"):
+        fastkda.kda_prefill(*args, **kw, checkpoint_offsets=torch.tensor([[32, 64]], dtype=torch.int32),
+                            checkpoint_states=states)
+    with pytest.raises(ValueError, match="checkpoint_offsets"):
+        fastkda.kda_prefill(*args, **kw, checkpoint_offsets=torch.tensor([[64, 64]]), checkpoint_states=states)
+    with pytest.raises(ValueError, match="checkpoint_states"):
+        fastkda.kda_prefill(*args, **kw, checkpoint_offsets=torch.tensor([64], dtype=torch.int32),
+                            checkpoint_states=states.bfloat16())
+    with pytest.raises(ValueError, match="given together"):
+        fastkda.kda_prefill(*args, **kw, checkpoint_offsets=torch.tensor([64], dtype=torch.int32))
