@@ -15,7 +15,8 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from fastkda.ops import prefill  # noqa: E402
+from fastkda import plan  # noqa: E402
+from fastkda.ops import decode, prefill  # noqa: E402
 
 PTXAS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
 BF16, F32 = "*bf16", "*fp32"
@@ -74,11 +75,22 @@ def main():
                               prefill.SOLVE_WARPS)
         print(f"split/solve K=V=128 lower_bound_gate={gate} warps={prefill.SOLVE_WARPS}: {solve}")
     recurrence_sig = dict(w_ws=BF16, u_ws=BF16, qg_ws=BF16, kg_ws=BF16, A_ws=BF16, decay_ws=F32, out=BF16,
-                          initial_state=F32, final_state=F32, cu_seqlens="*i32", stride_out="i32", seq_len="i32")
-    for slices in (1, 2, 4):
+                          initial_state=F32, final_state=F32, cu_seqlens="*i32", ckpt_offsets="*i32", ckpt_states=F32,
+                          stride_out="i32", seq_len="i32", stride_ckpt_n="i32", stride_ckpt_j="i32")
+    for slices, checkpoints in ((1, 0), (2, 0), (4, 0), (4, 2)):
         consts = dict(H=12, K=128, V=128, BV=128 // slices, C=prefill.CHUNK, IS_VARLEN=True, HAS_INITIAL=True,
-                      HAS_FINAL=True, EMULATE=False)
-        print(f"recurrence K=V=128 v_slices={slices}: {compile_stats(prefill._recurrence_kernel, recurrence_sig, consts, 4)}")
+                      HAS_FINAL=True, NUM_CKPT=checkpoints, EMULATE=False)
+        stats = compile_stats(prefill._recurrence_kernel, recurrence_sig, consts, 4)
+        print(f"recurrence K=V=128 v_slices={slices} checkpoints={checkpoints}: {stats}")
+    decode_sig = dict(q=BF16, k=BF16, v=BF16, g=BF16, beta=BF16, A_log=F32, dt_bias=F32, pool=F32, slots="*i32",
+                      num_accepted="*i32", out=BF16, stride_q="i32", stride_k="i32", stride_v="i32", stride_g="i32",
+                      stride_beta_n="i32", stride_beta_t="i32", stride_beta_h="i32", stride_slot_n="i32",
+                      stride_slot_t="i32", lower_bound="fp32", scale="fp32", T="i32")
+    for per_token in (False, True):
+        consts = dict(H=12, K=128, V=128, BV=plan.DECODE_SLICE_WIDTH, LOWER_BOUND_GATE=True, L2NORM=True,
+                      BETA_SIGMOID=True, PER_TOKEN_SLOTS=per_token, HAS_ACCEPTED=per_token, EMULATE=False)
+        print(f"decode BV={plan.DECODE_SLICE_WIDTH} per_token_slots={per_token}: "
+              f"{compile_stats(decode._decode_kernel, decode_sig, consts, 4)}")
 
 
 if __name__ == "__main__":
