@@ -43,8 +43,9 @@ def _check_token_rows(name, x):
               f"strides {tuple(x.stride())}")
 
 
-def _check_inputs(q, k, v, g, beta):
-    """q, k, g ``[B, T, H, K]``, v ``[B, T, H, V]``, beta ``[B, T, H]``; returns the value dimension."""
+def _check_inputs(q, k, v, g, beta, A_log, dt_bias, lower_bound, scale):
+    """q, k, g ``[B, T, H, K]``, v ``[B, T, H, V]``, beta ``[B, T, H]``, the gate and the scale; returns the
+    value dimension."""
     if not isinstance(q, torch.Tensor) or q.dim() != 4:
         _fail("q", "a 4-D tensor [B, T, H, K]", getattr(q, "shape", type(q).__name__))
     batch, length, heads, key_dim = q.shape
@@ -63,6 +64,9 @@ def _check_inputs(q, k, v, g, beta):
         _check_token_rows(name, x)
     if batch > 1 and beta.stride(0) != length * beta.stride(1):
         _fail("beta", "a view whose batch rows are back to back", f"strides {tuple(beta.stride())}")
+    _check_gate(A_log, dt_bias, lower_bound, heads, key_dim, device)
+    if not isinstance(scale, (int, float)) or not scale > 0:
+        _fail("scale", "a positive number", scale)
     return value_dim
 
 
@@ -99,12 +103,9 @@ def _check_out(out, v, inputs):
 def validate_prefill(q, k, v, g, beta, A_log, dt_bias, lower_bound, scale, initial_state, final_state,
                      cu_seqlens, out, checkpoint_offsets=None, checkpoint_states=None):
     """Raise ``ValueError`` naming the first argument that breaks the contract (spec §3); return N."""
-    value_dim = _check_inputs(q, k, v, g, beta)
+    value_dim = _check_inputs(q, k, v, g, beta, A_log, dt_bias, lower_bound, scale)
     batch, length, heads, key_dim = q.shape
     device = q.device
-    _check_gate(A_log, dt_bias, lower_bound, heads, key_dim, device)
-    if not isinstance(scale, (int, float)) or not scale > 0:
-        _fail("scale", "a positive number", scale)
     if cu_seqlens is None:
         num_seqs = batch
     else:
@@ -243,12 +244,9 @@ def kda_prefill(
 def validate_decode(q, k, v, g, beta, state_pool, slots, A_log, dt_bias, lower_bound, scale, num_accepted_tokens,
                     out):
     """Raise ``ValueError`` naming the first argument that breaks the decode contract (spec §5)."""
-    value_dim = _check_inputs(q, k, v, g, beta)
+    value_dim = _check_inputs(q, k, v, g, beta, A_log, dt_bias, lower_bound, scale)
     num_seqs, tokens, heads, key_dim = q.shape
     device = q.device
-    _check_gate(A_log, dt_bias, lower_bound, heads, key_dim, device)
-    if not isinstance(scale, (int, float)) or not scale > 0:
-        _fail("scale", "a positive number", scale)
     if not isinstance(state_pool, torch.Tensor) or state_pool.dim() != 4:
         _fail("state_pool", "a 4-D tensor [P, H, V, K]", getattr(state_pool, "shape", type(state_pool).__name__))
     _check_tensor("state_pool", state_pool, (state_pool.shape[0], heads, value_dim, key_dim), STATE_DTYPES, device)

@@ -200,10 +200,8 @@ def time_eager(run):
     return do_bench(run, warmup=25, rep=100, return_mode="median")
 
 
-def time_graph(run):
-    """Median replay time of a CUDA graph holding one call."""
-    from triton.testing import do_bench
-
+def capture_graph(run):
+    """A CUDA graph holding one call of ``run`` (warmed up on a side stream first, as capture requires)."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -213,7 +211,14 @@ def time_graph(run):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         run()
-    return do_bench(graph.replay, warmup=25, rep=100, return_mode="median")
+    return graph
+
+
+def time_graph(run):
+    """Median replay time of a CUDA graph holding one call."""
+    from triton.testing import do_bench
+
+    return do_bench(capture_graph(run).replay, warmup=25, rep=100, return_mode="median")
 
 
 def relative_error(x, ref):

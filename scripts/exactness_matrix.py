@@ -15,7 +15,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
-from helpers import make_inputs, rel_err  # noqa: E402
+from helpers import make_inputs, rel_err, run_prefill  # noqa: E402
 
 import fastkda  # noqa: E402
 from fastkda.plan import choose_plan, sm_count  # noqa: E402
@@ -45,20 +45,6 @@ def shape(index, rng):
                 "lower_bound"), STATE_CASES[index % len(STATE_CASES)]
 
 
-def run(inp, states, v_slices):
-    state_in, state_out = states
-    n = inp["cu_seqlens"].numel() - 1 if inp["cu_seqlens"] is not None else inp["q"].shape[0]
-    heads, key_dim, value_dim = inp["q"].shape[2], inp["q"].shape[3], inp["v"].shape[3]
-    out = torch.full_like(inp["v"], float("nan"))
-    final = (torch.full((n, heads, value_dim, key_dim), float("nan"), dtype=state_out, device="cuda")
-             if state_out else None)
-    h0 = inp["initial_state"].to(state_in) if state_in else None
-    fastkda.kda_prefill(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], A_log=inp["A_log"],
-                        dt_bias=inp["dt_bias"], lower_bound=inp["lower_bound"], initial_state=h0, final_state=final,
-                        cu_seqlens=inp["cu_seqlens"], out=out, v_slices=v_slices)
-    return out, final, h0
-
-
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--shapes", type=int, default=140)
@@ -73,7 +59,7 @@ def main():
         n = len(case["lengths"])
         tokens = max(sum(case["lengths"]) // max(n, 1), 1)
         split += choose_plan(n, case["heads"], tokens, inp["v"].shape[-1], sms).v_slices > 1
-        results = [run(inp, states, s) for s in (1, 2, 4)]
+        results = [run_prefill(inp, *states, v_slices=s) for s in (1, 2, 4)]
         same = all(torch.equal(o, results[0][0]) and (f is None or torch.equal(f, results[0][1]))
                    for o, f, _ in results[1:])
         ref_o, ref_s = fastkda.kda_reference(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], A_log=inp["A_log"],

@@ -43,3 +43,21 @@ def rel_err(x, ref):
     if not torch.isfinite(x).all():
         return float("inf")
     return ((x - ref.double()).norm() / ref.double().norm().clamp_min(1e-30)).item()
+
+
+def run_prefill(inp, state_in, state_out, v_slices="auto"):
+    """``kda_prefill`` into NaN-poisoned buffers; ``state_in``/``state_out``: dtype of the initial/final state,
+    or None for none. Returns ``(out, final, initial_state)``."""
+    import fastkda
+
+    device = inp["q"].device
+    n = inp["cu_seqlens"].numel() - 1 if inp["cu_seqlens"] is not None else inp["q"].shape[0]
+    heads, key_dim, value_dim = inp["q"].shape[2], inp["q"].shape[3], inp["v"].shape[3]
+    out = torch.full_like(inp["v"], float("nan"))
+    final = (torch.full((n, heads, value_dim, key_dim), float("nan"), dtype=state_out, device=device)
+             if state_out else None)
+    h0 = inp["initial_state"].to(state_in) if state_in else None
+    fastkda.kda_prefill(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], A_log=inp["A_log"],
+                        dt_bias=inp["dt_bias"], lower_bound=inp["lower_bound"], initial_state=h0, final_state=final,
+                        cu_seqlens=inp["cu_seqlens"], out=out, v_slices=v_slices)
+    return out, final, h0

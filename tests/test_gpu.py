@@ -8,8 +8,9 @@ import pytest
 import torch
 
 import fastkda
+from fastkda.bench import capture_graph
 from fastkda.reference import kda_reference
-from helpers import make_inputs, rel_err
+from helpers import make_inputs, rel_err, run_prefill
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -17,19 +18,6 @@ OUT_BOUND, STATE_BOUND = 4e-3, 3e-3
 BF16_STATE_BOUND = 6e-3  # a bf16 final state adds its own rounding (≈2e-3 rms)
 # (initial, final) dtype: none; in / out / in+out, each in bf16 and fp32
 STATE_CASES = [(None, None)] + [case for d in (torch.bfloat16, torch.float32) for case in ((d, None), (None, d), (d, d))]
-
-
-def run(inp, state_in, state_out, v_slices="auto"):
-    n = inp["cu_seqlens"].numel() - 1 if inp["cu_seqlens"] is not None else inp["q"].shape[0]
-    heads, key_dim, value_dim = inp["q"].shape[2], inp["q"].shape[3], inp["v"].shape[3]
-    out = torch.full_like(inp["v"], float("nan"))
-    final = (torch.full((n, heads, value_dim, key_dim), float("nan"), dtype=state_out, device="cuda")
-             if state_out else None)
-    h0 = inp["initial_state"].to(state_in) if state_in else None
-    fastkda.kda_prefill(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], A_log=inp["A_log"],
-                        dt_bias=inp["dt_bias"], lower_bound=inp["lower_bound"], initial_state=h0, final_state=final,
-                        cu_seqlens=inp["cu_seqlens"], out=out, v_slices=v_slices)
-    return out, final, h0
 
 
 def reference(inp, h0):
@@ -52,7 +40,7 @@ def test_random_shapes_all_state_cases(seed, states):
     rng = random.Random(seed * 31 + STATE_CASES.index(states))
     case = random_case(rng)
     inp = make_inputs(device="cuda", seed=seed, **case)
-    out, final, h0 = run(inp, *states)
+    out, final, h0 = run_prefill(inp, *states)
     ref_o, ref_s = reference(inp, h0)
     assert rel_err(out, ref_o) < OUT_BOUND, case
     if final is not None:
@@ -67,16 +55,16 @@ def test_random_shapes_all_state_cases(seed, states):
 ])
 def test_v_slices_bitwise_identical(case):
     inp = make_inputs(device="cuda", seed=7, **case)
-    base_o, base_s, _ = run(inp, torch.float32, torch.float32, v_slices=1)
+    base_o, base_s, _ = run_prefill(inp, torch.float32, torch.float32, v_slices=1)
     for s in (2, 4):
-        out, final, _ = run(inp, torch.float32, torch.float32, v_slices=s)
+        out, final, _ = run_prefill(inp, torch.float32, torch.float32, v_slices=s)
         assert torch.equal(out, base_o) and torch.equal(final, base_s), s
 
 
 def test_accuracy_bar_spec_case():
     """Issue 2 acceptance: T = 2048, H = 4, K = V = 128, randn inputs, fp32 states."""
     inp = make_inputs([2048], heads=4, key_dim=128, device="cuda", seed=1)
-    out, final, h0 = run(inp, torch.float32, torch.float32)
+    out, final, h0 = run_prefill(inp, torch.float32, torch.float32)
     ref_o, ref_s = reference(inp, h0)
     err_o, err_s = rel_err(out, ref_o), rel_err(final, ref_s)
     print(f"\n[accuracy] lower-bound gate T=2048 H=4: output {err_o:.3e}, final state {err_s:.3e}")
@@ -86,7 +74,7 @@ def test_accuracy_bar_spec_case():
 def test_precomputed_gate_down_to_minus_1e4():
     inp = make_inputs([2048], heads=4, key_dim=128, device="cuda", seed=2, gate="precomputed")
     inp["g"][0, 1000:1010] = -1e4
-    out, final, h0 = run(inp, torch.float32, torch.float32)
+    out, final, h0 = run_prefill(inp, torch.float32, torch.float32)
     ref_o, ref_s = reference(inp, h0)
     assert torch.isfinite(out).all() and torch.isfinite(final).all()
     err_o, err_s = rel_err(out, ref_o), rel_err(final, ref_s)
@@ -106,14 +94,7 @@ def test_cuda_graph_replay_with_new_inputs(lengths, varlen):
                             lower_bound=inp["lower_bound"], initial_state=inp["initial_state"], final_state=final,
                             cu_seqlens=inp["cu_seqlens"], out=out)
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
+    graph = capture_graph(step)
     fresh = make_inputs(lengths, heads=4, key_dim=128, varlen=varlen, device="cuda", seed=4)
     for x in names:
         inp[x].copy_(fresh[x])
@@ -121,7 +102,7 @@ def test_cuda_graph_replay_with_new_inputs(lengths, varlen):
     final.fill_(float("nan"))
     graph.replay()
     torch.cuda.synchronize()
-    eager_o, eager_s, _ = run(fresh, torch.float32, torch.float32)
+    eager_o, eager_s, _ = run_prefill(fresh, torch.float32, torch.float32)
     assert torch.equal(out, eager_o) and torch.equal(final, eager_s)
 
 
@@ -165,14 +146,7 @@ def test_decode_cuda_graph_replay():
     def step():
         fastkda.kda_decode(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], pool, slots, **gate, out=out)
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
+    graph = capture_graph(step)
     start = torch.randn_like(pool)
     pool.copy_(start)
     fresh = make_inputs([1] * 8, heads=4, key_dim=128, varlen=False, device="cuda", seed=10)
