@@ -1,20 +1,31 @@
 #!/usr/bin/env bash
-# Everything the H200 run needs, in one call: peers from carried wheels, GPU tests, kernel times, benchmark.
-# Usage (device tool, repo root): bash scripts/device_tests.sh [bench args...]; logs and results go to $OUT.
+# Everything an H200 run needs, in one call, each step under its own time limit (seconds) so that one slow step
+# cannot starve the rest; logs and results go to $OUT. Order: correctness first, then where the time goes, then
+# the side-by-side benchmark.
+#   bash scripts/device_tests.sh [bench args...]
+#   TEST_FILTER='accuracy or graph' TESTS_S=150 KERNELS_S=40 VARIANTS_S=120 CKPT_S=40 BENCH_S=200 (0 skips a step)
 set -uo pipefail
 OUT=${OUT:-/tmp/fastkda-out}
 mkdir -p "$OUT"
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 FLA_FLASH_KDA=0
-if ls .whl/*.whl >/dev/null 2>&1; then
+if ls .whl/*.whl >/dev/null 2>&1; then  # peers travel as wheels (README of the device tool)
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH=$PYTHONPATH:/tmp/site
 fi
-nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader | tee "$OUT/gpu.txt"
-python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/gpu.txt"
-# each step has its own time limit (seconds) so one slow step cannot starve the others
-timeout "${BENCH_S:-400}" python3 -m fastkda.bench --out-dir "$OUT/results" "$@" 2>&1 | tee "$OUT/bench.log" | tail -40
-if [ "${SKIP_TESTS:-0}" != 1 ]; then
-  timeout "${TESTS_S:-600}" python3 -m pytest -q -s tests/test_gpu.py tests/test_checkpoints.py ${TEST_FILTER:+-k "$TEST_FILTER"} 2>&1 \
-    | tee "$OUT/gpu-tests.log" | grep -E "accuracy|passed|failed|Error" | tail -20
-fi
-timeout "${KERNELS_S:-120}" python3 scripts/kernel_times.py 2>&1 | tee "$OUT/kernel-times.log" | grep kernels
+nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader  # (at most 8 files come back)
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+
+step() {  # step NAME SECONDS COMMAND...: run unless SECONDS is 0, keep the log, show its summary lines
+  local name=$1 seconds=$2; shift 2
+  [ "$seconds" = 0 ] && return
+  timeout "$seconds" "$@" > "$OUT/$name.log" 2>&1
+  echo "== $name (rc=$?)"
+  grep -E "^\[|passed|failed|Error" "$OUT/$name.log" | tail -25
+}
+step gpu-tests "${TESTS_S:-600}" python3 -m pytest -q -s tests/test_gpu.py tests/test_checkpoints.py \
+  ${TEST_FILTER:+-k "$TEST_FILTER"}
+step kernel-times "${KERNELS_S:-60}" python3 scripts/kernel_times.py
+step prepare-variants "${VARIANTS_S:-0}" python3 scripts/prepare_variants.py
+step checkpoint-cost "${CKPT_S:-0}" python3 scripts/checkpoint_cost.py
+step bench "${BENCH_S:-400}" python3 -m fastkda.bench --out-dir "$OUT/results" "$@"
+tail -40 "$OUT/bench.log"
