@@ -113,3 +113,17 @@ def test_decode_rejects_bad_slots():
     with pytest.raises(ValueError, match="num_accepted_tokens"):
         fastkda.kda_decode(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], pool,
                            torch.zeros(2, 2, dtype=torch.int32), num_accepted_tokens=torch.ones(3, dtype=torch.int32))
+
+
+def test_decode_under_torch_compile_is_one_op():
+    inp = make_inputs([1] * 3, heads=2, varlen=False, seed=26)
+    slots = torch.tensor([0, 2, 1], dtype=torch.int32)
+    pools = [torch.randn(3, 2, 64, 64, generator=torch.Generator().manual_seed(1)) for _ in range(2)]
+    gate = dict(A_log=inp["A_log"], dt_bias=inp["dt_bias"], lower_bound=inp["lower_bound"])
+
+    def step(pool):
+        return fastkda.kda_decode(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], pool, slots, **gate) * 2
+
+    compiled = torch.compile(step, fullgraph=True)
+    assert torch.equal(compiled(pools[0]), step(pools[1]))
+    assert torch.equal(pools[0], pools[1])
