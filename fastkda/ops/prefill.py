@@ -1,19 +1,20 @@
-"""Chunked KDA prefill on the GPU: a token-parallel preparation kernel and a serial recurrence kernel.
+"""Chunked KDA prefill on the GPU: token-parallel preparation kernels and a serial recurrence kernel.
 
 Spec §2 in the WY form, chunk ``C`` = 64 tokens split into 16-token blocks:
 
-* ``_prepare_kernel`` (one program per (chunk, head)) computes everything that does not depend on the
-  state: gate, in-chunk cumulative decay ``G``, normalised q/k, the in-chunk matrices
-  ``M = lower_incl(qd·kiᵀ)`` and ``L = strictly_lower(β·kd·kiᵀ)`` and ``T = (I + L)⁻¹``, and writes the
-  bf16 workspace ``w = T·β·kd``, ``u = T·β·v``, ``qg = qd``, ``kg = kr``, ``A = M`` and the fp32 chunk decay
-  ``exp(G_C)``. No factor ``exp(-G)`` is ever formed across more than one 16-token block, so nothing
-  overflows: off-diagonal blocks use ``exp(G_i - G_end(J))·exp(G_end(J) - G_j)`` (both ≤ 1); diagonal blocks
-  use ``exp(G_i - G_end(J)) ≤ e^75`` for the lower-bound gate, and an element-wise decay for an unbounded
-  precomputed gate.
+* Preparation computes everything that does not depend on the state: gate, in-chunk cumulative decay ``G``,
+  normalised q/k, the in-chunk matrices ``M = lower_incl(qd·kiᵀ)`` and ``L = strictly_lower(β·kd·kiᵀ)`` and
+  ``T = (I + L)⁻¹``, and writes the bf16 workspace ``w = T·β·kd``, ``u = T·β·v``, ``qg = qd``, ``kg = kr``,
+  ``A = M`` and the fp32 chunk decay ``exp(G_C)``. Two implementations (``PREPARE_PATH``): "split",
+  ``_intra_kernel`` per (chunk, head, 16-token row block) then ``_solve_kernel`` per (chunk, head), and
+  "fused", ``_prepare_kernel`` per (chunk, head). No factor ``exp(-G)`` is ever formed across more than one
+  16-token block, so nothing overflows: off-diagonal blocks use ``exp(G_i - G_end(J))·exp(G_end(J) - G_j)``
+  (both ≤ 1); diagonal blocks use ``exp(G_i - G_end(J)) ≤ e^75`` for the lower-bound gate, and an
+  element-wise decay for an unbounded precomputed gate.
 * ``_recurrence_kernel`` (one program per (sequence, head, V-slice)) walks the chunks in order with the
-  state in fp32 registers: ``v_new = u - w·S``, ``o = qg·S + A·v_new``, ``S = diag(exp(G_C))·S + kgᵀ·v_new``.
-  No step reduces over V, and every slice runs the same instructions over K, so results are bitwise
-  identical for any number of V-slices.
+  state in fp32 registers: ``v_new = u - w·S``, ``o = qg·S + A·v_new``, ``S = diag(exp(G_C))·S + kgᵀ·v_new``,
+  and writes prefix-cache checkpoints at chunk boundaries. No step reduces over V, and every slice runs the
+  same instructions over K, so results are bitwise identical for any number of V-slices.
 
 Chunks are numbered by *slot*: sequence ``n`` owns slots from ``cu[n] // C + n`` (varlen) or
 ``n · ceil(T / C)`` (fixed length), a layout both kernels derive from host-known values, with no
