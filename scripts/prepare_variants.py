@@ -14,6 +14,7 @@ from fastkda.ops import prefill
 VARIANTS = [
     ("split solve32/w8", dict(PREPARE_PATH="split", SOLVE_CHANNEL_BLOCK=32, SOLVE_WARPS=8, INTRA_WARPS=4)),
     ("split solve16/w4", dict(PREPARE_PATH="split", SOLVE_CHANNEL_BLOCK=16, SOLVE_WARPS=4, INTRA_WARPS=4)),
+    ("split solve64/w8", dict(PREPARE_PATH="split", SOLVE_CHANNEL_BLOCK=64, SOLVE_WARPS=8, INTRA_WARPS=4)),
     ("split intra w8", dict(PREPARE_PATH="split", SOLVE_CHANNEL_BLOCK=32, SOLVE_WARPS=8, INTRA_WARPS=8)),
     ("fused 16/w8", dict(PREPARE_PATH="fused", CHANNEL_BLOCK=16, PREPARE_WARPS=8)),
     ("fused 32/w4", dict(PREPARE_PATH="fused", CHANNEL_BLOCK=32, PREPARE_WARPS=4)),

@@ -97,3 +97,20 @@ def test_bad_checkpoint_arguments():
                             checkpoint_states=states.bfloat16())
     with pytest.raises(ValueError, match="given together"):
         fastkda.kda_prefill(*args, **kw, checkpoint_offsets=torch.tensor([64], dtype=torch.int32))
+
+
+def test_checkpoints_under_torch_compile():
+    inp = make_inputs([130, 64], heads=2, seed=34)
+    args = [inp[x] for x in ("q", "k", "v", "g", "beta")]
+    offsets = torch.tensor([[64, 128], [0, 64]], dtype=torch.int32)
+    kw = dict(A_log=inp["A_log"], dt_bias=inp["dt_bias"], lower_bound=inp["lower_bound"],
+              initial_state=inp["initial_state"], cu_seqlens=inp["cu_seqlens"], checkpoint_offsets=offsets)
+
+    def run(states):
+        return fastkda.kda_prefill(*args, **kw, checkpoint_states=states)[0]
+
+    eager_states, compiled_states = torch.zeros(2, 2, 2, 64, 64), torch.zeros(2, 2, 2, 64, 64)
+    eager = run(eager_states)
+    compiled = torch.compile(run, fullgraph=True)(compiled_states)
+    assert torch.equal(compiled, eager) and torch.equal(compiled_states, eager_states)
+    assert torch.equal(eager_states[1, 0], inp["initial_state"][1])  # offset 0: the initial state
