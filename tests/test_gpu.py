@@ -84,7 +84,8 @@ def test_precomputed_gate_down_to_minus_1e4():
 
 @pytest.mark.parametrize("lengths,varlen", [([2, 700], True), ([16] * 16, True), ([333, 333], False)])
 def test_cuda_graph_replay_with_new_inputs(lengths, varlen):
-    inp = make_inputs(lengths, heads=4, key_dim=128, varlen=varlen, device="cuda", seed=3)
+    """Issue 3: a graph captured at N = 2 (auto splits: 4·2·12 <= 132) and at N = 16 (no split) replays its plan."""
+    inp = make_inputs(lengths, heads=12, key_dim=128, varlen=varlen, device="cuda", seed=3)
     out = torch.empty_like(inp["v"])
     final = torch.empty_like(inp["initial_state"])
     names = ("q", "k", "v", "g", "beta", "initial_state", "A_log", "dt_bias")
@@ -95,7 +96,7 @@ def test_cuda_graph_replay_with_new_inputs(lengths, varlen):
                             cu_seqlens=inp["cu_seqlens"], out=out)
 
     graph = capture_graph(step)
-    fresh = make_inputs(lengths, heads=4, key_dim=128, varlen=varlen, device="cuda", seed=4)
+    fresh = make_inputs(lengths, heads=12, key_dim=128, varlen=varlen, device="cuda", seed=4)
     for x in names:
         inp[x].copy_(fresh[x])
     out.fill_(float("nan"))
