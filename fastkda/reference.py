@@ -51,6 +51,14 @@ def sequence_bounds(batch, length, cu_seqlens):
     return [(0, offsets[n], offsets[n + 1]) for n in range(len(offsets) - 1)]
 
 
+def _token_step(S, q, k, v, a, beta):
+    """One token of spec §1 on states ``S [..., K, V]`` (updated in place); returns ``o [..., V]``."""
+    S.mul_(a.exp().unsqueeze(-1))
+    u = beta.unsqueeze(-1) * (v - torch.einsum("...kv,...k->...v", S, k))
+    S.add_(k.unsqueeze(-1) * u.unsqueeze(-2))
+    return torch.einsum("...kv,...k->...v", S, q)
+
+
 def _zero_outputs(q, v, bounds, initial_state, dtype):
     """Zeroed output ``[B, T, H, V]`` and per-sequence states ``[N, H, K, V]`` set from ``initial_state``."""
     batch, length, heads, key_dim = q.shape
@@ -75,10 +83,7 @@ def kda_reference(
     for n, (b, start, end) in enumerate(bounds):
         S = final[n]
         for t in range(start, end):
-            S.mul_(a[b, t].exp().unsqueeze(-1))
-            u = beta[b, t].unsqueeze(-1) * (v[b, t] - torch.einsum("hkv,hk->hv", S, k[b, t]))
-            S.add_(k[b, t].unsqueeze(-1) * u.unsqueeze(-2))
-            out[b, t] = torch.einsum("hkv,hk->hv", S, q[b, t])
+            out[b, t] = _token_step(S, q[b, t], k[b, t], v[b, t], a[b, t], beta[b, t])
     return out, final.transpose(-1, -2).contiguous()
 
 
@@ -182,10 +187,7 @@ def kda_decode_reference(
     S[live] = state_pool[read_slot[live]].to(dtype).transpose(-1, -2)
     out = torch.zeros_like(v)
     for t in range(tokens):
-        S.mul_(a[:, t].exp().unsqueeze(-1))
-        u = beta[:, t].unsqueeze(-1) * (v[:, t] - torch.einsum("nhkv,nhk->nhv", S, k[:, t]))
-        S.add_(k[:, t].unsqueeze(-1) * u.unsqueeze(-2))
-        out[:, t] = torch.einsum("nhkv,nhk->nhv", S, q[:, t])
+        out[:, t] = _token_step(S, q[:, t], k[:, t], v[:, t], a[:, t], beta[:, t])
         if per_token:
             write = live & (slots[:, t] >= 0)
             state_pool[slots[write, t].long()] = S[write].transpose(-1, -2).to(state_pool.dtype)

@@ -100,6 +100,15 @@ def _row_at(x, i, C: tl.constexpr):
 
 
 @triton.jit
+def _beta_rows(beta, tok, valid, stride_tok, stride_head, h, BETA_SIGMOID: tl.constexpr):
+    """β of tokens ``tok`` (σ applied unless the caller did), zero outside ``valid``."""
+    bv = load_f32(beta + tok * stride_tok + h * stride_head, valid)
+    if BETA_SIGMOID:
+        bv = tl.sigmoid(bv)
+    return tl.where(valid, bv, 0.0)
+
+
+@triton.jit
 def _log_decay_block(g, tok64, stride_g, h, kk, mask, A_log, dt_bias, lower_bound,
                      K: tl.constexpr, LOWER_BOUND_GATE: tl.constexpr):
     """Log-decay ``a`` of one ``[C, BK]`` block of key channels, zero outside ``mask``."""
@@ -156,10 +165,7 @@ def _prepare_kernel(
     else:
         q_scale = q_ss + scale
         k_scale = k_ss + 1.0
-    bv = load_f32(beta + tok64 * stride_beta_tok + h * stride_beta_head, valid)
-    if BETA_SIGMOID:
-        bv = tl.sigmoid(bv)
-    bv = tl.where(valid, bv, 0.0)
+    bv = _beta_rows(beta, tok64, valid, stride_beta_tok, stride_beta_head, h, BETA_SIGMOID)
 
     M = tl.zeros((C, C), dtype=tl.float32)
     L = tl.zeros((C, C), dtype=tl.float32)
@@ -315,10 +321,7 @@ def _intra_kernel(
     tl.store(k_scale_ws + tok * H + h, k_scale, mask=valid)
     G_I = G_before[None, :] + tl.cumsum(_log_decay_block(g, tok, stride_g, h, kk, m_I, A_log, dt_bias, lower_bound,
                                                          K, LOWER_BOUND_GATE), axis=0)
-    bv = load_f32(beta + tok * stride_beta_tok + h * stride_beta_head, valid)
-    if BETA_SIGMOID:
-        bv = tl.sigmoid(bv)
-    bv = tl.where(valid, bv, 0.0)
+    bv = _beta_rows(beta, tok, valid, stride_beta_tok, stride_beta_head, h, BETA_SIGMOID)
     row_k = tok[:, None] * (H * K) + h * K + kk[None, :]
     store_as(qg_ws + row_k, q_I * tl.exp(G_I), m_I, EMULATE)
     store_as(kg_ws + row_k, k_I * tl.exp(G_last[None, :] - G_I), m_I, EMULATE)
@@ -380,10 +383,7 @@ def _solve_kernel(
                 other=0.0)
     T_inv = _unit_lower_inverse(L, C, BC, DOT_PRECISION)
     k_scale = tl.load(k_scale_ws + tok64 * H + h, mask=valid, other=0.0)
-    bv = load_f32(beta + tok64 * stride_beta_tok + h * stride_beta_head, valid)
-    if BETA_SIGMOID:
-        bv = tl.sigmoid(bv)
-    bv = tl.where(valid, bv, 0.0)
+    bv = _beta_rows(beta, tok64, valid, stride_beta_tok, stride_beta_head, h, BETA_SIGMOID)
     _write_w_u(T_inv, k, v, g, tok64, valid, k_scale, bv, stride_k, stride_v, stride_g, h, A_log, dt_bias,
                lower_bound, w_ws, u_ws, H, K, V, BK, LOWER_BOUND_GATE, DOT_PRECISION, EMULATE)
 
