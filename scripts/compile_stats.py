@@ -43,12 +43,19 @@ def compile_stats(fn, signature, constants, num_warps, num_stages=2):
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--warps", type=int, default=prefill.PREPARE_WARPS)
+    parser.add_argument("--blocked-warps", type=int, default=prefill.BLOCKED_WARPS)
     parser.add_argument("--fused-dims", nargs="*", type=int, default=[], help="also the fused kernel, K=V in these")
     args = parser.parse_args()
     prepare_sig = dict(q=BF16, k=BF16, v=BF16, g=BF16, beta=BF16, A_log=F32, dt_bias=F32, cu_seqlens="*i32",
                        w_ws=BF16, u_ws=BF16, qg_ws=BF16, kg_ws=BF16, A_ws=BF16, decay_ws=F32,
                        stride_q="i32", stride_k="i32", stride_v="i32", stride_g="i32", stride_beta_tok="i32",
                        stride_beta_head="i32", seq_len="i32", num_seqs="i32", lower_bound="fp32", scale="fp32")
+    for gate in (True, False):
+        for dim in (128, 64):
+            consts = dict(H=12, K=dim, V=dim, C=prefill.CHUNK, BC=prefill.BLOCK, IS_VARLEN=True, LOWER_BOUND_GATE=gate,
+                          L2NORM=True, BETA_SIGMOID=True, DOT_PRECISION="tf32", EMULATE=False)
+            stats = compile_stats(prefill._blocked_prepare_kernel, prepare_sig, consts, args.blocked_warps)
+            print(f"blocked K=V={dim} lower_bound_gate={gate} warps={args.blocked_warps}: {stats}")
     for dim in args.fused_dims:
         for gate in (True, False):
             for varlen in (True, False):

@@ -3,7 +3,8 @@
 # cannot starve the rest; logs and results go to $OUT. Order: correctness first, then where the time goes, then
 # the side-by-side benchmark.
 #   bash scripts/device_tests.sh [bench args...]
-#   TEST_FILTER='accuracy or graph' TESTS_S=150 KERNELS_S=40 VARIANTS_S=120 CKPT_S=40 BENCH_S=200 (0 skips a step)
+#   TEST_FILTER='accuracy or graph' TESTS_S=150 KERNELS_S=40 VARIANTS_S=120 CKPT_S=40 NCU_S=90 BENCH_S=200
+#   (0 skips a step)
 set -uo pipefail
 OUT=${OUT:-/tmp/fastkda-out}
 mkdir -p "$OUT"
@@ -27,5 +28,9 @@ step gpu-tests "${TESTS_S:-600}" python3 -m pytest -q -s tests/test_gpu.py tests
 step kernel-times "${KERNELS_S:-60}" python3 scripts/kernel_times.py
 step prepare-variants "${VARIANTS_S:-0}" python3 scripts/prepare_variants.py
 step checkpoint-cost "${CKPT_S:-0}" python3 scripts/checkpoint_cost.py
+step ncu "${NCU_S:-0}" ncu --clock-control none -k "regex:prepare_kernel|intra_kernel" --launch-count 2 \
+  --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
+  --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" \
+  python3 scripts/ncu_prepare.py columns blocked
 step bench "${BENCH_S:-400}" python3 -m fastkda.bench --out-dir "$OUT/results" "$@"
 tail -40 "$OUT/bench.log"
