@@ -18,9 +18,6 @@ VARIANTS = [
     ("columns 16ch/w8/128reg", dict(PREPARE_PATH="columns", COLUMNS_CHANNELS=16, COLUMNS_WARPS=8,
                                     COLUMNS_CHANNELS_MAXNREG=128)),
     ("blocked w8", dict(PREPARE_PATH="blocked", BLOCKED_WARPS=8)),
-
-
-
 ]
 
 parser = argparse.ArgumentParser()
