@@ -169,6 +169,8 @@ def run_decode_benchmark(workloads, impls, modes=("eager", "graph"), device="cud
                     ms = time_eager(run) if mode == "eager" else time_graph(run)
                     rows.append(dict(workload=w["name"], group="decode", impl=name, mode=mode, ms=round(ms, 5),
                                      gbps=round(state_bytes / ms / 1e6, 1)))
+                    print(f"[bench] {w['name']} {name} {mode}: {ms * 1e3:.1f} us, {state_bytes / ms / 1e6:.0f} GB/s",
+                          flush=True)
             except Exception as exc:  # a peer that does not run here is reported, not fatal
                 print(f"[bench] {w['name']} {name} failed: {type(exc).__name__}: {exc}", file=sys.stderr)
     return rows
@@ -219,6 +221,16 @@ def time_graph(run):
     from triton.testing import do_bench
 
     return do_bench(capture_graph(run).replay, warmup=25, rep=100, return_mode="median")
+
+
+def copy_bandwidth_gbps(device="cuda", nbytes=1 << 30):
+    """Device-to-device copy rate (bytes read + written per second), the ceiling the decode bar refers to."""
+    from triton.testing import do_bench
+
+    src = torch.empty(nbytes // 4, dtype=torch.float32, device=device)
+    dst = torch.empty_like(src)
+    ms = do_bench(lambda: dst.copy_(src), warmup=10, rep=50, return_mode="median")
+    return round(2 * nbytes / ms / 1e6, 1)
 
 
 def relative_error(x, ref):
@@ -285,6 +297,7 @@ def run_benchmark(workloads, impls, modes=("eager", "graph"), device="cuda"):
                     print(f"[bench] {w['name']} {name} {mode} failed: {type(exc).__name__}: {exc}", file=sys.stderr)
                     continue
                 rows.append(dict(workload=w["name"], group=w["group"], impl=name, mode=mode, ms=round(ms, 4)))
+                print(f"[bench] {w['name']} {name} {mode}: {ms:.4f} ms", flush=True)
         del inp
         torch.cuda.empty_cache()
     return rows, list(available)
@@ -305,15 +318,18 @@ def markdown_table(rows, impls, mode):
     return "\n".join(lines)
 
 
-def decode_table(rows):
-    """µs per step and state GB/s (read + written) per implementation, from graph-mode decode rows."""
+def decode_table(rows, copy_gbps=None):
+    """µs per step, state GB/s (read + written) and its share of the copy rate, per implementation, from
+    graph-mode decode rows."""
     by = {(r["workload"], r["impl"]): r for r in rows}
-    lines = ["| workload | fastkda µs | fastkda GB/s | fla µs | fla GB/s | vs fla |", "|---|---|---|---|---|---|"]
+    lines = ["| workload | fastkda µs | fastkda GB/s | % of copy | fla µs | fla GB/s | vs fla |",
+             "|---|---|---|---|---|---|---|"]
     for name in dict.fromkeys(r["workload"] for r in rows):
         ours, peer = by.get((name, "fastkda")), by.get((name, "fla"))
         cell = lambda r, key, f: f(r[key]) if r else "—"  # noqa: E731
         ratio = f"{peer['ms'] / ours['ms']:.2f}×" if ours and peer else "—"
-        lines.append(f"| {name} | {cell(ours, 'ms', lambda x: f'{x * 1e3:.1f}')} | {cell(ours, 'gbps', str)} | "
+        share = f"{100 * ours['gbps'] / copy_gbps:.0f}%" if ours and copy_gbps else "—"
+        lines.append(f"| {name} | {cell(ours, 'ms', lambda x: f'{x * 1e3:.1f}')} | {cell(ours, 'gbps', str)} | {share} | "
                      f"{cell(peer, 'ms', lambda x: f'{x * 1e3:.1f}')} | {cell(peer, 'gbps', str)} | {ratio} |")
     return "\n".join(lines)
 
@@ -346,7 +362,7 @@ def plot(rows, impls, path):
     fig.savefig(path, dpi=120)
 
 
-def write_results(rows, available, workloads, out_dir, errors):
+def write_results(rows, available, workloads, out_dir, errors, copy_gbps=None):
     """Write ``<date>-<gpu>.json/.md/.png``; returns the markdown."""
     import triton
 
@@ -356,7 +372,7 @@ def write_results(rows, available, workloads, out_dir, errors):
     props = torch.cuda.get_device_properties(0)
     date = datetime.date.today().isoformat()
     meta = dict(gpu=props.name, sms=props.multi_processor_count, torch=torch.__version__, triton=triton.__version__,
-                commit=git_commit(), date=date, peers=peer_versions())
+                commit=git_commit(), date=date, peers=peer_versions(), copy_gbps=copy_gbps)
     out_dir.mkdir(parents=True, exist_ok=True)
     stem = out_dir / f"{date}-{props.name.replace(' ', '_')}"
     with open(f"{stem}.json", "w") as f:
@@ -371,7 +387,8 @@ def write_results(rows, available, workloads, out_dir, errors):
         md += [f"- {impl}: {o:.2e}, {s:.2e}" for impl, (o, s) in errors.items()]
     decode = [r for r in rows if r["group"] == "decode" and r["mode"] == "graph"]
     if decode:
-        md += ["", "## decode (CUDA graph)", "", decode_table(decode)]
+        md += ["", f"## decode (CUDA graph; device-to-device copy measured in this run: {copy_gbps} GB/s)", "",
+               decode_table(decode, copy_gbps)]
     text = "\n".join(md) + "\n"
     Path(f"{stem}.md").write_text(text)
     try:
@@ -397,20 +414,26 @@ def main(argv=None):
     workloads = load_workloads(args.workloads)
     chosen = select(workloads, args.only, args.group, args.quick)
     impls = {k: IMPLS[k] for k in args.impls}
+    copy_gbps = copy_bandwidth_gbps()
+    print(f"[bench] device-to-device copy: {copy_gbps} GB/s", flush=True)
+    rows = []
+    decode = [] if args.no_decode else [d for d in workloads.get("decode", []) if not args.only or d["name"] in args.only]
+    if decode:  # first: small, and their peer compiles in seconds
+        rows += run_decode_benchmark(decode, {k: v for k, v in DECODE_IMPLS.items() if k in ("fastkda", "fla")})
+        write_results(rows, list(impls), workloads, Path(args.out_dir), {}, copy_gbps)
     errors = {}
-    for impl, factory in impls.items():  # first, so that a run cut short still reports accuracy
+    for impl, factory in impls.items():  # before the timings, so that a run cut short still reports accuracy
         try:
             errors[impl] = accuracy(factory, "cuda")
+            print(f"[bench] accuracy {impl}: output {errors[impl][0]:.2e}, state {errors[impl][1]:.2e}", flush=True)
         except Exception as exc:
             print(f"[bench] {impl} accuracy not measured: {type(exc).__name__}: {exc}", file=sys.stderr)
-    rows, available = [], list(impls)
+    available = list(impls)
     for w in chosen:  # results are rewritten after every workload, so a run cut short still leaves them
         new_rows, available = run_benchmark([w], {k: impls[k] for k in available})
         rows += new_rows
-        write_results(rows, available, workloads, Path(args.out_dir), errors)
-    decode = [] if args.no_decode else [d for d in workloads.get("decode", []) if not args.only or d["name"] in args.only]
-    rows += run_decode_benchmark(decode, {k: v for k, v in DECODE_IMPLS.items() if k in ("fastkda", "fla")})
-    print(write_results(rows, available, workloads, Path(args.out_dir), errors))
+        write_results(rows, available, workloads, Path(args.out_dir), errors, copy_gbps)
+    print(write_results(rows, available, workloads, Path(args.out_dir), errors, copy_gbps))
     return 0
 
 

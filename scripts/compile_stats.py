@@ -43,44 +43,26 @@ def compile_stats(fn, signature, constants, num_warps, num_stages=2):
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--warps", type=int, default=prefill.PREPARE_WARPS)
-    parser.add_argument("--blocked-warps", type=int, default=prefill.BLOCKED_WARPS)
-    parser.add_argument("--fused-dims", nargs="*", type=int, default=[], help="also the fused kernel, K=V in these")
+    parser.add_argument("--channels", type=int, default=prefill.PREPARE_CHANNELS)
     args = parser.parse_args()
     prepare_sig = dict(q=BF16, k=BF16, v=BF16, g=BF16, beta=BF16, A_log=F32, dt_bias=F32, cu_seqlens="*i32",
-                       w_ws=BF16, u_ws=BF16, qg_ws=BF16, kg_ws=BF16, A_ws=BF16, decay_ws=F32,
+                       w_ws=BF16, u_ws=BF16, qg_ws=BF16, kg_ws=BF16, A_ws=BF16, L_ws=F32, decay_ws=F32,
                        stride_q="i32", stride_k="i32", stride_v="i32", stride_g="i32", stride_beta_tok="i32",
                        stride_beta_head="i32", seq_len="i32", num_seqs="i32", lower_bound="fp32", scale="fp32")
     for gate in (True, False):
         for dim in (128, 64):
-            consts = dict(H=12, K=dim, V=dim, C=prefill.CHUNK, BC=prefill.BLOCK, IS_VARLEN=True, LOWER_BOUND_GATE=gate,
-                          L2NORM=True, BETA_SIGMOID=True, DOT_PRECISION="tf32", EMULATE=False)
-            stats = compile_stats(prefill._blocked_prepare_kernel, prepare_sig, consts, args.blocked_warps)
-            print(f"blocked K=V={dim} lower_bound_gate={gate} warps={args.blocked_warps}: {stats}")
-    for dim in args.fused_dims:
-        for gate in (True, False):
-            for varlen in (True, False):
-                consts = dict(H=12, K=dim, V=dim, C=prefill.CHUNK, BC=prefill.BLOCK, BK=prefill.CHANNEL_BLOCK,
-                              IS_VARLEN=varlen, LOWER_BOUND_GATE=gate, L2NORM=True, BETA_SIGMOID=True,
-                              DOT_PRECISION="tf32", EMULATE=False)
-                stats = compile_stats(prefill._prepare_kernel, prepare_sig, consts, args.warps)
-                print(f"prepare K=V={dim} lower_bound_gate={gate} varlen={varlen} warps={args.warps}: {stats}")
-    intra_sig = dict(q=BF16, k=BF16, g=BF16, beta=BF16, A_log=F32, dt_bias=F32, cu_seqlens="*i32", qg_ws=BF16,
-                     kg_ws=BF16, A_ws=BF16, L_ws=F32, k_scale_ws=F32, decay_ws=F32, stride_q="i32", stride_k="i32",
-                     stride_g="i32", stride_beta_tok="i32", stride_beta_head="i32", seq_len="i32", num_seqs="i32",
-                     lower_bound="fp32", scale="fp32")
-    solve_sig = dict(k=BF16, v=BF16, g=BF16, beta=BF16, A_log=F32, dt_bias=F32, cu_seqlens="*i32", L_ws=F32,
-                     k_scale_ws=F32, w_ws=BF16, u_ws=BF16, stride_k="i32", stride_v="i32", stride_g="i32",
-                     stride_beta_tok="i32", stride_beta_head="i32", seq_len="i32", num_seqs="i32", lower_bound="fp32")
-    for gate in (True, False):
-        flags = dict(IS_VARLEN=True, LOWER_BOUND_GATE=gate, BETA_SIGMOID=True, DOT_PRECISION="tf32", EMULATE=False)
-        intra = compile_stats(prefill._intra_kernel, intra_sig,
-                              dict(H=12, K=128, C=prefill.CHUNK, BC=prefill.BLOCK, L2NORM=True, **flags),
-                              prefill.INTRA_WARPS)
-        print(f"split/intra K=128 lower_bound_gate={gate} warps={prefill.INTRA_WARPS}: {intra}")
-        solve = compile_stats(prefill._solve_kernel, solve_sig, dict(H=12, K=128, V=128, C=prefill.CHUNK,
-                              BC=prefill.BLOCK, BK=prefill.SOLVE_CHANNEL_BLOCK, **flags),
-                              prefill.SOLVE_WARPS)
-        print(f"split/solve K=V=128 lower_bound_gate={gate} warps={prefill.SOLVE_WARPS}: {solve}")
+            consts = dict(H=12, K=dim, V=dim, C=prefill.CHUNK, BC=prefill.BLOCK, BK=min(args.channels, dim),
+                          IS_VARLEN=True, LOWER_BOUND_GATE=gate, L2NORM=True, BETA_SIGMOID=True,
+                          DOT_PRECISION="tf32", EMULATE=False)
+            stats = compile_stats(prefill._prepare_kernel, prepare_sig, consts, args.warps)
+            print(f"prepare K=V={dim} lower_bound_gate={gate} channels={args.channels} warps={args.warps}: {stats}")
+    solve_sig = dict(v=BF16, beta=BF16, cu_seqlens="*i32", w_ws=BF16, u_ws=BF16, L_ws=F32, stride_v="i32",
+                     stride_beta_tok="i32", stride_beta_head="i32", seq_len="i32", num_seqs="i32")
+    for dim in (128, 64):
+        consts = dict(H=12, K=dim, V=dim, C=prefill.CHUNK, BC=prefill.BLOCK, BK=min(prefill.SOLVE_CHANNELS, dim),
+                      IS_VARLEN=True, BETA_SIGMOID=True, DOT_PRECISION="tf32", EMULATE=False)
+        stats = compile_stats(prefill._solve_kernel, solve_sig, consts, prefill.SOLVE_WARPS)
+        print(f"solve K=V={dim} warps={prefill.SOLVE_WARPS}: {stats}")
     recurrence_sig = dict(w_ws=BF16, u_ws=BF16, qg_ws=BF16, kg_ws=BF16, A_ws=BF16, decay_ws=F32, out=BF16,
                           initial_state=F32, final_state=F32, cu_seqlens="*i32", ckpt_offsets="*i32", ckpt_states=F32,
                           stride_out="i32", seq_len="i32", stride_ckpt_n="i32", stride_ckpt_j="i32")

@@ -28,9 +28,9 @@ step gpu-tests "${TESTS_S:-600}" python3 -m pytest -q -s tests/test_gpu.py tests
 step kernel-times "${KERNELS_S:-60}" python3 scripts/kernel_times.py
 step prepare-variants "${VARIANTS_S:-0}" python3 scripts/prepare_variants.py
 step checkpoint-cost "${CKPT_S:-0}" python3 scripts/checkpoint_cost.py
-step ncu "${NCU_S:-0}" ncu --clock-control none -k "regex:prepare_kernel|intra_kernel" --launch-count 2 \
+step ncu "${NCU_S:-0}" ncu --clock-control none -k regex:prepare_kernel --launch-count 1 \
   --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
   --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" \
-  python3 scripts/ncu_prepare.py columns blocked
+  python3 scripts/ncu_prepare.py
 step bench "${BENCH_S:-400}" python3 -m fastkda.bench --out-dir "$OUT/results" "$@"
 tail -40 "$OUT/bench.log"

@@ -1,4 +1,4 @@
-"""Time the preparation step's implementations and launch settings in one device call (whole prefill call,
+"""Time the preparation kernels' launch settings in one device call (whole prefill call,
 auto plan), checking each variant's output against the first's (they differ only in summation order).
 
 python scripts/prepare_variants.py [--only H12_N1_T8192 H96_B1_T8192]"""
@@ -10,14 +10,12 @@ from triton.testing import do_bench
 from fastkda.bench import fastkda_runner, load_workloads, make_prefill_inputs
 from fastkda.ops import prefill
 
-# (label, module settings): the preparation implementations and their channel blocks, warps and register caps
+# (label, module settings): channel blocks, warps and register caps of the two preparation kernels
 VARIANTS = [
-    ("columns 16ch/w8", dict(PREPARE_PATH="columns", COLUMNS_CHANNELS=16, COLUMNS_WARPS=8, COLUMNS_CHANNELS_MAXNREG=None)),
-    ("columns 32ch/w8", dict(PREPARE_PATH="columns", COLUMNS_CHANNELS=32, COLUMNS_WARPS=8, COLUMNS_CHANNELS_MAXNREG=None)),
-    ("columns 16ch/w4", dict(PREPARE_PATH="columns", COLUMNS_CHANNELS=16, COLUMNS_WARPS=4, COLUMNS_CHANNELS_MAXNREG=None)),
-    ("columns 16ch/w8/128reg", dict(PREPARE_PATH="columns", COLUMNS_CHANNELS=16, COLUMNS_WARPS=8,
-                                    COLUMNS_CHANNELS_MAXNREG=128)),
-    ("blocked w8", dict(PREPARE_PATH="blocked", BLOCKED_WARPS=8)),
+    ("32 channels, 8 warps", dict(PREPARE_CHANNELS=32, PREPARE_WARPS=8, PREPARE_MAXNREG=None)),
+    ("32 channels, 8 warps, 128 registers", dict(PREPARE_CHANNELS=32, PREPARE_WARPS=8, PREPARE_MAXNREG=128)),
+    ("16 channels, 8 warps, 128 registers", dict(PREPARE_CHANNELS=16, PREPARE_WARPS=8, PREPARE_MAXNREG=128)),
+    ("solve: 32 channels, 4 warps", dict(SOLVE_CHANNELS=32, SOLVE_WARPS=4)),
 ]
 
 parser = argparse.ArgumentParser()

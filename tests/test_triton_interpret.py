@@ -17,15 +17,6 @@ pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
 OUT_BOUND, STATE_BOUND = 4e-3, 3e-3  # issue 2's accuracy bar
 
 
-@pytest.fixture(autouse=True, params=["columns", "blocked_channels", "blocked", "split", "fused"])
-def prepare_path(request, monkeypatch):
-    """Both implementations of the preparation step are tested while both exist."""
-    from fastkda.ops import prefill
-
-    monkeypatch.setattr(prefill, "PREPARE_PATH", request.param)
-    return request.param
-
-
 def run_triton(inp, v_slices=1, final_dtype=torch.float32, use_final=True):
     from fastkda.ops.prefill import chunk_kda_forward
 

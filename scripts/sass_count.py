@@ -1,0 +1,63 @@
+"""Static SASS instruction counts of the preparation kernels (sm_90a, no GPU), a local proxy for their
+dynamic instruction count: ``python scripts/sass_count.py PATH [PATH ...]`` with PATH a kernel name in
+fastkda.ops.prefill, settings as NAME=VALUE (BK, num_warps)."""
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+os.environ.pop("TRITON_INTERPRET", None)
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from fastkda.ops import prefill  # noqa: E402
+
+BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+BF16, F32 = "*bf16", "*fp32"
+SIGNATURE = dict(q=BF16, k=BF16, v=BF16, g=BF16, beta=BF16, A_log=F32, dt_bias=F32, cu_seqlens="*i32", w_ws=BF16,
+                 u_ws=BF16, qg_ws=BF16, kg_ws=BF16, A_ws=BF16, L_ws=F32, decay_ws=F32, stride_q="i32", stride_k="i32",
+                 stride_v="i32", stride_g="i32", stride_beta_tok="i32", stride_beta_head="i32", seq_len="i32",
+                 num_seqs="i32", lower_bound="fp32", scale="fp32")
+
+
+def sass(fn, constants, num_warps):
+    constants = {k: v for k, v in constants.items() if k in fn.arg_names}
+    signature = {k: v for k, v in SIGNATURE.items() if k in fn.arg_names}
+    signature.update({k: "constexpr" for k in constants})
+    src = ASTSource(fn=fn, signature=signature, constexprs={(fn.arg_names.index(k),): v for k, v in constants.items()})
+    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps, num_stages=2))
+    Path("/tmp/fastkda_sass.cubin").write_bytes(kernel.asm["cubin"])
+    return subprocess.run([str(BIN / "nvdisasm"), "-c", "/tmp/fastkda_sass.cubin"], capture_output=True,
+                          text=True).stdout
+
+
+if __name__ == "__main__":
+    settings = dict(arg.split("=") for arg in sys.argv[2:])
+    fn = getattr(prefill, sys.argv[1])
+    warps = int(settings.pop("num_warps", 8))
+    consts = dict(H=12, K=128, V=128, C=64, BC=16, IS_VARLEN=True, LOWER_BOUND_GATE=True, L2NORM=True,
+                  BETA_SIGMOID=True, DOT_PRECISION="tf32", EMULATE=False, **{k: int(v) for k, v in settings.items()})
+    text = sass(fn, consts, warps)
+    Path("/tmp/fastkda.sass").write_text(text)
+    body = [ln for ln in text.splitlines() if re.match(r"\s+/\*[0-9a-f]{4,}\*/", ln)]
+    labels, position, loops = {}, 0, []
+    for ln in text.splitlines():  # loop bodies: code between a label and a later branch back to it
+        label = re.match(r"(\.L_x_\d+):", ln)
+        if label:
+            labels[label.group(1)] = position
+        elif re.match(r"\s+/\*[0-9a-f]{4,}\*/", ln):
+            target = re.search(r"BRA\s+`\((\.L_x_\d+)\)", ln)
+            if target and target.group(1) in labels:
+                loops.append(position - labels[target.group(1)] + 1)
+            position += 1
+    print("loop bodies (instructions):", loops)
+    print(sys.argv[1:], "SASS instructions:", len(body),
+          "BAR:", sum("BAR.SYNC" in ln for ln in body), "MUFU:", sum("MUFU" in ln for ln in body),
+          "HGMMA:", sum("HGMMA" in ln for ln in body), "HMMA:", sum("HMMA" in ln for ln in body),
+          "LDS:", sum(" LDS" in ln or "LDSM" in ln for ln in body), "STS:", sum(" STS" in ln for ln in body),
+          "SHFL:", sum("SHFL" in ln for ln in body), "LDG:", sum("LDG" in ln for ln in body),
+          "STG:", sum("STG" in ln for ln in body), "local:", sum("LDL" in ln or "STL" in ln for ln in body))
