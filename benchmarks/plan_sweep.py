@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from fastkda.bench import LOWER_BOUND, make_prefill_inputs, time_graph
+from fastkda.bench import LOWER_BOUND, git_commit, make_prefill_inputs, time_graph
 from fastkda.ops.prefill import prepare, recur
 from fastkda.plan import V_SLICE_CHOICES, choose_plan
 
@@ -52,10 +52,12 @@ def main():
     parser.add_argument("--heads", nargs="*", type=int, default=[4, 8, 12, 16, 24, 48, 96])
     parser.add_argument("--tokens", nargs="*", type=int, default=[256, 1024, 8192])
     parser.add_argument("--budget-s", type=float, default=400.0)
+    parser.add_argument("--out", default=str(RESULTS))
     args = parser.parse_args()
     props = torch.cuda.get_device_properties(0)
-    path = RESULTS / f"{datetime.date.today().isoformat()}-{props.name.replace(' ', '_')}-plan-sweep.json"
-    RESULTS.mkdir(exist_ok=True)
+    out = Path(args.out)
+    path = out / f"{datetime.date.today().isoformat()}-{props.name.replace(' ', '_')}-plan-sweep.json"
+    out.mkdir(parents=True, exist_ok=True)
     rows, start = [], time.time()
     for tokens, heads, seqs in itertools.product(args.tokens, args.heads, args.seqs):
         if time.time() - start > args.budget_s:
@@ -66,7 +68,7 @@ def main():
         best = min(times, key=times.get)
         rows.append(dict(H=heads, N=seqs, T=tokens, ms={str(s): round(t, 5) for s, t in times.items()}, best=best,
                          auto=auto, auto_over_best=round(times[auto] / times[best], 4)))
-        path.write_text(json.dumps(dict(meta=dict(gpu=props.name, sms=props.multi_processor_count,
+        path.write_text(json.dumps(dict(meta=dict(gpu=props.name, sms=props.multi_processor_count, commit=git_commit(),
                                                   date=datetime.date.today().isoformat()), rows=rows), indent=1))
     within = sum(r["auto_over_best"] <= 1.02 for r in rows)
     print(f"[sweep] {len(rows)} configurations, auto within 2% of the best in {within}; results in {path}")

@@ -300,7 +300,8 @@ def kda_decode(
             when ``num_accepted_tokens [N]`` is given, else ``slots[n, 0]``). A negative read slot is a padding
             row: zero output, nothing read or written; a negative write slot skips that write.
         A_log, dt_bias, lower_bound, scale, use_qk_l2norm, use_beta_sigmoid: as in :func:`kda_prefill`.
-        v_slices: the launch plan's V-split (``"auto"``, 1, 2, 4), as in :func:`kda_prefill`.
+        v_slices: ``"auto"`` (16-column slices of the state, :func:`fastkda.plan.choose_decode_plan`), or 1,
+            2, 4 as in :func:`kda_prefill`.
     """
     if scale is None and isinstance(q, torch.Tensor) and q.dim() == 4:
         scale = q.shape[-1] ** -0.5

@@ -251,11 +251,14 @@ def accuracy(impl_factory, device):
 
 
 def git_commit():
+    """The commit measured: ``$FASTKDA_COMMIT`` when set (a copied tree's .git may be stale), else git's."""
+    if os.environ.get("FASTKDA_COMMIT"):
+        return os.environ["FASTKDA_COMMIT"]
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True,
                               check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
-        return os.environ.get("FASTKDA_COMMIT", "unknown")
+        return "unknown"
 
 
 def select(workloads, only=None, group=None, quick=False):
@@ -364,29 +367,48 @@ def plot(rows, impls, path):
     fig.savefig(path, dpi=120)
 
 
-def write_results(rows, available, workloads, out_dir, errors, copy_gbps=None):
-    """Write ``<date>-<gpu>.json/.md/.png``; returns the markdown."""
+def results_stem(out_dir):
+    props = torch.cuda.get_device_properties(0)
+    return out_dir / f"{datetime.date.today().isoformat()}-{props.name.replace(' ', '_')}"
+
+
+def earlier_rows(out_dir, replaced):
+    """Rows of today's results file for this GPU whose workload is not in ``replaced`` (``--append``)."""
+    path = Path(f"{results_stem(out_dir)}.json")
+    if not path.exists():
+        return []
+    return [r for r in json.loads(path.read_text())["rows"] if r["workload"] not in replaced]
+
+
+def write_results(rows, available, workloads, out_dir, errors, copy_gbps=None, kept=()):
+    """Write ``<date>-<gpu>.json/.md/.png`` (``kept``: rows of an earlier run, listed first); returns the
+    markdown."""
     import triton
 
+    commit = git_commit()
     for r in rows:
+        r.setdefault("commit", commit)
         if r["impl"] in errors:
             r["rel_err"], r["rel_err_state"] = (round(e, 6) for e in errors[r["impl"]])
+    rows = list(kept) + rows
     props = torch.cuda.get_device_properties(0)
     date = datetime.date.today().isoformat()
     meta = dict(gpu=props.name, sms=props.multi_processor_count, torch=torch.__version__, triton=triton.__version__,
-                commit=git_commit(), date=date, peers=peer_versions(), copy_gbps=copy_gbps)
+                commit=commit, commits=sorted({r.get("commit", commit) for r in rows}), date=date,
+                peers=peer_versions(), copy_gbps=copy_gbps)
     out_dir.mkdir(parents=True, exist_ok=True)
-    stem = out_dir / f"{date}-{props.name.replace(' ', '_')}"
+    stem = results_stem(out_dir)
     with open(f"{stem}.json", "w") as f:
         json.dump(dict(meta=meta, rows=rows), f, indent=1)
-    md = [f"# KDA prefill, {props.name} ({meta['sms']} SMs), {date}, commit {meta['commit']}",
+    md = [f"# KDA prefill, {props.name} ({meta['sms']} SMs), {date}, commit(s) {', '.join(meta['commits'])}",
           f"torch {meta['torch']}, triton {meta['triton']}, peers {meta['peers']}. Median ms.", ""]
     prefill_rows = [r for r in rows if r["group"] != "decode"]
     for mode in ("graph", "eager"):
         md += [f"## {mode}", "", markdown_table(prefill_rows, available, mode), ""]
-    if errors:
+    measured = {r["impl"]: (r["rel_err"], r["rel_err_state"]) for r in rows if "rel_err" in r}
+    if measured:
         md += ["## accuracy (relative L2 vs float64, H=4 T=2048: output, final state)", ""]
-        md += [f"- {impl}: {o:.2e}, {s:.2e}" for impl, (o, s) in errors.items()]
+        md += [f"- {impl}: {o:.2e}, {s:.2e}" for impl, (o, s) in measured.items()]
     decode = [r for r in rows if r["group"] == "decode" and r["mode"] == "graph"]
     if decode:
         md += ["", f"## decode (CUDA graph; device-to-device copy measured in this run: {copy_gbps} GB/s)", "",
@@ -409,6 +431,8 @@ def main(argv=None):
     parser.add_argument("--workloads", default=str(WORKLOADS))
     parser.add_argument("--out-dir", default=str(RESULTS))
     parser.add_argument("--no-decode", action="store_true", help="skip the decode workloads")
+    parser.add_argument("--append", action="store_true",
+                        help="keep today's earlier rows for the workloads this run does not measure")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("fastkda.bench needs a CUDA GPU; `python -m fastkda demo` runs the CPU path.", file=sys.stderr)
@@ -418,13 +442,15 @@ def main(argv=None):
     impls = {k: IMPLS[k] for k in args.impls}
     copy_gbps = copy_bandwidth_gbps()
     print(f"[bench] device-to-device copy: {copy_gbps} GB/s", flush=True)
-    rows = []
     decode = [] if args.no_decode else [d for d in workloads.get("decode", []) if not args.only or d["name"] in args.only]
+    out_dir = Path(args.out_dir)
+    kept = earlier_rows(out_dir, {w["name"] for w in chosen + decode}) if args.append else []
+    rows = []
     if decode:  # first: small, and their peer compiles in seconds
         rows += run_decode_benchmark(decode, {k: v for k, v in DECODE_IMPLS.items() if k in ("fastkda", "fla")})
-        write_results(rows, list(impls), workloads, Path(args.out_dir), {}, copy_gbps)
+        write_results(rows, list(impls), workloads, out_dir, {}, copy_gbps, kept)
     errors = {}
-    for impl, factory in impls.items():  # before the timings, so that a run cut short still reports accuracy
+    for impl, factory in impls.items() if chosen else ():  # before the timings: a run cut short still has them
         try:
             errors[impl] = accuracy(factory, "cuda")
             print(f"[bench] accuracy {impl}: output {errors[impl][0]:.2e}, state {errors[impl][1]:.2e}", flush=True)
@@ -434,8 +460,8 @@ def main(argv=None):
     for w in chosen:  # results are rewritten after every workload, so a run cut short still leaves them
         new_rows, available = run_benchmark([w], {k: impls[k] for k in available})
         rows += new_rows
-        write_results(rows, available, workloads, Path(args.out_dir), errors, copy_gbps)
-    print(write_results(rows, available, workloads, Path(args.out_dir), errors, copy_gbps))
+        write_results(rows, available, workloads, out_dir, errors, copy_gbps, kept)
+    print(write_results(rows, available, workloads, out_dir, errors, copy_gbps, kept))
     return 0
 
 

@@ -77,7 +77,8 @@ def choose_plan(num_seqs: int, heads: int, tokens: int, value_dim: int, sms: int
     return Plan(slices, slices * pairs, sms, reason + chain)
 
 
-DECODE_SLICE_WIDTH = 32  # decode holds a [32, K] fp32 state slice per program: no register spills (ptxas, sm_90a)
+DECODE_SLICE_WIDTH = 16  # decode holds a [16, K] fp32 state slice per 2-warp program: 168 registers, 6 programs
+# per SM (32 columns on 4 warps took 245 registers, 2 per SM; docs/perf-notes.md)
 
 
 def choose_decode_plan(num_seqs: int, heads: int, value_dim: int, sms: int, v_slices="auto") -> Plan:

@@ -1,27 +1,33 @@
 #!/usr/bin/env bash
 # Everything an H200 run needs, in one call, each step under its own time limit (seconds) so that one slow step
-# cannot starve the rest; logs and results go to $OUT. Order: correctness first, then where the time goes, then
-# the side-by-side benchmark.
+# cannot starve the rest. One log ($OUT/device.log) and the results files ($OUT/results) come back: the device
+# tool returns at most 8 files. Order: correctness first, then where the time goes, then the benchmarks.
 #   bash scripts/device_tests.sh [bench args...]
-#   TEST_FILTER='accuracy or graph' TESTS_S=150 KERNELS_S=40 VARIANTS_S=120 CKPT_S=40 NCU_S=90 BENCH_S=200
-#   (0 skips a step)
+#   TEST_FILTER='accuracy or graph' TESTS_S=150 KERNELS_S=40 VARIANTS_S=120 CKPT_S=40 NCU_S=90 DSWEEP_S=90
+#   PSWEEP_S=100 BENCH_S=200 (0 skips a step; the bench appends to today's committed results file)
 set -uo pipefail
 OUT=${OUT:-/tmp/fastkda-out}
-mkdir -p "$OUT"
+mkdir -p "$OUT/results"
+LOG="$OUT/device.log"
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 FLA_FLASH_KDA=0
 if ls .whl/*.whl >/dev/null 2>&1; then  # peers travel as wheels (README of the device tool)
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH=$PYTHONPATH:/tmp/site
 fi
-nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader  # (at most 8 files come back)
-python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader | tee -a "$LOG"
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$LOG"
+today="benchmarks/results/$(date +%F)-NVIDIA_H200.json"
+[ -f "$today" ] && cp "$today" "$OUT/results/"
 
-step() {  # step NAME SECONDS COMMAND...: run unless SECONDS is 0, keep the log, show its summary lines
+step() {  # step NAME SECONDS COMMAND...: run unless SECONDS is 0, append to the log, show its summary lines
   local name=$1 seconds=$2; shift 2
   [ "$seconds" = 0 ] && return
-  timeout "$seconds" "$@" > "$OUT/$name.log" 2>&1
-  echo "== $name (rc=$?)"
-  grep -E "^\[|passed|failed|Error" "$OUT/$name.log" | tail -25
+  echo "== $name" >> "$LOG"
+  timeout "$seconds" "$@" > "/tmp/$name.log" 2>&1
+  local rc=$?
+  cat "/tmp/$name.log" >> "$LOG"
+  echo "== $name (rc=$rc)"
+  grep -E "^\[|passed|failed|Error" "/tmp/$name.log" | grep -v " eager: " | tail -40
 }
 step gpu-tests "${TESTS_S:-600}" python3 -m pytest -q -s tests/test_gpu.py tests/test_checkpoints.py \
   ${TEST_FILTER:+-k "$TEST_FILTER"}
@@ -32,5 +38,7 @@ step ncu "${NCU_S:-0}" ncu --clock-control none -k regex:prepare_kernel --launch
   --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
   --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" \
   python3 scripts/ncu_prepare.py
-step bench "${BENCH_S:-400}" python3 -m fastkda.bench --out-dir "$OUT/results" "$@"
-tail -40 "$OUT/bench.log"
+step decode-sweep "${DSWEEP_S:-0}" python3 scripts/decode_sweep.py --out "$OUT/results"
+step plan-sweep "${PSWEEP_S:-0}" python3 benchmarks/plan_sweep.py --out "$OUT/results" --budget-s "${PSWEEP_BUDGET:-60}" \
+  ${PSWEEP_ARGS:-}
+step bench "${BENCH_S:-400}" python3 -m fastkda.bench --append --out-dir "$OUT/results" "$@"

@@ -51,8 +51,8 @@ def test_bad_environment_is_rejected(monkeypatch):
 def test_decode_plan_uses_narrow_slices_and_honours_overrides(monkeypatch):
     from fastkda.plan import choose_decode_plan
 
-    assert choose_decode_plan(256, 96, 128, 132).v_slices == 4
-    assert choose_decode_plan(1, 12, 64, 132).v_slices == 2
+    assert choose_decode_plan(256, 96, 128, 132).v_slices == 8  # 16-column slices
+    assert choose_decode_plan(1, 12, 64, 132).v_slices == 4
     assert choose_decode_plan(1, 12, 128, 132, v_slices=1).v_slices == 1
     monkeypatch.setenv("FASTKDA_V_SLICES", "2")
     assert choose_decode_plan(1, 12, 128, 132).v_slices == 2

@@ -68,6 +68,11 @@ def _decode_kernel(
         store_as(pool + read_slot * (H * V * K) + state_cols, S, m_state, EMULATE)
 
 
+def decode_warps(block_v):
+    """Warps per decode program: 2 for 16 state columns, 4 for 32, 8 beyond (32 elements per thread)."""
+    return 2 if block_v <= 16 else 4 if block_v <= 32 else 8
+
+
 def recurrent_kda_decode(q, k, v, g, beta, state_pool, slots, *, A_log, dt_bias, lower_bound, scale,
                          num_accepted_tokens, use_qk_l2norm, use_beta_sigmoid, v_slices, out):
     """Launch the decode kernel on validated inputs; ``out [N, T, H, V]`` contiguous, written in place, and
@@ -88,5 +93,5 @@ def recurrent_kda_decode(q, k, v, g, beta, state_pool, slots, *, A_log, dt_bias,
         float(lower_bound) if lower_bound_gate else 0.0, float(scale), tokens,
         H=heads, K=key_dim, V=value_dim, BV=block_v, LOWER_BOUND_GATE=lower_bound_gate, L2NORM=use_qk_l2norm,
         BETA_SIGMOID=use_beta_sigmoid, PER_TOKEN_SLOTS=per_token, HAS_ACCEPTED=num_accepted_tokens is not None,
-        EMULATE=interpreting(), num_warps=4 if block_v <= 64 else 8,
+        EMULATE=interpreting(), num_warps=decode_warps(block_v),
     )
