@@ -25,20 +25,6 @@ def fast_exp2(x, EMULATE: tl.constexpr):
 def fast_reciprocal(x, EMULATE: tl.constexpr):
     return 1.0 / x
 '''
-FULL_WIDTH_NORMS = '''@triton.jit
-def _row_scales(q, k, tok, valid, h, stride_q, stride_k, scale, K: tl.constexpr, BK: tl.constexpr,
-                L2NORM: tl.constexpr):
-    kk = tl.arange(0, K)
-    if L2NORM:
-        q_b = load_f32(q + tok[:, None] * stride_q + h * K + kk[None, :], valid[:, None])
-        k_b = load_f32(k + tok[:, None] * stride_k + h * K + kk[None, :], valid[:, None])
-        return tl.rsqrt(tl.sum(q_b * q_b, axis=1) + 1e-6) * scale, tl.rsqrt(tl.sum(k_b * k_b, axis=1) + 1e-6)
-    else:
-        ones = tl.where(valid, 1.0, 1.0)
-        return ones * scale, ones
-
-
-'''
 
 
 def libdevice_math(src):
@@ -46,13 +32,6 @@ def libdevice_math(src):
     src = src.replace("from .common import bf16_operand, fast_exp2, fast_reciprocal, interpreting, load_f32, store_as",
                       "from .common import bf16_operand, interpreting, load_f32, store_as")
     return src.replace("\nBLOCK = 16", LIBDEVICE_MATH + "\nBLOCK = 16", 1)
-
-
-def full_width_norms(src):
-    """The q/k norms from whole [C, K] tiles (one load phase) instead of a loop over channel blocks."""
-    start = src.index("@triton.jit\ndef _row_scales(")
-    end = src.index("@triton.jit", start + 10)
-    return src[:start] + FULL_WIDTH_NORMS + src[end:]
 
 
 def v5(src):
@@ -65,7 +44,6 @@ def v5(src):
 VARIANTS = [
     ("as committed", {}, None),
     ("Triton exp2 and IEEE division", {}, libdevice_math),
-    ("norms from whole tiles", {}, full_width_norms),
     ("prepare capped at 128 registers", dict(PREPARE_MAXNREG=128), None),
     ("v5 of cae26b8, 32 channels", dict(COLUMNS_CHANNELS=32), v5),
 ]
