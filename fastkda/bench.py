@@ -156,8 +156,9 @@ def fla_decode_runner(inp):
 DECODE_IMPLS = {"fastkda": fastkda_decode_runner, "fla": fla_decode_runner}
 
 
-def run_decode_benchmark(workloads, impls, modes=("eager", "graph"), device="cuda"):
-    """Rows for decode workloads, with ``gbps``: state bytes read and written per second."""
+def run_decode_benchmark(workloads, impls, modes=("eager", "graph"), device="cuda", copy_gbps=None):
+    """Rows for decode workloads, with ``gbps``: state bytes read and written per second, and the copy rate
+    measured in the same run."""
     rows = []
     for w in workloads:
         inp = make_decode_inputs(w, device)
@@ -168,7 +169,7 @@ def run_decode_benchmark(workloads, impls, modes=("eager", "graph"), device="cud
                 for mode in modes:
                     ms = time_eager(run) if mode == "eager" else time_graph(run)
                     rows.append(dict(workload=w["name"], group="decode", impl=name, mode=mode, ms=round(ms, 5),
-                                     gbps=round(state_bytes / ms / 1e6, 1)))
+                                     gbps=round(state_bytes / ms / 1e6, 1), copy_gbps=copy_gbps))
                     print(f"[bench] {w['name']} {name} {mode}: {ms * 1e3:.1f} us, {state_bytes / ms / 1e6:.0f} GB/s",
                           flush=True)
             except Exception as exc:  # a peer that does not run here is reported, not fatal
@@ -311,19 +312,20 @@ def run_benchmark(workloads, impls, modes=("eager", "graph"), device="cuda"):
 def markdown_table(rows, impls, mode):
     names = list(dict.fromkeys(r["workload"] for r in rows))
     ms = {(r["workload"], r["impl"]): r["ms"] for r in rows if r["mode"] == mode}
+    commit = {r["workload"]: r.get("commit", "") for r in rows if r["impl"] == "fastkda"}
     peers = [p for p in ("flashkda", "fla") if p in impls]
-    head = ["workload"] + [f"{i} ms" for i in impls] + [f"vs {p}" for p in peers]
+    head = ["workload"] + [f"{i} ms" for i in impls] + [f"vs {p}" for p in peers] + ["commit"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for n in names:
         cells = [n] + [f"{ms[(n, i)]:.3f}" if (n, i) in ms else "—" for i in impls]
         for p in peers:
             ok = (n, p) in ms and (n, "fastkda") in ms
             cells.append(f"{ms[(n, p)] / ms[(n, 'fastkda')]:.2f}×" if ok else "—")
-        lines.append("| " + " | ".join(cells) + " |")
+        lines.append("| " + " | ".join(cells + [commit.get(n, "")]) + " |")
     return "\n".join(lines)
 
 
-def decode_table(rows, copy_gbps=None):
+def decode_table(rows):
     """µs per step, state GB/s (read + written) and its share of the copy rate, per implementation, from
     graph-mode decode rows."""
     by = {(r["workload"], r["impl"]): r for r in rows}
@@ -333,7 +335,7 @@ def decode_table(rows, copy_gbps=None):
         ours, peer = by.get((name, "fastkda")), by.get((name, "fla"))
         cell = lambda r, key, f: f(r[key]) if r else "—"  # noqa: E731
         ratio = f"{peer['ms'] / ours['ms']:.2f}×" if ours and peer else "—"
-        share = f"{100 * ours['gbps'] / copy_gbps:.0f}%" if ours and copy_gbps else "—"
+        share = f"{100 * ours['gbps'] / ours['copy_gbps']:.0f}%" if ours and ours.get("copy_gbps") else "—"
         lines.append(f"| {name} | {cell(ours, 'ms', lambda x: f'{x * 1e3:.1f}')} | {cell(ours, 'gbps', str)} | {share} | "
                      f"{cell(peer, 'ms', lambda x: f'{x * 1e3:.1f}')} | {cell(peer, 'gbps', str)} | {ratio} |")
     return "\n".join(lines)
@@ -372,17 +374,48 @@ def results_stem(out_dir):
     return out_dir / f"{datetime.date.today().isoformat()}-{props.name.replace(' ', '_')}"
 
 
-def earlier_rows(out_dir, replaced):
-    """Rows of today's results file for this GPU whose workload is not in ``replaced`` (``--append``)."""
+def earlier_rows(out_dir):
+    """Rows of today's results file for this GPU, if any (``--append``)."""
     path = Path(f"{results_stem(out_dir)}.json")
-    if not path.exists():
-        return []
-    return [r for r in json.loads(path.read_text())["rows"] if r["workload"] not in replaced]
+    return json.loads(path.read_text())["rows"] if path.exists() else []
 
 
-def write_results(rows, available, workloads, out_dir, errors, copy_gbps=None, kept=()):
-    """Write ``<date>-<gpu>.json/.md/.png`` (``kept``: rows of an earlier run, listed first); returns the
-    markdown."""
+def merge_rows(earlier, later):
+    """``later``'s rows, after ``earlier``'s rows for the workloads ``later`` did not measure."""
+    measured = {r["workload"] for r in later}
+    return [r for r in earlier if r["workload"] not in measured] + list(later)
+
+
+def render_results(meta, rows, stem):
+    """Write ``stem.json``, ``.md`` and ``.png`` from ``meta`` and ``rows``; returns the markdown."""
+    impls = [i for i in IMPLS if any(r["impl"] == i for r in rows if r["group"] != "decode")]
+    with open(f"{stem}.json", "w") as f:
+        json.dump(dict(meta=meta, rows=rows), f, indent=1)
+    md = [f"# KDA prefill, {meta['gpu']} ({meta['sms']} SMs), {meta['date']}, commit(s) {', '.join(meta['commits'])}",
+          f"torch {meta['torch']}, triton {meta['triton']}, peers {meta['peers']}. Median ms.", ""]
+    prefill_rows = [r for r in rows if r["group"] != "decode"]
+    for mode in ("graph", "eager"):
+        md += [f"## {mode}", "", markdown_table(prefill_rows, impls, mode), ""]
+    measured = {r["impl"]: (r["rel_err"], r["rel_err_state"]) for r in rows if "rel_err" in r}
+    if measured:
+        md += ["## accuracy (relative L2 vs float64, H=4 T=2048: output, final state)", ""]
+        md += [f"- {impl}: {o:.2e}, {s:.2e}" for impl, (o, s) in measured.items()]
+    decode = [r for r in rows if r["group"] == "decode" and r["mode"] == "graph"]
+    if decode:
+        md += ["", "## decode (CUDA graph; % of the device-to-device copy rate measured in the same run)", "",
+               decode_table(decode)]
+    text = "\n".join(md) + "\n"
+    Path(f"{stem}.md").write_text(text)
+    try:
+        plot(prefill_rows, impls, f"{stem}.png")
+    except ImportError:
+        print("[bench] matplotlib missing: no plot", file=sys.stderr)
+    return text
+
+
+def write_results(rows, out_dir, errors, copy_gbps=None, earlier=()):
+    """Write ``<date>-<gpu>.json/.md/.png`` for this run's ``rows`` merged after ``earlier`` ones (``--append``:
+    a workload this run measured replaces its earlier rows, the others are kept); returns the markdown."""
     import triton
 
     commit = git_commit()
@@ -390,36 +423,22 @@ def write_results(rows, available, workloads, out_dir, errors, copy_gbps=None, k
         r.setdefault("commit", commit)
         if r["impl"] in errors:
             r["rel_err"], r["rel_err_state"] = (round(e, 6) for e in errors[r["impl"]])
-    rows = list(kept) + rows
+    rows = merge_rows(earlier, rows)
     props = torch.cuda.get_device_properties(0)
-    date = datetime.date.today().isoformat()
     meta = dict(gpu=props.name, sms=props.multi_processor_count, torch=torch.__version__, triton=triton.__version__,
-                commit=commit, commits=sorted({r.get("commit", commit) for r in rows}), date=date,
-                peers=peer_versions(), copy_gbps=copy_gbps)
+                commit=commit, commits=sorted({r.get("commit", commit) for r in rows}),
+                date=datetime.date.today().isoformat(), peers=peer_versions(), copy_gbps=copy_gbps)
     out_dir.mkdir(parents=True, exist_ok=True)
-    stem = results_stem(out_dir)
-    with open(f"{stem}.json", "w") as f:
-        json.dump(dict(meta=meta, rows=rows), f, indent=1)
-    md = [f"# KDA prefill, {props.name} ({meta['sms']} SMs), {date}, commit(s) {', '.join(meta['commits'])}",
-          f"torch {meta['torch']}, triton {meta['triton']}, peers {meta['peers']}. Median ms.", ""]
-    prefill_rows = [r for r in rows if r["group"] != "decode"]
-    for mode in ("graph", "eager"):
-        md += [f"## {mode}", "", markdown_table(prefill_rows, available, mode), ""]
-    measured = {r["impl"]: (r["rel_err"], r["rel_err_state"]) for r in rows if "rel_err" in r}
-    if measured:
-        md += ["## accuracy (relative L2 vs float64, H=4 T=2048: output, final state)", ""]
-        md += [f"- {impl}: {o:.2e}, {s:.2e}" for impl, (o, s) in measured.items()]
-    decode = [r for r in rows if r["group"] == "decode" and r["mode"] == "graph"]
-    if decode:
-        md += ["", f"## decode (CUDA graph; device-to-device copy measured in this run: {copy_gbps} GB/s)", "",
-               decode_table(decode, copy_gbps)]
-    text = "\n".join(md) + "\n"
-    Path(f"{stem}.md").write_text(text)
-    try:
-        plot(prefill_rows, available, f"{stem}.png")
-    except ImportError:
-        print("[bench] matplotlib missing: no plot", file=sys.stderr)
-    return text
+    return render_results(meta, rows, results_stem(out_dir))
+
+
+def merge_files(earlier_path, later_path):
+    """``--merge``: rewrite ``later_path`` (and its .md/.png) with ``earlier_path``'s rows for the workloads it
+    lacks, e.g. after a run cut short by a time limit."""
+    earlier, later = (json.loads(Path(p).read_text()) for p in (earlier_path, later_path))
+    rows = merge_rows(earlier["rows"], later["rows"])
+    meta = dict(later["meta"], commits=sorted({r["commit"] for r in rows if "commit" in r}))
+    return render_results(meta, rows, str(later_path)[:-len(".json")])
 
 
 def main(argv=None):
@@ -433,7 +452,12 @@ def main(argv=None):
     parser.add_argument("--no-decode", action="store_true", help="skip the decode workloads")
     parser.add_argument("--append", action="store_true",
                         help="keep today's earlier rows for the workloads this run does not measure")
+    parser.add_argument("--merge", nargs=2, metavar=("EARLIER", "LATER"),
+                        help="no timing: add EARLIER.json's rows for the workloads LATER.json lacks, re-render LATER")
     args = parser.parse_args(argv)
+    if args.merge:
+        print(merge_files(*args.merge))
+        return 0
     if not torch.cuda.is_available():
         print("fastkda.bench needs a CUDA GPU; `python -m fastkda demo` runs the CPU path.", file=sys.stderr)
         return 2
@@ -444,11 +468,12 @@ def main(argv=None):
     print(f"[bench] device-to-device copy: {copy_gbps} GB/s", flush=True)
     decode = [] if args.no_decode else [d for d in workloads.get("decode", []) if not args.only or d["name"] in args.only]
     out_dir = Path(args.out_dir)
-    kept = earlier_rows(out_dir, {w["name"] for w in chosen + decode}) if args.append else []
+    earlier = earlier_rows(out_dir) if args.append else []
     rows = []
     if decode:  # first: small, and their peer compiles in seconds
-        rows += run_decode_benchmark(decode, {k: v for k, v in DECODE_IMPLS.items() if k in ("fastkda", "fla")})
-        write_results(rows, list(impls), workloads, out_dir, {}, copy_gbps, kept)
+        rows += run_decode_benchmark(decode, {k: v for k, v in DECODE_IMPLS.items() if k in ("fastkda", "fla")},
+                                     copy_gbps=copy_gbps)
+        write_results(rows, out_dir, {}, copy_gbps, earlier)
     errors = {}
     for impl, factory in impls.items() if chosen else ():  # before the timings: a run cut short still has them
         try:
@@ -460,8 +485,8 @@ def main(argv=None):
     for w in chosen:  # results are rewritten after every workload, so a run cut short still leaves them
         new_rows, available = run_benchmark([w], {k: impls[k] for k in available})
         rows += new_rows
-        write_results(rows, available, workloads, out_dir, errors, copy_gbps, kept)
-    print(write_results(rows, available, workloads, out_dir, errors, copy_gbps, kept))
+        write_results(rows, out_dir, errors, copy_gbps, earlier)
+    print(write_results(rows, out_dir, errors, copy_gbps, earlier))
     return 0
 
 
