@@ -5,12 +5,13 @@ Spec §2 in the WY form, chunk ``C`` = 64 tokens split into 16-token blocks:
 * Preparation computes everything that does not depend on the state: gate, in-chunk cumulative decay ``G``,
   normalised q/k, the in-chunk matrices ``M = lower_incl(qd·kiᵀ)`` and ``L = strictly_lower(β·kd·kiᵀ)`` and
   ``T = (I + L)⁻¹``, and writes the bf16 workspace ``w = T·β·kd``, ``u = T·β·v``, ``qg = qd``, ``kg = kr``,
-  ``A = M`` and the fp32 chunk decay ``exp(G_C)``. Two implementations (``PREPARE_PATH``): "split",
-  ``_intra_kernel`` per (chunk, head, 16-token row block) then ``_solve_kernel`` per (chunk, head), and
-  "fused", ``_prepare_kernel`` per (chunk, head). No factor ``exp(-G)`` is ever formed across more than one
-  16-token block, so nothing overflows: off-diagonal blocks use ``exp(G_i - G_end(J))·exp(G_end(J) - G_j)``
-  (both ≤ 1); diagonal blocks use ``exp(G_i - G_end(J)) ≤ e^75`` for the lower-bound gate, and an
-  element-wise decay for an unbounded precomputed gate.
+  ``A = M`` and the fp32 chunk decay ``exp(G_C)``, in two kernels per (chunk, head): ``_prepare_kernel``
+  (8 warps; everything but T, with M and β·L built as four 64-row column blocks, β·L to an fp32 scratch)
+  and ``_solve_kernel`` (2 warps; T by 16x16 blocks, then w and u). Decays are base-2 (``a·log2 e``). No
+  factor ``exp(-G)`` is ever formed across more than one 16-token block, so nothing overflows: off-diagonal
+  blocks use ``exp(G_i - G_end(J))·exp(G_end(J) - G_j)`` (both ≤ 1); diagonal blocks use
+  ``exp(G_i - G_end(J)) ≤ e^75`` for the lower-bound gate, and an element-wise decay for an unbounded
+  precomputed gate.
 * ``_recurrence_kernel`` (one program per (sequence, head, V-slice)) walks the chunks in order with the
   state in fp32 registers: ``v_new = u - w·S``, ``o = qg·S + A·v_new``, ``S = diag(exp(G_C))·S + kgᵀ·v_new``,
   and writes prefix-cache checkpoints at chunk boundaries. No step reduces over V, and every slice runs the
