@@ -14,38 +14,60 @@ import fastkda.api
 from fastkda.bench import fastkda_runner, load_workloads, make_prefill_inputs
 
 SOURCE = Path(fastkda.api.__file__).parent / "ops" / "prefill.py"
-LIBDEVICE_MATH = '''
+PREFETCH_HELPER = '''@triton.jit
+def _log2_decay_values(gv, valid, h, kk, A_log, dt_bias, lower_bound, K: tl.constexpr,
+                       LOWER_BOUND_GATE: tl.constexpr, EMULATE: tl.constexpr):
+    if LOWER_BOUND_GATE:
+        slope = tl.exp(tl.load(A_log + h).to(tl.float32)) * LOG2E
+        bias = tl.load(dt_bias + h * K + kk).to(tl.float32)
+        a = (lower_bound * LOG2E) * fast_reciprocal(1.0 + fast_exp2(-slope * (gv + bias[None, :]), EMULATE), EMULATE)
+    else:
+        a = tl.maximum(gv, LOG_DECAY_FLOOR) * LOG2E
+    return tl.where(valid[:, None], a, 0.0)
 
-@triton.jit
-def fast_exp2(x, EMULATE: tl.constexpr):
-    return tl.exp2(x)
 
-
-@triton.jit
-def fast_reciprocal(x, EMULATE: tl.constexpr):
-    return 1.0 / x
+'''
+LOOP_HEAD = '''    for c in range(K // BK):
+        kk = c * BK + tl.arange(0, BK)
+        m = valid[:, None]
+        q_b = load_f32(q + tok[:, None] * stride_q + h * K + kk[None, :], m) * qs[:, None]
+        k_b = load_f32(k + tok[:, None] * stride_k + h * K + kk[None, :], m) * ks[:, None]
+        a3 = tl.reshape(_log2_decay_block(g, tok, valid, stride_g, h, kk, A_log, dt_bias, lower_bound, K,
+                                          LOWER_BOUND_GATE, EMULATE), (NB, BC, BK))
+'''
+PREFETCHED_LOOP_HEAD = '''    kk_next = tl.arange(0, BK)
+    q_next = tl.load(q + tok[:, None] * stride_q + h * K + kk_next[None, :], mask=valid[:, None], other=0.0)
+    k_next = tl.load(k + tok[:, None] * stride_k + h * K + kk_next[None, :], mask=valid[:, None], other=0.0)
+    g_next = tl.load(g + tok[:, None] * stride_g + h * K + kk_next[None, :], mask=valid[:, None], other=0.0)
+    for c in range(K // BK):
+        kk = c * BK + tl.arange(0, BK)
+        m = valid[:, None]
+        q_raw, k_raw, g_raw = q_next, k_next, g_next
+        kk_next = kk + BK
+        more = valid[:, None] & (kk_next[None, :] < K)
+        q_next = tl.load(q + tok[:, None] * stride_q + h * K + kk_next[None, :], mask=more, other=0.0)
+        k_next = tl.load(k + tok[:, None] * stride_k + h * K + kk_next[None, :], mask=more, other=0.0)
+        g_next = tl.load(g + tok[:, None] * stride_g + h * K + kk_next[None, :], mask=more, other=0.0)
+        q_b = q_raw.to(tl.float32) * qs[:, None]
+        k_b = k_raw.to(tl.float32) * ks[:, None]
+        a3 = tl.reshape(_log2_decay_values(g_raw.to(tl.float32), valid, h, kk, A_log, dt_bias, lower_bound, K,
+                                           LOWER_BOUND_GATE, EMULATE), (NB, BC, BK))
 '''
 
 
-def libdevice_math(src):
-    """ex2/rcp through Triton's own exp2 and IEEE division instead of the one-instruction approximations."""
-    src = src.replace("from .common import bf16_operand, fast_exp2, fast_reciprocal, interpreting, load_f32, store_as",
-                      "from .common import bf16_operand, interpreting, load_f32, store_as")
-    return src.replace("\nBLOCK = 16", LIBDEVICE_MATH + "\nBLOCK = 16", 1)
-
-
-def v5(src):
-    """The preparation as of cae26b8 (one kernel, natural-exp decays, inverse and w/u in the same program):
-    ``git show cae26b8:fastkda/ops/prefill.py > .variants/v5_prefill.py`` (carried to the device)."""
-    return (SOURCE.parents[2] / ".variants" / "v5_prefill.py").read_text()
+def prefetch(src):
+    """The first kernel's channel loop issues the next block's q/k/g loads before computing the current one."""
+    assert LOOP_HEAD in src
+    src = src.replace(LOOP_HEAD, PREFETCHED_LOOP_HEAD)
+    return src.replace("@triton.jit\ndef _log2_decay_block(", PREFETCH_HELPER + "@triton.jit\ndef _log2_decay_block(", 1)
 
 
 # (label, module settings, source edit or None)
 VARIANTS = [
     ("as committed", {}, None),
-    ("Triton exp2 and IEEE division", {}, libdevice_math),
     ("prepare capped at 128 registers", dict(PREPARE_MAXNREG=128), None),
-    ("v5 of cae26b8, 32 channels", dict(COLUMNS_CHANNELS=32), v5),
+    ("next channel block prefetched", {}, prefetch),
+    ("prefetched, capped at 128 registers", dict(PREPARE_MAXNREG=128), prefetch),
 ]
 
 
