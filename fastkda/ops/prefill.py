@@ -160,64 +160,6 @@ def _load_tile(ptr, tok, valid, h, dd, D: tl.constexpr, H: tl.constexpr):
 
 
 @triton.jit
-def _solve_blocks(L00, L10, L11, L20, L21, L22, L30, L31, L32, L33, b0, b1, b2, b3, v, w_ws, u_ws,
-                  tok0, tok1, tok2, tok3, ok0, ok1, ok2, ok3, h, stride_v, H: tl.constexpr, K: tl.constexpr,
-                  V: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                  EMULATE: tl.constexpr):
-    """From the 16x16 blocks of β·L (diagonal ones strictly lower) and β per block: T = (I + β·L)⁻¹ by blocks
-    (inverses of the diagonal blocks, then T_IJ = -T_II·Σ_K L_IK·T_KJ), then w = T·β·kd over the kd parked in
-    the w workspace, last row block first (w_I overwrites kd_I, which no later block needs), and u = T·β·v."""
-    T00 = _unit_lower_inverse_block(L00, BC, DOT_PRECISION)
-    T11 = _unit_lower_inverse_block(L11, BC, DOT_PRECISION)
-    T22 = _unit_lower_inverse_block(L22, BC, DOT_PRECISION)
-    T33 = _unit_lower_inverse_block(L33, BC, DOT_PRECISION)
-    T10 = -_mm(T11, _mm(L10, T00, DOT_PRECISION), DOT_PRECISION)
-    T21 = -_mm(T22, _mm(L21, T11, DOT_PRECISION), DOT_PRECISION)
-    T32 = -_mm(T33, _mm(L32, T22, DOT_PRECISION), DOT_PRECISION)
-    T20 = -_mm(T22, _mm(L20, T00, DOT_PRECISION) + _mm(L21, T10, DOT_PRECISION), DOT_PRECISION)
-    T31 = -_mm(T33, _mm(L31, T11, DOT_PRECISION) + _mm(L32, T21, DOT_PRECISION), DOT_PRECISION)
-    T30 = -_mm(T33, _mm(L30, T00, DOT_PRECISION) + _mm(L31, T10, DOT_PRECISION) + _mm(L32, T20, DOT_PRECISION),
-               DOT_PRECISION)
-    T00 = T00 * b0[None, :]
-    T10 = T10 * b0[None, :]
-    T20 = T20 * b0[None, :]
-    T30 = T30 * b0[None, :]
-    T11 = T11 * b1[None, :]
-    T21 = T21 * b1[None, :]
-    T31 = T31 * b1[None, :]
-    T22 = T22 * b2[None, :]
-    T32 = T32 * b2[None, :]
-    T33 = T33 * b3[None, :]
-
-    for c in range(K // BK):
-        kk = c * BK + tl.arange(0, BK)
-        kd0 = _load_tile(w_ws, tok0, ok0, h, kk, K, H)
-        kd1 = _load_tile(w_ws, tok1, ok1, h, kk, K, H)
-        kd2 = _load_tile(w_ws, tok2, ok2, h, kk, K, H)
-        kd3 = _load_tile(w_ws, tok3, ok3, h, kk, K, H)
-        tl.debug_barrier()
-        _store_tile(w_ws, tok3, ok3, h, kk, _mm(T30, kd0, DOT_PRECISION) + _mm(T31, kd1, DOT_PRECISION)
-                    + _mm(T32, kd2, DOT_PRECISION) + _mm(T33, kd3, DOT_PRECISION), K, H, EMULATE)
-        _store_tile(w_ws, tok2, ok2, h, kk, _mm(T20, kd0, DOT_PRECISION) + _mm(T21, kd1, DOT_PRECISION)
-                    + _mm(T22, kd2, DOT_PRECISION), K, H, EMULATE)
-        _store_tile(w_ws, tok1, ok1, h, kk, _mm(T10, kd0, DOT_PRECISION) + _mm(T11, kd1, DOT_PRECISION), K, H,
-                    EMULATE)
-        _store_tile(w_ws, tok0, ok0, h, kk, _mm(T00, kd0, DOT_PRECISION), K, H, EMULATE)
-    for c in range(V // BK):
-        vv = c * BK + tl.arange(0, BK)
-        v0 = load_f32(v + tok0[:, None] * stride_v + h * V + vv[None, :], ok0[:, None] & (vv[None, :] < V))
-        v1 = load_f32(v + tok1[:, None] * stride_v + h * V + vv[None, :], ok1[:, None] & (vv[None, :] < V))
-        v2 = load_f32(v + tok2[:, None] * stride_v + h * V + vv[None, :], ok2[:, None] & (vv[None, :] < V))
-        v3 = load_f32(v + tok3[:, None] * stride_v + h * V + vv[None, :], ok3[:, None] & (vv[None, :] < V))
-        _store_tile(u_ws, tok0, ok0, h, vv, _mm(T00, v0, DOT_PRECISION), V, H, EMULATE)
-        _store_tile(u_ws, tok1, ok1, h, vv, _mm(T10, v0, DOT_PRECISION) + _mm(T11, v1, DOT_PRECISION), V, H, EMULATE)
-        _store_tile(u_ws, tok2, ok2, h, vv, _mm(T20, v0, DOT_PRECISION) + _mm(T21, v1, DOT_PRECISION)
-                    + _mm(T22, v2, DOT_PRECISION), V, H, EMULATE)
-        _store_tile(u_ws, tok3, ok3, h, vv, _mm(T30, v0, DOT_PRECISION) + _mm(T31, v1, DOT_PRECISION)
-                    + _mm(T32, v2, DOT_PRECISION) + _mm(T33, v3, DOT_PRECISION), V, H, EMULATE)
-
-
-@triton.jit
 def _block_rows(x, J: tl.constexpr, NB: tl.constexpr, BC: tl.constexpr, D: tl.constexpr):
     """Rows of block ``J`` of ``x [NB*BC, D]`` as a ``[BC, D]`` tile."""
     pick = (tl.arange(0, NB) == J)[:, None, None]
@@ -361,7 +303,8 @@ def _solve_kernel(
     IS_VARLEN: tl.constexpr, BETA_SIGMOID: tl.constexpr, DOT_PRECISION: tl.constexpr, EMULATE: tl.constexpr,
 ):
     """Preparation, second kernel, one (chunk, head) on few warps (its products are 16x16 blocks, which more
-    warps would only replicate): T = (I + β·L)⁻¹ from the β·L scratch, then w = T·β·kd and u = T·β·v."""
+    warps would only replicate): T = (I + β·L)⁻¹ from the 16x16 blocks of the β·L scratch (diagonal ones
+    strictly lower), then w = T·β·kd and u = T·β·v."""
     slot = tl.program_id(0)
     h = tl.program_id(1)
     chunk_start, eos = _chunk_of_slot(slot, cu_seqlens, seq_len, num_seqs, C, IS_VARLEN)
@@ -374,18 +317,71 @@ def _solve_kernel(
     ok1 = tok1 < eos
     ok2 = tok2 < eos
     ok3 = tok3 < eos
-    _solve_blocks(
-        _load_block(L_ws, tok0, ok0, h, 0, H, C, BC), _load_block(L_ws, tok1, ok1, h, 0, H, C, BC),
-        _load_block(L_ws, tok1, ok1, h, 1, H, C, BC), _load_block(L_ws, tok2, ok2, h, 0, H, C, BC),
-        _load_block(L_ws, tok2, ok2, h, 1, H, C, BC), _load_block(L_ws, tok2, ok2, h, 2, H, C, BC),
-        _load_block(L_ws, tok3, ok3, h, 0, H, C, BC), _load_block(L_ws, tok3, ok3, h, 1, H, C, BC),
-        _load_block(L_ws, tok3, ok3, h, 2, H, C, BC), _load_block(L_ws, tok3, ok3, h, 3, H, C, BC),
-        _beta_rows(beta, tok0, ok0, stride_beta_tok, stride_beta_head, h, BETA_SIGMOID),
-        _beta_rows(beta, tok1, ok1, stride_beta_tok, stride_beta_head, h, BETA_SIGMOID),
-        _beta_rows(beta, tok2, ok2, stride_beta_tok, stride_beta_head, h, BETA_SIGMOID),
-        _beta_rows(beta, tok3, ok3, stride_beta_tok, stride_beta_head, h, BETA_SIGMOID),
-        v, w_ws, u_ws, tok0, tok1, tok2, tok3, ok0, ok1, ok2, ok3, h, stride_v, H, K, V, BC, BK, DOT_PRECISION,
-        EMULATE)
+    L00 = _load_tile(L_ws, tok0, ok0, h, cb, C, H)
+    L10 = _load_tile(L_ws, tok1, ok1, h, cb, C, H)
+    L11 = _load_tile(L_ws, tok1, ok1, h, BC + cb, C, H)
+    L20 = _load_tile(L_ws, tok2, ok2, h, cb, C, H)
+    L21 = _load_tile(L_ws, tok2, ok2, h, BC + cb, C, H)
+    L22 = _load_tile(L_ws, tok2, ok2, h, 2 * BC + cb, C, H)
+    L30 = _load_tile(L_ws, tok3, ok3, h, cb, C, H)
+    L31 = _load_tile(L_ws, tok3, ok3, h, BC + cb, C, H)
+    L32 = _load_tile(L_ws, tok3, ok3, h, 2 * BC + cb, C, H)
+    L33 = _load_tile(L_ws, tok3, ok3, h, 3 * BC + cb, C, H)
+    b0 = _beta_rows(beta, tok0, ok0, stride_beta_tok, stride_beta_head, h, BETA_SIGMOID)
+    b1 = _beta_rows(beta, tok1, ok1, stride_beta_tok, stride_beta_head, h, BETA_SIGMOID)
+    b2 = _beta_rows(beta, tok2, ok2, stride_beta_tok, stride_beta_head, h, BETA_SIGMOID)
+    b3 = _beta_rows(beta, tok3, ok3, stride_beta_tok, stride_beta_head, h, BETA_SIGMOID)
+    # T = (I + β·L)⁻¹ by blocks: inverses of the diagonal blocks, then T_IJ = -T_II·Σ_K L_IK·T_KJ; then
+    # w = T·β·kd over the kd parked in the w workspace, last row block first (w_I overwrites kd_I, which no
+    # later block needs), and u = T·β·v
+    T00 = _unit_lower_inverse_block(L00, BC, DOT_PRECISION)
+    T11 = _unit_lower_inverse_block(L11, BC, DOT_PRECISION)
+    T22 = _unit_lower_inverse_block(L22, BC, DOT_PRECISION)
+    T33 = _unit_lower_inverse_block(L33, BC, DOT_PRECISION)
+    T10 = -_mm(T11, _mm(L10, T00, DOT_PRECISION), DOT_PRECISION)
+    T21 = -_mm(T22, _mm(L21, T11, DOT_PRECISION), DOT_PRECISION)
+    T32 = -_mm(T33, _mm(L32, T22, DOT_PRECISION), DOT_PRECISION)
+    T20 = -_mm(T22, _mm(L20, T00, DOT_PRECISION) + _mm(L21, T10, DOT_PRECISION), DOT_PRECISION)
+    T31 = -_mm(T33, _mm(L31, T11, DOT_PRECISION) + _mm(L32, T21, DOT_PRECISION), DOT_PRECISION)
+    T30 = -_mm(T33, _mm(L30, T00, DOT_PRECISION) + _mm(L31, T10, DOT_PRECISION) + _mm(L32, T20, DOT_PRECISION),
+               DOT_PRECISION)
+    T00 = T00 * b0[None, :]
+    T10 = T10 * b0[None, :]
+    T20 = T20 * b0[None, :]
+    T30 = T30 * b0[None, :]
+    T11 = T11 * b1[None, :]
+    T21 = T21 * b1[None, :]
+    T31 = T31 * b1[None, :]
+    T22 = T22 * b2[None, :]
+    T32 = T32 * b2[None, :]
+    T33 = T33 * b3[None, :]
+
+    for c in range(K // BK):
+        kk = c * BK + tl.arange(0, BK)
+        kd0 = _load_tile(w_ws, tok0, ok0, h, kk, K, H)
+        kd1 = _load_tile(w_ws, tok1, ok1, h, kk, K, H)
+        kd2 = _load_tile(w_ws, tok2, ok2, h, kk, K, H)
+        kd3 = _load_tile(w_ws, tok3, ok3, h, kk, K, H)
+        tl.debug_barrier()
+        _store_tile(w_ws, tok3, ok3, h, kk, _mm(T30, kd0, DOT_PRECISION) + _mm(T31, kd1, DOT_PRECISION)
+                    + _mm(T32, kd2, DOT_PRECISION) + _mm(T33, kd3, DOT_PRECISION), K, H, EMULATE)
+        _store_tile(w_ws, tok2, ok2, h, kk, _mm(T20, kd0, DOT_PRECISION) + _mm(T21, kd1, DOT_PRECISION)
+                    + _mm(T22, kd2, DOT_PRECISION), K, H, EMULATE)
+        _store_tile(w_ws, tok1, ok1, h, kk, _mm(T10, kd0, DOT_PRECISION) + _mm(T11, kd1, DOT_PRECISION), K, H,
+                    EMULATE)
+        _store_tile(w_ws, tok0, ok0, h, kk, _mm(T00, kd0, DOT_PRECISION), K, H, EMULATE)
+    for c in range(V // BK):
+        vv = c * BK + tl.arange(0, BK)
+        v0 = load_f32(v + tok0[:, None] * stride_v + h * V + vv[None, :], ok0[:, None] & (vv[None, :] < V))
+        v1 = load_f32(v + tok1[:, None] * stride_v + h * V + vv[None, :], ok1[:, None] & (vv[None, :] < V))
+        v2 = load_f32(v + tok2[:, None] * stride_v + h * V + vv[None, :], ok2[:, None] & (vv[None, :] < V))
+        v3 = load_f32(v + tok3[:, None] * stride_v + h * V + vv[None, :], ok3[:, None] & (vv[None, :] < V))
+        _store_tile(u_ws, tok0, ok0, h, vv, _mm(T00, v0, DOT_PRECISION), V, H, EMULATE)
+        _store_tile(u_ws, tok1, ok1, h, vv, _mm(T10, v0, DOT_PRECISION) + _mm(T11, v1, DOT_PRECISION), V, H, EMULATE)
+        _store_tile(u_ws, tok2, ok2, h, vv, _mm(T20, v0, DOT_PRECISION) + _mm(T21, v1, DOT_PRECISION)
+                    + _mm(T22, v2, DOT_PRECISION), V, H, EMULATE)
+        _store_tile(u_ws, tok3, ok3, h, vv, _mm(T30, v0, DOT_PRECISION) + _mm(T31, v1, DOT_PRECISION)
+                    + _mm(T32, v2, DOT_PRECISION) + _mm(T33, v3, DOT_PRECISION), V, H, EMULATE)
 
 
 @triton.jit
@@ -398,14 +394,6 @@ def _store_column_block(A_ws, L_ws, tok, valid, h, M_J, L_J, bv, J: tl.constexpr
     mask = valid[:, None] & (cols[None, :] < C)
     store_as(A_ws + offsets, tl.where(r[:, None] >= cols[None, :], M_J, 0.0), mask, EMULATE)
     tl.store(L_ws + offsets, tl.where(r[:, None] > cols[None, :], L_J * bv[:, None], 0.0), mask=mask)
-
-
-@triton.jit
-def _load_block(L_ws, tok, valid, h, J: tl.constexpr, H: tl.constexpr, C: tl.constexpr, BC: tl.constexpr):
-    """The 16x16 block (rows ``tok``, column block J) of the β·L scratch."""
-    cols = J * BC + tl.arange(0, BC)
-    return tl.load(L_ws + tok[:, None] * (H * C) + h * C + cols[None, :], mask=valid[:, None] & (cols[None, :] < C),
-                   other=0.0)
 
 
 @triton.jit
@@ -515,8 +503,8 @@ def prepare(q, k, v, g, beta, *, A_log, dt_bias, lower_bound, scale, cu_seqlens,
     absent = ws.decay  # stands for absent optional tensors; never dereferenced
     gate = (A_log if lower_bound_gate else absent, dt_bias if lower_bound_gate else absent)
     cu = cu_seqlens if varlen else absent
-    flags = dict(IS_VARLEN=varlen, LOWER_BOUND_GATE=lower_bound_gate, BETA_SIGMOID=use_beta_sigmoid,
-                 DOT_PRECISION=dot_precision, EMULATE=interpreting())
+    flags = dict(IS_VARLEN=varlen, BETA_SIGMOID=use_beta_sigmoid, DOT_PRECISION=dot_precision,
+                 EMULATE=interpreting())
     bound = float(lower_bound) if lower_bound_gate else 0.0
     if slots == 0:
         return ws
@@ -525,13 +513,13 @@ def prepare(q, k, v, g, beta, *, A_log, dt_bias, lower_bound, scale, cu_seqlens,
         q, k, v, g, beta, *gate, cu, ws.w, ws.u, ws.qg, ws.kg, ws.A, L_ws, ws.decay,
         q.stride(1), k.stride(1), v.stride(1), g.stride(1), beta.stride(1), beta.stride(2),
         seq_len, num_seqs, bound, float(scale),
-        H=heads, K=key_dim, V=value_dim, C=CHUNK, BC=BLOCK, BK=PREPARE_CHANNELS, L2NORM=use_qk_l2norm, **flags,
+        H=heads, K=key_dim, V=value_dim, C=CHUNK, BC=BLOCK, BK=PREPARE_CHANNELS, L2NORM=use_qk_l2norm,
+        LOWER_BOUND_GATE=lower_bound_gate, **flags,
         num_warps=PREPARE_WARPS, **({} if PREPARE_MAXNREG is None else dict(maxnreg=PREPARE_MAXNREG)),
     )
     _solve_kernel[(slots, heads)](
         v, beta, cu, ws.w, ws.u, L_ws, v.stride(1), beta.stride(1), beta.stride(2), seq_len, num_seqs,
-        H=heads, K=key_dim, V=value_dim, C=CHUNK, BC=BLOCK, BK=SOLVE_CHANNELS, IS_VARLEN=varlen,
-        BETA_SIGMOID=use_beta_sigmoid, DOT_PRECISION=dot_precision, EMULATE=interpreting(), num_warps=SOLVE_WARPS,
+        H=heads, K=key_dim, V=value_dim, C=CHUNK, BC=BLOCK, BK=SOLVE_CHANNELS, **flags, num_warps=SOLVE_WARPS,
     )
     return ws
 
