@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from fastkda.bench import LOWER_BOUND, git_commit, make_prefill_inputs, time_graph
+from fastkda.bench import LOWER_BOUND, git_commit, make_prefill_inputs, results_stem, time_graph
 from fastkda.ops.prefill import prepare, recur
 from fastkda.plan import V_SLICE_CHOICES, choose_plan
 
@@ -56,7 +56,7 @@ def main():
     args = parser.parse_args()
     props = torch.cuda.get_device_properties(0)
     out = Path(args.out)
-    path = out / f"{datetime.date.today().isoformat()}-{props.name.replace(' ', '_')}-plan-sweep.json"
+    path = Path(f"{results_stem(out)}-plan-sweep.json")
     out.mkdir(parents=True, exist_ok=True)
     rows, start = [], time.time()
     for tokens, heads, seqs in itertools.product(args.tokens, args.heads, args.seqs):

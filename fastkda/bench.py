@@ -156,13 +156,18 @@ def fla_decode_runner(inp):
 DECODE_IMPLS = {"fastkda": fastkda_decode_runner, "fla": fla_decode_runner}
 
 
+def decode_state_bytes(workload):
+    """fp32 state bytes one decode step reads and writes (each sequence's state once each way)."""
+    return 2 * workload["N"] * workload["H"] * DIM * DIM * 4
+
+
 def run_decode_benchmark(workloads, impls, modes=("eager", "graph"), device="cuda", copy_gbps=None):
     """Rows for decode workloads, with ``gbps``: state bytes read and written per second, and the copy rate
     measured in the same run."""
     rows = []
     for w in workloads:
         inp = make_decode_inputs(w, device)
-        state_bytes = 2 * w["N"] * w["H"] * DIM * DIM * 4
+        state_bytes = decode_state_bytes(w)
         for name, factory in impls.items():
             try:
                 run = factory(inp)
@@ -370,6 +375,7 @@ def plot(rows, impls, path):
 
 
 def results_stem(out_dir):
+    """``out_dir/<date>-<gpu>``, the name every results file of today's runs on this GPU starts with."""
     props = torch.cuda.get_device_properties(0)
     return out_dir / f"{datetime.date.today().isoformat()}-{props.name.replace(' ', '_')}"
 

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import torch
 
-from fastkda.bench import LOWER_BOUND, RESULTS, git_commit, load_workloads, make_decode_inputs, time_graph
+from fastkda.bench import (LOWER_BOUND, RESULTS, decode_state_bytes, git_commit, load_workloads,
+                           make_decode_inputs, results_stem, time_graph)
 from fastkda.ops import decode
 
 
@@ -33,10 +34,10 @@ default_warps = decode.decode_warps
 rows = []
 for w in load_workloads()["decode"]:
     inp = make_decode_inputs(w, "cuda")
-    state_bytes = 2 * w["N"] * w["H"] * 128 * 128 * 4
+    state_bytes = decode_state_bytes(w)
     for columns, warps in SETTINGS:
         decode.decode_warps = default_warps if warps is None else (lambda block_v, warps=warps: warps)
-        run = runner(inp, 128 // columns)
+        run = runner(inp, inp["v"].shape[-1] // columns)
         ms = time_graph(run)
         label = f"{columns} columns, {warps or default_warps(columns)} warps"
         rows.append(dict(workload=w["name"], setting=label, ms=round(ms, 5), gbps=round(state_bytes / ms / 1e6, 1)))
@@ -46,5 +47,4 @@ props = torch.cuda.get_device_properties(0)
 meta = dict(gpu=props.name, sms=props.multi_processor_count, commit=git_commit(), date=datetime.date.today().isoformat())
 out = Path(args.out)
 out.mkdir(parents=True, exist_ok=True)
-(out / f"{meta['date']}-{props.name.replace(' ', '_')}-decode-sweep.json").write_text(
-    json.dumps(dict(meta=meta, rows=rows), indent=1))
+Path(f"{results_stem(out)}-decode-sweep.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
