@@ -100,6 +100,23 @@ def _check_out(out, v, inputs):
             _fail("out", "a buffer that is not also an input", "an input tensor")
 
 
+def _scalar_defaults(q, scale, lower_bound):
+    """``scale`` defaulting to K^-1/2 (when q is a 4-D tensor with K > 0 to read it from; validation reports
+    anything else) and an integer ``lower_bound`` as a float."""
+    if scale is None and isinstance(q, torch.Tensor) and q.dim() == 4 and q.shape[-1]:
+        scale = q.shape[-1] ** -0.5
+    if isinstance(lower_bound, int) and not isinstance(lower_bound, bool):
+        lower_bound = float(lower_bound)
+    return scale, lower_bound
+
+
+def _sms_of(q):
+    """The SM count of q's GPU (cached per device), or 1 on the CPU."""
+    if not q.is_cuda:
+        return 1
+    return sm_count(q.device.index if q.device.index is not None else torch.cuda.current_device())
+
+
 def validate_prefill(q, k, v, g, beta, A_log, dt_bias, lower_bound, scale, initial_state, final_state,
                      cu_seqlens, out, checkpoint_offsets=None, checkpoint_states=None):
     """Raise ``ValueError`` naming the first argument that breaks the contract (spec §3); return N."""
@@ -220,18 +237,13 @@ def kda_prefill(
             ``checkpoint_states [N, 2, H, V, K]``, bitwise equal to the final state of a prefill of that prefix
             on the same device. An offset beyond its sequence is ignored.
     """
-    key_dim = q.shape[-1] if isinstance(q, torch.Tensor) and q.dim() == 4 else None
-    if scale is None and key_dim:
-        scale = key_dim ** -0.5
-    if isinstance(lower_bound, int) and not isinstance(lower_bound, bool):
-        lower_bound = float(lower_bound)
+    scale, lower_bound = _scalar_defaults(q, scale, lower_bound)
     num_seqs = validate_prefill(q, k, v, g, beta, A_log, dt_bias, lower_bound, scale, initial_state, final_state,
                                 cu_seqlens, out, checkpoint_offsets, checkpoint_states)
-    batch, length, heads, _ = q.shape
+    batch, length, heads, key_dim = q.shape
     value_dim = v.shape[-1]
-    sms = sm_count(q.device.index if q.device.index is not None else torch.cuda.current_device()) if q.is_cuda else 1
     tokens = batch * length // max(num_seqs, 1)
-    plan = choose_plan(num_seqs, heads, tokens, value_dim, sms, v_slices)
+    plan = choose_plan(num_seqs, heads, tokens, value_dim, _sms_of(q), v_slices)
     if out is None:
         out = torch.empty_like(v, memory_format=torch.contiguous_format)
     if final_state is None and output_final_state:
@@ -303,15 +315,11 @@ def kda_decode(
         v_slices: ``"auto"`` (16-column slices of the state, :func:`fastkda.plan.choose_decode_plan`), or 1,
             2, 4 as in :func:`kda_prefill`.
     """
-    if scale is None and isinstance(q, torch.Tensor) and q.dim() == 4:
-        scale = q.shape[-1] ** -0.5
-    if isinstance(lower_bound, int) and not isinstance(lower_bound, bool):
-        lower_bound = float(lower_bound)
+    scale, lower_bound = _scalar_defaults(q, scale, lower_bound)
     validate_decode(q, k, v, g, beta, state_pool, slots, A_log, dt_bias, lower_bound, scale, num_accepted_tokens,
                     out)
     num_seqs, _, heads, _ = q.shape
-    sms = sm_count(q.device.index if q.device.index is not None else torch.cuda.current_device()) if q.is_cuda else 1
-    plan = choose_decode_plan(num_seqs, heads, v.shape[-1], sms, v_slices)
+    plan = choose_decode_plan(num_seqs, heads, v.shape[-1], _sms_of(q), v_slices)
     if out is None:
         out = torch.empty_like(v, memory_format=torch.contiguous_format)
     _decode_op(q, k, v, g, beta, state_pool, slots, A_log, dt_bias, lower_bound, float(scale), num_accepted_tokens,
