@@ -22,12 +22,20 @@ PTXAS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
 BF16, F32 = "*bf16", "*fp32"
 
 
-def compile_stats(fn, signature, constants, num_warps, num_stages=2):
-    signature = dict(signature, **{k: "constexpr" for k in constants})
+def compile_for_hopper(fn, signature, constants, num_warps, num_stages=2):
+    """Compile a Triton kernel for sm_90a on this machine (no GPU); ``signature`` and ``constants`` may name
+    more arguments than ``fn`` takes (those are dropped)."""
+    constants = {k: v for k, v in constants.items() if k in fn.arg_names}
+    signature = {k: v for k, v in signature.items() if k in fn.arg_names}
+    signature.update({k: "constexpr" for k in constants})
     src = ASTSource(fn=fn, signature=signature,
                     constexprs={(fn.arg_names.index(k),): v for k, v in constants.items()})
-    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                            options=dict(num_warps=num_warps, num_stages=num_stages))
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                          options=dict(num_warps=num_warps, num_stages=num_stages))
+
+
+def compile_stats(fn, signature, constants, num_warps, num_stages=2):
+    kernel = compile_for_hopper(fn, signature, constants, num_warps, num_stages)
     ptx = kernel.asm["ptx"]
     path = Path("/tmp/fastkda_stats.ptx")
     path.write_text(ptx)

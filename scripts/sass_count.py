@@ -11,9 +11,8 @@ from pathlib import Path
 os.environ.pop("TRITON_INTERPRET", None)
 
 import triton  # noqa: E402
-from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.compiler import ASTSource  # noqa: E402
 
+from compile_stats import compile_for_hopper  # noqa: E402
 from fastkda.ops import prefill  # noqa: E402
 
 BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
@@ -25,11 +24,7 @@ SIGNATURE = dict(q=BF16, k=BF16, v=BF16, g=BF16, beta=BF16, A_log=F32, dt_bias=F
 
 
 def sass(fn, constants, num_warps):
-    constants = {k: v for k, v in constants.items() if k in fn.arg_names}
-    signature = {k: v for k, v in SIGNATURE.items() if k in fn.arg_names}
-    signature.update({k: "constexpr" for k in constants})
-    src = ASTSource(fn=fn, signature=signature, constexprs={(fn.arg_names.index(k),): v for k, v in constants.items()})
-    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps, num_stages=2))
+    kernel = compile_for_hopper(fn, SIGNATURE, constants, num_warps)
     Path("/tmp/fastkda_sass.cubin").write_bytes(kernel.asm["cubin"])
     return subprocess.run([str(BIN / "nvdisasm"), "-c", "/tmp/fastkda_sass.cubin"], capture_output=True,
                           text=True).stdout
