@@ -83,11 +83,12 @@ def main():
                       num_accepted="*i32", out=BF16, stride_q="i32", stride_k="i32", stride_v="i32", stride_g="i32",
                       stride_beta_n="i32", stride_beta_t="i32", stride_beta_h="i32", stride_slot_n="i32",
                       stride_slot_t="i32", lower_bound="fp32", scale="fp32", T="i32")
+    width, warps = plan.DECODE_SLICE_WIDTH, decode.decode_warps(plan.DECODE_SLICE_WIDTH)
     for per_token in (False, True):
-        consts = dict(H=12, K=128, V=128, BV=plan.DECODE_SLICE_WIDTH, LOWER_BOUND_GATE=True, L2NORM=True,
-                      BETA_SIGMOID=True, PER_TOKEN_SLOTS=per_token, HAS_ACCEPTED=per_token, EMULATE=False)
-        print(f"decode BV={plan.DECODE_SLICE_WIDTH} per_token_slots={per_token}: "
-              f"{compile_stats(decode._decode_kernel, decode_sig, consts, 4)}")
+        consts = dict(H=12, K=128, V=128, BV=width, LOWER_BOUND_GATE=True, L2NORM=True, BETA_SIGMOID=True,
+                      PER_TOKEN_SLOTS=per_token, HAS_ACCEPTED=per_token, EMULATE=False)
+        print(f"decode BV={width} warps={warps} per_token_slots={per_token}: "
+              f"{compile_stats(decode._decode_kernel, decode_sig, consts, warps)}")
 
 
 if __name__ == "__main__":
