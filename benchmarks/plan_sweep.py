@@ -5,7 +5,7 @@ recurrence is timed (CUDA-graph replay, median of do_bench); outputs and final s
 bitwise across s. Rows go to ``benchmarks/results/<date>-<gpu>-plan-sweep.json`` after every configuration,
 so a run cut short keeps what it measured. Then it prints how often the auto plan is within 2% of the best.
 
-python benchmarks/plan_sweep.py [--budget-s 400] [--seqs 1 2 ...] [--heads 4 8 ...] [--tokens 256 1024 8192]
+python benchmarks/plan_sweep.py [--budget-s 400] [--rep-ms 25] [--seqs 1 2 ...] [--heads 4 8 ...] [--tokens 256 1024 8192]
 """
 
 import argparse
@@ -24,7 +24,7 @@ from fastkda.plan import V_SLICE_CHOICES, choose_plan
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
-def sweep_one(heads, seqs, tokens):
+def sweep_one(heads, seqs, tokens, rep_ms):
     """``{s: ms}`` for one configuration, after checking every s gives the same bits."""
     inp = make_prefill_inputs(dict(H=heads, lengths=[tokens] * seqs, layout="varlen"), "cuda")
     ws = prepare(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], A_log=inp["A_log"], dt_bias=inp["dt_bias"],
@@ -42,7 +42,7 @@ def sweep_one(heads, seqs, tokens):
             first = (out.clone(), final.clone())
         elif not (torch.equal(out, first[0]) and torch.equal(final, first[1])):
             raise AssertionError(f"v_slices={s} differs from v_slices=1 at H={heads} N={seqs} T={tokens}")
-        times[s] = time_graph(run)
+        times[s] = time_graph(run, rep_ms)
     return times
 
 
@@ -52,6 +52,7 @@ def main():
     parser.add_argument("--heads", nargs="*", type=int, default=[4, 8, 12, 16, 24, 48, 96])
     parser.add_argument("--tokens", nargs="*", type=int, default=[256, 1024, 8192])
     parser.add_argument("--budget-s", type=float, default=400.0)
+    parser.add_argument("--rep-ms", type=int, default=25, help="graph replay time per measurement")
     parser.add_argument("--out", default=str(RESULTS))
     args = parser.parse_args()
     props = torch.cuda.get_device_properties(0)
@@ -63,7 +64,7 @@ def main():
         if time.time() - start > args.budget_s:
             print(f"[sweep] budget reached after {len(rows)} configurations")
             break
-        times = sweep_one(heads, seqs, tokens)
+        times = sweep_one(heads, seqs, tokens, args.rep_ms)
         auto = choose_plan(seqs, heads, tokens, 128, props.multi_processor_count).v_slices
         best = min(times, key=times.get)
         rows.append(dict(H=heads, N=seqs, T=tokens, ms={str(s): round(t, 5) for s, t in times.items()}, best=best,

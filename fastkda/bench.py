@@ -222,11 +222,11 @@ def capture_graph(run):
     return graph
 
 
-def time_graph(run):
-    """Median replay time of a CUDA graph holding one call."""
+def time_graph(run, rep_ms=100):
+    """Median replay time of a CUDA graph holding one call (replayed for about ``rep_ms``)."""
     from triton.testing import do_bench
 
-    return do_bench(capture_graph(run).replay, warmup=25, rep=100, return_mode="median")
+    return do_bench(capture_graph(run).replay, warmup=max(rep_ms // 4, 5), rep=rep_ms, return_mode="median")
 
 
 def copy_bandwidth_gbps(device="cuda", nbytes=1 << 30):

@@ -24,9 +24,11 @@ BF16, F32 = "*bf16", "*fp32"
 
 def compile_for_hopper(fn, signature, constants, num_warps, num_stages=2):
     """Compile a Triton kernel for sm_90a on this machine (no GPU); ``signature`` and ``constants`` may name
-    more arguments than ``fn`` takes (those are dropped)."""
-    constants = {k: v for k, v in constants.items() if k in fn.arg_names}
+    more arguments than ``fn`` takes (those are dropped); a constant for a runtime argument becomes an i32."""
+    runtime = {p.name for p in fn.params if not p.is_constexpr}  # e.g. the prefill kernels' H: an i32 argument
     signature = {k: v for k, v in signature.items() if k in fn.arg_names}
+    signature.update({k: "i32" for k in constants if k in runtime})
+    constants = {k: v for k, v in constants.items() if k in fn.arg_names and k not in runtime}
     signature.update({k: "constexpr" for k in constants})
     src = ASTSource(fn=fn, signature=signature,
                     constexprs={(fn.arg_names.index(k),): v for k, v in constants.items()})

@@ -1,12 +1,13 @@
 """Issue 3's exactness matrix on a GPU: every shape run with v_slices 1, 2, 4 into NaN-poisoned buffers; outputs
 and final states must be bitwise equal across slice counts and within the accuracy bar against float64.
 
-python scripts/exactness_matrix.py [--shapes 140] [--seed 0]
+python scripts/exactness_matrix.py [--shapes 140] [--seed 0] [--workers 8]
 Prints how many shapes, how many the auto plan splits, how many are identical and accurate; exits 1 on any
 failure. Shapes cover fixed and varlen layouts, int32/int64 cu_seqlens, empty sequences at the start, middle
 and end, 1-token and non-multiple-of-64 tails, the 7 state cases, K = V in {64, 128}, H from 1 to 96."""
 
 import argparse
+import multiprocessing
 import random
 import sys
 from pathlib import Path
@@ -45,36 +46,50 @@ def shape(index, rng):
                 "lower_bound"), STATE_CASES[index % len(STATE_CASES)]
 
 
+def check(index, seed, device):
+    """(split by auto, bitwise identical across v_slices, accurate) for shape ``index``; prints a failure."""
+    case, states = shape(index, random.Random(seed * 1_000_003 + index))
+    inp = make_inputs(device=device, seed=index, **case)
+    n = len(case["lengths"])
+    tokens = max(sum(case["lengths"]) // max(n, 1), 1)
+    split = choose_plan(n, case["heads"], tokens, inp["v"].shape[-1], sms(device)).v_slices > 1
+    results = [run_prefill(inp, *states, v_slices=s) for s in (1, 2, 4)]
+    same = all(torch.equal(o, results[0][0]) and (f is None or torch.equal(f, results[0][1]))
+               for o, f, _ in results[1:])
+    ref_o, ref_s = fastkda.kda_reference(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], A_log=inp["A_log"],
+                                         dt_bias=inp["dt_bias"], lower_bound=inp["lower_bound"],
+                                         initial_state=results[0][2], cu_seqlens=inp["cu_seqlens"])
+    out, final, _ = results[0]
+    bound = BF16_STATE_BOUND if states[1] == torch.bfloat16 else STATE_BOUND
+    ok = rel_err(out, ref_o) < OUT_BOUND and (final is None or rel_err(final, ref_s) < bound)
+    if not (same and ok):
+        print(f"[exactness] FAILED shape {index}: {case} states={states} identical={same} accurate={ok}", flush=True)
+    return split, same, ok
+
+
+def check_many(indices, seed, device):
+    return [check(index, seed, device) for index in indices]
+
+
+def sms(device):
+    """The GPU's SM count; on the CPU (a dry run of this script) the H200's 132."""
+    return sm_count(torch.cuda.current_device()) if device == "cuda" else 132
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--shapes", type=int, default=140)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--workers", type=int, default=8, help="processes sharing the GPU (they compile in parallel)")
+    parser.add_argument("--device", default="cuda", help="cpu: a dry run through the CPU path")
     args = parser.parse_args()
-    rng = random.Random(args.seed)
-    sms = sm_count(torch.cuda.current_device())
-    total = split = identical = accurate = 0
-    for index in range(args.shapes):
-        case, states = shape(index, rng)
-        inp = make_inputs(device="cuda", seed=index, **case)
-        n = len(case["lengths"])
-        tokens = max(sum(case["lengths"]) // max(n, 1), 1)
-        split += choose_plan(n, case["heads"], tokens, inp["v"].shape[-1], sms).v_slices > 1
-        results = [run_prefill(inp, *states, v_slices=s) for s in (1, 2, 4)]
-        same = all(torch.equal(o, results[0][0]) and (f is None or torch.equal(f, results[0][1]))
-                   for o, f, _ in results[1:])
-        ref_o, ref_s = fastkda.kda_reference(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], A_log=inp["A_log"],
-                                             dt_bias=inp["dt_bias"], lower_bound=inp["lower_bound"],
-                                             initial_state=results[0][2], cu_seqlens=inp["cu_seqlens"])
-        out, final, _ = results[0]
-        bound = BF16_STATE_BOUND if states[1] == torch.bfloat16 else STATE_BOUND
-        ok = rel_err(out, ref_o) < OUT_BOUND and (final is None or rel_err(final, ref_s) < bound)
-        total += 1
-        identical += same
-        accurate += ok
-        if not (same and ok):
-            print(f"[exactness] FAILED shape {index}: {case} states={states} identical={same} accurate={ok}")
-    print(f"[exactness] {total} shapes, {split} split by the auto plan on {sms} SMs, {identical} bitwise identical "
-          f"across v_slices 1/2/4, {accurate} within the accuracy bar")
+    shards = [list(range(w, args.shapes, args.workers)) for w in range(args.workers)]
+    with multiprocessing.get_context("spawn").Pool(args.workers) as pool:
+        results = [r for shard in pool.starmap(check_many, [(shard, args.seed, args.device) for shard in shards]) for r in shard]
+    total = len(results)
+    split, identical, accurate = (sum(r[i] for r in results) for i in range(3))
+    print(f"[exactness] {total} shapes, {split} split by the auto plan on {sms(args.device)} SMs, {identical} bitwise "
+          f"identical across v_slices 1/2/4, {accurate} within the accuracy bar")
     return 0 if identical == accurate == total else 1
 
 

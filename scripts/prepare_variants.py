@@ -2,10 +2,15 @@
 against the first (they differ only in rounding). A variant is either module settings or a source edit of
 ``fastkda/ops/prefill.py``, imported as a separate module so that Triton compiles it afresh.
 
-python scripts/prepare_variants.py [--only H96_B1_T8192 ...]"""
+python scripts/prepare_variants.py [--only H96_B1_T8192 ...] [--source OLD_PREFILL.py ...]
+Every variant is first compiled in a process of its own, all at once (Triton's cache is shared on disk), so
+the device call pays for one compile, not one per variant."""
 
 import argparse
 import importlib
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 from triton.testing import do_bench
@@ -30,24 +35,24 @@ def _log2_decay_values(gv, valid, h, kk, A_log, dt_bias, lower_bound, K: tl.cons
 LOOP_HEAD = '''    for c in range(K // BK):
         kk = c * BK + tl.arange(0, BK)
         m = valid[:, None]
-        q_b = load_f32(q + tok[:, None] * stride_q + h * K + kk[None, :], m) * qs[:, None]
-        k_b = load_f32(k + tok[:, None] * stride_k + h * K + kk[None, :], m) * ks[:, None]
-        a3 = tl.reshape(_log2_decay_block(g, tok, valid, stride_g, h, kk, A_log, dt_bias, lower_bound, K,
+        q_b = load_f32(q_c + r[:, None] * stride_q + kk[None, :], m) * qs[:, None]
+        k_b = load_f32(k_c + r[:, None] * stride_k + kk[None, :], m) * ks[:, None]
+        a3 = tl.reshape(_log2_decay_block(g_c, r, valid, stride_g, h, kk, A_log, dt_bias, lower_bound, K,
                                           LOWER_BOUND_GATE, EMULATE), (NB, BC, BK))
 '''
 PREFETCHED_LOOP_HEAD = '''    kk_next = tl.arange(0, BK)
-    q_next = tl.load(q + tok[:, None] * stride_q + h * K + kk_next[None, :], mask=valid[:, None], other=0.0)
-    k_next = tl.load(k + tok[:, None] * stride_k + h * K + kk_next[None, :], mask=valid[:, None], other=0.0)
-    g_next = tl.load(g + tok[:, None] * stride_g + h * K + kk_next[None, :], mask=valid[:, None], other=0.0)
+    q_next = tl.load(q_c + r[:, None] * stride_q + kk_next[None, :], mask=valid[:, None], other=0.0)
+    k_next = tl.load(k_c + r[:, None] * stride_k + kk_next[None, :], mask=valid[:, None], other=0.0)
+    g_next = tl.load(g_c + r[:, None] * stride_g + kk_next[None, :], mask=valid[:, None], other=0.0)
     for c in range(K // BK):
         kk = c * BK + tl.arange(0, BK)
         m = valid[:, None]
         q_raw, k_raw, g_raw = q_next, k_next, g_next
         kk_next = kk + BK
         more = valid[:, None] & (kk_next[None, :] < K)
-        q_next = tl.load(q + tok[:, None] * stride_q + h * K + kk_next[None, :], mask=more, other=0.0)
-        k_next = tl.load(k + tok[:, None] * stride_k + h * K + kk_next[None, :], mask=more, other=0.0)
-        g_next = tl.load(g + tok[:, None] * stride_g + h * K + kk_next[None, :], mask=more, other=0.0)
+        q_next = tl.load(q_c + r[:, None] * stride_q + kk_next[None, :], mask=more, other=0.0)
+        k_next = tl.load(k_c + r[:, None] * stride_k + kk_next[None, :], mask=more, other=0.0)
+        g_next = tl.load(g_c + r[:, None] * stride_g + kk_next[None, :], mask=more, other=0.0)
         q_b = q_raw.to(tl.float32) * qs[:, None]
         k_b = k_raw.to(tl.float32) * ks[:, None]
         a3 = tl.reshape(_log2_decay_values(g_raw.to(tl.float32), valid, h, kk, A_log, dt_bias, lower_bound, K,
@@ -65,9 +70,11 @@ def prefetch(src):
 # (label, module settings, source edit or None)
 VARIANTS = [
     ("as committed", {}, None),
-    ("prepare capped at 128 registers", dict(PREPARE_MAXNREG=128), None),
+    ("prepare capped at 128 registers (2 programs per SM)", dict(PREPARE_MAXNREG=128), None),
+    ("prepare 16-channel steps, capped at 128 registers", dict(PREPARE_MAXNREG=128, PREPARE_CHANNELS=16), None),
+    ("prepare on 16 warps (128 registers, no cap needed)", dict(PREPARE_WARPS=16), None),
     ("next channel block prefetched", {}, prefetch),
-    ("prefetched, capped at 128 registers", dict(PREPARE_MAXNREG=128), prefetch),
+    ("solve on 4 warps", dict(SOLVE_WARPS=4), None),
 ]
 
 
@@ -87,17 +94,39 @@ def variant_module(index, settings, edit):
     return module
 
 
+def variants(source_files):
+    """The built-in variants, then one per ``--source`` file (a whole other ``prefill.py``, e.g. an older one)."""
+    extra = [(f"source {path}", {}, lambda _, text=Path(path).read_text(): text) for path in source_files]
+    return VARIANTS + extra
+
+
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--only", nargs="*", default=["H96_B1_T8192"])
+    parser.add_argument("--only", nargs="*", default=["H96_B1_T8192", "H12_N1_T8192"])
+    parser.add_argument("--source", nargs="*", default=[], help="other prefill.py files to time as variants")
+    parser.add_argument("--compile-only", type=int, help="run variant INDEX once on a small case (cache warm-up)")
     args = parser.parse_args()
+    chosen = variants(args.source)
     try:
+        if args.compile_only is not None:  # fills Triton's on-disk cache; many of these run at once
+            variant_module(args.compile_only, *chosen[args.compile_only][1:])
+            for w in load_workloads()["prefill"]:
+                if w["name"] in args.only:  # the timed shapes themselves: Triton specialises on some of their values
+                    fastkda_runner(make_prefill_inputs(w, "cuda"), "auto")()
+            return
+        started = time.time()
+        workers = [subprocess.Popen([sys.executable, __file__, "--compile-only", str(index), "--only", *args.only,
+                                     "--source", *args.source])
+                   for index in range(len(chosen))]
+        for worker in workers:
+            worker.wait()
+        print(f"[variants] {len(chosen)} variants compiled in parallel in {time.time() - started:.0f} s", flush=True)
         for w in load_workloads()["prefill"]:
             if w["name"] not in args.only:
                 continue
             run = fastkda_runner(make_prefill_inputs(w, "cuda"), "auto")
             expected = None
-            for index, (label, settings, edit) in enumerate(VARIANTS):
+            for index, (label, settings, edit) in enumerate(chosen):
                 try:
                     variant_module(index, settings, edit)
                     out = run()[0]
@@ -110,9 +139,10 @@ def main():
                     print(f"[variants] {w['name']} {label}: failed: {type(error).__name__}: {str(error)[:300]}",
                           flush=True)
     finally:
-        importlib.reload(importlib.import_module("fastkda.ops.prefill"))
-        for path in SOURCE.parent.glob("_variant*.py"):
-            path.unlink()
+        if args.compile_only is None:
+            importlib.reload(importlib.import_module("fastkda.ops.prefill"))
+            for path in SOURCE.parent.glob("_variant*.py"):
+                path.unlink()
 
 
 if __name__ == "__main__":

@@ -91,20 +91,21 @@ def _expand_blocks(x, NB: tl.constexpr, BC: tl.constexpr, D: tl.constexpr):
 
 
 @triton.jit
-def _beta_rows(beta, tok, valid, stride_tok, stride_head, h, BETA_SIGMOID: tl.constexpr):
-    """β of tokens ``tok`` (σ applied unless the caller did), zero outside ``valid``."""
-    bv = load_f32(beta + tok * stride_tok + h * stride_head, valid)
+def _beta_rows(beta_c, rows, valid, stride_tok, BETA_SIGMOID: tl.constexpr):
+    """β of the chunk's ``rows`` (``beta_c`` points at its first token and head; σ applied unless the caller
+    did), zero outside ``valid``."""
+    bv = load_f32(beta_c + rows * stride_tok, valid)
     if BETA_SIGMOID:
         bv = tl.sigmoid(bv)
     return tl.where(valid, bv, 0.0)
 
 
 @triton.jit
-def _log2_decay_block(g, tok64, valid, stride_g, h, kk, A_log, dt_bias, lower_bound,
+def _log2_decay_block(g_c, rows, valid, stride_g, h, kk, A_log, dt_bias, lower_bound,
                       K: tl.constexpr, LOWER_BOUND_GATE: tl.constexpr, EMULATE: tl.constexpr):
     """Log-decay of one ``[C, BK]`` block of key channels **in base 2** (``a·log2(e)``, so every decay factor
-    is one ``ex2``), zero outside the ``valid`` rows."""
-    gv = load_f32(g + tok64[:, None] * stride_g + h * K + kk[None, :], valid[:, None])
+    is one ``ex2``), zero outside the ``valid`` rows (``g_c`` points at the chunk's first token and head)."""
+    gv = load_f32(g_c + rows[:, None] * stride_g + kk[None, :], valid[:, None])
     if LOWER_BOUND_GATE:  # λ·σ(e^A_log·(g + b)) = λ / (1 + 2^(-e^A_log·log2(e)·(g + b)))
         slope = tl.exp(tl.load(A_log + h).to(tl.float32)) * LOG2E
         bias = tl.load(dt_bias + h * K + kk).to(tl.float32)
@@ -133,14 +134,14 @@ def _mm(a, b, DOT_PRECISION: tl.constexpr):
 
 
 @triton.jit
-def _row_scales(q, k, tok, valid, h, stride_q, stride_k, scale, K: tl.constexpr, L2NORM: tl.constexpr):
+def _row_scales(q_c, k_c, rows, valid, stride_q, stride_k, scale, K: tl.constexpr, L2NORM: tl.constexpr):
     """Per-row scales ``scale/||q||`` and ``1/||k||`` (or ``scale`` and 1 without the norm), from whole
     ``[C, K]`` tiles: one load phase (summing over a loop of channel blocks instead cost 2.75 ms at H96 B1
     T8192, each block a dependent round trip to memory)."""
     kk = tl.arange(0, K)
     if L2NORM:
-        q_b = load_f32(q + tok[:, None] * stride_q + h * K + kk[None, :], valid[:, None])
-        k_b = load_f32(k + tok[:, None] * stride_k + h * K + kk[None, :], valid[:, None])
+        q_b = load_f32(q_c + rows[:, None] * stride_q + kk[None, :], valid[:, None])
+        k_b = load_f32(k_c + rows[:, None] * stride_k + kk[None, :], valid[:, None])
         return tl.rsqrt(tl.sum(q_b * q_b, axis=1) + 1e-6) * scale, tl.rsqrt(tl.sum(k_b * k_b, axis=1) + 1e-6)
     else:
         ones = tl.where(valid, 1.0, 1.0)
@@ -148,15 +149,15 @@ def _row_scales(q, k, tok, valid, h, stride_q, stride_k, scale, K: tl.constexpr,
 
 
 @triton.jit
-def _store_tile(ptr, tok, valid, h, dd, x, D: tl.constexpr, H: tl.constexpr, EMULATE: tl.constexpr):
-    """Store a ``[BC, BD]`` tile (columns ``dd``) into a ``[tokens, H, D]`` workspace."""
-    store_as(ptr + tok[:, None] * (H * D) + h * D + dd[None, :], x, valid[:, None] & (dd[None, :] < D), EMULATE)
+def _store_tile(ptr_c, rows, valid, dd, x, D: tl.constexpr, stride, EMULATE: tl.constexpr):
+    """Store a ``[BC, BD]`` tile (columns ``dd`` of ``rows``) through a chunk's base pointer ``ptr_c``."""
+    store_as(ptr_c + rows[:, None] * stride + dd[None, :], x, valid[:, None] & (dd[None, :] < D), EMULATE)
 
 
 @triton.jit
-def _load_tile(ptr, tok, valid, h, dd, D: tl.constexpr, H: tl.constexpr):
-    """Load a ``[BC, BD]`` tile of a ``[tokens, H, D]`` tensor as fp32."""
-    return load_f32(ptr + tok[:, None] * (H * D) + h * D + dd[None, :], valid[:, None] & (dd[None, :] < D))
+def _load_tile(ptr_c, rows, valid, dd, D: tl.constexpr, stride):
+    """Load a ``[BC, BD]`` tile (columns ``dd`` of ``rows``) through a chunk's base pointer ``ptr_c``, as fp32."""
+    return load_f32(ptr_c + rows[:, None] * stride + dd[None, :], valid[:, None] & (dd[None, :] < D))
 
 
 @triton.jit
@@ -213,13 +214,13 @@ def _column_products(q_b, k_b, E, G_start, G_end, col, J: tl.constexpr, NB: tl.c
             tl.dot(k_b * R, col_t, input_precision=DOT_PRECISION))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["H"])  # one compile for every head count
 def _prepare_kernel(
     q, k, v, g, beta, A_log, dt_bias, cu_seqlens,
     w_ws, u_ws, qg_ws, kg_ws, A_ws, L_ws, decay_ws,
     stride_q, stride_k, stride_v, stride_g, stride_beta_tok, stride_beta_head,
     seq_len, num_seqs, lower_bound, scale,
-    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
+    H, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
     IS_VARLEN: tl.constexpr, LOWER_BOUND_GATE: tl.constexpr, L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr,
     DOT_PRECISION: tl.constexpr, EMULATE: tl.constexpr,
 ):
@@ -234,18 +235,25 @@ def _prepare_kernel(
     chunk_start, eos = _chunk_of_slot(slot, cu_seqlens, seq_len, num_seqs, C, IS_VARLEN)
     r = tl.arange(0, C)
     blk = r // BC
-    valid = chunk_start + r < eos
-    tok = (chunk_start + r).to(tl.int64)
-    qs, ks = _row_scales(q, k, tok, valid, h, stride_q, stride_k, scale, K, L2NORM)
+    valid = r < eos - chunk_start
+    # 64-bit base pointers per program, 32-bit offsets inside the chunk (fewer registers than 64-bit tiles)
+    row0 = chunk_start.to(tl.int64)
+    q_c = q + row0 * stride_q + h * K
+    k_c = k + row0 * stride_k + h * K
+    g_c = g + row0 * stride_g + h * K
+    qg_c = qg_ws + row0 * (H * K) + h * K  # the chunk's first row in the [tokens, H, K] workspaces
+    kd_c = w_ws + row0 * (H * K) + h * K
+    kg_c = kg_ws + row0 * (H * K) + h * K
+    qs, ks = _row_scales(q_c, k_c, r, valid, stride_q, stride_k, scale, K, L2NORM)
 
     zero = tl.zeros((C, BC), dtype=tl.float32)
     M0, M1, M2, M3, L0, L1, L2, L3 = zero, zero, zero, zero, zero, zero, zero, zero
     for c in range(K // BK):
         kk = c * BK + tl.arange(0, BK)
         m = valid[:, None]
-        q_b = load_f32(q + tok[:, None] * stride_q + h * K + kk[None, :], m) * qs[:, None]
-        k_b = load_f32(k + tok[:, None] * stride_k + h * K + kk[None, :], m) * ks[:, None]
-        a3 = tl.reshape(_log2_decay_block(g, tok, valid, stride_g, h, kk, A_log, dt_bias, lower_bound, K,
+        q_b = load_f32(q_c + r[:, None] * stride_q + kk[None, :], m) * qs[:, None]
+        k_b = load_f32(k_c + r[:, None] * stride_k + kk[None, :], m) * ks[:, None]
+        a3 = tl.reshape(_log2_decay_block(g_c, r, valid, stride_g, h, kk, A_log, dt_bias, lower_bound, K,
                                           LOWER_BOUND_GATE, EMULATE), (NB, BC, BK))
         cs = tl.reshape(tl.cumsum(a3, axis=1), (C, BK))  # G_i - G_start(blk(i))
         total = tl.sum(a3, axis=1)  # [NB, BK] per-block log-decay
@@ -255,10 +263,10 @@ def _prepare_kernel(
         E = fast_exp2(cs, EMULATE)  # <= 1
         col = k_b * fast_exp2(_expand_blocks(total, NB, BC, BK) - cs, EMULATE)  # k̂_j·exp(G_end(J) - G_j) <= 1
         x = _expand_blocks(fast_exp2(G_start, EMULATE), NB, BC, BK)
-        row_k = tok[:, None] * (H * K) + h * K + kk[None, :]
-        store_as(qg_ws + row_k, q_b * E * x, m, EMULATE)
-        store_as(w_ws + row_k, k_b * E * x, m, EMULATE)  # kd, until pass 2 replaces it with w
-        store_as(kg_ws + row_k, col * _expand_blocks(fast_exp2(G_last[None, :] - G_end, EMULATE), NB, BC, BK), m,
+        row_k = r[:, None] * (H * K) + kk[None, :]
+        store_as(qg_c + row_k, q_b * E * x, m, EMULATE)
+        store_as(kd_c + row_k, k_b * E * x, m, EMULATE)  # kd, until _solve_kernel replaces it with w
+        store_as(kg_c + row_k, col * _expand_blocks(fast_exp2(G_last[None, :] - G_end, EMULATE), NB, BC, BK), m,
                  EMULATE)
         tl.store(decay_ws + (slot * H + h) * K + kk, fast_exp2(G_last, EMULATE))
         m_J, l_J = _column_products(q_b, k_b, E, G_start, G_end, col, 0, NB, BC, BK, LOWER_BOUND_GATE,
@@ -288,18 +296,20 @@ def _prepare_kernel(
             M3 += tl.where((blk == 3)[:, None], m_d, 0.0)
             L3 += tl.where((blk == 3)[:, None], l_d, 0.0)
 
-    bv = _beta_rows(beta, tok, valid, stride_beta_tok, stride_beta_head, h, BETA_SIGMOID)
-    _store_column_block(A_ws, L_ws, tok, valid, h, M0, L0, bv, 0, H, C, BC, EMULATE)
-    _store_column_block(A_ws, L_ws, tok, valid, h, M1, L1, bv, 1, H, C, BC, EMULATE)
-    _store_column_block(A_ws, L_ws, tok, valid, h, M2, L2, bv, 2, H, C, BC, EMULATE)
-    _store_column_block(A_ws, L_ws, tok, valid, h, M3, L3, bv, 3, H, C, BC, EMULATE)
+    bv = _beta_rows(beta + row0 * stride_beta_tok + h * stride_beta_head, r, valid, stride_beta_tok, BETA_SIGMOID)
+    A_c = A_ws + row0 * (H * C) + h * C  # the chunk's first row in the [tokens, H, C] A and β·L workspaces
+    L_c = L_ws + row0 * (H * C) + h * C
+    _store_column_block(A_c, L_c, valid, M0, L0, bv, 0, H, C, BC, EMULATE)
+    _store_column_block(A_c, L_c, valid, M1, L1, bv, 1, H, C, BC, EMULATE)
+    _store_column_block(A_c, L_c, valid, M2, L2, bv, 2, H, C, BC, EMULATE)
+    _store_column_block(A_c, L_c, valid, M3, L3, bv, 3, H, C, BC, EMULATE)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["H"])  # one compile for every head count
 def _solve_kernel(
     v, beta, cu_seqlens, w_ws, u_ws, L_ws,
     stride_v, stride_beta_tok, stride_beta_head, seq_len, num_seqs,
-    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
+    H, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
     IS_VARLEN: tl.constexpr, BETA_SIGMOID: tl.constexpr, DOT_PRECISION: tl.constexpr, EMULATE: tl.constexpr,
 ):
     """Preparation, second kernel, one (chunk, head) on few warps (its products are 16x16 blocks, which more
@@ -309,28 +319,34 @@ def _solve_kernel(
     h = tl.program_id(1)
     chunk_start, eos = _chunk_of_slot(slot, cu_seqlens, seq_len, num_seqs, C, IS_VARLEN)
     cb = tl.arange(0, BC)
-    tok0 = (chunk_start + cb).to(tl.int64)
-    tok1 = tok0 + BC
-    tok2 = tok0 + 2 * BC
-    tok3 = tok0 + 3 * BC
-    ok0 = tok0 < eos
-    ok1 = tok1 < eos
-    ok2 = tok2 < eos
-    ok3 = tok3 < eos
-    L00 = _load_tile(L_ws, tok0, ok0, h, cb, C, H)
-    L10 = _load_tile(L_ws, tok1, ok1, h, cb, C, H)
-    L11 = _load_tile(L_ws, tok1, ok1, h, BC + cb, C, H)
-    L20 = _load_tile(L_ws, tok2, ok2, h, cb, C, H)
-    L21 = _load_tile(L_ws, tok2, ok2, h, BC + cb, C, H)
-    L22 = _load_tile(L_ws, tok2, ok2, h, 2 * BC + cb, C, H)
-    L30 = _load_tile(L_ws, tok3, ok3, h, cb, C, H)
-    L31 = _load_tile(L_ws, tok3, ok3, h, BC + cb, C, H)
-    L32 = _load_tile(L_ws, tok3, ok3, h, 2 * BC + cb, C, H)
-    L33 = _load_tile(L_ws, tok3, ok3, h, 3 * BC + cb, C, H)
-    b0 = _beta_rows(beta, tok0, ok0, stride_beta_tok, stride_beta_head, h, BETA_SIGMOID)
-    b1 = _beta_rows(beta, tok1, ok1, stride_beta_tok, stride_beta_head, h, BETA_SIGMOID)
-    b2 = _beta_rows(beta, tok2, ok2, stride_beta_tok, stride_beta_head, h, BETA_SIGMOID)
-    b3 = _beta_rows(beta, tok3, ok3, stride_beta_tok, stride_beta_head, h, BETA_SIGMOID)
+    rows0 = cb  # the rows of the chunk's four blocks, counted from its first token
+    rows1 = rows0 + BC
+    rows2 = rows0 + 2 * BC
+    rows3 = rows0 + 3 * BC
+    ok0 = rows0 < eos - chunk_start
+    ok1 = rows1 < eos - chunk_start
+    ok2 = rows2 < eos - chunk_start
+    ok3 = rows3 < eos - chunk_start
+    row0 = chunk_start.to(tl.int64)  # 64-bit base pointers per program, 32-bit offsets inside the chunk
+    L_c = L_ws + row0 * (H * C) + h * C
+    w_c = w_ws + row0 * (H * K) + h * K
+    u_c = u_ws + row0 * (H * V) + h * V
+    v_c = v + row0 * stride_v + h * V
+    beta_c = beta + row0 * stride_beta_tok + h * stride_beta_head
+    L00 = _load_tile(L_c, rows0, ok0, cb, C, H * C)
+    L10 = _load_tile(L_c, rows1, ok1, cb, C, H * C)
+    L11 = _load_tile(L_c, rows1, ok1, BC + cb, C, H * C)
+    L20 = _load_tile(L_c, rows2, ok2, cb, C, H * C)
+    L21 = _load_tile(L_c, rows2, ok2, BC + cb, C, H * C)
+    L22 = _load_tile(L_c, rows2, ok2, 2 * BC + cb, C, H * C)
+    L30 = _load_tile(L_c, rows3, ok3, cb, C, H * C)
+    L31 = _load_tile(L_c, rows3, ok3, BC + cb, C, H * C)
+    L32 = _load_tile(L_c, rows3, ok3, 2 * BC + cb, C, H * C)
+    L33 = _load_tile(L_c, rows3, ok3, 3 * BC + cb, C, H * C)
+    b0 = _beta_rows(beta_c, rows0, ok0, stride_beta_tok, BETA_SIGMOID)
+    b1 = _beta_rows(beta_c, rows1, ok1, stride_beta_tok, BETA_SIGMOID)
+    b2 = _beta_rows(beta_c, rows2, ok2, stride_beta_tok, BETA_SIGMOID)
+    b3 = _beta_rows(beta_c, rows3, ok3, stride_beta_tok, BETA_SIGMOID)
     # T = (I + β·L)⁻¹ by blocks: inverses of the diagonal blocks, then T_IJ = -T_II·Σ_K L_IK·T_KJ; then
     # w = T·β·kd over the kd parked in the w workspace, last row block first (w_I overwrites kd_I, which no
     # later block needs), and u = T·β·v
@@ -358,42 +374,43 @@ def _solve_kernel(
 
     for c in range(K // BK):
         kk = c * BK + tl.arange(0, BK)
-        kd0 = _load_tile(w_ws, tok0, ok0, h, kk, K, H)
-        kd1 = _load_tile(w_ws, tok1, ok1, h, kk, K, H)
-        kd2 = _load_tile(w_ws, tok2, ok2, h, kk, K, H)
-        kd3 = _load_tile(w_ws, tok3, ok3, h, kk, K, H)
+        kd0 = _load_tile(w_c, rows0, ok0, kk, K, H * K)
+        kd1 = _load_tile(w_c, rows1, ok1, kk, K, H * K)
+        kd2 = _load_tile(w_c, rows2, ok2, kk, K, H * K)
+        kd3 = _load_tile(w_c, rows3, ok3, kk, K, H * K)
         tl.debug_barrier()
-        _store_tile(w_ws, tok3, ok3, h, kk, _mm(T30, kd0, DOT_PRECISION) + _mm(T31, kd1, DOT_PRECISION)
-                    + _mm(T32, kd2, DOT_PRECISION) + _mm(T33, kd3, DOT_PRECISION), K, H, EMULATE)
-        _store_tile(w_ws, tok2, ok2, h, kk, _mm(T20, kd0, DOT_PRECISION) + _mm(T21, kd1, DOT_PRECISION)
-                    + _mm(T22, kd2, DOT_PRECISION), K, H, EMULATE)
-        _store_tile(w_ws, tok1, ok1, h, kk, _mm(T10, kd0, DOT_PRECISION) + _mm(T11, kd1, DOT_PRECISION), K, H,
-                    EMULATE)
-        _store_tile(w_ws, tok0, ok0, h, kk, _mm(T00, kd0, DOT_PRECISION), K, H, EMULATE)
+        _store_tile(w_c, rows3, ok3, kk, _mm(T30, kd0, DOT_PRECISION) + _mm(T31, kd1, DOT_PRECISION)
+                    + _mm(T32, kd2, DOT_PRECISION) + _mm(T33, kd3, DOT_PRECISION), K, H * K, EMULATE)
+        _store_tile(w_c, rows2, ok2, kk, _mm(T20, kd0, DOT_PRECISION) + _mm(T21, kd1, DOT_PRECISION)
+                    + _mm(T22, kd2, DOT_PRECISION), K, H * K, EMULATE)
+        _store_tile(w_c, rows1, ok1, kk, _mm(T10, kd0, DOT_PRECISION) + _mm(T11, kd1, DOT_PRECISION), K,
+                    H * K, EMULATE)
+        _store_tile(w_c, rows0, ok0, kk, _mm(T00, kd0, DOT_PRECISION), K, H * K, EMULATE)
     for c in range(V // BK):
         vv = c * BK + tl.arange(0, BK)
-        v0 = load_f32(v + tok0[:, None] * stride_v + h * V + vv[None, :], ok0[:, None] & (vv[None, :] < V))
-        v1 = load_f32(v + tok1[:, None] * stride_v + h * V + vv[None, :], ok1[:, None] & (vv[None, :] < V))
-        v2 = load_f32(v + tok2[:, None] * stride_v + h * V + vv[None, :], ok2[:, None] & (vv[None, :] < V))
-        v3 = load_f32(v + tok3[:, None] * stride_v + h * V + vv[None, :], ok3[:, None] & (vv[None, :] < V))
-        _store_tile(u_ws, tok0, ok0, h, vv, _mm(T00, v0, DOT_PRECISION), V, H, EMULATE)
-        _store_tile(u_ws, tok1, ok1, h, vv, _mm(T10, v0, DOT_PRECISION) + _mm(T11, v1, DOT_PRECISION), V, H, EMULATE)
-        _store_tile(u_ws, tok2, ok2, h, vv, _mm(T20, v0, DOT_PRECISION) + _mm(T21, v1, DOT_PRECISION)
-                    + _mm(T22, v2, DOT_PRECISION), V, H, EMULATE)
-        _store_tile(u_ws, tok3, ok3, h, vv, _mm(T30, v0, DOT_PRECISION) + _mm(T31, v1, DOT_PRECISION)
-                    + _mm(T32, v2, DOT_PRECISION) + _mm(T33, v3, DOT_PRECISION), V, H, EMULATE)
+        v0 = load_f32(v_c + rows0[:, None] * stride_v + vv[None, :], ok0[:, None] & (vv[None, :] < V))
+        v1 = load_f32(v_c + rows1[:, None] * stride_v + vv[None, :], ok1[:, None] & (vv[None, :] < V))
+        v2 = load_f32(v_c + rows2[:, None] * stride_v + vv[None, :], ok2[:, None] & (vv[None, :] < V))
+        v3 = load_f32(v_c + rows3[:, None] * stride_v + vv[None, :], ok3[:, None] & (vv[None, :] < V))
+        _store_tile(u_c, rows0, ok0, vv, _mm(T00, v0, DOT_PRECISION), V, H * V, EMULATE)
+        _store_tile(u_c, rows1, ok1, vv, _mm(T10, v0, DOT_PRECISION) + _mm(T11, v1, DOT_PRECISION), V, H * V, EMULATE)
+        _store_tile(u_c, rows2, ok2, vv, _mm(T20, v0, DOT_PRECISION) + _mm(T21, v1, DOT_PRECISION)
+                    + _mm(T22, v2, DOT_PRECISION), V, H * V, EMULATE)
+        _store_tile(u_c, rows3, ok3, vv, _mm(T30, v0, DOT_PRECISION) + _mm(T31, v1, DOT_PRECISION)
+                    + _mm(T32, v2, DOT_PRECISION) + _mm(T33, v3, DOT_PRECISION), V, H * V, EMULATE)
 
 
 @triton.jit
-def _store_column_block(A_ws, L_ws, tok, valid, h, M_J, L_J, bv, J: tl.constexpr, H: tl.constexpr,
+def _store_column_block(A_c, L_c, valid, M_J, L_J, bv, J: tl.constexpr, H,
                         C: tl.constexpr, BC: tl.constexpr, EMULATE: tl.constexpr):
-    """Column block J of M (i >= j) to the A workspace and of β·L (i > j) to the fp32 scratch."""
+    """Column block J of M (i >= j) to the A workspace and of β·L (i > j) to the fp32 scratch, through the
+    chunk's base pointers ``A_c`` and ``L_c``."""
     r = tl.arange(0, C)
     cols = J * BC + tl.arange(0, BC)
-    offsets = tok[:, None] * (H * C) + h * C + cols[None, :]
+    offsets = r[:, None] * (H * C) + cols[None, :]
     mask = valid[:, None] & (cols[None, :] < C)
-    store_as(A_ws + offsets, tl.where(r[:, None] >= cols[None, :], M_J, 0.0), mask, EMULATE)
-    tl.store(L_ws + offsets, tl.where(r[:, None] > cols[None, :], L_J * bv[:, None], 0.0), mask=mask)
+    store_as(A_c + offsets, tl.where(r[:, None] >= cols[None, :], M_J, 0.0), mask, EMULATE)
+    tl.store(L_c + offsets, tl.where(r[:, None] > cols[None, :], L_J * bv[:, None], 0.0), mask=mask)
 
 
 @triton.jit
