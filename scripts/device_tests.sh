@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything an H200 run needs, in one call, each step under its own time limit (seconds) so that one slow step
 # cannot starve the rest. One log ($OUT/device.log) and the results files ($OUT/results) come back: the device
-# tool returns at most 8 files. Order: correctness first, then the benchmarks and sweeps, then where the time goes.
+# tool returns at most 8 files. Order: the kernel A/B (when asked for), correctness, the benchmarks and sweeps, where the time goes.
 #   bash scripts/device_tests.sh [bench args...]
 #   TEST_FILTER='accuracy or graph' TESTS_S=150 EXACT_S=150 KERNELS_S=40 VARIANTS_S=120 CKPT_S=40 NCU_S=90
 #   DSWEEP_S=90 PSWEEP_S=100 BENCH_S=200 (0 skips a step; the bench appends to today's committed results file)
@@ -30,6 +30,7 @@ step() {  # step NAME SECONDS COMMAND...: run unless SECONDS is 0, append to the
   echo "== $name (rc=$rc)"
   grep -E "^\[|passed|failed|Error" "/tmp/$name.log" | grep -v " eager: " | tail -40
 }
+step prepare-variants "${VARIANTS_S:-0}" python3 scripts/prepare_variants.py ${VARIANTS_ARGS:-}
 step gpu-tests "${TESTS_S:-600}" python3 -m pytest -q -s tests/test_gpu.py tests/test_checkpoints.py \
   ${TEST_FILTER:+-k "$TEST_FILTER"}
 step exactness "${EXACT_S:-0}" python3 scripts/exactness_matrix.py
@@ -37,7 +38,6 @@ step decode-sweep "${DSWEEP_S:-0}" python3 scripts/decode_sweep.py --out "$OUT/r
 step bench "${BENCH_S:-400}" python3 -m fastkda.bench --append --out-dir "$OUT/results" "$@"
 step plan-sweep "${PSWEEP_S:-0}" python3 benchmarks/plan_sweep.py --out "$OUT/results" --budget-s "${PSWEEP_BUDGET:-60}" \
   ${PSWEEP_ARGS:-}
-step prepare-variants "${VARIANTS_S:-0}" python3 scripts/prepare_variants.py ${VARIANTS_ARGS:-}
 step kernel-times "${KERNELS_S:-60}" python3 scripts/kernel_times.py
 step checkpoint-cost "${CKPT_S:-0}" python3 scripts/checkpoint_cost.py
 step ncu "${NCU_S:-0}" ncu --clock-control none -k regex:prepare_kernel --launch-count 1 \

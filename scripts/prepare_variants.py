@@ -19,62 +19,10 @@ import fastkda.api
 from fastkda.bench import fastkda_runner, load_workloads, make_prefill_inputs
 
 SOURCE = Path(fastkda.api.__file__).parent / "ops" / "prefill.py"
-PREFETCH_HELPER = '''@triton.jit
-def _log2_decay_values(gv, valid, h, kk, A_log, dt_bias, lower_bound, K: tl.constexpr,
-                       LOWER_BOUND_GATE: tl.constexpr, EMULATE: tl.constexpr):
-    if LOWER_BOUND_GATE:
-        slope = tl.exp(tl.load(A_log + h).to(tl.float32)) * LOG2E
-        bias = tl.load(dt_bias + h * K + kk).to(tl.float32)
-        a = (lower_bound * LOG2E) * fast_reciprocal(1.0 + fast_exp2(-slope * (gv + bias[None, :]), EMULATE), EMULATE)
-    else:
-        a = tl.maximum(gv, LOG_DECAY_FLOOR) * LOG2E
-    return tl.where(valid[:, None], a, 0.0)
-
-
-'''
-LOOP_HEAD = '''    for c in range(K // BK):
-        kk = c * BK + tl.arange(0, BK)
-        m = valid[:, None]
-        q_b = load_f32(q_c + r[:, None] * stride_q + kk[None, :], m) * qs[:, None]
-        k_b = load_f32(k_c + r[:, None] * stride_k + kk[None, :], m) * ks[:, None]
-        a3 = tl.reshape(_log2_decay_block(g_c, r, valid, stride_g, h, kk, A_log, dt_bias, lower_bound, K,
-                                          LOWER_BOUND_GATE, EMULATE), (NB, BC, BK))
-'''
-PREFETCHED_LOOP_HEAD = '''    kk_next = tl.arange(0, BK)
-    q_next = tl.load(q_c + r[:, None] * stride_q + kk_next[None, :], mask=valid[:, None], other=0.0)
-    k_next = tl.load(k_c + r[:, None] * stride_k + kk_next[None, :], mask=valid[:, None], other=0.0)
-    g_next = tl.load(g_c + r[:, None] * stride_g + kk_next[None, :], mask=valid[:, None], other=0.0)
-    for c in range(K // BK):
-        kk = c * BK + tl.arange(0, BK)
-        m = valid[:, None]
-        q_raw, k_raw, g_raw = q_next, k_next, g_next
-        kk_next = kk + BK
-        more = valid[:, None] & (kk_next[None, :] < K)
-        q_next = tl.load(q_c + r[:, None] * stride_q + kk_next[None, :], mask=more, other=0.0)
-        k_next = tl.load(k_c + r[:, None] * stride_k + kk_next[None, :], mask=more, other=0.0)
-        g_next = tl.load(g_c + r[:, None] * stride_g + kk_next[None, :], mask=more, other=0.0)
-        q_b = q_raw.to(tl.float32) * qs[:, None]
-        k_b = k_raw.to(tl.float32) * ks[:, None]
-        a3 = tl.reshape(_log2_decay_values(g_raw.to(tl.float32), valid, h, kk, A_log, dt_bias, lower_bound, K,
-                                           LOWER_BOUND_GATE, EMULATE), (NB, BC, BK))
-'''
-
-
-def prefetch(src):
-    """The first kernel's channel loop issues the next block's q/k/g loads before computing the current one."""
-    assert LOOP_HEAD in src
-    src = src.replace(LOOP_HEAD, PREFETCHED_LOOP_HEAD)
-    return src.replace("@triton.jit\ndef _log2_decay_block(", PREFETCH_HELPER + "@triton.jit\ndef _log2_decay_block(", 1)
-
-
 # (label, module settings, source edit or None)
 VARIANTS = [
     ("as committed", {}, None),
-    ("prepare capped at 128 registers (2 programs per SM)", dict(PREPARE_MAXNREG=128), None),
-    ("prepare 16-channel steps, capped at 128 registers", dict(PREPARE_MAXNREG=128, PREPARE_CHANNELS=16), None),
-    ("prepare on 16 warps (128 registers, no cap needed)", dict(PREPARE_WARPS=16), None),
-    ("next channel block prefetched", {}, prefetch),
-    ("solve on 4 warps", dict(SOLVE_WARPS=4), None),
+    ("16-channel steps", dict(PREPARE_CHANNELS=16), None),
 ]
 
 

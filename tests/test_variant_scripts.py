@@ -1,4 +1,4 @@
-"""The device A/B script's source edits still apply to the current kernels (so a device call is not wasted)."""
+"""The device A/B script's variants are well-formed before a device call is spent on them."""
 
 import sys
 from pathlib import Path
@@ -6,12 +6,15 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
 
 import prepare_variants  # noqa: E402
+from fastkda.ops import prefill  # noqa: E402
 
 
-def test_every_source_edit_applies_and_parses():
-    source = prepare_variants.SOURCE.read_text()
-    for label, _, edit in prepare_variants.VARIANTS:
-        if edit is not None:
-            edited = edit(source)
-            assert edited != source, label
-            compile(edited, label, "exec")
+def test_settings_name_existing_knobs_and_source_files_are_read(tmp_path):
+    for label, settings, _ in prepare_variants.VARIANTS:
+        for name in settings:
+            assert hasattr(prefill, name), f"{label}: fastkda.ops.prefill has no {name}"
+    other = tmp_path / "prefill_old.py"
+    other.write_text("# an older prefill.py\n")
+    label, settings, edit = prepare_variants.variants([str(other)])[-1]
+    assert str(other) in label and settings == {}
+    assert edit(prepare_variants.SOURCE.read_text()) == "# an older prefill.py\n"
