@@ -22,7 +22,12 @@ SOURCE = Path(fastkda.api.__file__).parent / "ops" / "prefill.py"
 # (label, module settings, source edit or None)
 VARIANTS = [
     ("as committed", {}, None),
-    ("16-channel steps", dict(PREPARE_CHANNELS=16), None),
+    ("prepare 1 stage", dict(PREPARE_STAGES=1), None),
+    ("prepare 2 stages", dict(PREPARE_STAGES=2), None),
+    ("prepare 1 stage, 64-channel steps", dict(PREPARE_STAGES=1, PREPARE_CHANNELS=64), None),
+    ("prepare 1 stage, 16-channel steps", dict(PREPARE_STAGES=1, PREPARE_CHANNELS=16), None),
+    ("solve 1 stage", dict(SOLVE_STAGES=1), None),
+    ("solve 2 stages", dict(SOLVE_STAGES=2), None),
 ]
 
 

@@ -38,7 +38,9 @@ PREPARE_CHANNELS = 32  # key channels per step of the preparation kernel's first
 PREPARE_WARPS = 8  # H200: 8 warps beat 4 (docs/perf-notes.md)
 SOLVE_CHANNELS = 16  # channels per step of _solve_kernel's w and u passes
 SOLVE_WARPS = 2  # 16x16 products: 2 warps replicate least; 245 registers, no spills, 4 programs per SM
-PREPARE_MAXNREG = None  # a register cap for _prepare_kernel (Triton's maxnreg), to fit two programs per SM
+PREPARE_MAXNREG = None  # a register cap for _prepare_kernel (Triton's maxnreg); H200: every cap was slower
+PREPARE_STAGES = 3  # software-pipelining depth of the channel loops (Triton's num_stages; 3 is its default)
+SOLVE_STAGES = 3
 LOG_DECAY_FLOOR: tl.constexpr = tl.constexpr(_FLOOR)  # precomputed gates are clamped here (reference.py)
 LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
 
@@ -161,71 +163,57 @@ def _load_tile(ptr_c, rows, valid, dd, D: tl.constexpr, stride):
 
 
 @triton.jit
-def _diagonal_elementwise(q_b, k_b, within, NB: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
+def _block_rows(x, J: tl.constexpr, NB: tl.constexpr, BC: tl.constexpr, D: tl.constexpr):
+    """Rows of block ``J`` of ``x [NB*BC, D]`` as a ``[BC, D]`` tile."""
+    pick = (tl.arange(0, NB) == J)[:, None, None]
+    return tl.sum(tl.where(pick, tl.reshape(x, (NB, BC, D)), 0.0), axis=0)
+
+
+@triton.jit
+def _block_row(x, J: tl.constexpr, NB: tl.constexpr):
+    """Row ``J`` of a per-block table ``x [NB, D]``."""
+    return tl.sum(tl.where((tl.arange(0, NB) == J)[:, None], x, 0.0), axis=0)
+
+
+@triton.jit
+def _diagonal_elementwise(q_b, k_b, cs, NB: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
                           EMULATE: tl.constexpr):
-    """For an unbounded precomputed gate: the diagonal 16x16 blocks of M and L as ``[C, C]`` tiles (zero
-    elsewhere), each product of row i with a token j <= i of its own block decayed by ``exp2(within_i -
-    within_j)`` formed element-wise (``within`` is the log2-decay since the block's start)."""
+    """For an unbounded precomputed gate: ``[C, BC]`` tiles whose row i, column jj is the product of row i with
+    token jj of i's own block, ``exp(cs_i - cs_j)`` formed element-wise and only for jj <= i."""
     C: tl.constexpr = NB * BC
-    r = tl.arange(0, C)
-    local = r % BC
-    cols = tl.arange(0, C)
+    local = tl.arange(0, C) % BC
     cb = tl.arange(0, BC)
-    m_diag = tl.zeros((C, C), dtype=tl.float32)
-    l_diag = tl.zeros((C, C), dtype=tl.float32)
+    m_diag = tl.zeros((C, BC), dtype=tl.float32)
+    l_diag = tl.zeros((C, BC), dtype=tl.float32)
     for jj in range(BC):  # a runtime loop: unrolled, compiles took minutes
         pick = (cb == jj)[None, :, None]
-        w_j = _expand_blocks(tl.sum(tl.where(pick, tl.reshape(within, (NB, BC, BK)), 0.0), axis=1), NB, BC, BK)
+        cs_j = _expand_blocks(tl.sum(tl.where(pick, tl.reshape(cs, (NB, BC, BK)), 0.0), axis=1), NB, BC, BK)
         k_j = _expand_blocks(tl.sum(tl.where(pick, tl.reshape(k_b, (NB, BC, BK)), 0.0), axis=1), NB, BC, BK)
         below = (local >= jj)[:, None]
-        decay = tl.where(below, fast_exp2(tl.where(below, within - w_j, 0.0), EMULATE), 0.0) * k_j
-        at = cols[None, :] == (r - local + jj)[:, None]
+        decay = tl.where(below, fast_exp2(tl.where(below, cs - cs_j, 0.0), EMULATE), 0.0) * k_j
+        at = cb[None, :] == jj
         m_diag += tl.where(at, tl.sum(q_b * decay, axis=1)[:, None], 0.0)
         l_diag += tl.where(at, tl.sum(k_b * decay, axis=1)[:, None], 0.0)
     return m_diag, l_diag
 
 
 @triton.jit
-def _row_of(x, row, C: tl.constexpr):
-    """Row ``row`` of a ``[C, BK]`` tile as a ``[BK]`` vector (a masked sum down the rows: it lands in the
-    layout that broadcasts back over the tile for free)."""
-    return tl.sum(tl.where((tl.arange(0, C) == row)[:, None], x, 0.0), axis=0)
-
-
-@triton.jit
-def _per_block(blk, v0, v1, v2, v3):
-    """``[C, BK]`` tile whose row i holds ``v_blk(i)`` (four ``[BK]`` vectors, one per 16-row block)."""
-    return tl.where((blk == 0)[:, None], v0[None, :], tl.where((blk == 1)[:, None], v1[None, :],
-                    tl.where((blk == 2)[:, None], v2[None, :], v3[None, :])))
-
-
-@triton.jit
-def _column_factor(k_b, Gc, S_I, blk, I: tl.constexpr, LOWER_BOUND_GATE: tl.constexpr, EMULATE: tl.constexpr):
-    """``k̂_j·2^(S_I - G_j)`` for the columns j that row block I multiplies: blocks before I (<= 1) and, for the
-    lower-bound gate, block I itself (<= 2^(16·5·log2 e)); zero elsewhere."""
+def _column_products(q_b, k_b, E, G_start, G_end, col, J: tl.constexpr, NB: tl.constexpr, BC: tl.constexpr,
+                     BK: tl.constexpr, LOWER_BOUND_GATE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                     EMULATE: tl.constexpr):
+    """Column block J of M and L over all C rows. Row factor exp(G_i - G_end(J)) = E_i · F[blk(i)] with
+    F[I] = exp(G_start(I) - G_end(J)) <= 1 for I > J; for I = J, exp(-total_J) <= e^(16·5) under the lower-bound
+    gate (the unbounded gate's diagonal blocks are element-wise, ``_diagonal_elementwise``); 0 for I < J."""
+    nb = tl.arange(0, NB)[:, None]
     if LOWER_BOUND_GATE:
-        cols = (blk <= I)[:, None]
+        rows = nb >= J
     else:
-        cols = (blk < I)[:, None]
-    return tl.where(cols, k_b * fast_exp2(tl.where(cols, S_I[None, :] - Gc, 0.0), EMULATE), 0.0)
-
-
-@triton.jit
-def _by_block(x, blk):
-    """``[C, 4·BK]``: x's rows of block I in the I-th group of channels, zeros elsewhere (the order of the
-    channel groups is join's, the same for every operand built here)."""
-    x0 = tl.where((blk == 0)[:, None], x, 0.0)
-    x1 = tl.where((blk == 1)[:, None], x, 0.0)
-    x2 = tl.where((blk == 2)[:, None], x, 0.0)
-    x3 = tl.where((blk == 3)[:, None], x, 0.0)
-    joined = tl.join(tl.join(x0, x1), tl.join(x2, x3))
-    return tl.reshape(joined, (x.shape[0], 4 * x.shape[1]))
-
-
-@triton.jit
-def _four(x0, x1, x2, x3):
-    """``[C, 4·BK]`` from four ``[C, BK]`` tiles, channel groups in the order of :func:`_by_block`."""
-    return tl.reshape(tl.join(tl.join(x0, x1), tl.join(x2, x3)), (x0.shape[0], 4 * x0.shape[1]))
+        rows = nb > J
+    F = tl.where(rows, fast_exp2(tl.where(rows, G_start - _block_row(G_end, J, NB)[None, :], 0.0), EMULATE), 0.0)
+    R = E * _expand_blocks(F, NB, BC, BK)
+    col_t = tl.trans(_block_rows(col, J, NB, BC, BK))
+    return (tl.dot(q_b * R, col_t, input_precision=DOT_PRECISION),
+            tl.dot(k_b * R, col_t, input_precision=DOT_PRECISION))
 
 
 @triton.jit(do_not_specialize=["H"])  # one compile for every head count
@@ -238,10 +226,10 @@ def _prepare_kernel(
     IS_VARLEN: tl.constexpr, LOWER_BOUND_GATE: tl.constexpr, L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr,
     DOT_PRECISION: tl.constexpr, EMULATE: tl.constexpr,
 ):
-    """Preparation, first kernel, one (chunk, head), ``BK`` key channels at a time over all C rows: gate and
-    its cumulative log2-decay ``G`` over the chunk, qg, kg, kd (parked in the w workspace until ``_solve_kernel``
-    replaces it with w), and the whole ``[C, C]`` M and L accumulated by row blocks, each against its own
-    block start ``S_I`` (no factor above 2^115); M goes to the A workspace, β·L to an fp32 scratch."""
+    """Preparation, first kernel, one (chunk, head), ``BK`` key channels at a time over all C rows: gate,
+    in-block cumulative decays, qg, kg, kd (parked in the w workspace until ``_solve_kernel`` replaces it with
+    w), and M, L accumulated as four ``[C, BC]`` column blocks; M goes to the A workspace, β·L to an fp32
+    scratch."""
     NB: tl.constexpr = C // BC
     tl.static_assert(NB == 4)
     slot = tl.program_id(0)
@@ -260,52 +248,63 @@ def _prepare_kernel(
     kg_c = kg_ws + row0 * (H * K) + h * K
     qs, ks = _row_scales(q_c, k_c, r, valid, stride_q, stride_k, scale, K, L2NORM)
 
-    ML = tl.zeros((2 * C, C), dtype=tl.float32)  # M over L
-    M = tl.zeros((C, C), dtype=tl.float32)  # the unbounded gate's diagonal blocks
-    L = tl.zeros((C, C), dtype=tl.float32)
+    zero = tl.zeros((C, BC), dtype=tl.float32)
+    M0, M1, M2, M3, L0, L1, L2, L3 = zero, zero, zero, zero, zero, zero, zero, zero
     for c in range(K // BK):
         kk = c * BK + tl.arange(0, BK)
         m = valid[:, None]
         q_b = load_f32(q_c + r[:, None] * stride_q + kk[None, :], m) * qs[:, None]
         k_b = load_f32(k_c + r[:, None] * stride_k + kk[None, :], m) * ks[:, None]
-        Gc = tl.cumsum(_log2_decay_block(g_c, r, valid, stride_g, h, kk, A_log, dt_bias, lower_bound, K,
-                                         LOWER_BOUND_GATE, EMULATE), axis=0)  # G_i, from the chunk's start
-        S1 = _row_of(Gc, BC - 1, C)  # S_I = G at the start of block I (S_0 = 0)
-        S2 = _row_of(Gc, 2 * BC - 1, C)
-        S3 = _row_of(Gc, 3 * BC - 1, C)
-        G_last = _row_of(Gc, C - 1, C)
-        S0 = tl.zeros_like(S1)
-        within = Gc - _per_block(blk, S0, S1, S2, S3)  # G_i - S_blk(i) <= 0
-        E = fast_exp2(within, EMULATE)
-        qE = q_b * E
-        kE = k_b * E
-        x = _per_block(blk, S0 + 1.0, fast_exp2(S1, EMULATE), fast_exp2(S2, EMULATE), fast_exp2(S3, EMULATE))
+        a3 = tl.reshape(_log2_decay_block(g_c, r, valid, stride_g, h, kk, A_log, dt_bias, lower_bound, K,
+                                          LOWER_BOUND_GATE, EMULATE), (NB, BC, BK))
+        cs = tl.reshape(tl.cumsum(a3, axis=1), (C, BK))  # G_i - G_start(blk(i))
+        total = tl.sum(a3, axis=1)  # [NB, BK] per-block log-decay
+        G_end = tl.cumsum(total, axis=0)
+        G_start = G_end - total
+        G_last = _block_row(G_end, NB - 1, NB)
+        E = fast_exp2(cs, EMULATE)  # <= 1
+        col = k_b * fast_exp2(_expand_blocks(total, NB, BC, BK) - cs, EMULATE)  # k̂_j·exp(G_end(J) - G_j) <= 1
+        x = _expand_blocks(fast_exp2(G_start, EMULATE), NB, BC, BK)
         row_k = r[:, None] * (H * K) + kk[None, :]
-        store_as(qg_c + row_k, qE * x, m, EMULATE)  # q̂·2^G
-        store_as(kd_c + row_k, kE * x, m, EMULATE)  # k̂·2^G: kd, until _solve_kernel replaces it with w
-        store_as(kg_c + row_k, k_b * fast_exp2(G_last[None, :] - Gc, EMULATE), m, EMULATE)  # k̂·2^(G_last - G)
+        store_as(qg_c + row_k, q_b * E * x, m, EMULATE)
+        store_as(kd_c + row_k, k_b * E * x, m, EMULATE)  # kd, until _solve_kernel replaces it with w
+        store_as(kg_c + row_k, col * _expand_blocks(fast_exp2(G_last[None, :] - G_end, EMULATE), NB, BC, BK), m,
+                 EMULATE)
         tl.store(decay_ws + (slot * H + h) * K + kk, fast_exp2(G_last, EMULATE))
-        # M and L in one product: rows [q̂·2^(G-S) ; k̂·2^(G-S)] of block I meet the columns factored against S_I
-        rows = tl.reshape(tl.permute(tl.join(_by_block(qE, blk), _by_block(kE, blk)), (2, 0, 1)), (2 * C, 4 * BK))
-        cols = _four(_column_factor(k_b, Gc, S0, blk, 0, LOWER_BOUND_GATE, EMULATE),
-                     _column_factor(k_b, Gc, S1, blk, 1, LOWER_BOUND_GATE, EMULATE),
-                     _column_factor(k_b, Gc, S2, blk, 2, LOWER_BOUND_GATE, EMULATE),
-                     _column_factor(k_b, Gc, S3, blk, 3, LOWER_BOUND_GATE, EMULATE))
-        ML = tl.dot(rows, tl.trans(cols), ML, input_precision=DOT_PRECISION)
+        m_J, l_J = _column_products(q_b, k_b, E, G_start, G_end, col, 0, NB, BC, BK, LOWER_BOUND_GATE,
+                                    DOT_PRECISION, EMULATE)
+        M0 += m_J
+        L0 += l_J
+        m_J, l_J = _column_products(q_b, k_b, E, G_start, G_end, col, 1, NB, BC, BK, LOWER_BOUND_GATE,
+                                    DOT_PRECISION, EMULATE)
+        M1 += m_J
+        L1 += l_J
+        m_J, l_J = _column_products(q_b, k_b, E, G_start, G_end, col, 2, NB, BC, BK, LOWER_BOUND_GATE,
+                                    DOT_PRECISION, EMULATE)
+        M2 += m_J
+        L2 += l_J
+        m_J, l_J = _column_products(q_b, k_b, E, G_start, G_end, col, 3, NB, BC, BK, LOWER_BOUND_GATE,
+                                    DOT_PRECISION, EMULATE)
+        M3 += m_J
+        L3 += l_J
         if not LOWER_BOUND_GATE:
-            m_d, l_d = _diagonal_elementwise(q_b, k_b, within, NB, BC, BK, EMULATE)
-            M += m_d
-            L += l_d
+            m_d, l_d = _diagonal_elementwise(q_b, k_b, cs, NB, BC, BK, EMULATE)
+            M0 += tl.where((blk == 0)[:, None], m_d, 0.0)
+            L0 += tl.where((blk == 0)[:, None], l_d, 0.0)
+            M1 += tl.where((blk == 1)[:, None], m_d, 0.0)
+            L1 += tl.where((blk == 1)[:, None], l_d, 0.0)
+            M2 += tl.where((blk == 2)[:, None], m_d, 0.0)
+            L2 += tl.where((blk == 2)[:, None], l_d, 0.0)
+            M3 += tl.where((blk == 3)[:, None], m_d, 0.0)
+            L3 += tl.where((blk == 3)[:, None], l_d, 0.0)
 
-    M_part, L_part = tl.split(tl.permute(tl.reshape(ML, (2, C, C)), (1, 2, 0)))
-    M += M_part
-    L += L_part
     bv = _beta_rows(beta + row0 * stride_beta_tok + h * stride_beta_head, r, valid, stride_beta_tok, BETA_SIGMOID)
-    cols = tl.arange(0, C)
-    offsets = r[:, None] * (H * C) + cols[None, :]  # the chunk's rows of the [tokens, H, C] A and β·L workspaces
-    ws_c = row0 * (H * C) + h * C
-    store_as(A_ws + ws_c + offsets, tl.where(r[:, None] >= cols[None, :], M, 0.0), valid[:, None], EMULATE)
-    tl.store(L_ws + ws_c + offsets, tl.where(r[:, None] > cols[None, :], L * bv[:, None], 0.0), mask=valid[:, None])
+    A_c = A_ws + row0 * (H * C) + h * C  # the chunk's first row in the [tokens, H, C] A and β·L workspaces
+    L_c = L_ws + row0 * (H * C) + h * C
+    _store_column_block(A_c, L_c, valid, M0, L0, bv, 0, H, C, BC, EMULATE)
+    _store_column_block(A_c, L_c, valid, M1, L1, bv, 1, H, C, BC, EMULATE)
+    _store_column_block(A_c, L_c, valid, M2, L2, bv, 2, H, C, BC, EMULATE)
+    _store_column_block(A_c, L_c, valid, M3, L3, bv, 3, H, C, BC, EMULATE)
 
 
 @triton.jit(do_not_specialize=["H"])  # one compile for every head count
@@ -401,6 +400,19 @@ def _solve_kernel(
                     + _mm(T22, v2, DOT_PRECISION), V, H * V, EMULATE)
         _store_tile(u_c, rows3, ok3, vv, _mm(T30, v0, DOT_PRECISION) + _mm(T31, v1, DOT_PRECISION)
                     + _mm(T32, v2, DOT_PRECISION) + _mm(T33, v3, DOT_PRECISION), V, H * V, EMULATE)
+
+
+@triton.jit
+def _store_column_block(A_c, L_c, valid, M_J, L_J, bv, J: tl.constexpr, H,
+                        C: tl.constexpr, BC: tl.constexpr, EMULATE: tl.constexpr):
+    """Column block J of M (i >= j) to the A workspace and of β·L (i > j) to the fp32 scratch, through the
+    chunk's base pointers ``A_c`` and ``L_c``."""
+    r = tl.arange(0, C)
+    cols = J * BC + tl.arange(0, BC)
+    offsets = r[:, None] * (H * C) + cols[None, :]
+    mask = valid[:, None] & (cols[None, :] < C)
+    store_as(A_c + offsets, tl.where(r[:, None] >= cols[None, :], M_J, 0.0), mask, EMULATE)
+    tl.store(L_c + offsets, tl.where(r[:, None] > cols[None, :], L_J * bv[:, None], 0.0), mask=mask)
 
 
 @triton.jit
@@ -522,11 +534,13 @@ def prepare(q, k, v, g, beta, *, A_log, dt_bias, lower_bound, scale, cu_seqlens,
         seq_len, num_seqs, bound, float(scale),
         H=heads, K=key_dim, V=value_dim, C=CHUNK, BC=BLOCK, BK=PREPARE_CHANNELS, L2NORM=use_qk_l2norm,
         LOWER_BOUND_GATE=lower_bound_gate, **flags,
-        num_warps=PREPARE_WARPS, **({} if PREPARE_MAXNREG is None else dict(maxnreg=PREPARE_MAXNREG)),
+        num_warps=PREPARE_WARPS, num_stages=PREPARE_STAGES,
+        **({} if PREPARE_MAXNREG is None else dict(maxnreg=PREPARE_MAXNREG)),
     )
     _solve_kernel[(slots, heads)](
         v, beta, cu, ws.w, ws.u, L_ws, v.stride(1), beta.stride(1), beta.stride(2), seq_len, num_seqs,
         H=heads, K=key_dim, V=value_dim, C=CHUNK, BC=BLOCK, BK=SOLVE_CHANNELS, **flags, num_warps=SOLVE_WARPS,
+        num_stages=SOLVE_STAGES,
     )
     return ws
 
