@@ -68,14 +68,14 @@ def main():
             consts = dict(H=12, K=dim, V=dim, C=prefill.CHUNK, BC=prefill.BLOCK, BK=min(args.channels, dim),
                           IS_VARLEN=True, LOWER_BOUND_GATE=gate, L2NORM=True, BETA_SIGMOID=True,
                           DOT_PRECISION="tf32", EMULATE=False)
-            stats = compile_stats(prefill._prepare_kernel, prepare_sig, consts, args.warps)
+            stats = compile_stats(prefill._prepare_kernel, prepare_sig, consts, args.warps, prefill.PREPARE_STAGES)
             print(f"prepare K=V={dim} lower_bound_gate={gate} channels={args.channels} warps={args.warps}: {stats}")
     solve_sig = dict(v=BF16, beta=BF16, cu_seqlens="*i32", w_ws=BF16, u_ws=BF16, L_ws=F32, stride_v="i32",
                      stride_beta_tok="i32", stride_beta_head="i32", seq_len="i32", num_seqs="i32")
     for dim in (128, 64):
         consts = dict(H=12, K=dim, V=dim, C=prefill.CHUNK, BC=prefill.BLOCK, BK=min(prefill.SOLVE_CHANNELS, dim),
                       IS_VARLEN=True, BETA_SIGMOID=True, DOT_PRECISION="tf32", EMULATE=False)
-        stats = compile_stats(prefill._solve_kernel, solve_sig, consts, prefill.SOLVE_WARPS)
+        stats = compile_stats(prefill._solve_kernel, solve_sig, consts, prefill.SOLVE_WARPS, prefill.SOLVE_STAGES)
         print(f"solve K=V={dim} warps={prefill.SOLVE_WARPS}: {stats}")
     recurrence_sig = dict(w_ws=BF16, u_ws=BF16, qg_ws=BF16, kg_ws=BF16, A_ws=BF16, decay_ws=F32, out=BF16,
                           initial_state=F32, final_state=F32, cu_seqlens="*i32", ckpt_offsets="*i32", ckpt_states=F32,

@@ -34,12 +34,12 @@ from ..reference import LOG_DECAY_FLOOR as _FLOOR
 from .common import bf16_operand, fast_exp2, fast_reciprocal, interpreting, load_f32, store_as
 
 BLOCK = 16  # tokens per block inside a chunk (the range over which exp(-G) factors are formed)
-PREPARE_CHANNELS = 32  # key channels per step of the preparation kernel's first pass (H200: 32 beat 16)
+PREPARE_CHANNELS = 64  # key channels per step of the first kernel (H200: with one stage, 64 beat 32 and 16)
 PREPARE_WARPS = 8  # H200: 8 warps beat 4 (docs/perf-notes.md)
 SOLVE_CHANNELS = 16  # channels per step of _solve_kernel's w and u passes
 SOLVE_WARPS = 2  # 16x16 products: 2 warps replicate least; 245 registers, no spills, 4 programs per SM
 PREPARE_MAXNREG = None  # a register cap for _prepare_kernel (Triton's maxnreg); H200: every cap was slower
-PREPARE_STAGES = 3  # software-pipelining depth of the channel loops (Triton's num_stages; 3 is its default)
+PREPARE_STAGES = 1  # pipelining depth of its channel loop (num_stages; H200: 1 at 64 channels beat 3 at 32)
 SOLVE_STAGES = 3
 LOG_DECAY_FLOOR: tl.constexpr = tl.constexpr(_FLOOR)  # precomputed gates are clamped here (reference.py)
 LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
