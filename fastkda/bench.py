@@ -387,9 +387,11 @@ def earlier_rows(out_dir):
 
 
 def merge_rows(earlier, later):
-    """``later``'s rows, after ``earlier``'s rows for the workloads ``later`` did not measure."""
-    measured = {r["workload"] for r in later}
-    return [r for r in earlier if r["workload"] not in measured] + list(later)
+    """``later``'s rows, after ``earlier``'s rows for the (workload, implementation, mode) that ``later`` did not
+    measure: a run of some implementations (``--impls``) keeps the others' earlier rows of the same workload."""
+    key = lambda r: (r["workload"], r["impl"], r["mode"])  # noqa: E731
+    measured = {key(r) for r in later}
+    return [r for r in earlier if key(r) not in measured] + list(later)
 
 
 def render_results(meta, rows, stem):
@@ -399,6 +401,8 @@ def render_results(meta, rows, stem):
         json.dump(dict(meta=meta, rows=rows), f, indent=1)
     md = [f"# KDA prefill, {meta['gpu']} ({meta['sms']} SMs), {meta['date']}, commit(s) {', '.join(meta['commits'])}",
           f"torch {meta['torch']}, triton {meta['triton']}, peers {meta['peers']}. Median ms.", ""]
+    if meta.get("note"):  # what a reader must know about where the rows came from
+        md += [f"Note: {meta['note']}", ""]
     prefill_rows = [r for r in rows if r["group"] != "decode"]
     for mode in ("graph", "eager"):
         md += [f"## {mode}", "", markdown_table(prefill_rows, impls, mode), ""]
@@ -421,7 +425,8 @@ def render_results(meta, rows, stem):
 
 def write_results(rows, out_dir, errors, copy_gbps=None, earlier=()):
     """Write ``<date>-<gpu>.json/.md/.png`` for this run's ``rows`` merged after ``earlier`` ones (``--append``:
-    a workload this run measured replaces its earlier rows, the others are kept); returns the markdown."""
+    a (workload, implementation, mode) this run measured replaces its earlier row, the others are kept); returns
+    the markdown."""
     import triton
 
     commit = git_commit()

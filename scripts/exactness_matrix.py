@@ -1,7 +1,7 @@
 """Issue 3's exactness matrix on a GPU: every shape run with v_slices 1, 2, 4 into NaN-poisoned buffers; outputs
 and final states must be bitwise equal across slice counts and within the accuracy bar against float64.
 
-python scripts/exactness_matrix.py [--shapes 140] [--seed 0] [--workers 8]
+python scripts/exactness_matrix.py [--shapes 140] [--seed 0] [--workers 8] [--set PREPARE_STAGES=1 ...]
 Prints how many shapes, how many the auto plan splits, how many are identical and accurate; exits 1 on any
 failure. Shapes cover fixed and varlen layouts, int32/int64 cu_seqlens, empty sequences at the start, middle
 and end, 1-token and non-multiple-of-64 tails, the 7 state cases, K = V in {64, 128}, H from 1 to 96."""
@@ -19,6 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from helpers import make_inputs, rel_err, run_prefill  # noqa: E402
 
 import fastkda  # noqa: E402
+from fastkda.ops import prefill  # noqa: E402
 from fastkda.plan import choose_plan, sm_count  # noqa: E402
 
 STATE_CASES = [(None, None)] + [c for d in (torch.bfloat16, torch.float32) for c in ((d, None), (None, d), (d, d))]
@@ -67,7 +68,9 @@ def check(index, seed, device):
     return split, same, ok
 
 
-def check_many(indices, seed, device):
+def check_many(indices, seed, device, settings):
+    for name, value in settings.items():  # e.g. a preparation setting under suspicion (--set PREPARE_STAGES=1)
+        setattr(prefill, name, value)
     return [check(index, seed, device) for index in indices]
 
 
@@ -82,10 +85,16 @@ def main():
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--workers", type=int, default=8, help="processes sharing the GPU (they compile in parallel)")
     parser.add_argument("--device", default="cuda", help="cpu: a dry run through the CPU path")
+    parser.add_argument("--set", nargs="*", default=[], metavar="NAME=INT",
+                        help="integer knobs of fastkda.ops.prefill to override, e.g. PREPARE_CHANNELS=64")
     args = parser.parse_args()
+    settings = {name: int(value) for name, value in (item.split("=") for item in args.set)}
+    unknown = [name for name in settings if not hasattr(prefill, name)]
+    if unknown:
+        parser.error(f"fastkda.ops.prefill has no {unknown}")
     shards = [list(range(w, args.shapes, args.workers)) for w in range(args.workers)]
     with multiprocessing.get_context("spawn").Pool(args.workers) as pool:
-        results = [r for shard in pool.starmap(check_many, [(shard, args.seed, args.device) for shard in shards]) for r in shard]
+        results = [r for shard in pool.starmap(check_many, [(shard, args.seed, args.device, settings) for shard in shards]) for r in shard]
     total = len(results)
     split, identical, accurate = (sum(r[i] for r in results) for i in range(3))
     print(f"[exactness] {total} shapes, {split} split by the auto plan on {sms(args.device)} SMs, {identical} bitwise "

@@ -56,16 +56,18 @@ def test_decode_workload_inputs_run_on_cpu():
     assert "| w | 10.0 | 9.0 | — | — | — |" in table
 
 
-def test_merge_keeps_earlier_workloads_and_replaces_remeasured_ones(tmp_path):
+def test_merge_keeps_earlier_rows_and_replaces_remeasured_ones(tmp_path):
     meta = dict(gpu="G", sms=1, torch="t", triton="3.6.0", commit="new", commits=["new"], date="d", peers={})
-    row = lambda workload, ms, commit: dict(workload=workload, group="g", impl="fastkda", mode="graph", ms=ms,  # noqa: E731
-                                            commit=commit)
+    row = lambda workload, ms, commit, impl="fastkda": dict(workload=workload, group="g", impl=impl,  # noqa: E731
+                                                            mode="graph", ms=ms, commit=commit)
     earlier, later = tmp_path / "earlier.json", tmp_path / "later.json"
-    earlier.write_text(json.dumps(dict(meta=dict(meta, commit="old"), rows=[row("a", 1.0, "old"), row("b", 2.0, "old")])))
-    later.write_text(json.dumps(dict(meta=meta, rows=[row("b", 3.0, "new")])))
+    earlier.write_text(json.dumps(dict(meta=dict(meta, commit="old"), rows=[
+        row("a", 1.0, "old"), row("b", 2.0, "old"), row("b", 5.0, "old", impl="fla")])))
+    later.write_text(json.dumps(dict(meta=meta, rows=[row("b", 3.0, "new")])))  # a run of fastkda alone
     assert bench.main(["--merge", str(earlier), str(later)]) == 0
     merged = json.loads(later.read_text())
-    assert [(r["workload"], r["ms"], r["commit"]) for r in merged["rows"]] == [("a", 1.0, "old"), ("b", 3.0, "new")]
+    assert [(r["workload"], r["impl"], r["ms"], r["commit"]) for r in merged["rows"]] == [
+        ("a", "fastkda", 1.0, "old"), ("b", "fla", 5.0, "old"), ("b", "fastkda", 3.0, "new")]
     assert merged["meta"]["commits"] == ["new", "old"]
     md = (tmp_path / "later.md").read_text()
-    assert "| a | 1.000 |" in md and "| b | 3.000 |" in md
+    assert "| a | 1.000 | — | — | old |" in md and "| b | 3.000 | 5.000 | 1.67× | new |" in md

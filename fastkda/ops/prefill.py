@@ -34,12 +34,13 @@ from ..reference import LOG_DECAY_FLOOR as _FLOOR
 from .common import bf16_operand, fast_exp2, fast_reciprocal, interpreting, load_f32, store_as
 
 BLOCK = 16  # tokens per block inside a chunk (the range over which exp(-G) factors are formed)
-PREPARE_CHANNELS = 64  # key channels per step of the first kernel (H200: with one stage, 64 beat 32 and 16)
+PREPARE_CHANNELS = 32  # key channels per step of the first kernel (H200: 32 beat 16; 64 see PREPARE_STAGES)
 PREPARE_WARPS = 8  # H200: 8 warps beat 4 (docs/perf-notes.md)
 SOLVE_CHANNELS = 16  # channels per step of _solve_kernel's w and u passes
-SOLVE_WARPS = 2  # 16x16 products: 2 warps replicate least; 245 registers, no spills, 4 programs per SM
+SOLVE_WARPS = 2  # 16x16 products: 2 warps replicate least; 207 registers, no spills, 4 programs per SM
 PREPARE_MAXNREG = None  # a register cap for _prepare_kernel (Triton's maxnreg); H200: every cap was slower
-PREPARE_STAGES = 1  # pipelining depth of its channel loop (num_stages; H200: 1 at 64 channels beat 3 at 32)
+PREPARE_STAGES = 3  # pipelining depth of its channel loop (num_stages). 1 stage at 64 channels was 5% faster
+# but an exactness-matrix run with it hit an illegal memory access (84a3ad0, docs/perf-notes.md): not used
 SOLVE_STAGES = 3
 LOG_DECAY_FLOOR: tl.constexpr = tl.constexpr(_FLOOR)  # precomputed gates are clamped here (reference.py)
 LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
