@@ -40,7 +40,7 @@ step plan-sweep "${PSWEEP_S:-0}" python3 benchmarks/plan_sweep.py --out "$OUT/re
   ${PSWEEP_ARGS:-}
 step kernel-times "${KERNELS_S:-60}" python3 scripts/kernel_times.py
 step checkpoint-cost "${CKPT_S:-0}" python3 scripts/checkpoint_cost.py
-step ncu "${NCU_S:-0}" ncu --clock-control none -k regex:prepare_kernel --launch-count 1 \
-  --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
-  --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" \
-  python3 scripts/ncu_prepare.py
+step ncu "${NCU_S:-0}" bash -c 'ncu --clock-control none --set full --import-source yes -k regex:prepare_kernel \
+  --launch-count 1 -f -o /tmp/prep python3 scripts/ncu_prepare.py && ncu -i /tmp/prep.ncu-rep --page details \
+  && ncu -i /tmp/prep.ncu-rep --page source --print-source sass --csv > /tmp/prep-sass.csv \
+  && python3 scripts/ncu_hotspots.py /tmp/prep-sass.csv'

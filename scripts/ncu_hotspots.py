@@ -1,0 +1,75 @@
+"""The SASS lines where a kernel's warps stall most, from Nsight Compute's source page (one device call, no GUI).
+
+On the device:
+  ncu --clock-control none --set full --import-source yes -k regex:prepare_kernel --launch-count 1 \\
+      -o /tmp/prep python3 scripts/ncu_prepare.py
+  ncu -i /tmp/prep.ncu-rep --page source --print-source sass --csv > /tmp/prep-sass.csv
+  python3 scripts/ncu_hotspots.py /tmp/prep-sass.csv [--top 40]
+Prints the top lines by sampled stalls with their share, the instruction and its neighbourhood's opcode, so
+the next kernel change can aim at the phase that holds the time."""
+
+import argparse
+import csv
+import re
+import sys
+
+
+def column(header, *words):
+    """The first column whose name contains every word (case-insensitive): ncu's names vary by version."""
+    for name in header:
+        if all(w.lower() in name.lower() for w in words):
+            return name
+    return None
+
+
+def number(text):
+    try:
+        return float(str(text).replace(",", ""))
+    except ValueError:
+        return 0.0
+
+
+def hotspots(rows, top):
+    """``(share, samples, address, source)`` of the ``top`` lines with the most stall samples."""
+    header = list(rows[0].keys())
+    samples = column(header, "warp stall sampling", "all") or column(header, "stall", "sampl")
+    source = column(header, "source")
+    address = column(header, "address") or column(header, "pc")
+    if samples is None or source is None:
+        raise SystemExit(f"no stall-sampling or source column among {header}")
+    total = sum(number(r[samples]) for r in rows) or 1.0
+    ranked = sorted(rows, key=lambda r: -number(r[samples]))[:top]
+    return [(number(r[samples]) / total, number(r[samples]), r.get(address, ""), r[source].strip()) for r in ranked]
+
+
+def opcode_totals(rows):
+    """Stall samples summed by opcode (the first word of the SASS line, predicates dropped)."""
+    header = list(rows[0].keys())
+    samples = column(header, "warp stall sampling", "all") or column(header, "stall", "sampl")
+    source = column(header, "source")
+    totals = {}
+    for r in rows:
+        match = re.match(r"\s*(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", r[source])
+        if match:
+            totals[match.group(1)] = totals.get(match.group(1), 0.0) + number(r[samples])
+    return sorted(totals.items(), key=lambda kv: -kv[1])
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser()
+    parser.add_argument("csv_path")
+    parser.add_argument("--top", type=int, default=40)
+    args = parser.parse_args(argv)
+    with open(args.csv_path, newline="") as f:
+        lines = f.read().splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith('"') and "Source" in line)  # skip ncu's preamble
+    rows = list(csv.DictReader(lines[start:]))
+    total = sum(s for _, s in opcode_totals(rows)) or 1.0
+    print("[ncu] stall samples by opcode: " + ", ".join(f"{op} {s / total:.1%}" for op, s in opcode_totals(rows)[:15]))
+    for share, count, address, source in hotspots(rows, args.top):
+        print(f"[ncu] {share:6.2%} {int(count):7d}  {address}  {source}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
