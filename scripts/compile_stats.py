@@ -20,11 +20,18 @@ from fastkda.ops import decode, prefill  # noqa: E402
 
 PTXAS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
 BF16, F32 = "*bf16", "*fp32"
+# the arguments of both preparation kernels (compile_for_hopper drops those a kernel does not take)
+PREPARATION_SIGNATURE = dict(q=BF16, k=BF16, v=BF16, g=BF16, beta=BF16, A_log=F32, dt_bias=F32, cu_seqlens="*i32",
+                             w_ws=BF16, u_ws=BF16, qg_ws=BF16, kg_ws=BF16, A_ws=BF16, L_ws=F32, decay_ws=F32,
+                             stride_q="i32", stride_k="i32", stride_v="i32", stride_g="i32", stride_beta_tok="i32",
+                             stride_beta_head="i32", seq_len="i32", num_seqs="i32", lower_bound="fp32",
+                             scale="fp32")
 
 
-def compile_for_hopper(fn, signature, constants, num_warps, num_stages=2):
+def compile_for_hopper(fn, signature, constants, num_warps, num_stages=3):
     """Compile a Triton kernel for sm_90a on this machine (no GPU); ``signature`` and ``constants`` may name
-    more arguments than ``fn`` takes (those are dropped); a constant for a runtime argument becomes an i32."""
+    more arguments than ``fn`` takes (those are dropped); a constant for a runtime argument becomes an i32.
+    ``num_stages`` defaults to Triton's own default, what a launch that does not set it gets."""
     runtime = {p.name for p in fn.params if not p.is_constexpr}  # e.g. the prefill kernels' H: an i32 argument
     signature = {k: v for k, v in signature.items() if k in fn.arg_names}
     signature.update({k: "i32" for k in constants if k in runtime})
@@ -40,7 +47,7 @@ def compile_for_hopper(fn, signature, constants, num_warps, num_stages=2):
                           options=dict(num_warps=num_warps, num_stages=num_stages))
 
 
-def compile_stats(fn, signature, constants, num_warps, num_stages=2):
+def compile_stats(fn, signature, constants, num_warps, num_stages=3):
     kernel = compile_for_hopper(fn, signature, constants, num_warps, num_stages)
     ptx = kernel.asm["ptx"]
     path = Path("/tmp/fastkda_stats.ptx")
@@ -59,23 +66,19 @@ def main():
     parser.add_argument("--warps", type=int, default=prefill.PREPARE_WARPS)
     parser.add_argument("--channels", type=int, default=prefill.PREPARE_CHANNELS)
     args = parser.parse_args()
-    prepare_sig = dict(q=BF16, k=BF16, v=BF16, g=BF16, beta=BF16, A_log=F32, dt_bias=F32, cu_seqlens="*i32",
-                       w_ws=BF16, u_ws=BF16, qg_ws=BF16, kg_ws=BF16, A_ws=BF16, L_ws=F32, decay_ws=F32,
-                       stride_q="i32", stride_k="i32", stride_v="i32", stride_g="i32", stride_beta_tok="i32",
-                       stride_beta_head="i32", seq_len="i32", num_seqs="i32", lower_bound="fp32", scale="fp32")
     for gate in (True, False):
         for dim in (128, 64):
             consts = dict(H=12, K=dim, V=dim, C=prefill.CHUNK, BC=prefill.BLOCK, BK=min(args.channels, dim),
                           IS_VARLEN=True, LOWER_BOUND_GATE=gate, L2NORM=True, BETA_SIGMOID=True,
                           DOT_PRECISION="tf32", EMULATE=False)
-            stats = compile_stats(prefill._prepare_kernel, prepare_sig, consts, args.warps, prefill.PREPARE_STAGES)
+            stats = compile_stats(prefill._prepare_kernel, PREPARATION_SIGNATURE, consts, args.warps,
+                                  prefill.PREPARE_STAGES)
             print(f"prepare K=V={dim} lower_bound_gate={gate} channels={args.channels} warps={args.warps}: {stats}")
-    solve_sig = dict(v=BF16, beta=BF16, cu_seqlens="*i32", w_ws=BF16, u_ws=BF16, L_ws=F32, stride_v="i32",
-                     stride_beta_tok="i32", stride_beta_head="i32", seq_len="i32", num_seqs="i32")
     for dim in (128, 64):
         consts = dict(H=12, K=dim, V=dim, C=prefill.CHUNK, BC=prefill.BLOCK, BK=min(prefill.SOLVE_CHANNELS, dim),
                       IS_VARLEN=True, BETA_SIGMOID=True, DOT_PRECISION="tf32", EMULATE=False)
-        stats = compile_stats(prefill._solve_kernel, solve_sig, consts, prefill.SOLVE_WARPS, prefill.SOLVE_STAGES)
+        stats = compile_stats(prefill._solve_kernel, PREPARATION_SIGNATURE, consts, prefill.SOLVE_WARPS,
+                              prefill.SOLVE_STAGES)
         print(f"solve K=V={dim} warps={prefill.SOLVE_WARPS}: {stats}")
     recurrence_sig = dict(w_ws=BF16, u_ws=BF16, qg_ws=BF16, kg_ws=BF16, A_ws=BF16, decay_ws=F32, out=BF16,
                           initial_state=F32, final_state=F32, cu_seqlens="*i32", ckpt_offsets="*i32", ckpt_states=F32,
@@ -83,7 +86,7 @@ def main():
     for slices, checkpoints in ((1, 0), (2, 0), (4, 0), (4, 2)):
         consts = dict(H=12, K=128, V=128, BV=128 // slices, C=prefill.CHUNK, IS_VARLEN=True, HAS_INITIAL=True,
                       HAS_FINAL=True, NUM_CKPT=checkpoints, EMULATE=False)
-        stats = compile_stats(prefill._recurrence_kernel, recurrence_sig, consts, 4)
+        stats = compile_stats(prefill._recurrence_kernel, recurrence_sig, consts, 4, 2)  # as recur() launches it
         print(f"recurrence K=V=128 v_slices={slices} checkpoints={checkpoints}: {stats}")
     decode_sig = dict(q=BF16, k=BF16, v=BF16, g=BF16, beta=BF16, A_log=F32, dt_bias=F32, pool=F32, slots="*i32",
                       num_accepted="*i32", out=BF16, stride_q="i32", stride_k="i32", stride_v="i32", stride_g="i32",

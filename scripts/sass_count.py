@@ -1,6 +1,6 @@
 """Static SASS instruction counts of the preparation kernels (sm_90a, no GPU), a local proxy for their
 dynamic instruction count: ``python scripts/sass_count.py PATH [PATH ...]`` with PATH a kernel name in
-fastkda.ops.prefill, settings as NAME=VALUE (BK, num_warps)."""
+fastkda.ops.prefill, settings as NAME=VALUE (BK, num_warps, num_stages; the last defaults to the launch's)."""
 
 import os
 import re
@@ -12,19 +12,17 @@ os.environ.pop("TRITON_INTERPRET", None)
 
 import triton  # noqa: E402
 
-from compile_stats import compile_for_hopper  # noqa: E402
+from compile_stats import PREPARATION_SIGNATURE, compile_for_hopper  # noqa: E402
 from fastkda.ops import prefill  # noqa: E402
 
 BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
-BF16, F32 = "*bf16", "*fp32"
-SIGNATURE = dict(q=BF16, k=BF16, v=BF16, g=BF16, beta=BF16, A_log=F32, dt_bias=F32, cu_seqlens="*i32", w_ws=BF16,
-                 u_ws=BF16, qg_ws=BF16, kg_ws=BF16, A_ws=BF16, L_ws=F32, decay_ws=F32, stride_q="i32", stride_k="i32",
-                 stride_v="i32", stride_g="i32", stride_beta_tok="i32", stride_beta_head="i32", seq_len="i32",
-                 num_seqs="i32", lower_bound="fp32", scale="fp32")
 
 
-def sass(fn, constants, num_warps):
-    kernel = compile_for_hopper(fn, SIGNATURE, constants, num_warps)
+STAGES = dict(_prepare_kernel="PREPARE_STAGES", _solve_kernel="SOLVE_STAGES")  # the knobs their launches use
+
+
+def sass(fn, constants, num_warps, num_stages):
+    kernel = compile_for_hopper(fn, PREPARATION_SIGNATURE, constants, num_warps, num_stages)
     Path("/tmp/fastkda_sass.cubin").write_bytes(kernel.asm["cubin"])
     return subprocess.run([str(BIN / "nvdisasm"), "-c", "/tmp/fastkda_sass.cubin"], capture_output=True,
                           text=True).stdout
@@ -34,9 +32,10 @@ if __name__ == "__main__":
     settings = dict(arg.split("=") for arg in sys.argv[2:])
     fn = getattr(prefill, sys.argv[1])
     warps = int(settings.pop("num_warps", 8))
+    stages = int(settings.pop("num_stages", getattr(prefill, STAGES[sys.argv[1]])))
     consts = dict(H=12, K=128, V=128, C=64, BC=16, IS_VARLEN=True, LOWER_BOUND_GATE=True, L2NORM=True,
                   BETA_SIGMOID=True, DOT_PRECISION="tf32", EMULATE=False, **{k: int(v) for k, v in settings.items()})
-    text = sass(fn, consts, warps)
+    text = sass(fn, consts, warps, stages)
     Path("/tmp/fastkda.sass").write_text(text)
     body = [ln for ln in text.splitlines() if re.match(r"\s+/\*[0-9a-f]{4,}\*/", ln)]
     labels, position, loops = {}, 0, []
