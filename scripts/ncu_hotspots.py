@@ -29,14 +29,19 @@ def number(text):
         return 0.0
 
 
-def hotspots(rows, top):
-    """``(share, samples, address, source)`` of the ``top`` lines with the most stall samples."""
+def columns(rows):
+    """The names of the (stall samples, source line, address) columns of a source page."""
     header = list(rows[0].keys())
     samples = column(header, "warp stall sampling", "all") or column(header, "stall", "sampl")
     source = column(header, "source")
-    address = column(header, "address") or column(header, "pc")
     if samples is None or source is None:
         raise SystemExit(f"no stall-sampling or source column among {header}")
+    return samples, source, column(header, "address") or column(header, "pc")
+
+
+def hotspots(rows, top):
+    """``(share, samples, address, source)`` of the ``top`` lines with the most stall samples."""
+    samples, source, address = columns(rows)
     total = sum(number(r[samples]) for r in rows) or 1.0
     ranked = sorted(rows, key=lambda r: -number(r[samples]))[:top]
     return [(number(r[samples]) / total, number(r[samples]), r.get(address, ""), r[source].strip()) for r in ranked]
@@ -44,9 +49,7 @@ def hotspots(rows, top):
 
 def opcode_totals(rows):
     """Stall samples summed by opcode (the first word of the SASS line, predicates dropped)."""
-    header = list(rows[0].keys())
-    samples = column(header, "warp stall sampling", "all") or column(header, "stall", "sampl")
-    source = column(header, "source")
+    samples, source, _ = columns(rows)
     totals = {}
     for r in rows:
         match = re.match(r"\s*(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", r[source])
@@ -64,8 +67,9 @@ def main(argv=None):
         lines = f.read().splitlines()
     start = next(i for i, line in enumerate(lines) if line.startswith('"') and "Source" in line)  # skip ncu's preamble
     rows = list(csv.DictReader(lines[start:]))
-    total = sum(s for _, s in opcode_totals(rows)) or 1.0
-    print("[ncu] stall samples by opcode: " + ", ".join(f"{op} {s / total:.1%}" for op, s in opcode_totals(rows)[:15]))
+    by_opcode = opcode_totals(rows)
+    total = sum(s for _, s in by_opcode) or 1.0
+    print("[ncu] stall samples by opcode: " + ", ".join(f"{op} {s / total:.1%}" for op, s in by_opcode[:15]))
     for share, count, address, source in hotspots(rows, args.top):
         print(f"[ncu] {share:6.2%} {int(count):7d}  {address}  {source}")
     return 0
