@@ -20,12 +20,12 @@ from fastkda.bench import fastkda_runner, load_workloads, make_prefill_inputs
 
 SOURCE = Path(fastkda.api.__file__).parent / "ops" / "prefill.py"
 # (label, module settings, source edit or None)
-VARIANTS = [  # the next ones to time (session 3 timed 1 and 2 stages at 16, 32 and 64 channels: perf-notes)
+VARIANTS = [  # the next ones to time: the solve kernel's merged w/u channel loop at wider steps (perf-notes v10)
     ("as committed", {}, None),
-    ("64-channel steps, 3 stages", dict(PREPARE_CHANNELS=64), None),
-    ("64-channel steps, 2 stages", dict(PREPARE_CHANNELS=64, PREPARE_STAGES=2), None),
-    ("one 128-channel step", dict(PREPARE_CHANNELS=128), None),  # lower-bound gate only: the unbounded gate's
-    # diagonal blocks would need 311 KB of shared memory at 128 channels
+    ("solve 32 channels, 2 warps", dict(SOLVE_CHANNELS=32), None),
+    ("solve 32 channels, 4 warps", dict(SOLVE_CHANNELS=32, SOLVE_WARPS=4), None),
+    ("solve 64 channels, 4 warps", dict(SOLVE_CHANNELS=64, SOLVE_WARPS=4), None),
+    ("solve 128 channels, 4 warps", dict(SOLVE_CHANNELS=128, SOLVE_WARPS=4), None),
 ]
 
 

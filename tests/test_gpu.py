@@ -31,7 +31,8 @@ def random_case(rng):
     if sum(lengths) == 0:
         lengths[-1] = 5
     return dict(lengths=lengths, heads=rng.choice([1, 3, 4]), key_dim=rng.choice([64, 128]),
-                gate=rng.choice(["lower_bound", "precomputed"]), cu_dtype=rng.choice([torch.int32, torch.int64]))
+                value_dim=rng.choice([64, 128]), gate=rng.choice(["lower_bound", "precomputed"]),
+                cu_dtype=rng.choice([torch.int32, torch.int64]))
 
 
 @pytest.mark.parametrize("seed", range(6))

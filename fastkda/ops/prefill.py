@@ -34,9 +34,10 @@ from ..reference import LOG_DECAY_FLOOR as _FLOOR
 from .common import bf16_operand, fast_exp2, fast_reciprocal, interpreting, load_f32, store_as
 
 BLOCK = 16  # tokens per block inside a chunk (the range over which exp(-G) factors are formed)
-PREPARE_CHANNELS = 32  # key channels per step of the first kernel (H200: 32 beat 16; 64 see PREPARE_STAGES)
+PREPARE_CHANNELS = 32  # key channels per step of the first kernel under the precomputed gate (H200: 32 beat
+# 16; 64 see PREPARE_STAGES); the lower-bound gate takes every channel in one step (prepare_channels)
 PREPARE_WARPS = 8  # H200: 8 warps beat 4 (docs/perf-notes.md)
-SOLVE_CHANNELS = 16  # channels per step of _solve_kernel's w and u passes
+SOLVE_CHANNELS = 16  # channels per step of _solve_kernel's w and u pass
 SOLVE_WARPS = 2  # 16x16 products: 2 warps replicate least; 207 registers, no spills, 4 programs per SM
 PREPARE_MAXNREG = None  # a register cap for _prepare_kernel (Triton's maxnreg); H200: every cap was slower
 PREPARE_STAGES = 3  # pipelining depth of its channel loop (num_stages). 1 stage at 64 channels was 5% faster
@@ -137,17 +138,14 @@ def _mm(a, b, DOT_PRECISION: tl.constexpr):
 
 
 @triton.jit
-def _row_scales(q_c, k_c, rows, valid, stride_q, stride_k, scale, K: tl.constexpr, L2NORM: tl.constexpr):
-    """Per-row scales ``scale/||q||`` and ``1/||k||`` (or ``scale`` and 1 without the norm), from whole
-    ``[C, K]`` tiles: one load phase (summing over a loop of channel blocks instead cost 2.75 ms at H96 B1
-    T8192, each block a dependent round trip to memory)."""
-    kk = tl.arange(0, K)
+def _row_scales(q_t, k_t, valid, scale, L2NORM: tl.constexpr):
+    """Per-row scales ``scale/||q||`` and ``1/||k||`` (or ``scale`` and 1 without the norm) of whole ``[C, K]``
+    tiles, loaded in one phase (summing over a loop of channel blocks instead cost 2.75 ms at H96 B1 T8192, each
+    block a dependent round trip to memory)."""
     if L2NORM:
-        q_b = load_f32(q_c + rows[:, None] * stride_q + kk[None, :], valid[:, None])
-        k_b = load_f32(k_c + rows[:, None] * stride_k + kk[None, :], valid[:, None])
-        return tl.rsqrt(tl.sum(q_b * q_b, axis=1) + 1e-6) * scale, tl.rsqrt(tl.sum(k_b * k_b, axis=1) + 1e-6)
+        return tl.rsqrt(tl.sum(q_t * q_t, axis=1) + 1e-6) * scale, tl.rsqrt(tl.sum(k_t * k_t, axis=1) + 1e-6)
     else:
-        ones = tl.where(valid, 1.0, 1.0)
+        ones = tl.where(valid, 1.0, 1.0)  # the tiles go unused (and unloaded) unless one step takes them
         return ones * scale, ones
 
 
@@ -247,15 +245,22 @@ def _prepare_kernel(
     qg_c = qg_ws + row0 * (H * K) + h * K  # the chunk's first row in the [tokens, H, K] workspaces
     kd_c = w_ws + row0 * (H * K) + h * K
     kg_c = kg_ws + row0 * (H * K) + h * K
-    qs, ks = _row_scales(q_c, k_c, r, valid, stride_q, stride_k, scale, K, L2NORM)
+    kall = tl.arange(0, K)
+    q_t = load_f32(q_c + r[:, None] * stride_q + kall[None, :], valid[:, None])  # whole rows, for the norms
+    k_t = load_f32(k_c + r[:, None] * stride_k + kall[None, :], valid[:, None])
+    qs, ks = _row_scales(q_t, k_t, valid, scale, L2NORM)
 
     zero = tl.zeros((C, BC), dtype=tl.float32)
     M0, M1, M2, M3, L0, L1, L2, L3 = zero, zero, zero, zero, zero, zero, zero, zero
     for c in range(K // BK):
         kk = c * BK + tl.arange(0, BK)
         m = valid[:, None]
-        q_b = load_f32(q_c + r[:, None] * stride_q + kk[None, :], m) * qs[:, None]
-        k_b = load_f32(k_c + r[:, None] * stride_k + kk[None, :], m) * ks[:, None]
+        if BK == K:  # one step (the lower-bound gate): the rows loaded for the norms, not a second load phase
+            q_b = q_t * qs[:, None]
+            k_b = k_t * ks[:, None]
+        else:
+            q_b = load_f32(q_c + r[:, None] * stride_q + kk[None, :], m) * qs[:, None]
+            k_b = load_f32(k_c + r[:, None] * stride_k + kk[None, :], m) * ks[:, None]
         a3 = tl.reshape(_log2_decay_block(g_c, r, valid, stride_g, h, kk, A_log, dt_bias, lower_bound, K,
                                           LOWER_BOUND_GATE, EMULATE), (NB, BC, BK))
         cs = tl.reshape(tl.cumsum(a3, axis=1), (C, BK))  # G_i - G_start(blk(i))
@@ -352,7 +357,7 @@ def _solve_kernel(
     b3 = _beta_rows(beta_c, rows3, ok3, stride_beta_tok, BETA_SIGMOID)
     # T = (I + β·L)⁻¹ by blocks: inverses of the diagonal blocks, then T_IJ = -T_II·Σ_K L_IK·T_KJ; then
     # w = T·β·kd over the kd parked in the w workspace, last row block first (w_I overwrites kd_I, which no
-    # later block needs), and u = T·β·v
+    # later block needs), and u = T·β·v, both in the same channel steps
     T00 = _unit_lower_inverse_block(L00, BC, DOT_PRECISION)
     T11 = _unit_lower_inverse_block(L11, BC, DOT_PRECISION)
     T22 = _unit_lower_inverse_block(L22, BC, DOT_PRECISION)
@@ -375,31 +380,29 @@ def _solve_kernel(
     T32 = T32 * b2[None, :]
     T33 = T33 * b3[None, :]
 
-    for c in range(K // BK):
-        kk = c * BK + tl.arange(0, BK)
-        kd0 = _load_tile(w_c, rows0, ok0, kk, K, H * K)
-        kd1 = _load_tile(w_c, rows1, ok1, kk, K, H * K)
-        kd2 = _load_tile(w_c, rows2, ok2, kk, K, H * K)
-        kd3 = _load_tile(w_c, rows3, ok3, kk, K, H * K)
-        tl.debug_barrier()
-        _store_tile(w_c, rows3, ok3, kk, _mm(T30, kd0, DOT_PRECISION) + _mm(T31, kd1, DOT_PRECISION)
+    for c in range(tl.cdiv(max(K, V), BK)):  # w and u together: one load phase per step for both
+        dd = c * BK + tl.arange(0, BK)
+        kd0 = _load_tile(w_c, rows0, ok0, dd, K, H * K)
+        kd1 = _load_tile(w_c, rows1, ok1, dd, K, H * K)
+        kd2 = _load_tile(w_c, rows2, ok2, dd, K, H * K)
+        kd3 = _load_tile(w_c, rows3, ok3, dd, K, H * K)
+        v0 = _load_tile(v_c, rows0, ok0, dd, V, stride_v)
+        v1 = _load_tile(v_c, rows1, ok1, dd, V, stride_v)
+        v2 = _load_tile(v_c, rows2, ok2, dd, V, stride_v)
+        v3 = _load_tile(v_c, rows3, ok3, dd, V, stride_v)
+        tl.debug_barrier()  # every thread's kd loaded before any w overwrites it
+        _store_tile(w_c, rows3, ok3, dd, _mm(T30, kd0, DOT_PRECISION) + _mm(T31, kd1, DOT_PRECISION)
                     + _mm(T32, kd2, DOT_PRECISION) + _mm(T33, kd3, DOT_PRECISION), K, H * K, EMULATE)
-        _store_tile(w_c, rows2, ok2, kk, _mm(T20, kd0, DOT_PRECISION) + _mm(T21, kd1, DOT_PRECISION)
+        _store_tile(w_c, rows2, ok2, dd, _mm(T20, kd0, DOT_PRECISION) + _mm(T21, kd1, DOT_PRECISION)
                     + _mm(T22, kd2, DOT_PRECISION), K, H * K, EMULATE)
-        _store_tile(w_c, rows1, ok1, kk, _mm(T10, kd0, DOT_PRECISION) + _mm(T11, kd1, DOT_PRECISION), K,
+        _store_tile(w_c, rows1, ok1, dd, _mm(T10, kd0, DOT_PRECISION) + _mm(T11, kd1, DOT_PRECISION), K,
                     H * K, EMULATE)
-        _store_tile(w_c, rows0, ok0, kk, _mm(T00, kd0, DOT_PRECISION), K, H * K, EMULATE)
-    for c in range(V // BK):
-        vv = c * BK + tl.arange(0, BK)
-        v0 = load_f32(v_c + rows0[:, None] * stride_v + vv[None, :], ok0[:, None] & (vv[None, :] < V))
-        v1 = load_f32(v_c + rows1[:, None] * stride_v + vv[None, :], ok1[:, None] & (vv[None, :] < V))
-        v2 = load_f32(v_c + rows2[:, None] * stride_v + vv[None, :], ok2[:, None] & (vv[None, :] < V))
-        v3 = load_f32(v_c + rows3[:, None] * stride_v + vv[None, :], ok3[:, None] & (vv[None, :] < V))
-        _store_tile(u_c, rows0, ok0, vv, _mm(T00, v0, DOT_PRECISION), V, H * V, EMULATE)
-        _store_tile(u_c, rows1, ok1, vv, _mm(T10, v0, DOT_PRECISION) + _mm(T11, v1, DOT_PRECISION), V, H * V, EMULATE)
-        _store_tile(u_c, rows2, ok2, vv, _mm(T20, v0, DOT_PRECISION) + _mm(T21, v1, DOT_PRECISION)
+        _store_tile(w_c, rows0, ok0, dd, _mm(T00, kd0, DOT_PRECISION), K, H * K, EMULATE)
+        _store_tile(u_c, rows0, ok0, dd, _mm(T00, v0, DOT_PRECISION), V, H * V, EMULATE)
+        _store_tile(u_c, rows1, ok1, dd, _mm(T10, v0, DOT_PRECISION) + _mm(T11, v1, DOT_PRECISION), V, H * V, EMULATE)
+        _store_tile(u_c, rows2, ok2, dd, _mm(T20, v0, DOT_PRECISION) + _mm(T21, v1, DOT_PRECISION)
                     + _mm(T22, v2, DOT_PRECISION), V, H * V, EMULATE)
-        _store_tile(u_c, rows3, ok3, vv, _mm(T30, v0, DOT_PRECISION) + _mm(T31, v1, DOT_PRECISION)
+        _store_tile(u_c, rows3, ok3, dd, _mm(T30, v0, DOT_PRECISION) + _mm(T31, v1, DOT_PRECISION)
                     + _mm(T32, v2, DOT_PRECISION) + _mm(T33, v3, DOT_PRECISION), V, H * V, EMULATE)
 
 
@@ -481,6 +484,13 @@ def _store_checkpoint(ckpt_offsets, ckpt_states, n, j, stride_n, stride_j, done,
         store_as(ckpt_states + target, S, None, EMULATE)
 
 
+def prepare_channels(key_dim, lower_bound_gate):
+    """Key channels per step of ``_prepare_kernel``: all of them under the lower-bound gate (one load-and-compute
+    phase; H200: 0.76 -> 0.59 ms whole call at H12 N1 T8192, 4.54 -> 3.24 at H96 B1 T8192); PREPARE_CHANNELS under
+    the precomputed gate, whose element-wise diagonal blocks would need 311 KB of shared memory in one step."""
+    return key_dim if lower_bound_gate else min(PREPARE_CHANNELS, key_dim)
+
+
 def num_slots(batch, seq_len, num_seqs, varlen):
     """Chunk slots the workspace holds (see the module docstring)."""
     if varlen:
@@ -533,7 +543,8 @@ def prepare(q, k, v, g, beta, *, A_log, dt_bias, lower_bound, scale, cu_seqlens,
         q, k, v, g, beta, *gate, cu, ws.w, ws.u, ws.qg, ws.kg, ws.A, L_ws, ws.decay,
         q.stride(1), k.stride(1), v.stride(1), g.stride(1), beta.stride(1), beta.stride(2),
         seq_len, num_seqs, bound, float(scale),
-        H=heads, K=key_dim, V=value_dim, C=CHUNK, BC=BLOCK, BK=PREPARE_CHANNELS, L2NORM=use_qk_l2norm,
+        H=heads, K=key_dim, V=value_dim, C=CHUNK, BC=BLOCK, BK=prepare_channels(key_dim, lower_bound_gate),
+        L2NORM=use_qk_l2norm,
         LOWER_BOUND_GATE=lower_bound_gate, **flags,
         num_warps=PREPARE_WARPS, num_stages=PREPARE_STAGES,
         **({} if PREPARE_MAXNREG is None else dict(maxnreg=PREPARE_MAXNREG)),
