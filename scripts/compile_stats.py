@@ -64,16 +64,17 @@ def compile_stats(fn, signature, constants, num_warps, num_stages=3):
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--warps", type=int, default=prefill.PREPARE_WARPS)
-    parser.add_argument("--channels", type=int, default=prefill.PREPARE_CHANNELS)
+    parser.add_argument("--channels", type=int, help="preparation channels per step (default: what the launch uses)")
     args = parser.parse_args()
     for gate in (True, False):
         for dim in (128, 64):
-            consts = dict(H=12, K=dim, V=dim, C=prefill.CHUNK, BC=prefill.BLOCK, BK=min(args.channels, dim),
+            channels = min(args.channels, dim) if args.channels else prefill.prepare_channels(dim, gate)
+            consts = dict(H=12, K=dim, V=dim, C=prefill.CHUNK, BC=prefill.BLOCK, BK=channels,
                           IS_VARLEN=True, LOWER_BOUND_GATE=gate, L2NORM=True, BETA_SIGMOID=True,
                           DOT_PRECISION="tf32", EMULATE=False)
             stats = compile_stats(prefill._prepare_kernel, PREPARATION_SIGNATURE, consts, args.warps,
                                   prefill.PREPARE_STAGES)
-            print(f"prepare K=V={dim} lower_bound_gate={gate} channels={args.channels} warps={args.warps}: {stats}")
+            print(f"prepare K=V={dim} lower_bound_gate={gate} channels={channels} warps={args.warps}: {stats}")
     for dim in (128, 64):
         consts = dict(H=12, K=dim, V=dim, C=prefill.CHUNK, BC=prefill.BLOCK, BK=min(prefill.SOLVE_CHANNELS, dim),
                       IS_VARLEN=True, BETA_SIGMOID=True, DOT_PRECISION="tf32", EMULATE=False)
@@ -86,7 +87,8 @@ def main():
     for slices, checkpoints in ((1, 0), (2, 0), (4, 0), (4, 2)):
         consts = dict(H=12, K=128, V=128, BV=128 // slices, C=prefill.CHUNK, IS_VARLEN=True, HAS_INITIAL=True,
                       HAS_FINAL=True, NUM_CKPT=checkpoints, EMULATE=False)
-        stats = compile_stats(prefill._recurrence_kernel, recurrence_sig, consts, 4, 2)  # as recur() launches it
+        stats = compile_stats(prefill._recurrence_kernel, recurrence_sig, consts, prefill.RECURRENCE_WARPS,
+                              prefill.RECURRENCE_STAGES)  # as recur() launches it
         print(f"recurrence K=V=128 v_slices={slices} checkpoints={checkpoints}: {stats}")
     decode_sig = dict(q=BF16, k=BF16, v=BF16, g=BF16, beta=BF16, A_log=F32, dt_bias=F32, pool=F32, slots="*i32",
                       num_accepted="*i32", out=BF16, stride_q="i32", stride_k="i32", stride_v="i32", stride_g="i32",

@@ -20,12 +20,10 @@ from fastkda.bench import fastkda_runner, load_workloads, make_prefill_inputs
 
 SOURCE = Path(fastkda.api.__file__).parent / "ops" / "prefill.py"
 # (label, module settings, source edit or None)
-VARIANTS = [  # the next ones to time: the solve kernel's merged w/u channel loop at wider steps (perf-notes v10)
+VARIANTS = [  # the next ones to time (perf-notes v11): the row-block products come as --source exp/...
     ("as committed", {}, None),
-    ("solve 32 channels, 2 warps", dict(SOLVE_CHANNELS=32), None),
-    ("solve 32 channels, 4 warps", dict(SOLVE_CHANNELS=32, SOLVE_WARPS=4), None),
-    ("solve 64 channels, 4 warps", dict(SOLVE_CHANNELS=64, SOLVE_WARPS=4), None),
-    ("solve 128 channels, 4 warps", dict(SOLVE_CHANNELS=128, SOLVE_WARPS=4), None),
+    ("recurrence on 8 warps", dict(RECURRENCE_WARPS=8), None),
+    ("recurrence, 3 stages", dict(RECURRENCE_STAGES=3), None),
 ]
 
 

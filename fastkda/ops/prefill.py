@@ -37,8 +37,10 @@ BLOCK = 16  # tokens per block inside a chunk (the range over which exp(-G) fact
 PREPARE_CHANNELS = 32  # key channels per step of the first kernel under the precomputed gate (H200: 32 beat
 # 16; 64 see PREPARE_STAGES); the lower-bound gate takes every channel in one step (prepare_channels)
 PREPARE_WARPS = 8  # H200: 8 warps beat 4 (docs/perf-notes.md)
-SOLVE_CHANNELS = 16  # channels per step of _solve_kernel's w and u pass
-SOLVE_WARPS = 2  # 16x16 products: 2 warps replicate least; 207 registers, no spills, 4 programs per SM
+SOLVE_CHANNELS = 128  # channels per step of _solve_kernel's w and u pass (H200: one step on 4 warps beat 16
+SOLVE_WARPS = 4  # channels on 2 warps, 0.93 -> 0.64 ms at H96 B1 T8192; 32 on 2 warps 0.76; 64 on 4 warps 0.74)
+RECURRENCE_WARPS = 4  # spec §7: 8 warps were slower for a plain recurrence
+RECURRENCE_STAGES = 2  # the next chunk's workspace loads overlap the current step
 PREPARE_MAXNREG = None  # a register cap for _prepare_kernel (Triton's maxnreg); H200: every cap was slower
 PREPARE_STAGES = 3  # pipelining depth of its channel loop (num_stages). 1 stage at 64 channels was 5% faster
 # but an exactness-matrix run with it hit an illegal memory access (84a3ad0, docs/perf-notes.md): not used
@@ -551,7 +553,8 @@ def prepare(q, k, v, g, beta, *, A_log, dt_bias, lower_bound, scale, cu_seqlens,
     )
     _solve_kernel[(slots, heads)](
         v, beta, cu, ws.w, ws.u, L_ws, v.stride(1), beta.stride(1), beta.stride(2), seq_len, num_seqs,
-        H=heads, K=key_dim, V=value_dim, C=CHUNK, BC=BLOCK, BK=SOLVE_CHANNELS, **flags, num_warps=SOLVE_WARPS,
+        H=heads, K=key_dim, V=value_dim, C=CHUNK, BC=BLOCK, BK=min(SOLVE_CHANNELS, max(key_dim, value_dim)), **flags,
+        num_warps=SOLVE_WARPS,
         num_stages=SOLVE_STAGES,
     )
     return ws
@@ -577,8 +580,8 @@ def recur(ws, *, initial_state, final_state, out, v_slices, checkpoint_offsets=N
         checkpoint_offsets.stride(0) if checkpoints else 0, checkpoint_offsets.stride(-1) if checkpoints else 0,
         H=heads, K=key_dim, V=value_dim, BV=value_dim // v_slices, C=CHUNK,
         IS_VARLEN=ws.cu_seqlens is not None, HAS_INITIAL=initial_state is not None,
-        HAS_FINAL=final_state is not None, NUM_CKPT=checkpoints, EMULATE=interpreting(), num_warps=4,
-        num_stages=2,
+        HAS_FINAL=final_state is not None, NUM_CKPT=checkpoints, EMULATE=interpreting(), num_warps=RECURRENCE_WARPS,
+        num_stages=RECURRENCE_STAGES,
     )
 
 
