@@ -20,10 +20,9 @@ from fastkda.bench import fastkda_runner, load_workloads, make_prefill_inputs
 
 SOURCE = Path(fastkda.api.__file__).parent / "ops" / "prefill.py"
 # (label, module settings, source edit or None)
-VARIANTS = [  # the next ones to time (perf-notes v11): the row-block products come as --source exp/...
+VARIANTS = [  # the next ones to time
     ("as committed", {}, None),
-    ("recurrence on 8 warps", dict(RECURRENCE_WARPS=8), None),
-    ("recurrence, 3 stages", dict(RECURRENCE_STAGES=3), None),
+    ("recurrence at 2 stages", dict(RECURRENCE_STAGES=2), None),
 ]
 
 

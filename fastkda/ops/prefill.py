@@ -39,8 +39,8 @@ PREPARE_CHANNELS = 32  # key channels per step of the first kernel under the pre
 PREPARE_WARPS = 8  # H200: 8 warps beat 4 (docs/perf-notes.md)
 SOLVE_CHANNELS = 128  # channels per step of _solve_kernel's w and u pass (H200: one step on 4 warps beat 16
 SOLVE_WARPS = 4  # channels on 2 warps, 0.93 -> 0.64 ms at H96 B1 T8192; 32 on 2 warps 0.76; 64 on 4 warps 0.74)
-RECURRENCE_WARPS = 4  # spec §7: 8 warps were slower for a plain recurrence
-RECURRENCE_STAGES = 2  # the next chunk's workspace loads overlap the current step
+RECURRENCE_WARPS = 4  # spec §7: 8 warps were slower for a plain recurrence; H200: 0.585 -> 0.689 ms at H12 N1 T8192
+RECURRENCE_STAGES = 3  # the next chunks' workspace loads overlap the current step (recurrence_stages)
 PREPARE_MAXNREG = None  # a register cap for _prepare_kernel (Triton's maxnreg); H200: every cap was slower
 PREPARE_STAGES = 3  # pipelining depth of its channel loop (num_stages). 1 stage at 64 channels was 5% faster
 # but an exactness-matrix run with it hit an illegal memory access (84a3ad0, docs/perf-notes.md): not used
@@ -493,6 +493,14 @@ def prepare_channels(key_dim, lower_bound_gate):
     return key_dim if lower_bound_gate else min(PREPARE_CHANNELS, key_dim)
 
 
+def recurrence_stages(key_dim, slice_width):
+    """Pipelining depth of the recurrence: RECURRENCE_STAGES (H200, H12 N1 T8192 at four slices: 3 stages 0.501 ms
+    whole call against 0.585 at 2), except where its buffers would not fit in shared memory: a 128-wide slice at
+    K = 128 needs 254 KB at 3 stages (227 KB per block on a Hopper SM), so it keeps 2 (180 KB). The depth changes
+    when loads are issued, never the arithmetic, so results stay bitwise identical across slice counts."""
+    return 2 if key_dim == 128 and slice_width == 128 else RECURRENCE_STAGES
+
+
 def num_slots(batch, seq_len, num_seqs, varlen):
     """Chunk slots the workspace holds (see the module docstring)."""
     if varlen:
@@ -581,7 +589,7 @@ def recur(ws, *, initial_state, final_state, out, v_slices, checkpoint_offsets=N
         H=heads, K=key_dim, V=value_dim, BV=value_dim // v_slices, C=CHUNK,
         IS_VARLEN=ws.cu_seqlens is not None, HAS_INITIAL=initial_state is not None,
         HAS_FINAL=final_state is not None, NUM_CKPT=checkpoints, EMULATE=interpreting(), num_warps=RECURRENCE_WARPS,
-        num_stages=RECURRENCE_STAGES,
+        num_stages=recurrence_stages(key_dim, value_dim // v_slices),
     )
 
 
