@@ -18,6 +18,13 @@ import torch
 V_SLICE_CHOICES = (1, 2, 4)
 ENV_V_SLICES = "FASTKDA_V_SLICES"
 MIN_SLICE_WIDTH = 16  # a V-slice narrower than this cannot feed a tensor-core dot
+# Auto picks one of two slice widths (H200 sweep, docs/perf-notes.md): 64 columns always (a 128-wide slice of a
+# K = 128 recurrence gets only 2 pipelining stages in shared memory and spills; two 64-wide slices were faster in
+# every one of 168 configurations, by 6-53%, even when they took two waves of programs), and 32 columns when every
+# program still fits in one wave and a token's row of heads is not a power of two in bytes (with power-of-two rows,
+# 1, 2, 4 KB at H = 4, 8, 16, 32-wide slices ran 6-12% slower than 64-wide ones; at H = 12, 24 they were 20% faster)
+SLICE_WIDTH = 64
+NARROW_SLICE_WIDTH = 32
 CHUNK = 64  # tokens per serial step of the prefill recurrence (fastkda.ops.prefill uses this one)
 
 
@@ -61,8 +68,9 @@ def requested_v_slices(argument="auto"):
 def choose_plan(num_seqs: int, heads: int, tokens: int, value_dim: int, sms: int, v_slices="auto") -> Plan:
     """The plan for ``num_seqs`` sequences of about ``tokens`` tokens and ``heads`` heads on ``sms`` SMs.
 
-    Auto: the most slices ``s`` with ``s·N·H ≤ SMs`` (one program per SM at most, so every slice runs
-    concurrently), at least :data:`MIN_SLICE_WIDTH` columns wide; ``s = 1`` when nothing fits."""
+    Auto: slices of :data:`NARROW_SLICE_WIDTH` columns when all ``s·N·H`` programs fit on the SMs at once (one
+    per SM) and a token's row of heads (``H·V`` bf16 values) is not a power of two in bytes; otherwise slices of
+    :data:`SLICE_WIDTH` columns (one slice when V is no wider)."""
     choice = requested_v_slices(v_slices)
     pairs = max(num_seqs * heads, 1)
     chain = f"; each program walks {-(-tokens // CHUNK)} chunk(s) of {CHUNK} tokens in order"
@@ -70,10 +78,19 @@ def choose_plan(num_seqs: int, heads: int, tokens: int, value_dim: int, sms: int
         if value_dim // choice < MIN_SLICE_WIDTH or value_dim % choice:
             raise ValueError(f"v_slices={choice} leaves slices narrower than {MIN_SLICE_WIDTH} for V={value_dim}")
         return Plan(choice, choice * pairs, sms, f"v_slices={choice} requested" + chain)
-    fitting = [s for s in V_SLICE_CHOICES if s * pairs <= sms and value_dim // s >= MIN_SLICE_WIDTH]
-    slices = max(fitting, default=1)
-    reason = (f"{slices} slice(s): {slices}*N*H = {slices * pairs} programs <= {sms} SMs" if fitting
-              else f"1 slice: N*H = {pairs} programs already exceed {sms} SMs")
+    base = max(value_dim // SLICE_WIDTH, 1)
+    narrow = value_dim // NARROW_SLICE_WIDTH
+    row_bytes = heads * value_dim * 2
+    if narrow not in V_SLICE_CHOICES or narrow <= base:
+        slices, reason = base, f"{base} slice(s) of {value_dim // base} columns"
+    elif narrow * pairs > sms:
+        slices, reason = base, (f"{base} slice(s) of {value_dim // base} columns: {narrow} narrower ones would be "
+                                f"{narrow * pairs} programs > {sms} SMs")
+    elif row_bytes & (row_bytes - 1) == 0:
+        slices, reason = base, (f"{base} slice(s) of {value_dim // base} columns: rows of {row_bytes} bytes per token "
+                                f"(a power of two) made {NARROW_SLICE_WIDTH}-column slices slower")
+    else:
+        slices, reason = narrow, f"{narrow} slices of {NARROW_SLICE_WIDTH} columns: {narrow * pairs} programs <= {sms} SMs"
     return Plan(slices, slices * pairs, sms, reason + chain)
 
 

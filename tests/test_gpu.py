@@ -83,9 +83,11 @@ def test_precomputed_gate_down_to_minus_1e4():
     assert err_o <= OUT_BOUND and err_s <= STATE_BOUND
 
 
-@pytest.mark.parametrize("lengths,varlen", [([2, 700], True), ([16] * 16, True), ([333, 333], False)])
-def test_cuda_graph_replay_with_new_inputs(lengths, varlen):
-    """Issue 3: a graph captured at N = 2 (auto splits: 4·2·12 <= 132) and at N = 16 (no split) replays its plan."""
+@pytest.mark.parametrize("lengths,varlen,v_slices", [([2, 700], True, "auto"), ([16] * 16, True, "auto"),
+                                                     ([16] * 16, True, 1), ([333, 333], False, "auto")])
+def test_cuda_graph_replay_with_new_inputs(lengths, varlen, v_slices):
+    """Issue 3: a graph captured at N = 2 (auto: 4 slices, 4·2·12 <= 132), at N = 16 (auto: 2 slices) and at N = 16
+    unsplit (v_slices=1) replays its plan on fresh inputs, equal to an eager call with the same plan."""
     inp = make_inputs(lengths, heads=12, key_dim=128, varlen=varlen, device="cuda", seed=3)
     out = torch.empty_like(inp["v"])
     final = torch.empty_like(inp["initial_state"])
@@ -94,7 +96,7 @@ def test_cuda_graph_replay_with_new_inputs(lengths, varlen):
     def step():
         fastkda.kda_prefill(*(inp[x] for x in names[:5]), A_log=inp["A_log"], dt_bias=inp["dt_bias"],
                             lower_bound=inp["lower_bound"], initial_state=inp["initial_state"], final_state=final,
-                            cu_seqlens=inp["cu_seqlens"], out=out)
+                            cu_seqlens=inp["cu_seqlens"], out=out, v_slices=v_slices)
 
     graph = capture_graph(step)
     fresh = make_inputs(lengths, heads=12, key_dim=128, varlen=varlen, device="cuda", seed=4)
@@ -104,7 +106,7 @@ def test_cuda_graph_replay_with_new_inputs(lengths, varlen):
     final.fill_(float("nan"))
     graph.replay()
     torch.cuda.synchronize()
-    eager_o, eager_s, _ = run_prefill(fresh, torch.float32, torch.float32)
+    eager_o, eager_s, _ = run_prefill(fresh, torch.float32, torch.float32, v_slices=v_slices)
     assert torch.equal(out, eager_o) and torch.equal(final, eager_s)
 
 
