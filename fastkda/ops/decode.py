@@ -14,6 +14,20 @@ from .common import interpreting, load_f32, store_as
 
 
 @triton.jit
+def _token_inputs(q, k, v, g, beta, n, t, T, h, kk, vv, stride_q, stride_k, stride_v, stride_g, stride_beta_n,
+                  stride_beta_t, stride_beta_h, K: tl.constexpr, V: tl.constexpr):
+    """Token ``t`` of sequence ``n``: q, k, g ``[K]``, v ``[BV]`` as fp32 and β (raw), zeros past ``T``."""
+    ok = t < T
+    row = (n * T + t).to(tl.int64)  # q, k, v, g are [N, T, H, D] with rows of one token contiguous
+    q_t = load_f32(q + row * stride_q + h * K + kk, (kk < K) & ok)
+    k_t = load_f32(k + row * stride_k + h * K + kk, (kk < K) & ok)
+    v_t = load_f32(v + row * stride_v + h * V + vv, (vv < V) & ok)
+    g_t = load_f32(g + row * stride_g + h * K + kk, (kk < K) & ok)
+    b_t = tl.load(beta + n * stride_beta_n + t * stride_beta_t + h * stride_beta_h, mask=ok, other=0.0).to(tl.float32)
+    return q_t, k_t, v_t, g_t, b_t
+
+
+@triton.jit
 def _decode_kernel(
     q, k, v, g, beta, A_log, dt_bias, pool, slots, num_accepted, out,
     stride_q, stride_k, stride_v, stride_g, stride_beta_n, stride_beta_t, stride_beta_h, stride_slot_n,
@@ -27,6 +41,14 @@ def _decode_kernel(
     n = tl.program_id(2)
     kk = tl.arange(0, K)
     vv = vs * BV + tl.arange(0, BV)
+    # the first token's inputs (and the gate's parameters) are requested before the slot, so that their round trip
+    # to memory overlaps the slot -> state chain instead of following it; each later token's while the previous
+    # one computes
+    q_t, k_t, v_t, g_t, b_t = _token_inputs(q, k, v, g, beta, n, 0, T, h, kk, vv, stride_q, stride_k, stride_v,
+                                            stride_g, stride_beta_n, stride_beta_t, stride_beta_h, K, V)
+    if LOWER_BOUND_GATE:
+        a_scale = tl.exp(tl.load(A_log + h).to(tl.float32))
+        bias = tl.load(dt_bias + h * K + kk).to(tl.float32)
     read_t = 0
     if HAS_ACCEPTED:
         read_t = tl.load(num_accepted + n).to(tl.int32) - 1
@@ -35,16 +57,9 @@ def _decode_kernel(
     state_cols = (h * V + vv[:, None]) * K + kk[None, :]  # S[v, k] = pool[slot, h, v, k]; int32 within a slot
     m_state = live & (vv[:, None] < V) & (kk[None, :] < K)
     S = load_f32(pool + read_slot * (H * V * K) + state_cols, m_state)
-    if LOWER_BOUND_GATE:
-        a_scale = tl.exp(tl.load(A_log + h).to(tl.float32))
-        bias = tl.load(dt_bias + h * K + kk).to(tl.float32)
     for t in range(T):
-        row = n * T + t  # q, k, v, g are [N, T, H, D] with rows of one token contiguous
-        q_t = load_f32(q + row.to(tl.int64) * stride_q + h * K + kk, kk < K)
-        k_t = load_f32(k + row.to(tl.int64) * stride_k + h * K + kk, kk < K)
-        v_t = load_f32(v + row.to(tl.int64) * stride_v + h * V + vv, vv < V)
-        g_t = load_f32(g + row.to(tl.int64) * stride_g + h * K + kk, kk < K)
-        b_t = tl.load(beta + n * stride_beta_n + t * stride_beta_t + h * stride_beta_h).to(tl.float32)
+        q_n, k_n, v_n, g_n, b_n = _token_inputs(q, k, v, g, beta, n, t + 1, T, h, kk, vv, stride_q, stride_k,
+                                                stride_v, stride_g, stride_beta_n, stride_beta_t, stride_beta_h, K, V)
         if L2NORM:
             q_t = q_t * tl.rsqrt(tl.sum(q_t * q_t) + 1e-6)
             k_t = k_t * tl.rsqrt(tl.sum(k_t * k_t) + 1e-6)
@@ -60,10 +75,12 @@ def _decode_kernel(
         u = b_t * (v_t - tl.sum(S * (decay * k_t)[None, :], axis=1))
         S = S * decay[None, :] + u[:, None] * k_t[None, :]
         o_t = tl.sum(S * (q_t * scale)[None, :], axis=1)
-        store_as(out + row.to(tl.int64) * (H * V) + h * V + vv, tl.where(live, o_t, 0.0), vv < V, EMULATE)
+        row = (n * T + t).to(tl.int64)
+        store_as(out + row * (H * V) + h * V + vv, tl.where(live, o_t, 0.0), vv < V, EMULATE)
         if PER_TOKEN_SLOTS:
             write_slot = tl.load(slots + n * stride_slot_n + t * stride_slot_t).to(tl.int64)
             store_as(pool + write_slot * (H * V * K) + state_cols, S, m_state & (write_slot >= 0), EMULATE)
+        q_t, k_t, v_t, g_t, b_t = q_n, k_n, v_n, g_n, b_n
     if not PER_TOKEN_SLOTS:
         store_as(pool + read_slot * (H * V * K) + state_cols, S, m_state, EMULATE)
 
