@@ -27,7 +27,7 @@ def _fail(name, expected, got):
 def _check_tensor(name, x, shape, dtypes, device):
     if not isinstance(x, torch.Tensor):
         _fail(name, "a torch.Tensor", type(x).__name__)
-    if tuple(x.shape) != tuple(shape):
+    if x.shape != shape:
         _fail(name, f"of shape {list(shape)}", list(x.shape))
     if x.dtype not in dtypes:
         _fail(name, f"of dtype {' or '.join(str(d) for d in dtypes)}", x.dtype)
@@ -38,9 +38,9 @@ def _check_tensor(name, x, shape, dtypes, device):
 def _check_token_rows(name, x):
     """The kernels address token t of batch b as ``base + (b*T + t) * stride(1)``, rows contiguous."""
     batch, length, heads, dim = x.shape
-    if x.stride(3) != 1 or x.stride(2) != dim or (batch > 1 and x.stride(0) != length * x.stride(1)):
-        _fail(name, "contiguous within each token ([H, D] rows) with batch rows back to back",
-              f"strides {tuple(x.stride())}")
+    stride = x.stride()
+    if stride[3] != 1 or stride[2] != dim or (batch > 1 and stride[0] != length * stride[1]):
+        _fail(name, "contiguous within each token ([H, D] rows) with batch rows back to back", f"strides {stride}")
 
 
 def _check_inputs(q, k, v, g, beta, A_log, dt_bias, lower_bound, scale):
@@ -81,14 +81,13 @@ def _check_gate(A_log, dt_bias, lower_bound, heads, key_dim, device):
         return
     if not isinstance(lower_bound, (int, float)) or not MIN_LOWER_BOUND <= lower_bound < 0:
         _fail("lower_bound", f"a number in [{MIN_LOWER_BOUND}, 0)", lower_bound)
-    _check_tensor("A_log", A_log.reshape(-1) if isinstance(A_log, torch.Tensor) else A_log, (heads,),
-                  FLOAT_DTYPES, device)
-    if isinstance(dt_bias, torch.Tensor) and dt_bias.numel() == heads * key_dim and dt_bias.is_contiguous():
-        dt_bias = dt_bias.reshape(heads, key_dim)
-    else:
+    if not isinstance(A_log, torch.Tensor) or A_log.numel() != heads or not A_log.is_contiguous():
+        _fail("A_log", f"a contiguous tensor of {heads} values ([H])", getattr(A_log, "shape", type(A_log).__name__))
+    _check_tensor("A_log", A_log, A_log.shape, FLOAT_DTYPES, device)
+    if not isinstance(dt_bias, torch.Tensor) or dt_bias.numel() != heads * key_dim or not dt_bias.is_contiguous():
         _fail("dt_bias", f"a contiguous tensor of {heads * key_dim} values ([H, K] or [H*K])",
               getattr(dt_bias, "shape", type(dt_bias).__name__))
-    _check_tensor("dt_bias", dt_bias, (heads, key_dim), FLOAT_DTYPES, device)
+    _check_tensor("dt_bias", dt_bias, dt_bias.shape, FLOAT_DTYPES, device)
 
 
 def _check_out(out, v, inputs):

@@ -71,7 +71,11 @@ def choose_plan(num_seqs: int, heads: int, tokens: int, value_dim: int, sms: int
     Auto: slices of :data:`NARROW_SLICE_WIDTH` columns when all ``s·N·H`` programs fit on the SMs at once (one
     per SM) and a token's row of heads (``H·V`` bf16 values) is not a power of two in bytes; otherwise slices of
     :data:`SLICE_WIDTH` columns (one slice when V is no wider)."""
-    choice = requested_v_slices(v_slices)
+    return _plan(num_seqs, heads, tokens, value_dim, sms, requested_v_slices(v_slices))
+
+
+@functools.lru_cache(maxsize=4096)  # an eager call's host time counts: a repeated shape reuses its plan
+def _plan(num_seqs, heads, tokens, value_dim, sms, choice):
     pairs = max(num_seqs * heads, 1)
     chain = f"; each program walks {-(-tokens // CHUNK)} chunk(s) of {CHUNK} tokens in order"
     if choice != "auto":

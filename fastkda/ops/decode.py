@@ -10,7 +10,7 @@ output, no pool access; a negative write slot skips that write.
 import triton
 import triton.language as tl
 
-from .common import interpreting, load_f32, store_as
+from .common import interpreting, launch, load_f32, store_as
 
 
 @triton.jit
@@ -102,7 +102,8 @@ def recurrent_kda_decode(q, k, v, g, beta, state_pool, slots, *, A_log, dt_bias,
     per_token = slots.dim() == 2
     absent = slots  # stands for absent optional tensors; never dereferenced
     block_v = value_dim // v_slices
-    _decode_kernel[(v_slices, heads, num_seqs)](
+    launch(
+        _decode_kernel, (v_slices, heads, num_seqs),
         q, k, v, g, beta, A_log if lower_bound_gate else absent, dt_bias if lower_bound_gate else absent,
         state_pool, slots, num_accepted_tokens if num_accepted_tokens is not None else absent, out,
         q.stride(1), k.stride(1), v.stride(1), g.stride(1), beta.stride(0), beta.stride(1), beta.stride(2),

@@ -31,7 +31,7 @@ import triton.language as tl
 
 from ..plan import CHUNK  # tokens per chunk (one serial step of the recurrence)
 from ..reference import LOG_DECAY_FLOOR as _FLOOR
-from .common import bf16_operand, fast_exp2, fast_reciprocal, interpreting, load_f32, store_as
+from .common import bf16_operand, fast_exp2, fast_reciprocal, interpreting, launch, load_f32, store_as
 
 BLOCK = 16  # tokens per block inside a chunk (the range over which exp(-G) factors are formed)
 PREPARE_CHANNELS = 32  # key channels per step of the first kernel under the precomputed gate (H200: 32 beat
@@ -510,7 +510,9 @@ def num_slots(batch, seq_len, num_seqs, varlen):
 
 @dataclass
 class Workspace:
-    """What the preparation kernel writes for the recurrence (bf16 per token, fp32 decay per chunk slot)."""
+    """What the preparation kernels write for the recurrence: per token and head, bf16 rows ``w``, ``qg``, ``kg``
+    (K values), ``u`` (V) and ``A`` (C); per chunk slot and head, the fp32 chunk decay (K values). Flat views of
+    two allocations (one allocation per dtype: the host time of a small call counts)."""
 
     w: torch.Tensor
     u: torch.Tensor
@@ -518,27 +520,41 @@ class Workspace:
     kg: torch.Tensor
     A: torch.Tensor
     decay: torch.Tensor
+    heads: int
+    key_dim: int
+    value_dim: int
     cu_seqlens: Optional[torch.Tensor]
     seq_len: int
     num_seqs: int
 
 
+def _split(buffer, sizes):
+    """Consecutive flat views of ``buffer`` with the given numbers of elements."""
+    views, start = [], 0
+    for size in sizes:
+        views.append(buffer[start:start + size])
+        start += size
+    return views
+
+
 def prepare(q, k, v, g, beta, *, A_log, dt_bias, lower_bound, scale, cu_seqlens, use_qk_l2norm, use_beta_sigmoid,
             dot_precision="tf32"):
-    """Run the preparation kernel on validated inputs (``q, k, g [B, T, H, K]``, ``v [B, T, H, V]`` with
-    ``[H, K]`` contiguous per token, ``beta [B, T, H]`` any strides) and return its :class:`Workspace`."""
+    """Run the preparation kernels on validated inputs (``q, k, g [B, T, H, K]``, ``v [B, T, H, V]`` with
+    ``[H, K]`` contiguous per token, ``beta [B, T, H]`` any strides) and return their :class:`Workspace`."""
     batch, seq_len, heads, key_dim = q.shape
     value_dim = v.shape[-1]
     varlen = cu_seqlens is not None
     num_seqs = cu_seqlens.numel() - 1 if varlen else batch
-    tokens = batch * seq_len
+    rows = batch * seq_len * heads  # (token, head) pairs
     slots = num_slots(batch, seq_len, num_seqs, varlen)
-    bf16 = dict(dtype=torch.bfloat16, device=q.device)
-    ws = Workspace(w=torch.empty(tokens, heads, key_dim, **bf16), u=torch.empty(tokens, heads, value_dim, **bf16),
-                   qg=torch.empty(tokens, heads, key_dim, **bf16), kg=torch.empty(tokens, heads, key_dim, **bf16),
-                   A=torch.empty(tokens, heads, CHUNK, **bf16),
-                   decay=torch.empty(slots, heads, key_dim, dtype=torch.float32, device=q.device),
+    bf16 = torch.empty(rows * (3 * key_dim + value_dim + CHUNK), dtype=torch.bfloat16, device=q.device)
+    fp32 = torch.empty(slots * heads * key_dim + rows * CHUNK, dtype=torch.float32, device=q.device)
+    w, qg, kg, u, A = _split(bf16, (rows * key_dim,) * 3 + (rows * value_dim, rows * CHUNK))
+    decay, L_ws = _split(fp32, (slots * heads * key_dim, rows * CHUNK))  # L_ws: β·L, read back by blocks
+    ws = Workspace(w=w, u=u, qg=qg, kg=kg, A=A, decay=decay, heads=heads, key_dim=key_dim, value_dim=value_dim,
                    cu_seqlens=cu_seqlens, seq_len=seq_len, num_seqs=num_seqs)
+    if slots == 0:
+        return ws
     lower_bound_gate = lower_bound is not None
     absent = ws.decay  # stands for absent optional tensors; never dereferenced
     gate = (A_log if lower_bound_gate else absent, dt_bias if lower_bound_gate else absent)
@@ -546,22 +562,21 @@ def prepare(q, k, v, g, beta, *, A_log, dt_bias, lower_bound, scale, cu_seqlens,
     flags = dict(IS_VARLEN=varlen, BETA_SIGMOID=use_beta_sigmoid, DOT_PRECISION=dot_precision,
                  EMULATE=interpreting())
     bound = float(lower_bound) if lower_bound_gate else 0.0
-    if slots == 0:
-        return ws
-    L_ws = torch.empty(tokens, heads, CHUNK, dtype=torch.float32, device=q.device)  # β·L, read back by blocks
-    _prepare_kernel[(slots, heads)](
+    launch(
+        _prepare_kernel, (slots, heads, 1),
         q, k, v, g, beta, *gate, cu, ws.w, ws.u, ws.qg, ws.kg, ws.A, L_ws, ws.decay,
         q.stride(1), k.stride(1), v.stride(1), g.stride(1), beta.stride(1), beta.stride(2),
-        seq_len, num_seqs, bound, float(scale),
-        H=heads, K=key_dim, V=value_dim, C=CHUNK, BC=BLOCK, BK=prepare_channels(key_dim, lower_bound_gate),
+        seq_len, num_seqs, bound, float(scale), heads,
+        K=key_dim, V=value_dim, C=CHUNK, BC=BLOCK, BK=prepare_channels(key_dim, lower_bound_gate),
         L2NORM=use_qk_l2norm,
         LOWER_BOUND_GATE=lower_bound_gate, **flags,
         num_warps=PREPARE_WARPS, num_stages=PREPARE_STAGES,
         **({} if PREPARE_MAXNREG is None else dict(maxnreg=PREPARE_MAXNREG)),
     )
-    _solve_kernel[(slots, heads)](
-        v, beta, cu, ws.w, ws.u, L_ws, v.stride(1), beta.stride(1), beta.stride(2), seq_len, num_seqs,
-        H=heads, K=key_dim, V=value_dim, C=CHUNK, BC=BLOCK, BK=min(SOLVE_CHANNELS, max(key_dim, value_dim)), **flags,
+    launch(
+        _solve_kernel, (slots, heads, 1),
+        v, beta, cu, ws.w, ws.u, L_ws, v.stride(1), beta.stride(1), beta.stride(2), seq_len, num_seqs, heads,
+        K=key_dim, V=value_dim, C=CHUNK, BC=BLOCK, BK=min(SOLVE_CHANNELS, max(key_dim, value_dim)), **flags,
         num_warps=SOLVE_WARPS,
         num_stages=SOLVE_STAGES,
     )
@@ -574,11 +589,11 @@ def recur(ws, *, initial_state, final_state, out, v_slices, checkpoint_offsets=N
     ``checkpoint_states [N, 2, H, V, K]`` at ``checkpoint_offsets [N]`` or ``[N, 2]`` (if given) in place."""
     if ws.num_seqs == 0:
         return
-    tokens, heads, key_dim = ws.w.shape
-    value_dim = ws.u.shape[-1]
+    heads, key_dim, value_dim = ws.heads, ws.key_dim, ws.value_dim
     absent = ws.decay
     checkpoints = 0 if checkpoint_offsets is None else (1 if checkpoint_offsets.dim() == 1 else checkpoint_offsets.shape[1])
-    _recurrence_kernel[(v_slices, heads, ws.num_seqs)](
+    launch(
+        _recurrence_kernel, (v_slices, heads, ws.num_seqs),
         ws.w, ws.u, ws.qg, ws.kg, ws.A, ws.decay, out,
         initial_state if initial_state is not None else absent,
         final_state if final_state is not None else absent,
