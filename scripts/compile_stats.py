@@ -22,10 +22,9 @@ PTXAS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
 BF16, F32 = "*bf16", "*fp32"
 # the arguments of both preparation kernels (compile_for_hopper drops those a kernel does not take)
 PREPARATION_SIGNATURE = dict(q=BF16, k=BF16, v=BF16, g=BF16, beta=BF16, A_log=F32, dt_bias=F32, cu_seqlens="*i32",
-                             w_ws=BF16, u_ws=BF16, qg_ws=BF16, kg_ws=BF16, A_ws=BF16, L_ws=F32, decay_ws=F32,
-                             stride_q="i32", stride_k="i32", stride_v="i32", stride_g="i32", stride_beta_tok="i32",
-                             stride_beta_head="i32", seq_len="i32", num_seqs="i32", lower_bound="fp32",
-                             scale="fp32")
+                             ws_bf16=BF16, ws_fp32=F32, stride_q="i32", stride_k="i32", stride_v="i32", stride_g="i32",
+                             stride_beta_tok="i32", stride_beta_head="i32", seq_len="i32", num_seqs="i32",
+                             rows="i32", total_slots="i32", lower_bound="fp32", scale="fp32")
 
 
 def compile_for_hopper(fn, signature, constants, num_warps, num_stages=3):
@@ -81,9 +80,9 @@ def main():
         stats = compile_stats(prefill._solve_kernel, PREPARATION_SIGNATURE, consts, prefill.SOLVE_WARPS,
                               prefill.SOLVE_STAGES)
         print(f"solve K=V={dim} warps={prefill.SOLVE_WARPS}: {stats}")
-    recurrence_sig = dict(w_ws=BF16, u_ws=BF16, qg_ws=BF16, kg_ws=BF16, A_ws=BF16, decay_ws=F32, out=BF16,
-                          initial_state=F32, final_state=F32, cu_seqlens="*i32", ckpt_offsets="*i32", ckpt_states=F32,
-                          stride_out="i32", seq_len="i32", stride_ckpt_n="i32", stride_ckpt_j="i32")
+    recurrence_sig = dict(ws_bf16=BF16, ws_fp32=F32, out=BF16, initial_state=F32, final_state=F32,
+                          cu_seqlens="*i32", ckpt_offsets="*i32", ckpt_states=F32, stride_out="i32", seq_len="i32",
+                          rows="i32", total_slots="i32", stride_ckpt_n="i32", stride_ckpt_j="i32")
     for slices, checkpoints in ((1, 0), (2, 0), (4, 0), (4, 2)):
         consts = dict(H=12, K=128, V=128, BV=128 // slices, C=prefill.CHUNK, IS_VARLEN=True, HAS_INITIAL=True,
                       HAS_FINAL=True, NUM_CKPT=checkpoints, EMULATE=False)

@@ -18,3 +18,10 @@ def test_settings_name_existing_knobs_and_source_files_are_read(tmp_path):
     label, settings, edit = prepare_variants.variants([str(other)])[-1]
     assert str(other) in label and settings == {}
     assert edit(prepare_variants.SOURCE.read_text()) == "# an older prefill.py\n"
+
+
+def test_source_edits_apply_to_the_current_kernel():
+    source = prepare_variants.SOURCE.read_text()
+    for label, _, edit in prepare_variants.VARIANTS:
+        if edit is not None:
+            assert edit(source) != source, f"{label}: its edit no longer matches fastkda/ops/prefill.py"

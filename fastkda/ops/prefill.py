@@ -217,12 +217,23 @@ def _column_products(q_b, k_b, E, G_start, G_end, col, J: tl.constexpr, NB: tl.c
             tl.dot(k_b * R, col_t, input_precision=DOT_PRECISION))
 
 
+@triton.jit
+def _workspace(ws_bf16, ws_fp32, rows, total_slots, H, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr):
+    """Pointers to the workspace's sections (:class:`Workspace`): bf16 ``w``, ``qg``, ``kg`` ``[rows, K]``, ``u``
+    ``[rows, V]``, ``A`` ``[rows, C]``; fp32 ``decay`` ``[total_slots, H, K]`` and the β·L scratch ``[rows, C]``
+    (``rows`` = tokens·H, each token's heads back to back)."""
+    n = rows.to(tl.int64)
+    qg = ws_bf16 + n * K
+    kg = qg + n * K
+    u = kg + n * K
+    return ws_bf16, qg, kg, u, u + n * V, ws_fp32, ws_fp32 + total_slots.to(tl.int64) * (H * K)
+
+
 @triton.jit(do_not_specialize=["H"])  # one compile for every head count
 def _prepare_kernel(
-    q, k, v, g, beta, A_log, dt_bias, cu_seqlens,
-    w_ws, u_ws, qg_ws, kg_ws, A_ws, L_ws, decay_ws,
-    stride_q, stride_k, stride_v, stride_g, stride_beta_tok, stride_beta_head,
-    seq_len, num_seqs, lower_bound, scale,
+    q, k, g, beta, A_log, dt_bias, cu_seqlens, ws_bf16, ws_fp32,
+    stride_q, stride_k, stride_g, stride_beta_tok, stride_beta_head,
+    seq_len, num_seqs, rows, total_slots, lower_bound, scale,
     H, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
     IS_VARLEN: tl.constexpr, LOWER_BOUND_GATE: tl.constexpr, L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr,
     DOT_PRECISION: tl.constexpr, EMULATE: tl.constexpr,
@@ -235,6 +246,7 @@ def _prepare_kernel(
     tl.static_assert(NB == 4)
     slot = tl.program_id(0)
     h = tl.program_id(1)
+    w_ws, qg_ws, kg_ws, _, A_ws, decay_ws, L_ws = _workspace(ws_bf16, ws_fp32, rows, total_slots, H, K, V, C)
     chunk_start, eos = _chunk_of_slot(slot, cu_seqlens, seq_len, num_seqs, C, IS_VARLEN)
     r = tl.arange(0, C)
     blk = r // BC
@@ -317,8 +329,8 @@ def _prepare_kernel(
 
 @triton.jit(do_not_specialize=["H"])  # one compile for every head count
 def _solve_kernel(
-    v, beta, cu_seqlens, w_ws, u_ws, L_ws,
-    stride_v, stride_beta_tok, stride_beta_head, seq_len, num_seqs,
+    v, beta, cu_seqlens, ws_bf16, ws_fp32,
+    stride_v, stride_beta_tok, stride_beta_head, seq_len, num_seqs, rows, total_slots,
     H, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
     IS_VARLEN: tl.constexpr, BETA_SIGMOID: tl.constexpr, DOT_PRECISION: tl.constexpr, EMULATE: tl.constexpr,
 ):
@@ -327,6 +339,7 @@ def _solve_kernel(
     strictly lower), then w = T·β·kd and u = T·β·v."""
     slot = tl.program_id(0)
     h = tl.program_id(1)
+    w_ws, _, _, u_ws, _, _, L_ws = _workspace(ws_bf16, ws_fp32, rows, total_slots, H, K, V, C)
     chunk_start, eos = _chunk_of_slot(slot, cu_seqlens, seq_len, num_seqs, C, IS_VARLEN)
     cb = tl.arange(0, BC)
     rows0 = cb  # the rows of the chunk's four blocks, counted from its first token
@@ -423,8 +436,8 @@ def _store_column_block(A_c, L_c, valid, M_J, L_J, bv, J: tl.constexpr, H,
 
 @triton.jit
 def _recurrence_kernel(
-    w_ws, u_ws, qg_ws, kg_ws, A_ws, decay_ws, out, initial_state, final_state, cu_seqlens,
-    ckpt_offsets, ckpt_states, stride_out, seq_len, stride_ckpt_n, stride_ckpt_j,
+    ws_bf16, ws_fp32, out, initial_state, final_state, cu_seqlens,
+    ckpt_offsets, ckpt_states, stride_out, seq_len, rows, total_slots, stride_ckpt_n, stride_ckpt_j,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
     IS_VARLEN: tl.constexpr, HAS_INITIAL: tl.constexpr, HAS_FINAL: tl.constexpr, NUM_CKPT: tl.constexpr,
     EMULATE: tl.constexpr,
@@ -432,6 +445,7 @@ def _recurrence_kernel(
     vs = tl.program_id(0)
     h = tl.program_id(1)
     n = tl.program_id(2)
+    w_ws, qg_ws, kg_ws, u_ws, A_ws, decay_ws, _ = _workspace(ws_bf16, ws_fp32, rows, total_slots, H, K, V, C)
     bos, eos = _sequence_span(cu_seqlens, n, seq_len, IS_VARLEN)
     slot0 = _first_slot(n, bos, seq_len, C, IS_VARLEN)
     kk = tl.arange(0, K)
@@ -510,31 +524,21 @@ def num_slots(batch, seq_len, num_seqs, varlen):
 
 @dataclass
 class Workspace:
-    """What the preparation kernels write for the recurrence: per token and head, bf16 rows ``w``, ``qg``, ``kg``
-    (K values), ``u`` (V) and ``A`` (C); per chunk slot and head, the fp32 chunk decay (K values). Flat views of
-    two allocations (one allocation per dtype: the host time of a small call counts)."""
+    """What the preparation kernels write for the recurrence, in two buffers (one allocation per dtype: an eager
+    call's host time counts) whose sections the kernels locate themselves (``_workspace``): per token and head,
+    bf16 ``w``, ``qg``, ``kg`` (K values each), ``u`` (V), ``A`` (C); per chunk slot and head, the fp32 chunk decay
+    (K values), then the preparation's fp32 β·L scratch (C per token and head)."""
 
-    w: torch.Tensor
-    u: torch.Tensor
-    qg: torch.Tensor
-    kg: torch.Tensor
-    A: torch.Tensor
-    decay: torch.Tensor
+    bf16: torch.Tensor
+    fp32: torch.Tensor
+    rows: int  # (token, head) pairs
+    slots: int
     heads: int
     key_dim: int
     value_dim: int
     cu_seqlens: Optional[torch.Tensor]
     seq_len: int
     num_seqs: int
-
-
-def _split(buffer, sizes):
-    """Consecutive flat views of ``buffer`` with the given numbers of elements."""
-    views, start = [], 0
-    for size in sizes:
-        views.append(buffer[start:start + size])
-        start += size
-    return views
 
 
 def prepare(q, k, v, g, beta, *, A_log, dt_bias, lower_bound, scale, cu_seqlens, use_qk_l2norm, use_beta_sigmoid,
@@ -545,18 +549,17 @@ def prepare(q, k, v, g, beta, *, A_log, dt_bias, lower_bound, scale, cu_seqlens,
     value_dim = v.shape[-1]
     varlen = cu_seqlens is not None
     num_seqs = cu_seqlens.numel() - 1 if varlen else batch
-    rows = batch * seq_len * heads  # (token, head) pairs
+    rows = batch * seq_len * heads
     slots = num_slots(batch, seq_len, num_seqs, varlen)
-    bf16 = torch.empty(rows * (3 * key_dim + value_dim + CHUNK), dtype=torch.bfloat16, device=q.device)
-    fp32 = torch.empty(slots * heads * key_dim + rows * CHUNK, dtype=torch.float32, device=q.device)
-    w, qg, kg, u, A = _split(bf16, (rows * key_dim,) * 3 + (rows * value_dim, rows * CHUNK))
-    decay, L_ws = _split(fp32, (slots * heads * key_dim, rows * CHUNK))  # L_ws: β·L, read back by blocks
-    ws = Workspace(w=w, u=u, qg=qg, kg=kg, A=A, decay=decay, heads=heads, key_dim=key_dim, value_dim=value_dim,
-                   cu_seqlens=cu_seqlens, seq_len=seq_len, num_seqs=num_seqs)
+    ws = Workspace(
+        bf16=torch.empty(rows * (3 * key_dim + value_dim + CHUNK), dtype=torch.bfloat16, device=q.device),
+        fp32=torch.empty(slots * heads * key_dim + rows * CHUNK, dtype=torch.float32, device=q.device),
+        rows=rows, slots=slots, heads=heads, key_dim=key_dim, value_dim=value_dim, cu_seqlens=cu_seqlens,
+        seq_len=seq_len, num_seqs=num_seqs)
     if slots == 0:
         return ws
     lower_bound_gate = lower_bound is not None
-    absent = ws.decay  # stands for absent optional tensors; never dereferenced
+    absent = ws.fp32  # stands for absent optional tensors; never dereferenced
     gate = (A_log if lower_bound_gate else absent, dt_bias if lower_bound_gate else absent)
     cu = cu_seqlens if varlen else absent
     flags = dict(IS_VARLEN=varlen, BETA_SIGMOID=use_beta_sigmoid, DOT_PRECISION=dot_precision,
@@ -564,9 +567,8 @@ def prepare(q, k, v, g, beta, *, A_log, dt_bias, lower_bound, scale, cu_seqlens,
     bound = float(lower_bound) if lower_bound_gate else 0.0
     launch(
         _prepare_kernel, (slots, heads, 1),
-        q, k, v, g, beta, *gate, cu, ws.w, ws.u, ws.qg, ws.kg, ws.A, L_ws, ws.decay,
-        q.stride(1), k.stride(1), v.stride(1), g.stride(1), beta.stride(1), beta.stride(2),
-        seq_len, num_seqs, bound, float(scale), heads,
+        q, k, g, beta, *gate, cu, ws.bf16, ws.fp32, q.stride(1), k.stride(1), g.stride(1), beta.stride(1),
+        beta.stride(2), seq_len, num_seqs, rows, slots, bound, float(scale), heads,
         K=key_dim, V=value_dim, C=CHUNK, BC=BLOCK, BK=prepare_channels(key_dim, lower_bound_gate),
         L2NORM=use_qk_l2norm,
         LOWER_BOUND_GATE=lower_bound_gate, **flags,
@@ -575,8 +577,8 @@ def prepare(q, k, v, g, beta, *, A_log, dt_bias, lower_bound, scale, cu_seqlens,
     )
     launch(
         _solve_kernel, (slots, heads, 1),
-        v, beta, cu, ws.w, ws.u, L_ws, v.stride(1), beta.stride(1), beta.stride(2), seq_len, num_seqs, heads,
-        K=key_dim, V=value_dim, C=CHUNK, BC=BLOCK, BK=min(SOLVE_CHANNELS, max(key_dim, value_dim)), **flags,
+        v, beta, cu, ws.bf16, ws.fp32, v.stride(1), beta.stride(1), beta.stride(2), seq_len, num_seqs, rows, slots,
+        heads, K=key_dim, V=value_dim, C=CHUNK, BC=BLOCK, BK=min(SOLVE_CHANNELS, max(key_dim, value_dim)), **flags,
         num_warps=SOLVE_WARPS,
         num_stages=SOLVE_STAGES,
     )
@@ -590,16 +592,16 @@ def recur(ws, *, initial_state, final_state, out, v_slices, checkpoint_offsets=N
     if ws.num_seqs == 0:
         return
     heads, key_dim, value_dim = ws.heads, ws.key_dim, ws.value_dim
-    absent = ws.decay
+    absent = ws.fp32
     checkpoints = 0 if checkpoint_offsets is None else (1 if checkpoint_offsets.dim() == 1 else checkpoint_offsets.shape[1])
     launch(
         _recurrence_kernel, (v_slices, heads, ws.num_seqs),
-        ws.w, ws.u, ws.qg, ws.kg, ws.A, ws.decay, out,
+        ws.bf16, ws.fp32, out,
         initial_state if initial_state is not None else absent,
         final_state if final_state is not None else absent,
         ws.cu_seqlens if ws.cu_seqlens is not None else absent,
         checkpoint_offsets if checkpoints else absent, checkpoint_states if checkpoints else absent,
-        out.stride(1), ws.seq_len,
+        out.stride(1), ws.seq_len, ws.rows, ws.slots,
         checkpoint_offsets.stride(0) if checkpoints else 0, checkpoint_offsets.stride(-1) if checkpoints else 0,
         H=heads, K=key_dim, V=value_dim, BV=value_dim // v_slices, C=CHUNK,
         IS_VARLEN=ws.cu_seqlens is not None, HAS_INITIAL=initial_state is not None,
