@@ -20,23 +20,8 @@ from fastkda.bench import accuracy, fastkda_runner, load_workloads, make_prefill
 
 SOURCE = Path(fastkda.api.__file__).parent / "ops" / "prefill.py"
 # (label, module settings, source edit or None)
-PRODUCTS = """    return (tl.dot(q_b * R, col_t, input_precision=DOT_PRECISION),
-            tl.dot(k_b * R, col_t, input_precision=DOT_PRECISION))"""
-
-
-def bf16_products(m, l):
-    """Source edit: the in-chunk products M (``m``) and/or L (``l``) from bf16 operands instead of tf32 ones."""
-    def operands(x, bf16):
-        return (f"bf16_operand({x}, EMULATE)", "bf16_operand(col_t, EMULATE)") if bf16 else (x, "col_t")
-    (qa, qb), (ka, kb) = operands("q_b * R", m), operands("k_b * R", l)
-    return lambda text: text.replace(PRODUCTS, f"    return (tl.dot({qa}, {qb}), tl.dot({ka}, {kb}))")
-
-
 VARIANTS = [  # the next ones to time
     ("as committed", {}, None),
-    ("M and L from bf16 operands", {}, bf16_products(True, True)),
-    ("M from bf16 operands", {}, bf16_products(True, False)),
-    ("L from bf16 operands", {}, bf16_products(False, True)),
 ]
 
 

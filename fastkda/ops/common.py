@@ -74,38 +74,35 @@ def fast_reciprocal(x, EMULATE: tl.constexpr):
                                          is_pure=True, pack=1)
 
 
-_COMPILED = {}  # (kernel, device, argument specialisation, constexprs and options) -> Triton's compiled kernel
+_COMPILED = {}  # (kernel, device, argument specialisation, constexprs and options) -> (compiled kernel, constexprs)
 
 
-def _specialisation(arg):
-    """What Triton's launcher specialises a kernel argument on (triton 3.6, ``native_specialize_impl``): a tensor's
-    dtype and 16-byte alignment; an integer's being 1, a multiple of 16, 32-bit, unsigned 64-bit; nothing for a
-    float; anything else (None, bools, constexpr values) by value. Two calls with equal keys run the same binary."""
-    if isinstance(arg, torch.Tensor):
-        return arg.dtype, arg.data_ptr() % 16 == 0
-    if isinstance(arg, int) and not isinstance(arg, bool):
-        return int, arg == 1, arg % 16 == 0, -2**31 <= arg < 2**31, arg < 2**63
-    if isinstance(arg, float):
-        return float
-    return arg
+def _specialisation(args):
+    """What Triton's launcher specialises each argument on (triton 3.6, ``native_specialize_impl``): a tensor's
+    dtype and 16-byte alignment; an integer's being 1, a multiple of 16, 32-bit, below 2^63; nothing for a float;
+    anything else (None, bools, tensor subclasses) by value. Calls with equal keys run the same binary. One
+    comprehension over the arguments (a function call per argument cost twice as much host time)."""
+    return tuple([(a.dtype, not a.data_ptr() & 15) if type(a) is torch.Tensor else
+                  (a == 1, not a & 15, -2147483648 <= a < 2147483648, a < 9223372036854775808) if type(a) is int else
+                  float if type(a) is float else a for a in args])
 
 
 def launch(kernel, grid, *args, **meta):
-    """``kernel[grid](*args, **meta)`` for a 3-D ``grid``, keyword arguments being the constexpr parameters after ``args`` (in any
-    order) and launch options. Triton binds and specialises every argument of every call in Python (~45 µs of host
-    time per launch on the H200's host, three launches per prefill); after the first call of a specialisation
-    this launches its compiled kernel directly, so an eager call costs about what its kernels take. Under the
-    interpreter, or with a Triton launch hook set (profilers), it is Triton's own path."""
+    """``kernel[grid](*args, **meta)`` for a 3-D ``grid``, keyword arguments being the parameters after ``args`` (in
+    any order) and launch options. Triton binds and specialises every argument of every call in Python (~45 µs of
+    host time per launch on the H200's host, three launches per prefill); after the first call of a
+    specialisation this launches its compiled kernel directly. Under the interpreter, or with a Triton launch hook
+    set (profilers), it is Triton's own path."""
     hooks = triton.knobs.runtime.launch_enter_hook  # a chain of hooks, empty unless a profiler added one
     if _INTERPRETING or getattr(hooks, "calls", hooks):
         kernel[grid](*args, **meta)
         return
     device = torch.cuda.current_device()
-    key = (kernel, device, tuple(map(_specialisation, args)), tuple(meta.items()))
-    compiled = _COMPILED.get(key)
-    if compiled is None:
-        _COMPILED[key] = kernel[grid](*args, **meta)
+    key = (kernel, device, _specialisation(args), tuple(meta.items()))
+    entry = _COMPILED.get(key)
+    if entry is None:
+        _COMPILED[key] = kernel[grid](*args, **meta), [meta[name] for name in kernel.arg_names[len(args):]]
         return
-    constexprs = [meta[name] for name in kernel.arg_names[len(args):]]
+    compiled, constexprs = entry
     compiled.run(*grid, torch._C._cuda_getCurrentRawStream(device), compiled.function, compiled.packed_metadata,
                  None, None, None, *args, *constexprs)

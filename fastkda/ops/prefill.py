@@ -213,8 +213,10 @@ def _column_products(q_b, k_b, E, G_start, G_end, col, J: tl.constexpr, NB: tl.c
     F = tl.where(rows, fast_exp2(tl.where(rows, G_start - _block_row(G_end, J, NB)[None, :], 0.0), EMULATE), 0.0)
     R = E * _expand_blocks(F, NB, BC, BK)
     col_t = tl.trans(_block_rows(col, J, NB, BC, BK))
+    # M from tf32 operands (bf16 ones cost the output 3.1e-3 -> 3.7e-3 of relative error); L from bf16 ones, which
+    # moved nothing measurable (its inverse meets bf16 k and v anyway) and took 4% off the call (docs/perf-notes.md)
     return (tl.dot(q_b * R, col_t, input_precision=DOT_PRECISION),
-            tl.dot(k_b * R, col_t, input_precision=DOT_PRECISION))
+            tl.dot(bf16_operand(k_b * R, EMULATE), bf16_operand(col_t, EMULATE)))
 
 
 @triton.jit
@@ -222,11 +224,11 @@ def _workspace(ws_bf16, ws_fp32, rows, total_slots, H, K: tl.constexpr, V: tl.co
     """Pointers to the workspace's sections (:class:`Workspace`): bf16 ``w``, ``qg``, ``kg`` ``[rows, K]``, ``u``
     ``[rows, V]``, ``A`` ``[rows, C]``; fp32 ``decay`` ``[total_slots, H, K]`` and the β·L scratch ``[rows, C]``
     (``rows`` = tokens·H, each token's heads back to back)."""
-    n = rows.to(tl.int64)
+    n = tl.cast(rows, tl.int64)  # a cast, not .to(): Triton passes an argument equal to 1 as a plain int
     qg = ws_bf16 + n * K
     kg = qg + n * K
     u = kg + n * K
-    return ws_bf16, qg, kg, u, u + n * V, ws_fp32, ws_fp32 + total_slots.to(tl.int64) * (H * K)
+    return ws_bf16, qg, kg, u, u + n * V, ws_fp32, ws_fp32 + tl.cast(total_slots, tl.int64) * (H * K)
 
 
 @triton.jit(do_not_specialize=["H"])  # one compile for every head count
