@@ -90,13 +90,42 @@ def _check_gate(A_log, dt_bias, lower_bound, heads, key_dim, device):
     _check_tensor("dt_bias", dt_bias, dt_bias.shape, FLOAT_DTYPES, device)
 
 
-def _check_out(out, v, inputs):
+def _check_out(out, v):
     if out is not None:
         _check_tensor("out", out, v.shape, (v.dtype,), v.device)
         if not out.is_contiguous():
             _fail("out", "contiguous", f"strides {tuple(out.stride())}")
-        if out.numel() and out.data_ptr() in {x.data_ptr() for x in inputs if x.numel()}:
-            _fail("out", "a buffer that is not also an input", "an input tensor")
+
+
+def _check_not_an_input(out, inputs):
+    """``out`` must not share its first element with an input (checked on every call: it depends on addresses)."""
+    if out is not None and out.numel() and out.data_ptr() in {x.data_ptr() for x in inputs if x.numel()}:
+        _fail("out", "a buffer that is not also an input", "an input tensor")
+
+
+_VALIDATED = {}  # (validation function, signature of its arguments) -> what it returned
+
+
+def _unsigned(tensor):
+    raise TypeError(f"no signature for a {type(tensor).__name__}")
+
+
+def _validated(validate, *args):
+    """``validate(*args)``, remembered per signature of the arguments: validation reads only each tensor's shape,
+    strides, dtype and device and the other arguments' values, and an eager call's host time counts (validation
+    was a third of it). Tensor subclasses (e.g. torch.compile's fake tensors) are always validated afresh."""
+    try:
+        key = validate, tuple([(a.shape, a.stride(), a.dtype, a.device) if type(a) is torch.Tensor else
+                               _unsigned(a) if isinstance(a, torch.Tensor) else a for a in args])
+        result = _VALIDATED.get(key)
+    except TypeError:  # an unhashable or subclass argument: no signature
+        return validate(*args)
+    if result is None:
+        result = validate(*args)  # raises on bad input, so only valid signatures are remembered
+        if len(_VALIDATED) > 4096:
+            _VALIDATED.clear()
+        _VALIDATED[key] = result
+    return result
 
 
 def _scalar_defaults(q, scale, lower_bound):
@@ -146,7 +175,7 @@ def validate_prefill(q, k, v, g, beta, A_log, dt_bias, lower_bound, scale, initi
             _check_tensor(name, state, state_shape, STATE_DTYPES, device)
             if not state.is_contiguous():
                 _fail(name, "contiguous", f"strides {tuple(state.stride())}")
-    _check_out(out, v, (q, k, v, g))
+    _check_out(out, v)
     if (checkpoint_offsets is None) != (checkpoint_states is None):
         _fail("checkpoint_offsets and checkpoint_states", "given together",
               f"checkpoint_offsets={'set' if checkpoint_offsets is not None else None}, "
@@ -247,8 +276,9 @@ def kda_prefill(
             on the same device. An offset beyond its sequence is ignored.
     """
     scale, lower_bound = _scalar_defaults(q, scale, lower_bound)
-    num_seqs = validate_prefill(q, k, v, g, beta, A_log, dt_bias, lower_bound, scale, initial_state, final_state,
-                                cu_seqlens, out, checkpoint_offsets, checkpoint_states)
+    num_seqs = _validated(validate_prefill, q, k, v, g, beta, A_log, dt_bias, lower_bound, scale, initial_state,
+                          final_state, cu_seqlens, out, checkpoint_offsets, checkpoint_states)
+    _check_not_an_input(out, (q, k, v, g))
     batch, length, heads, key_dim = q.shape
     value_dim = v.shape[-1]
     tokens = batch * length // max(num_seqs, 1)
@@ -265,7 +295,7 @@ def kda_prefill(
 
 def validate_decode(q, k, v, g, beta, state_pool, slots, A_log, dt_bias, lower_bound, scale, num_accepted_tokens,
                     out):
-    """Raise ``ValueError`` naming the first argument that breaks the decode contract (spec §5)."""
+    """Raise ``ValueError`` naming the first argument that breaks the decode contract (spec §5); return True."""
     value_dim = _check_inputs(q, k, v, g, beta, A_log, dt_bias, lower_bound, scale)
     num_seqs, tokens, heads, key_dim = q.shape
     device = q.device
@@ -281,7 +311,8 @@ def validate_decode(q, k, v, g, beta, state_pool, slots, A_log, dt_bias, lower_b
         if slots.dim() != 2:
             _fail("slots", "per-token [N, T] when num_accepted_tokens is given", list(slots.shape))
         _check_tensor("num_accepted_tokens", num_accepted_tokens, (num_seqs,), (torch.int32, torch.int64), device)
-    _check_out(out, v, (q, k, v, g, state_pool))
+    _check_out(out, v)
+    return True
 
 
 def _decode_impl(
@@ -328,8 +359,9 @@ def kda_decode(
             2, 4 as in :func:`kda_prefill`.
     """
     scale, lower_bound = _scalar_defaults(q, scale, lower_bound)
-    validate_decode(q, k, v, g, beta, state_pool, slots, A_log, dt_bias, lower_bound, scale, num_accepted_tokens,
-                    out)
+    _validated(validate_decode, q, k, v, g, beta, state_pool, slots, A_log, dt_bias, lower_bound, scale,
+               num_accepted_tokens, out)
+    _check_not_an_input(out, (q, k, v, g, state_pool))
     num_seqs, _, heads, _ = q.shape
     plan = choose_decode_plan(num_seqs, heads, v.shape[-1], _sms_of(q), v_slices)
     if out is None:

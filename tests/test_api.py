@@ -65,6 +65,8 @@ def bad_inputs():
         ("lower_bound positive", dict(lower_bound=0.5), "lower_bound"),
         ("gate half given", dict(A_log=None), "A_log"),
         ("dt_bias size", dict(dt_bias=inp["dt_bias"][:1]), "dt_bias"),
+        ("A_log strided", dict(A_log=torch.rand(4)[::2]), "A_log"),
+        ("out is an input", dict(out=inp["v"]), "out"),
         ("scale", dict(scale=-1.0), "scale"),
         ("q strided", dict(q=torch.zeros(1, 30, 2, 128, dtype=torch.bfloat16)[..., ::2]), "q"),
         ("out dtype", dict(out=torch.empty(1, 30, 2, 64)), "out"),
@@ -81,6 +83,15 @@ def test_bad_input_is_rejected_before_writing(index):
     with pytest.raises(ValueError, match=word):
         call(inp, **overrides)
     assert torch.isnan(final).all(), f"{name}: final_state was written before the error"
+
+
+def test_remembered_validation_still_rejects_an_aliased_out():
+    """Validation is remembered per signature (shapes, strides, dtypes, devices); whether ``out`` is an input
+    depends on addresses, so it is checked on every call, also after the same signature passed."""
+    inp = make_inputs([10, 20], seed=15)
+    call(inp, out=torch.empty_like(inp["v"]))
+    with pytest.raises(ValueError, match="out"):
+        call(inp, out=inp["v"])
 
 
 def test_strided_beta_view_is_accepted():
