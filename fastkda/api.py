@@ -106,19 +106,17 @@ def _check_not_an_input(out, inputs):
 _VALIDATED = {}  # (validation function, signature of its arguments) -> what it returned
 
 
-def _unsigned(tensor):
-    raise TypeError(f"no signature for a {type(tensor).__name__}")
 
 
 def _validated(validate, *args):
     """``validate(*args)``, remembered per signature of the arguments: validation reads only each tensor's shape,
     strides, dtype and device and the other arguments' values, and an eager call's host time counts (validation
-    was a third of it). Tensor subclasses (e.g. torch.compile's fake tensors) are always validated afresh."""
+    was a third of it). No signature holds a tensor; symbolic shapes (torch.compile) are validated afresh."""
     try:
-        key = validate, tuple([(a.shape, a.stride(), a.dtype, a.device) if type(a) is torch.Tensor else
-                               _unsigned(a) if isinstance(a, torch.Tensor) else a for a in args])
+        key = validate, tuple([(a.shape, a.stride(), a.dtype, a.device) if isinstance(a, torch.Tensor) else a
+                               for a in args])
         result = _VALIDATED.get(key)
-    except TypeError:  # an unhashable or subclass argument: no signature
+    except TypeError:  # an unhashable argument (a symbolic size, a list): no signature
         return validate(*args)
     if result is None:
         result = validate(*args)  # raises on bad input, so only valid signatures are remembered

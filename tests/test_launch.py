@@ -23,3 +23,10 @@ def test_key_is_at_least_as_fine_as_tritons():
     for a, b in itertools.combinations(args, 2):
         if type(a) is type(b) and _specialisation([a]) == _specialisation([b]):
             assert triton_key(a) == triton_key(b), (a, b)
+
+
+def test_keys_hold_no_tensors():
+    """A key that held a tensor (a parameter, a subclass) would keep its memory alive in the launch cache."""
+    parameter = torch.nn.Parameter(torch.zeros(8))
+    assert _specialisation([parameter]) == _specialisation([torch.zeros(8)])
+    assert not any(isinstance(part, torch.Tensor) for part in _specialisation([parameter, torch.zeros(3), 5]))

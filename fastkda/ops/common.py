@@ -79,10 +79,11 @@ _COMPILED = {}  # (kernel, device, argument specialisation, constexprs and optio
 
 def _specialisation(args):
     """What Triton's launcher specialises each argument on (triton 3.6, ``native_specialize_impl``): a tensor's
-    dtype and 16-byte alignment; an integer's being 1, a multiple of 16, 32-bit, below 2^63; nothing for a float;
-    anything else (None, bools, tensor subclasses) by value. Calls with equal keys run the same binary. One
-    comprehension over the arguments (a function call per argument cost twice as much host time)."""
-    return tuple([(a.dtype, not a.data_ptr() & 15) if type(a) is torch.Tensor else
+    (subclasses too) dtype and 16-byte alignment; an integer's being 1, a multiple of 16, 32-bit, below 2^63;
+    nothing for a float; anything else (None, bools) by value. Calls with equal keys run the same binary, and no key
+    holds a tensor (the cache would keep its memory alive). One comprehension over the arguments (a function call
+    per argument cost twice as much host time)."""
+    return tuple([(a.dtype, not a.data_ptr() & 15) if isinstance(a, torch.Tensor) else
                   (a == 1, not a & 15, -2147483648 <= a < 2147483648, a < 9223372036854775808) if type(a) is int else
                   float if type(a) is float else a for a in args])
 
