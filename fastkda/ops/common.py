@@ -75,6 +75,9 @@ def fast_reciprocal(x, EMULATE: tl.constexpr):
 
 
 _COMPILED = {}  # (kernel, device, argument specialisation, constexprs and options) -> (compiled kernel, constexprs)
+# the Triton whose launcher signature and specialisation rules ``launch`` mirrors (tests/test_launch.py checks the
+# rules against the installed Triton); any other version launches through Triton's own path
+_DIRECT_LAUNCH = triton.__version__.split(".")[:2] == ["3", "6"]
 
 
 def _specialisation(args):
@@ -88,14 +91,19 @@ def _specialisation(args):
                   float if type(a) is float else a for a in args])
 
 
+def _launch_hooked():
+    """Whether a launch hook is set (Triton 3.6 holds a chain of hooks, empty unless a profiler added one)."""
+    hooks = triton.knobs.runtime.launch_enter_hook
+    return bool(getattr(hooks, "calls", hooks))
+
+
 def launch(kernel, grid, *args, **meta):
     """``kernel[grid](*args, **meta)`` for a 3-D ``grid``, keyword arguments being the parameters after ``args`` (in
     any order) and launch options. Triton binds and specialises every argument of every call in Python (~45 µs of
     host time per launch on the H200's host, three launches per prefill); after the first call of a
-    specialisation this launches its compiled kernel directly. Under the interpreter, or with a Triton launch hook
-    set (profilers), it is Triton's own path."""
-    hooks = triton.knobs.runtime.launch_enter_hook  # a chain of hooks, empty unless a profiler added one
-    if _INTERPRETING or getattr(hooks, "calls", hooks):
+    specialisation this launches its compiled kernel directly. Under the interpreter, with a Triton launch hook
+    set (profilers) or another Triton than 3.6, it is Triton's own path."""
+    if _INTERPRETING or not _DIRECT_LAUNCH or _launch_hooked():
         kernel[grid](*args, **meta)
         return
     device = torch.cuda.current_device()
