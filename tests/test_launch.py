@@ -30,3 +30,20 @@ def test_keys_hold_no_tensors():
     parameter = torch.nn.Parameter(torch.zeros(8))
     assert _specialisation([parameter]) == _specialisation([torch.zeros(8)])
     assert not any(isinstance(part, torch.Tensor) for part in _specialisation([parameter, torch.zeros(3), 5]))
+
+
+def test_a_profilers_launch_hook_sends_launches_through_triton():
+    import triton
+
+    from fastkda.ops.common import _launch_hooked
+
+    def hook(metadata):
+        return None
+
+    assert not _launch_hooked()
+    triton.knobs.runtime.launch_enter_hook.add(hook)
+    try:
+        assert _launch_hooked()
+    finally:
+        triton.knobs.runtime.launch_enter_hook.remove(hook)
+    assert not _launch_hooked()
