@@ -47,3 +47,39 @@ def test_a_profilers_launch_hook_sends_launches_through_triton():
     finally:
         triton.knobs.runtime.launch_enter_hook.remove(hook)
     assert not _launch_hooked()
+
+
+def test_direct_path_launches_the_first_calls_binary_with_every_parameter_in_order(monkeypatch):
+    """``launch`` on the CPU with stand-ins for the GPU pieces: the first call of a specialisation goes through
+    ``kernel[grid]`` (Triton compiles and launches); the next with equal specialisation calls that compiled kernel's
+    ``run`` with the grid, the stream and every parameter in signature order (constexpr values included); a call
+    whose specialisation differs (a misaligned tensor) goes through ``kernel[grid]`` again."""
+    from fastkda.ops import common
+
+    launched = []
+
+    class Compiled:
+        function, packed_metadata = "function", "metadata"
+
+        def run(self, *args):
+            launched.append(("direct", args))
+
+    class Kernel:
+        arg_names = ["x", "n", "scale", "BLOCK", "FLAG"]
+
+        def __getitem__(self, grid):
+            def through_triton(*args, **meta):
+                launched.append(("triton", grid, args, meta))
+                return Compiled()
+            return through_triton
+
+    monkeypatch.setattr(common, "_INTERPRETING", False)
+    monkeypatch.setattr(common, "_DIRECT_LAUNCH", True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 1234, raising=False)
+    kernel, x = Kernel(), torch.zeros(64, dtype=torch.bfloat16)
+    common.launch(kernel, (3, 2, 1), x, 100, 0.5, FLAG=True, BLOCK=16, num_warps=4)
+    common.launch(kernel, (3, 2, 1), x, 116, 0.25, FLAG=True, BLOCK=16, num_warps=4)
+    common.launch(kernel, (3, 2, 1), x[1:], 100, 0.5, FLAG=True, BLOCK=16, num_warps=4)
+    assert [entry[0] for entry in launched] == ["triton", "direct", "triton"]
+    assert launched[1][1] == (3, 2, 1, 1234, "function", "metadata", None, None, None, x, 116, 0.25, 16, True)
