@@ -315,14 +315,18 @@ def run_benchmark(workloads, impls, modes=("eager", "graph"), device="cuda"):
 
 
 def markdown_table(rows, impls, mode):
+    """One line per workload: each implementation's ms (``*``: measured at another commit than fastkda's row,
+    i.e. in an earlier run), the peers' time over fastkda's, and fastkda's commit."""
     names = list(dict.fromkeys(r["workload"] for r in rows))
     ms = {(r["workload"], r["impl"]): r["ms"] for r in rows if r["mode"] == mode}
+    row_commit = {(r["workload"], r["impl"]): r.get("commit", "") for r in rows if r["mode"] == mode}
     commit = {r["workload"]: r.get("commit", "") for r in rows if r["impl"] == "fastkda"}
     peers = [p for p in ("flashkda", "fla") if p in impls]
     head = ["workload"] + [f"{i} ms" for i in impls] + [f"vs {p}" for p in peers] + ["commit"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for n in names:
-        cells = [n] + [f"{ms[(n, i)]:.3f}" if (n, i) in ms else "—" for i in impls]
+        earlier = lambda i: "*" if row_commit[(n, i)] != commit.get(n, row_commit[(n, i)]) else ""  # noqa: E731
+        cells = [n] + [f"{ms[(n, i)]:.3f}{earlier(i)}" if (n, i) in ms else "—" for i in impls]
         for p in peers:
             ok = (n, p) in ms and (n, "fastkda") in ms
             cells.append(f"{ms[(n, p)] / ms[(n, 'fastkda')]:.2f}×" if ok else "—")
@@ -406,6 +410,8 @@ def render_results(meta, rows, stem):
     prefill_rows = [r for r in rows if r["group"] != "decode"]
     for mode in ("graph", "eager"):
         md += [f"## {mode}", "", markdown_table(prefill_rows, impls, mode), ""]
+    md += ["\\* measured at another commit than the fastkda row beside it (an earlier run; each JSON row has its "
+           "commit).", ""]
     measured = {r["impl"]: (r["rel_err"], r["rel_err_state"]) for r in rows if "rel_err" in r}
     if measured:
         md += ["## accuracy (relative L2 vs float64, H=4 T=2048: output, final state)", ""]

@@ -42,6 +42,8 @@ def test_select_and_table():
     rows = [dict(workload="w", impl="fastkda", mode="graph", ms=0.5), dict(workload="w", impl="fla", mode="graph", ms=1.0)]
     table = bench.markdown_table(rows, ["fastkda", "fla"], "graph")
     assert "| w | 0.500 | 1.000 | 2.00× |" in table
+    rows = [dict(r, commit=c) for r, c in zip(rows, ("new", "old"))]  # the peer's row from an earlier run
+    assert "| w | 0.500 | 1.000* | 2.00× | new |" in bench.markdown_table(rows, ["fastkda", "fla"], "graph")
 
 
 def test_decode_workload_inputs_run_on_cpu():
@@ -70,4 +72,4 @@ def test_merge_keeps_earlier_rows_and_replaces_remeasured_ones(tmp_path):
         ("a", "fastkda", 1.0, "old"), ("b", "fla", 5.0, "old"), ("b", "fastkda", 3.0, "new")]
     assert merged["meta"]["commits"] == ["new", "old"]
     md = (tmp_path / "later.md").read_text()
-    assert "| a | 1.000 | — | — | old |" in md and "| b | 3.000 | 5.000 | 1.67× | new |" in md
+    assert "| a | 1.000 | — | — | old |" in md and "| b | 3.000 | 5.000* | 1.67× | new |" in md
