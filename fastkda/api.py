@@ -104,8 +104,7 @@ def _check_not_an_input(out, inputs):
 
 
 _VALIDATED = {}  # (validation function, signature of its arguments) -> what it returned
-
-
+_NOT_YET = object()  # a signature not validated yet (validation may return None)
 
 
 def _validated(validate, *args):
@@ -115,10 +114,10 @@ def _validated(validate, *args):
     try:
         key = validate, tuple([(a.shape, a.stride(), a.dtype, a.device) if isinstance(a, torch.Tensor) else a
                                for a in args])
-        result = _VALIDATED.get(key)
+        result = _VALIDATED.get(key, _NOT_YET)
     except TypeError:  # an unhashable argument (a symbolic size, a list): no signature
         return validate(*args)
-    if result is None:
+    if result is _NOT_YET:
         result = validate(*args)  # raises on bad input, so only valid signatures are remembered
         if len(_VALIDATED) > 4096:
             _VALIDATED.clear()
@@ -293,7 +292,7 @@ def kda_prefill(
 
 def validate_decode(q, k, v, g, beta, state_pool, slots, A_log, dt_bias, lower_bound, scale, num_accepted_tokens,
                     out):
-    """Raise ``ValueError`` naming the first argument that breaks the decode contract (spec §5); return True."""
+    """Raise ``ValueError`` naming the first argument that breaks the decode contract (spec §5)."""
     value_dim = _check_inputs(q, k, v, g, beta, A_log, dt_bias, lower_bound, scale)
     num_seqs, tokens, heads, key_dim = q.shape
     device = q.device
@@ -310,7 +309,6 @@ def validate_decode(q, k, v, g, beta, state_pool, slots, A_log, dt_bias, lower_b
             _fail("slots", "per-token [N, T] when num_accepted_tokens is given", list(slots.shape))
         _check_tensor("num_accepted_tokens", num_accepted_tokens, (num_seqs,), (torch.int32, torch.int64), device)
     _check_out(out, v)
-    return True
 
 
 def _decode_impl(

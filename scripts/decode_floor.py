@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fastkda.bench import LOWER_BOUND, load_workloads, make_decode_inputs, time_graph
+from fastkda.bench import LOWER_BOUND, capture_graph, load_workloads, make_decode_inputs, time_graph
 from fastkda.ops.decode import decode_warps, recurrent_kda_decode
 from fastkda.plan import DECODE_SLICE_WIDTH
 
@@ -34,8 +34,6 @@ def _state_chain_kernel(pool, slots, H: tl.constexpr, V: tl.constexpr, K: tl.con
 
 def replay_back_to_back(run, replays=200):
     """Microseconds per replay of a graph of ``run`` replayed ``replays`` times in a row (no flush between)."""
-    from fastkda.bench import capture_graph
-
     graph = capture_graph(run)
     for _ in range(10):
         graph.replay()

@@ -28,14 +28,19 @@ def sass(fn, constants, num_warps, num_stages):
                           text=True).stdout
 
 
-if __name__ == "__main__":
-    settings = dict(arg.split("=") for arg in sys.argv[2:])
-    fn = getattr(prefill, sys.argv[1])
+def sass_of_arguments(kernel_name, settings):
+    """SASS of ``kernel_name`` in fastkda.ops.prefill with ``NAME=VALUE`` settings (constexprs, num_warps,
+    num_stages) on a K = V = 128, H = 12, lower-bound-gate varlen launch."""
+    settings = dict(arg.split("=") for arg in settings)
     warps = int(settings.pop("num_warps", 8))
-    stages = int(settings.pop("num_stages", getattr(prefill, STAGES[sys.argv[1]])))
+    stages = int(settings.pop("num_stages", getattr(prefill, STAGES[kernel_name])))
     consts = dict(H=12, K=128, V=128, C=64, BC=16, IS_VARLEN=True, LOWER_BOUND_GATE=True, L2NORM=True,
                   BETA_SIGMOID=True, DOT_PRECISION="tf32", EMULATE=False, **{k: int(v) for k, v in settings.items()})
-    text = sass(fn, consts, warps, stages)
+    return sass(getattr(prefill, kernel_name), consts, warps, stages)
+
+
+if __name__ == "__main__":
+    text = sass_of_arguments(sys.argv[1], sys.argv[2:])
     Path("/tmp/fastkda.sass").write_text(text)
     body = [ln for ln in text.splitlines() if re.match(r"\s+/\*[0-9a-f]{4,}\*/", ln)]
     labels, position, loops = {}, 0, []

@@ -34,16 +34,10 @@ def main():
     if "--top" in args:
         top = int(args[args.index("--top") + 1])
         del args[args.index("--top"):args.index("--top") + 2]
-    settings = dict(arg.split("=") for arg in args[1:])
-    fn = getattr(sass_count.prefill, args[0])
-    warps = int(settings.pop("num_warps", 8))
-    stages = int(settings.pop("num_stages", getattr(sass_count.prefill, sass_count.STAGES[args[0]])))
-    consts = dict(H=12, K=128, V=128, C=64, BC=16, IS_VARLEN=True, LOWER_BOUND_GATE=True, L2NORM=True,
-                  BETA_SIGMOID=True, DOT_PRECISION="tf32", EMULATE=False, **{k: int(v) for k, v in settings.items()})
-    sass_count.sass(fn, consts, warps, stages)  # writes /tmp/fastkda_sass.cubin
+    sass_count.sass_of_arguments(args[0], args[1:])  # writes /tmp/fastkda_sass.cubin
     counts = per_line(Path("/tmp/fastkda_sass.cubin"))
     total = sum(sum(c.values()) for c in counts.values())
-    print(f"{args[0]} {settings or ''}: {total} instructions per warp")
+    print(f"{' '.join(args)}: {total} instructions per warp")
     for (path, line), ops in sorted(counts.items(), key=lambda kv: -sum(kv[1].values()))[:top]:
         source = Path(path).read_text().splitlines()[line - 1].strip() if Path(path).exists() else ""
         main_ops = " ".join(f"{op}:{n}" for op, n in ops.most_common(4))
