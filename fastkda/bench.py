@@ -3,7 +3,9 @@
 ``python -m fastkda.bench [--only NAME] [--group G] [--quick] [--out-dir DIR]`` runs the workloads of
 ``benchmarks/workloads.json`` in eager mode and CUDA-graph replay (median of ``triton.testing.do_bench``),
 prints a table and writes ``<date>-<gpu>.json``, ``.md`` and ``.png`` to ``benchmarks/results/``.
-Peers are timed when they import; FLA is forced onto its own Triton path (``FLA_FLASH_KDA=0``).
+Peers are timed when they import; FLA is forced onto its own Triton path (``FLA_FLASH_KDA=0``). After each
+workload, fastkda's kernels are timed one by one (``--no-kernels`` skips it) and set against the copy rate and
+the bf16 matrix-product rate measured at the start of the run: where the time goes.
 """
 
 from __future__ import annotations
@@ -239,6 +241,73 @@ def copy_bandwidth_gbps(device="cuda", nbytes=1 << 30):
     return round(2 * nbytes / ms / 1e6, 1)
 
 
+def matmul_tflops(device="cuda", n=8192):
+    """bf16 matrix-product rate (``torch.matmul``, n x n x n), the FLOP ceiling the kernel breakdown refers to."""
+    from triton.testing import do_bench
+
+    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    ms = do_bench(lambda: a @ b, warmup=10, rep=50, return_mode="median")
+    return round(2 * n ** 3 / ms / 1e9, 1)
+
+
+KERNELS = ("prepare", "solve", "recurrence")  # fastkda's kernels, in launch order (``_<name>_kernel``)
+
+
+def kernel_work(workload, v_slices, key_dim=DIM, value_dim=DIM, chunk=64):
+    """Bytes each fastkda kernel moves and tensor-core FLOPs it issues in one call (bf16 inputs, fp32 states
+    in and out), from the kernels' loads, stores and products: ``{kernel: (bytes, flops)}``. Each chunk's
+    products are counted at full chunk size (the kernels compute them so); the solve kernel's 16x16 inverse is
+    left out (under 1% of its products)."""
+    heads, lengths = workload["H"], workload["lengths"]
+    rows = heads * sum(lengths)  # (token, head) pairs
+    chunks = heads * sum(-(-n // chunk) for n in lengths)  # (chunk, head) pairs
+    K, V, C, s = key_dim, value_dim, chunk, v_slices
+    state = len(lengths) * heads * V * K * 4
+    prepare = (rows * (3 * K * 2 + 2 + 3 * K * 2 + C * 2 + C * 4) + chunks * K * 4, chunks * 2 * 2 * C * C * K)
+    solve = (rows * (C * 4 + K * 2 + V * 2 + 2 + K * 2 + V * 2), chunks * 10 * 2 * 16 * 16 * (K + V))
+    recurrence = (rows * (s * (3 * K * 2 + C * 2) + V * 2 + V * 2) + chunks * s * K * 4 + 2 * state,
+                  chunks * 2 * (3 * C * K + C * C) * V)
+    return dict(prepare=prepare, solve=solve, recurrence=recurrence)
+
+
+def kernel_breakdown(inp, workload, copy_gbps, tflops, calls=5):
+    """fastkda's per-kernel GPU time (torch.profiler, mean over ``calls`` auto-plan calls), each against the copy
+    rate and the bf16 matrix-product rate measured in the same run: rows ``{workload, kernel, ms, gbps,
+    pct_copy, tflops, pct_matmul, v_slices}``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from .api import _sms_of
+    from .plan import choose_plan
+
+    heads, lengths = workload["H"], workload["lengths"]
+    v_slices = choose_plan(len(lengths), heads, sum(lengths) // len(lengths), DIM, _sms_of(inp["q"])).v_slices
+    run = fastkda_runner(inp, "auto")
+    run()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            run()
+        torch.cuda.synchronize()
+    total_us = {name: 0.0 for name in KERNELS}
+    for event in prof.key_averages():
+        for name in KERNELS:
+            if f"_{name}_kernel" in event.key:
+                total_us[name] += getattr(event, "device_time_total", 0) or event.cuda_time_total
+    rows = []
+    for name, (nbytes, flops) in kernel_work(workload, v_slices).items():
+        ms = total_us[name] / calls / 1e3
+        if ms <= 0:
+            continue
+        gbps, rate = nbytes / ms / 1e6, flops / ms / 1e9
+        rows.append(dict(workload=workload["name"], kernel=name, v_slices=v_slices, ms=round(ms, 4),
+                         gbps=round(gbps, 1), pct_copy=round(100 * gbps / copy_gbps, 1),
+                         tflops=round(rate, 1), pct_matmul=round(100 * rate / tflops, 1)))
+        print(f"[kernels] {workload['name']} {name}: {ms:.4f} ms, {gbps:.0f} GB/s ({100 * gbps / copy_gbps:.0f}% of "
+              f"copy), {rate:.0f} TFLOP/s ({100 * rate / tflops:.0f}% of matmul)", flush=True)
+    return rows
+
+
 def relative_error(x, ref):
     return ((x.double() - ref).norm() / ref.norm()).item()
 
@@ -350,6 +419,24 @@ def decode_table(rows):
     return "\n".join(lines)
 
 
+def kernel_table(kernels, rows):
+    """One line per workload: each fastkda kernel's ms with its share of the copy rate and of the matrix-product
+    rate, their sum, and the call's CUDA-graph time when measured at the same commit."""
+    graph = {(r["workload"], r.get("commit")): r["ms"] for r in rows if r["impl"] == "fastkda" and r["mode"] == "graph"}
+    by = {(k["workload"], k["kernel"]): k for k in kernels}
+    lines = ["| workload | s | " + " | ".join(f"{k} ms (% copy, % matmul)" for k in KERNELS) + " | sum ms | graph ms | commit |",
+             "|" + "---|" * (len(KERNELS) + 5)]
+    for name in dict.fromkeys(k["workload"] for k in kernels):
+        found = [by[(name, k)] for k in KERNELS if (name, k) in by]
+        cells = [f"{by[(name, k)]['ms']:.3f} ({by[(name, k)]['pct_copy']:.0f}%, {by[(name, k)]['pct_matmul']:.0f}%)"
+                 if (name, k) in by else "—" for k in KERNELS]
+        commit = found[0].get("commit")
+        call = graph.get((name, commit))
+        lines.append(f"| {name} | {found[0]['v_slices']} | " + " | ".join(cells) +
+                     f" | {sum(k['ms'] for k in found):.3f} | {f'{call:.3f}' if call else '—'} | {commit} |")
+    return "\n".join(lines)
+
+
 def plot(rows, impls, path):
     import matplotlib
 
@@ -384,25 +471,31 @@ def results_stem(out_dir):
     return out_dir / f"{datetime.date.today().isoformat()}-{props.name.replace(' ', '_')}"
 
 
-def earlier_rows(out_dir):
-    """Rows of today's results file for this GPU, if any (``--append``)."""
+def earlier_results(out_dir):
+    """Today's results file for this GPU (``--append``): ``{"rows": [...], "kernels": [...]}``, empty if none."""
     path = Path(f"{results_stem(out_dir)}.json")
-    return json.loads(path.read_text())["rows"] if path.exists() else []
+    found = json.loads(path.read_text()) if path.exists() else {}
+    return dict(rows=found.get("rows", []), kernels=found.get("kernels", []))
 
 
-def merge_rows(earlier, later):
-    """``later``'s rows, after ``earlier``'s rows for the (workload, implementation, mode) that ``later`` did not
-    measure: a run of some implementations (``--impls``) keeps the others' earlier rows of the same workload."""
-    key = lambda r: (r["workload"], r["impl"], r["mode"])  # noqa: E731
+def merge_rows(earlier, later, fields=("workload", "impl", "mode")):
+    """``later``'s rows, after ``earlier``'s rows for the ``fields`` values (by default (workload, implementation,
+    mode)) that ``later`` did not measure: a run of some implementations (``--impls``) keeps the others' earlier
+    rows of the same workload."""
+    key = lambda r: tuple(r[f] for f in fields)  # noqa: E731
     measured = {key(r) for r in later}
     return [r for r in earlier if key(r) not in measured] + list(later)
 
 
-def render_results(meta, rows, stem):
-    """Write ``stem.json``, ``.md`` and ``.png`` from ``meta`` and ``rows``; returns the markdown."""
+KERNEL_FIELDS = ("workload", "kernel")  # what identifies a kernel-breakdown row
+
+
+def render_results(meta, rows, stem, kernels=()):
+    """Write ``stem.json``, ``.md`` and ``.png`` from ``meta``, ``rows`` and the kernel breakdown; returns the
+    markdown."""
     impls = [i for i in IMPLS if any(r["impl"] == i for r in rows if r["group"] != "decode")]
     with open(f"{stem}.json", "w") as f:
-        json.dump(dict(meta=meta, rows=rows), f, indent=1)
+        json.dump(dict(meta=meta, rows=rows, kernels=list(kernels)), f, indent=1)
     md = [f"# KDA prefill, {meta['gpu']} ({meta['sms']} SMs), {meta['date']}, commit(s) {', '.join(meta['commits'])}",
           f"torch {meta['torch']}, triton {meta['triton']}, peers {meta['peers']}. Median ms.", ""]
     if meta.get("note"):  # what a reader must know about where the rows came from
@@ -416,6 +509,10 @@ def render_results(meta, rows, stem):
     if measured:
         md += ["## accuracy (relative L2 vs float64, H=4 T=2048: output, final state)", ""]
         md += [f"- {impl}: {o:.2e}, {s:.2e}" for impl, (o, s) in measured.items()]
+    if kernels:
+        md += ["", "## where fastkda's time goes (auto plan, torch.profiler; against the copy rate and the bf16 "
+               f"matrix-product rate measured in the same run: {meta.get('copy_gbps')} GB/s, "
+               f"{meta.get('matmul_tflops')} TFLOP/s)", "", kernel_table(kernels, rows)]
     decode = [r for r in rows if r["group"] == "decode" and r["mode"] == "graph"]
     if decode:
         md += ["", "## decode (CUDA graph; % of the device-to-device copy rate measured in the same run)", "",
@@ -429,10 +526,11 @@ def render_results(meta, rows, stem):
     return text
 
 
-def write_results(rows, out_dir, errors, copy_gbps=None, earlier=()):
-    """Write ``<date>-<gpu>.json/.md/.png`` for this run's ``rows`` merged after ``earlier`` ones (``--append``:
-    a (workload, implementation, mode) this run measured replaces its earlier row, the others are kept); returns
-    the markdown."""
+def write_results(rows, out_dir, errors, copy_gbps=None, earlier=None, kernels=(), matmul=None):
+    """Write ``<date>-<gpu>.json/.md/.png`` for this run's ``rows`` and kernel breakdown merged after the
+    ``earlier`` results' (``--append``: a (workload, implementation, mode) or (workload, kernel) this run measured
+    replaces its earlier row, the others are kept); returns the markdown."""
+    earlier = earlier or dict(rows=[], kernels=[])
     import triton
 
     commit = git_commit()
@@ -440,13 +538,19 @@ def write_results(rows, out_dir, errors, copy_gbps=None, earlier=()):
         r.setdefault("commit", commit)
         if r["impl"] in errors:
             r["rel_err"], r["rel_err_state"] = (round(e, 6) for e in errors[r["impl"]])
-    rows = merge_rows(earlier, rows)
+    for r in kernels:
+        r.setdefault("commit", commit)
+        r.setdefault("copy_gbps", copy_gbps)
+        r.setdefault("matmul_tflops", matmul)
+    rows = merge_rows(earlier["rows"], rows)
+    kernels = merge_rows(earlier["kernels"], kernels, KERNEL_FIELDS)
     props = torch.cuda.get_device_properties(0)
     meta = dict(gpu=props.name, sms=props.multi_processor_count, torch=torch.__version__, triton=triton.__version__,
                 commit=commit, commits=sorted({r.get("commit", commit) for r in rows}),
-                date=datetime.date.today().isoformat(), peers=peer_versions(), copy_gbps=copy_gbps)
+                date=datetime.date.today().isoformat(), peers=peer_versions(), copy_gbps=copy_gbps,
+                matmul_tflops=matmul)
     out_dir.mkdir(parents=True, exist_ok=True)
-    return render_results(meta, rows, results_stem(out_dir))
+    return render_results(meta, rows, results_stem(out_dir), kernels)
 
 
 def merge_files(earlier_path, later_path):
@@ -454,8 +558,9 @@ def merge_files(earlier_path, later_path):
     lacks, e.g. after a run cut short by a time limit."""
     earlier, later = (json.loads(Path(p).read_text()) for p in (earlier_path, later_path))
     rows = merge_rows(earlier["rows"], later["rows"])
+    kernels = merge_rows(earlier.get("kernels", []), later.get("kernels", []), KERNEL_FIELDS)
     meta = dict(later["meta"], commits=sorted({r["commit"] for r in rows if "commit" in r}))
-    return render_results(meta, rows, str(later_path)[:-len(".json")])
+    return render_results(meta, rows, str(later_path)[:-len(".json")], kernels)
 
 
 def main(argv=None):
@@ -467,6 +572,8 @@ def main(argv=None):
     parser.add_argument("--workloads", default=str(WORKLOADS))
     parser.add_argument("--out-dir", default=str(RESULTS))
     parser.add_argument("--no-decode", action="store_true", help="skip the decode workloads")
+    parser.add_argument("--no-kernels", action="store_true",
+                        help="skip fastkda's per-kernel breakdown (torch.profiler) after each workload")
     parser.add_argument("--append", action="store_true",
                         help="keep today's earlier rows for the workloads this run does not measure")
     parser.add_argument("--merge", nargs=2, metavar=("EARLIER", "LATER"),
@@ -483,10 +590,14 @@ def main(argv=None):
     impls = {k: IMPLS[k] for k in args.impls}
     copy_gbps = copy_bandwidth_gbps()
     print(f"[bench] device-to-device copy: {copy_gbps} GB/s", flush=True)
+    breakdown = "fastkda" in impls and not args.no_kernels
+    matmul = matmul_tflops() if breakdown else None
+    if breakdown:
+        print(f"[bench] bf16 matrix product: {matmul} TFLOP/s", flush=True)
     decode = [] if args.no_decode else [d for d in workloads.get("decode", []) if not args.only or d["name"] in args.only]
     out_dir = Path(args.out_dir)
-    earlier = earlier_rows(out_dir) if args.append else []
-    rows = []
+    earlier = earlier_results(out_dir) if args.append else None
+    rows, kernels = [], []
     if decode:  # first: small, and their peer compiles in seconds
         rows += run_decode_benchmark(decode, {k: v for k, v in DECODE_IMPLS.items() if k in ("fastkda", "fla")},
                                      copy_gbps=copy_gbps)
@@ -499,11 +610,15 @@ def main(argv=None):
         except Exception as exc:
             print(f"[bench] {impl} accuracy not measured: {type(exc).__name__}: {exc}", file=sys.stderr)
     available = list(impls)
+    results = lambda: write_results(rows, out_dir, errors, copy_gbps, earlier, kernels, matmul)  # noqa: E731
     for w in chosen:  # results are rewritten after every workload, so a run cut short still leaves them
         new_rows, available = run_benchmark([w], {k: impls[k] for k in available})
         rows += new_rows
-        write_results(rows, out_dir, errors, copy_gbps, earlier)
-    print(write_results(rows, out_dir, errors, copy_gbps, earlier))
+        if breakdown:
+            kernels += kernel_breakdown(make_prefill_inputs(w, "cuda"), w, copy_gbps, matmul)
+            torch.cuda.empty_cache()
+        results()
+    print(results())
     return 0
 
 

@@ -73,3 +73,39 @@ def test_merge_keeps_earlier_rows_and_replaces_remeasured_ones(tmp_path):
     assert merged["meta"]["commits"] == ["new", "old"]
     md = (tmp_path / "later.md").read_text()
     assert "| a | 1.000 | — | — | old |" in md and "| b | 3.000 | 5.000* | 1.67× | new |" in md
+
+
+def test_kernel_work_follows_the_kernels_shapes():
+    one_chunk = dict(H=2, lengths=[64])
+    work = bench.kernel_work(one_chunk, v_slices=1)
+    assert set(work) == set(bench.KERNELS)
+    # a 65-token sequence is two chunks: the products double, the bytes grow by one token's share plus a chunk's decay
+    two_chunks = bench.kernel_work(dict(H=2, lengths=[65]), v_slices=1)
+    assert all(two_chunks[k][1] == 2 * work[k][1] for k in bench.KERNELS)
+    assert all(work[k][0] < two_chunks[k][0] < 2 * work[k][0] for k in ("prepare", "solve"))
+    # V-slices re-read the K-side workspace, never add products; the other kernels do not see them
+    split = bench.kernel_work(one_chunk, v_slices=4)
+    assert split["recurrence"][1] == work["recurrence"][1] and split["recurrence"][0] > work["recurrence"][0]
+    assert split["prepare"] == work["prepare"] and split["solve"] == work["solve"]
+    # the recurrence moves each sequence's fp32 state in and out: 2 * N * H * V * K * 4 bytes on top of the tokens'
+    more_seqs = bench.kernel_work(dict(H=2, lengths=[32, 32]), v_slices=1)
+    assert more_seqs["recurrence"][0] - work["recurrence"][0] == 2 * 2 * 128 * 128 * 4 + 2 * 4 * 128 * 1
+
+
+def test_kernel_table_and_merge_of_kernel_rows(tmp_path):
+    meta = dict(gpu="G", sms=1, torch="t", triton="3.6.0", commit="new", commits=["new"], date="d", peers={},
+                copy_gbps=4000.0, matmul_tflops=600.0)
+    kernel = lambda name, ms, commit: dict(workload="w", kernel=name, v_slices=2, ms=ms, gbps=1.0,  # noqa: E731
+                                          pct_copy=10.0, tflops=2.0, pct_matmul=20.0, commit=commit)
+    rows = [dict(workload="w", group="g", impl="fastkda", mode="graph", ms=0.9, commit="new")]
+    earlier, later = tmp_path / "earlier.json", tmp_path / "later.json"
+    earlier.write_text(json.dumps(dict(meta=meta, rows=rows, kernels=[kernel("prepare", 0.5, "old"),
+                                                                      kernel("solve", 0.1, "old")])))
+    later.write_text(json.dumps(dict(meta=meta, rows=rows, kernels=[kernel("prepare", 0.4, "new"),
+                                                                    kernel("recurrence", 0.3, "new")])))
+    assert bench.main(["--merge", str(earlier), str(later)]) == 0
+    merged = json.loads(later.read_text())["kernels"]
+    assert [(k["kernel"], k["ms"]) for k in merged] == [("solve", 0.1), ("prepare", 0.4), ("recurrence", 0.3)]
+    md = (tmp_path / "later.md").read_text()
+    assert "where fastkda's time goes" in md and "4000.0 GB/s, 600.0 TFLOP/s" in md
+    assert "| w | 2 | 0.400 (10%, 20%) | 0.100 (10%, 20%) | 0.300 (10%, 20%) | 0.800 |" in md

@@ -198,3 +198,16 @@ def test_repeated_call_skips_tritons_launch_path(monkeypatch):
     out, final, _ = run_prefill(inp, torch.float32, torch.float32)
     assert not entered
     assert torch.isfinite(out).all() and torch.isfinite(final).all()
+
+
+def test_bench_kernel_breakdown_times_each_kernel():
+    from fastkda import bench
+
+    workload = dict(name="w", H=4, lengths=[1024, 300], layout="varlen")
+    copy_gbps, tflops = 4000.0, 600.0
+    rows = bench.kernel_breakdown(bench.make_prefill_inputs(workload, "cuda"), workload, copy_gbps, tflops)
+    assert [r["kernel"] for r in rows] == list(bench.KERNELS)
+    work = bench.kernel_work(workload, rows[0]["v_slices"])
+    for r in rows:
+        assert r["ms"] > 0 and r["gbps"] == pytest.approx(work[r["kernel"]][0] / r["ms"] / 1e6, rel=1e-3, abs=0.1)
+        assert r["pct_copy"] == pytest.approx(100 * r["gbps"] / copy_gbps, abs=0.1)
