@@ -300,7 +300,7 @@ def kernel_breakdown(inp, workload, copy_gbps, tflops, calls=5):
         if ms <= 0:
             continue
         gbps, rate = nbytes / ms / 1e6, flops / ms / 1e9
-        rows.append(dict(workload=workload["name"], kernel=name, v_slices=v_slices, ms=round(ms, 4),
+        rows.append(dict(workload=workload["name"], kernel=name, v_slices=v_slices, ms=round(ms, 5),
                          gbps=round(gbps, 1), pct_copy=round(100 * gbps / copy_gbps, 1),
                          tflops=round(rate, 1), pct_matmul=round(100 * rate / tflops, 1)))
         print(f"[kernels] {workload['name']} {name}: {ms:.4f} ms, {gbps:.0f} GB/s ({100 * gbps / copy_gbps:.0f}% of "
