@@ -267,8 +267,8 @@ def kda_prefill(
         v_slices: ``"auto"`` (the launch plan, :mod:`fastkda.plan`), or 1, 2, 4; ``$FASTKDA_V_SLICES``
             applies when this is ``"auto"``. Results are bitwise identical for every choice.
         checkpoint_offsets, checkpoint_states: prefix-cache checkpoints. Offsets ``[N]`` or ``[N, 2]`` (the
-            dtype of ``cu_seqlens``) from each sequence's start, multiples of 64 (CPU tensors are checked; on
-            the GPU another value never matches); the fp32 state after that many tokens is written to
+            dtype of ``cu_seqlens``) from each sequence's start, multiples of the chunk, 32 (CPU tensors are
+            checked; on the GPU another value never matches); the fp32 state after that many tokens is written to
             ``checkpoint_states [N, 2, H, V, K]``, bitwise equal to the final state of a prefill of that prefix
             on the same device. An offset beyond its sequence is ignored.
     """

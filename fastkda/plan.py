@@ -25,7 +25,8 @@ MIN_SLICE_WIDTH = 16  # a V-slice narrower than this cannot feed a tensor-core d
 # 1, 2, 4 KB at H = 4, 8, 16, 32-wide slices ran 6-12% slower than 64-wide ones; at H = 12, 24 they were 20% faster)
 SLICE_WIDTH = 64
 NARROW_SLICE_WIDTH = 32
-CHUNK = 64  # tokens per serial step of the prefill recurrence (fastkda.ops.prefill uses this one)
+CHUNK = 32  # tokens per serial step of the prefill recurrence (fastkda.ops.prefill uses this one; H200: 32 beat 64,
+# docs/perf-notes.md session 6)
 
 
 @dataclass(frozen=True)

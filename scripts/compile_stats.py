@@ -87,7 +87,7 @@ def main():
         consts = dict(H=12, K=128, V=128, BV=128 // slices, C=prefill.CHUNK, IS_VARLEN=True, HAS_INITIAL=True,
                       HAS_FINAL=True, NUM_CKPT=checkpoints, EMULATE=False)
         stats = compile_stats(prefill._recurrence_kernel, recurrence_sig, consts, prefill.RECURRENCE_WARPS,
-                              prefill.recurrence_stages(128, 128 // slices))  # as recur() launches it
+                              prefill.RECURRENCE_STAGES)  # as recur() launches it
         print(f"recurrence K=V=128 v_slices={slices} checkpoints={checkpoints}: {stats}")
     decode_sig = dict(q=BF16, k=BF16, v=BF16, g=BF16, beta=BF16, A_log=F32, dt_bias=F32, pool=F32, slots="*i32",
                       num_accepted="*i32", out=BF16, stride_q="i32", stride_k="i32", stride_v="i32", stride_g="i32",

@@ -45,7 +45,7 @@ def prefix_of(inp, lengths, n, prefix, varlen):
 
 
 CASES = [
-    dict(lengths=[200, 0, 130, 64], varlen=True, cu_dtype=torch.int32, offsets=[[128, 64], [0, 64], [64, 128], [64, 0]]),
+    dict(lengths=[200, 0, 130, 64], varlen=True, cu_dtype=torch.int32, offsets=[[128, 96], [0, 32], [64, 160], [32, 0]]),
     dict(lengths=[150, 150], varlen=False, cu_dtype=torch.int64, offsets=[[64, 128], [128, 64]]),
     dict(lengths=[70, 190], varlen=True, cu_dtype=torch.int64, offsets=[64, 128]),
 ]
@@ -88,7 +88,7 @@ def test_bad_checkpoint_arguments():
     kw = dict(A_log=inp["A_log"], dt_bias=inp["dt_bias"], lower_bound=inp["lower_bound"], cu_seqlens=inp["cu_seqlens"])
     states = torch.zeros(1, 2, 2, 64, 64)
     with pytest.raises(ValueError, match="multiples of the chunk"):
-        fastkda.kda_prefill(*args, **kw, checkpoint_offsets=torch.tensor([[32, 64]], dtype=torch.int32),
+        fastkda.kda_prefill(*args, **kw, checkpoint_offsets=torch.tensor([[48, 64]], dtype=torch.int32),
                             checkpoint_states=states)
     with pytest.raises(ValueError, match="checkpoint_offsets"):
         fastkda.kda_prefill(*args, **kw, checkpoint_offsets=torch.tensor([[64, 64]]), checkpoint_states=states)

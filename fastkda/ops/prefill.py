@@ -1,13 +1,13 @@
 """Chunked KDA prefill on the GPU: token-parallel preparation kernels and a serial recurrence kernel.
 
-Spec §2 in the WY form, chunk ``C`` = 64 tokens split into 16-token blocks:
+Spec §2 in the WY form, chunk ``C`` = 32 tokens (``plan.CHUNK``) split into two 16-token blocks:
 
 * Preparation computes everything that does not depend on the state: gate, in-chunk cumulative decay ``G``,
   normalised q/k, the in-chunk matrices ``M = lower_incl(qd·kiᵀ)`` and ``L = strictly_lower(β·kd·kiᵀ)`` and
   ``T = (I + L)⁻¹``, and writes the bf16 workspace ``w = T·β·kd``, ``u = T·β·v``, ``qg = qd``, ``kg = kr``,
   ``A = M`` and the fp32 chunk decay ``exp(G_C)``, in two kernels per (chunk, head): ``_prepare_kernel``
-  (8 warps; everything but T, with M and β·L built as four 64-row column blocks, β·L to an fp32 scratch)
-  and ``_solve_kernel`` (2 warps; T by 16x16 blocks, then w and u). Decays are base-2 (``a·log2 e``). No
+  (4 warps; everything but T, with M and β·L built as two 32-row column blocks, β·L to an fp32 scratch)
+  and ``_solve_kernel`` (4 warps; T by 16x16 blocks, then w and u). Decays are base-2 (``a·log2 e``). No
   factor ``exp(-G)`` is ever formed across more than one 16-token block, so nothing overflows: off-diagonal
   blocks use ``exp(G_i - G_end(J))·exp(G_end(J) - G_j)`` (both ≤ 1); diagonal blocks use
   ``exp(G_i - G_end(J)) ≤ e^75`` for the lower-bound gate, and an element-wise decay for an unbounded
@@ -36,11 +36,13 @@ from .common import bf16_operand, fast_exp2, fast_reciprocal, interpreting, laun
 BLOCK = 16  # tokens per block inside a chunk (the range over which exp(-G) factors are formed)
 PREPARE_CHANNELS = 32  # key channels per step of the first kernel under the precomputed gate (H200: 32 beat
 # 16; 64 see PREPARE_STAGES); the lower-bound gate takes every channel in one step (prepare_channels)
-PREPARE_WARPS = 8  # H200: 8 warps beat 4 (docs/perf-notes.md)
+PREPARE_WARPS = 4  # with 32-token chunks: two programs per SM (docs/perf-notes.md, session 6)
 SOLVE_CHANNELS = 128  # channels per step of _solve_kernel's w and u pass (H200: one step on 4 warps beat 16
 SOLVE_WARPS = 4  # channels on 2 warps, 0.93 -> 0.64 ms at H96 B1 T8192; 32 on 2 warps 0.76; 64 on 4 warps 0.74)
 RECURRENCE_WARPS = 4  # spec §7: 8 warps were slower for a plain recurrence; H200: 0.585 -> 0.689 ms at H12 N1 T8192
-RECURRENCE_STAGES = 3  # the next chunks' workspace loads overlap the current step (recurrence_stages)
+RECURRENCE_STAGES = 3  # the next chunks' workspace loads overlap the current step (H200, 64-token chunks at four
+# slices: 0.501 ms whole call at H12 N1 T8192 against 0.585 at 2). The depth changes when loads are issued, never
+# the arithmetic, so results stay bitwise identical across slice counts; 32-token chunks fit 3 stages at every width
 PREPARE_MAXNREG = None  # a register cap for _prepare_kernel (Triton's maxnreg); H200: every cap was slower
 PREPARE_STAGES = 3  # pipelining depth of its channel loop (num_stages). 1 stage at 64 channels was 5% faster
 # but an exactness-matrix run with it hit an illegal memory access (84a3ad0, docs/perf-notes.md): not used
@@ -242,10 +244,10 @@ def _prepare_kernel(
 ):
     """Preparation, first kernel, one (chunk, head), ``BK`` key channels at a time over all C rows: gate,
     in-block cumulative decays, qg, kg, kd (parked in the w workspace until ``_solve_kernel`` replaces it with
-    w), and M, L accumulated as four ``[C, BC]`` column blocks; M goes to the A workspace, β·L to an fp32
+    w), and M, L accumulated as ``C / BC`` ``[C, BC]`` column blocks; M goes to the A workspace, β·L to an fp32
     scratch."""
     NB: tl.constexpr = C // BC
-    tl.static_assert(NB == 4)
+    tl.static_assert(NB == 2)
     slot = tl.program_id(0)
     h = tl.program_id(1)
     w_ws, qg_ws, kg_ws, _, A_ws, decay_ws, L_ws = _workspace(ws_bf16, ws_fp32, rows, total_slots, H, K, V, C)
@@ -267,7 +269,7 @@ def _prepare_kernel(
     qs, ks = _row_scales(q_t, k_t, valid, scale, L2NORM)
 
     zero = tl.zeros((C, BC), dtype=tl.float32)
-    M0, M1, M2, M3, L0, L1, L2, L3 = zero, zero, zero, zero, zero, zero, zero, zero
+    M0, M1, L0, L1 = zero, zero, zero, zero
     for c in range(K // BK):
         kk = c * BK + tl.arange(0, BK)
         m = valid[:, None]
@@ -301,32 +303,18 @@ def _prepare_kernel(
                                     DOT_PRECISION, EMULATE)
         M1 += m_J
         L1 += l_J
-        m_J, l_J = _column_products(q_b, k_b, E, G_start, G_end, col, 2, NB, BC, BK, LOWER_BOUND_GATE,
-                                    DOT_PRECISION, EMULATE)
-        M2 += m_J
-        L2 += l_J
-        m_J, l_J = _column_products(q_b, k_b, E, G_start, G_end, col, 3, NB, BC, BK, LOWER_BOUND_GATE,
-                                    DOT_PRECISION, EMULATE)
-        M3 += m_J
-        L3 += l_J
         if not LOWER_BOUND_GATE:
             m_d, l_d = _diagonal_elementwise(q_b, k_b, cs, NB, BC, BK, EMULATE)
             M0 += tl.where((blk == 0)[:, None], m_d, 0.0)
             L0 += tl.where((blk == 0)[:, None], l_d, 0.0)
             M1 += tl.where((blk == 1)[:, None], m_d, 0.0)
             L1 += tl.where((blk == 1)[:, None], l_d, 0.0)
-            M2 += tl.where((blk == 2)[:, None], m_d, 0.0)
-            L2 += tl.where((blk == 2)[:, None], l_d, 0.0)
-            M3 += tl.where((blk == 3)[:, None], m_d, 0.0)
-            L3 += tl.where((blk == 3)[:, None], l_d, 0.0)
 
     bv = _beta_rows(beta + row0 * stride_beta_tok + h * stride_beta_head, r, valid, stride_beta_tok, BETA_SIGMOID)
     A_c = A_ws + row0 * (H * C) + h * C  # the chunk's first row in the [tokens, H, C] A and β·L workspaces
     L_c = L_ws + row0 * (H * C) + h * C
     _store_column_block(A_c, L_c, valid, M0, L0, bv, 0, H, C, BC, EMULATE)
     _store_column_block(A_c, L_c, valid, M1, L1, bv, 1, H, C, BC, EMULATE)
-    _store_column_block(A_c, L_c, valid, M2, L2, bv, 2, H, C, BC, EMULATE)
-    _store_column_block(A_c, L_c, valid, M3, L3, bv, 3, H, C, BC, EMULATE)
 
 
 @triton.jit(do_not_specialize=["H"])  # one compile for every head count
@@ -344,14 +332,10 @@ def _solve_kernel(
     w_ws, _, _, u_ws, _, _, L_ws = _workspace(ws_bf16, ws_fp32, rows, total_slots, H, K, V, C)
     chunk_start, eos = _chunk_of_slot(slot, cu_seqlens, seq_len, num_seqs, C, IS_VARLEN)
     cb = tl.arange(0, BC)
-    rows0 = cb  # the rows of the chunk's four blocks, counted from its first token
+    rows0 = cb  # the rows of the chunk's two blocks, counted from its first token
     rows1 = rows0 + BC
-    rows2 = rows0 + 2 * BC
-    rows3 = rows0 + 3 * BC
     ok0 = rows0 < eos - chunk_start
     ok1 = rows1 < eos - chunk_start
-    ok2 = rows2 < eos - chunk_start
-    ok3 = rows3 < eos - chunk_start
     row0 = chunk_start.to(tl.int64)  # 64-bit base pointers per program, 32-bit offsets inside the chunk
     L_c = L_ws + row0 * (H * C) + h * C
     w_c = w_ws + row0 * (H * K) + h * K
@@ -361,66 +345,26 @@ def _solve_kernel(
     L00 = _load_tile(L_c, rows0, ok0, cb, C, H * C)
     L10 = _load_tile(L_c, rows1, ok1, cb, C, H * C)
     L11 = _load_tile(L_c, rows1, ok1, BC + cb, C, H * C)
-    L20 = _load_tile(L_c, rows2, ok2, cb, C, H * C)
-    L21 = _load_tile(L_c, rows2, ok2, BC + cb, C, H * C)
-    L22 = _load_tile(L_c, rows2, ok2, 2 * BC + cb, C, H * C)
-    L30 = _load_tile(L_c, rows3, ok3, cb, C, H * C)
-    L31 = _load_tile(L_c, rows3, ok3, BC + cb, C, H * C)
-    L32 = _load_tile(L_c, rows3, ok3, 2 * BC + cb, C, H * C)
-    L33 = _load_tile(L_c, rows3, ok3, 3 * BC + cb, C, H * C)
     b0 = _beta_rows(beta_c, rows0, ok0, stride_beta_tok, BETA_SIGMOID)
     b1 = _beta_rows(beta_c, rows1, ok1, stride_beta_tok, BETA_SIGMOID)
-    b2 = _beta_rows(beta_c, rows2, ok2, stride_beta_tok, BETA_SIGMOID)
-    b3 = _beta_rows(beta_c, rows3, ok3, stride_beta_tok, BETA_SIGMOID)
-    # T = (I + β·L)⁻¹ by blocks: inverses of the diagonal blocks, then T_IJ = -T_II·Σ_K L_IK·T_KJ; then
-    # w = T·β·kd over the kd parked in the w workspace, last row block first (w_I overwrites kd_I, which no
-    # later block needs), and u = T·β·v, both in the same channel steps
     T00 = _unit_lower_inverse_block(L00, BC, DOT_PRECISION)
     T11 = _unit_lower_inverse_block(L11, BC, DOT_PRECISION)
-    T22 = _unit_lower_inverse_block(L22, BC, DOT_PRECISION)
-    T33 = _unit_lower_inverse_block(L33, BC, DOT_PRECISION)
     T10 = -_mm(T11, _mm(L10, T00, DOT_PRECISION), DOT_PRECISION)
-    T21 = -_mm(T22, _mm(L21, T11, DOT_PRECISION), DOT_PRECISION)
-    T32 = -_mm(T33, _mm(L32, T22, DOT_PRECISION), DOT_PRECISION)
-    T20 = -_mm(T22, _mm(L20, T00, DOT_PRECISION) + _mm(L21, T10, DOT_PRECISION), DOT_PRECISION)
-    T31 = -_mm(T33, _mm(L31, T11, DOT_PRECISION) + _mm(L32, T21, DOT_PRECISION), DOT_PRECISION)
-    T30 = -_mm(T33, _mm(L30, T00, DOT_PRECISION) + _mm(L31, T10, DOT_PRECISION) + _mm(L32, T20, DOT_PRECISION),
-               DOT_PRECISION)
     T00 = T00 * b0[None, :]
     T10 = T10 * b0[None, :]
-    T20 = T20 * b0[None, :]
-    T30 = T30 * b0[None, :]
     T11 = T11 * b1[None, :]
-    T21 = T21 * b1[None, :]
-    T31 = T31 * b1[None, :]
-    T22 = T22 * b2[None, :]
-    T32 = T32 * b2[None, :]
-    T33 = T33 * b3[None, :]
-
     for c in range(tl.cdiv(max(K, V), BK)):  # w and u together: one load phase per step for both
         dd = c * BK + tl.arange(0, BK)
         kd0 = _load_tile(w_c, rows0, ok0, dd, K, H * K)
         kd1 = _load_tile(w_c, rows1, ok1, dd, K, H * K)
-        kd2 = _load_tile(w_c, rows2, ok2, dd, K, H * K)
-        kd3 = _load_tile(w_c, rows3, ok3, dd, K, H * K)
         v0 = _load_tile(v_c, rows0, ok0, dd, V, stride_v)
         v1 = _load_tile(v_c, rows1, ok1, dd, V, stride_v)
-        v2 = _load_tile(v_c, rows2, ok2, dd, V, stride_v)
-        v3 = _load_tile(v_c, rows3, ok3, dd, V, stride_v)
         tl.debug_barrier()  # every thread's kd loaded before any w overwrites it
-        _store_tile(w_c, rows3, ok3, dd, _mm(T30, kd0, DOT_PRECISION) + _mm(T31, kd1, DOT_PRECISION)
-                    + _mm(T32, kd2, DOT_PRECISION) + _mm(T33, kd3, DOT_PRECISION), K, H * K, EMULATE)
-        _store_tile(w_c, rows2, ok2, dd, _mm(T20, kd0, DOT_PRECISION) + _mm(T21, kd1, DOT_PRECISION)
-                    + _mm(T22, kd2, DOT_PRECISION), K, H * K, EMULATE)
-        _store_tile(w_c, rows1, ok1, dd, _mm(T10, kd0, DOT_PRECISION) + _mm(T11, kd1, DOT_PRECISION), K,
-                    H * K, EMULATE)
+        _store_tile(w_c, rows1, ok1, dd, _mm(T10, kd0, DOT_PRECISION) + _mm(T11, kd1, DOT_PRECISION), K, H * K,
+                    EMULATE)
         _store_tile(w_c, rows0, ok0, dd, _mm(T00, kd0, DOT_PRECISION), K, H * K, EMULATE)
         _store_tile(u_c, rows0, ok0, dd, _mm(T00, v0, DOT_PRECISION), V, H * V, EMULATE)
         _store_tile(u_c, rows1, ok1, dd, _mm(T10, v0, DOT_PRECISION) + _mm(T11, v1, DOT_PRECISION), V, H * V, EMULATE)
-        _store_tile(u_c, rows2, ok2, dd, _mm(T20, v0, DOT_PRECISION) + _mm(T21, v1, DOT_PRECISION)
-                    + _mm(T22, v2, DOT_PRECISION), V, H * V, EMULATE)
-        _store_tile(u_c, rows3, ok3, dd, _mm(T30, v0, DOT_PRECISION) + _mm(T31, v1, DOT_PRECISION)
-                    + _mm(T32, v2, DOT_PRECISION) + _mm(T33, v3, DOT_PRECISION), V, H * V, EMULATE)
 
 
 @triton.jit
@@ -507,14 +451,6 @@ def prepare_channels(key_dim, lower_bound_gate):
     phase; H200: 0.76 -> 0.59 ms whole call at H12 N1 T8192, 4.54 -> 3.24 at H96 B1 T8192); PREPARE_CHANNELS under
     the precomputed gate, whose element-wise diagonal blocks would need 311 KB of shared memory in one step."""
     return key_dim if lower_bound_gate else min(PREPARE_CHANNELS, key_dim)
-
-
-def recurrence_stages(key_dim, slice_width):
-    """Pipelining depth of the recurrence: RECURRENCE_STAGES (H200, H12 N1 T8192 at four slices: 3 stages 0.501 ms
-    whole call against 0.585 at 2), except where its buffers would not fit in shared memory: a 128-wide slice at
-    K = 128 needs 254 KB at 3 stages (227 KB per block on a Hopper SM), so it keeps 2 (180 KB). The depth changes
-    when loads are issued, never the arithmetic, so results stay bitwise identical across slice counts."""
-    return 2 if key_dim == 128 and slice_width == 128 else RECURRENCE_STAGES
 
 
 def num_slots(batch, seq_len, num_seqs, varlen):
@@ -608,7 +544,7 @@ def recur(ws, *, initial_state, final_state, out, v_slices, checkpoint_offsets=N
         H=heads, K=key_dim, V=value_dim, BV=value_dim // v_slices, C=CHUNK,
         IS_VARLEN=ws.cu_seqlens is not None, HAS_INITIAL=initial_state is not None,
         HAS_FINAL=final_state is not None, NUM_CKPT=checkpoints, EMULATE=interpreting(), num_warps=RECURRENCE_WARPS,
-        num_stages=recurrence_stages(key_dim, value_dim // v_slices),
+        num_stages=RECURRENCE_STAGES,
     )
 
 
