@@ -2,7 +2,7 @@
 against the first (they differ only in rounding) and against float64 on the spec's accuracy case. A variant is either module settings or a source edit of
 ``fastkda/ops/prefill.py``, imported as a separate module so that Triton compiles it afresh.
 
-python scripts/prepare_variants.py [--only H96_B1_T8192 ...] [--source OLD_PREFILL.py ...]
+python scripts/prepare_variants.py [--only H96_B1_T8192 ...] [--source OLD_PREFILL.py ...] [--set NAME=VALUE,...]
 Every variant is first compiled in a process of its own, all at once (Triton's cache is shared on disk), so
 the device call pays for one compile, not one per variant."""
 
@@ -41,9 +41,17 @@ def variant_module(index, settings, edit):
     return module
 
 
-def variants(source_files):
-    """The built-in variants, then one per ``--source`` file (a whole other ``prefill.py``, e.g. an older one)."""
-    extra = [(f"source {path}", {}, lambda _, text=Path(path).read_text(): text) for path in source_files]
+def parse_settings(text):
+    """``"NAME=VALUE,NAME=VALUE"`` -> module settings (integer values, or ``None``)."""
+    pairs = (item.split("=", 1) for item in text.split(","))
+    return {name: None if value == "None" else int(value) for name, value in pairs}
+
+
+def variants(source_files, settings=()):
+    """The built-in variants, then one per ``--set`` (module settings of the committed kernels) and one per
+    ``--source`` file (a whole other ``prefill.py``, e.g. an older one)."""
+    extra = [(f"set {text}", parse_settings(text), None) for text in settings]
+    extra += [(f"source {path}", {}, lambda _, text=Path(path).read_text(): text) for path in source_files]
     return VARIANTS + extra
 
 
@@ -51,9 +59,11 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--only", nargs="*", default=["H96_B1_T8192", "H12_N1_T8192"])
     parser.add_argument("--source", nargs="*", default=[], help="other prefill.py files to time as variants")
+    parser.add_argument("--set", nargs="*", default=[], dest="settings",
+                        help="module settings to time as variants, each NAME=VALUE[,NAME=VALUE]")
     parser.add_argument("--compile-only", type=int, help="run variant INDEX once on a small case (cache warm-up)")
     args = parser.parse_args()
-    chosen = variants(args.source)
+    chosen = variants(args.source, args.settings)
     try:
         if args.compile_only is not None:  # fills Triton's on-disk cache; many of these run at once
             variant_module(args.compile_only, *chosen[args.compile_only][1:])
@@ -63,7 +73,7 @@ def main():
             return
         started = time.time()
         workers = [subprocess.Popen([sys.executable, __file__, "--compile-only", str(index), "--only", *args.only,
-                                     "--source", *args.source])
+                                     "--source", *args.source, "--set", *args.settings])
                    for index in range(len(chosen))]
         for worker in workers:
             worker.wait()

@@ -25,3 +25,9 @@ def test_source_edits_apply_to_the_current_kernel():
     for label, _, edit in prepare_variants.VARIANTS:
         if edit is not None:
             assert edit(source) != source, f"{label}: its edit no longer matches fastkda/ops/prefill.py"
+
+
+def test_command_line_settings_become_variants():
+    label, settings, edit = prepare_variants.variants([], ["PREPARE_WARPS=8,PREPARE_MAXNREG=None"])[-1]
+    assert settings == dict(PREPARE_WARPS=8, PREPARE_MAXNREG=None) and edit is None and "PREPARE_WARPS=8" in label
+    assert all(hasattr(prefill, name) for name in settings)
