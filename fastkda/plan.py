@@ -18,13 +18,12 @@ import torch
 V_SLICE_CHOICES = (1, 2, 4)
 ENV_V_SLICES = "FASTKDA_V_SLICES"
 MIN_SLICE_WIDTH = 16  # a V-slice narrower than this cannot feed a tensor-core dot
-# Auto picks one of two slice widths (H200 sweep, docs/perf-notes.md): 64 columns always (a 128-wide slice of a
-# K = 128 recurrence gets only 2 pipelining stages in shared memory and spills; two 64-wide slices were faster in
-# every one of 168 configurations, by 6-53%, even when they took two waves of programs), and 32 columns when every
-# program still fits in one wave and a token's row of heads is not a power of two in bytes (with power-of-two rows,
-# 1, 2, 4 KB at H = 4, 8, 16, 32-wide slices ran 6-12% slower than 64-wide ones; at H = 12, 24 they were 20% faster)
-SLICE_WIDTH = 64
+# Auto picks one of two shapes (H200 sweeps with 32-token chunks, docs/perf-notes.md session 6): slices of 32 columns
+# while their programs fit two per SM (4-warp programs of 224 registers; four 32-wide slices ran 0.29 ms at H12 N1
+# T8192 against 0.52 for one 128-wide), else one slice of all V columns (an 8-warp program holding the state
+# transposed: 0.555 ms at H96 B1 T8192 against 0.75 for two 64-wide slices and 0.99 for four 32-wide ones)
 NARROW_SLICE_WIDTH = 32
+NARROW_PROGRAMS_PER_SM = 2
 CHUNK = 32  # tokens per serial step of the prefill recurrence (fastkda.ops.prefill uses this one; H200: 32 beat 64,
 # docs/perf-notes.md session 6)
 
@@ -69,9 +68,8 @@ def requested_v_slices(argument="auto"):
 def choose_plan(num_seqs: int, heads: int, tokens: int, value_dim: int, sms: int, v_slices="auto") -> Plan:
     """The plan for ``num_seqs`` sequences of about ``tokens`` tokens and ``heads`` heads on ``sms`` SMs.
 
-    Auto: slices of :data:`NARROW_SLICE_WIDTH` columns when all ``s·N·H`` programs fit on the SMs at once (one
-    per SM) and a token's row of heads (``H·V`` bf16 values) is not a power of two in bytes; otherwise slices of
-    :data:`SLICE_WIDTH` columns (one slice when V is no wider)."""
+    Auto: slices of :data:`NARROW_SLICE_WIDTH` columns while all ``s·N·H`` programs fit on the SMs at
+    :data:`NARROW_PROGRAMS_PER_SM` per SM; otherwise one slice (one program per sequence and head)."""
     return _plan(num_seqs, heads, tokens, value_dim, sms, requested_v_slices(v_slices))
 
 
@@ -83,19 +81,14 @@ def _plan(num_seqs, heads, tokens, value_dim, sms, choice):
         if value_dim // choice < MIN_SLICE_WIDTH or value_dim % choice:
             raise ValueError(f"v_slices={choice} leaves slices narrower than {MIN_SLICE_WIDTH} for V={value_dim}")
         return Plan(choice, choice * pairs, sms, f"v_slices={choice} requested" + chain)
-    base = max(value_dim // SLICE_WIDTH, 1)
     narrow = value_dim // NARROW_SLICE_WIDTH
-    row_bytes = heads * value_dim * 2
-    if narrow not in V_SLICE_CHOICES or narrow <= base:
-        slices, reason = base, f"{base} slice(s) of {value_dim // base} columns"
-    elif narrow * pairs > sms:
-        slices, reason = base, (f"{base} slice(s) of {value_dim // base} columns: {narrow} narrower ones would be "
-                                f"{narrow * pairs} programs > {sms} SMs")
-    elif row_bytes & (row_bytes - 1) == 0:
-        slices, reason = base, (f"{base} slice(s) of {value_dim // base} columns: rows of {row_bytes} bytes per token "
-                                f"(a power of two) made {NARROW_SLICE_WIDTH}-column slices slower")
+    room = NARROW_PROGRAMS_PER_SM * sms
+    if narrow in V_SLICE_CHOICES and narrow > 1 and narrow * pairs <= room:
+        slices, reason = narrow, (f"{narrow} slices of {NARROW_SLICE_WIDTH} columns: {narrow * pairs} programs <= "
+                                  f"{NARROW_PROGRAMS_PER_SM} per SM on {sms} SMs")
     else:
-        slices, reason = narrow, f"{narrow} slices of {NARROW_SLICE_WIDTH} columns: {narrow * pairs} programs <= {sms} SMs"
+        slices, reason = 1, (f"1 slice of {value_dim} columns: {narrow} narrower ones would be {narrow * pairs} "
+                             f"programs > {room} ({NARROW_PROGRAMS_PER_SM} per SM)")
     return Plan(slices, slices * pairs, sms, reason + chain)
 
 

@@ -23,14 +23,15 @@ def test_slices_respect_value_width():
 
 
 def test_rule_boundaries():
-    """The H200 sweep's rule: 32-column slices while 4·N·H <= SMs (rows not a power of two), else 64."""
-    assert choose_plan(2, 12, 8192, 128, 132).v_slices == 4  # 4*12*2 = 96 <= 132
-    assert choose_plan(3, 12, 8192, 128, 132).v_slices == 2  # 4*12*3 = 144 > 132
-    assert choose_plan(1, 16, 8192, 128, 132).v_slices == 2  # 16*128*2 = 4096-byte rows
-    assert choose_plan(64, 96, 8192, 128, 132).v_slices == 2  # never one 128-wide slice
-    assert choose_plan(1, 12, 8192, 64, 132).v_slices == 2  # V = 64: 32-column slices while they fit
-    assert choose_plan(16, 12, 8192, 64, 132).v_slices == 1  # ... else one 64-wide slice
-    assert choose_plan(1, 12, 8192, 128, 188).v_slices == 4 and choose_plan(3, 12, 8192, 128, 78).v_slices == 2
+    """The H200 sweep's rule: 32-column slices while 4·N·H <= 2·SMs, else one slice of all V columns."""
+    assert choose_plan(2, 12, 8192, 128, 132).v_slices == 4  # 4*12*2 = 96 <= 264
+    assert choose_plan(5, 12, 8192, 128, 132).v_slices == 4  # 4*12*5 = 240 <= 264
+    assert choose_plan(6, 12, 8192, 128, 132).v_slices == 1  # 4*12*6 = 288 > 264
+    assert choose_plan(4, 16, 8192, 128, 132).v_slices == 4  # power-of-two rows no longer matter
+    assert choose_plan(1, 96, 8192, 128, 132).v_slices == 1  # 384 > 264
+    assert choose_plan(8, 12, 8192, 64, 132).v_slices == 2  # V = 64: two 32-wide slices, 192 programs
+    assert choose_plan(16, 12, 8192, 64, 132).v_slices == 1
+    assert "2 per SM" in choose_plan(6, 12, 8192, 128, 132).reason
 
 
 def test_override_precedence(monkeypatch):

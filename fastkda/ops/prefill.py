@@ -13,9 +13,10 @@ Spec §2 in the WY form, chunk ``C`` = 32 tokens (``plan.CHUNK``) split into two
   ``exp(G_i - G_end(J)) ≤ e^75`` for the lower-bound gate, and an element-wise decay for an unbounded
   precomputed gate.
 * ``_recurrence_kernel`` (one program per (sequence, head, V-slice)) walks the chunks in order with the
-  state in fp32 registers: ``v_new = u - w·S``, ``o = qg·S + A·v_new``, ``S = diag(exp(G_C))·S + kgᵀ·v_new``,
-  and writes prefix-cache checkpoints at chunk boundaries. No step reduces over V, and every slice runs the
-  same instructions over K, so results are bitwise identical for any number of V-slices.
+  state in fp32 registers: ``v_new = u - w·S``, ``o = qg·S + A·v_new``, ``S = diag(exp(G_C))·S + kgᵀ·v_new``
+  (slices from 64 columns wide compute the same products transposed, ``state_rows_v``), and writes prefix-cache
+  checkpoints at chunk boundaries. No step reduces over V, and every slice adds the same products over K in the
+  same order, so results are bitwise identical for any number of V-slices.
 
 Chunks are numbered by *slot*: sequence ``n`` owns slots from ``cu[n] // C + n`` (varlen) or
 ``n · ceil(T / C)`` (fixed length), a layout both kernels derive from host-known values, with no
@@ -39,7 +40,8 @@ PREPARE_CHANNELS = 32  # key channels per step of the first kernel under the pre
 PREPARE_WARPS = 4  # with 32-token chunks: two programs per SM (docs/perf-notes.md, session 6)
 SOLVE_CHANNELS = 128  # channels per step of _solve_kernel's w and u pass (H200: one step on 4 warps beat 16
 SOLVE_WARPS = 4  # channels on 2 warps, 0.93 -> 0.64 ms at H96 B1 T8192; 32 on 2 warps 0.76; 64 on 4 warps 0.74)
-RECURRENCE_WARPS = 4  # spec §7: 8 warps were slower for a plain recurrence; H200: 0.585 -> 0.689 ms at H12 N1 T8192
+RECURRENCE_WARPS = 4  # per program, but 8 for slices of WIDE_SLICE columns (recurrence_warps)
+WIDE_SLICE = 128
 RECURRENCE_STAGES = 3  # the next chunks' workspace loads overlap the current step (H200, 64-token chunks at four
 # slices: 0.501 ms whole call at H12 N1 T8192 against 0.585 at 2). The depth changes when loads are issued, never
 # the arithmetic, so results stay bitwise identical across slice counts; 32-token chunks fit 3 stages at every width
@@ -386,8 +388,13 @@ def _recurrence_kernel(
     ckpt_offsets, ckpt_states, stride_out, seq_len, rows, total_slots, stride_ckpt_n, stride_ckpt_j,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
     IS_VARLEN: tl.constexpr, HAS_INITIAL: tl.constexpr, HAS_FINAL: tl.constexpr, NUM_CKPT: tl.constexpr,
-    EMULATE: tl.constexpr,
+    STATE_ROWS_V: tl.constexpr, EMULATE: tl.constexpr,
 ):
+    """One (V-slice, head, sequence): the chunks in order, the state in fp32 registers. ``STATE_ROWS_V``
+    (:func:`state_rows_v`) holds it as Sᵀ ``[BV, K]`` and computes every product transposed, so that the slice's
+    BV rows are each product's M (wgmma from 64 rows) and its first operand, the state or v_newᵀ, stays in
+    registers; otherwise S ``[K, BV]``, whose products have the chunk's C rows as M. Both forms add the same
+    products over K in the same order, so they give the same bits (checked across slice counts)."""
     vs = tl.program_id(0)
     h = tl.program_id(1)
     n = tl.program_id(2)
@@ -398,9 +405,15 @@ def _recurrence_kernel(
     vv = vs * BV + tl.arange(0, BV)
     r = tl.arange(0, C)
     cc = tl.arange(0, C)
-    state_offsets = ((n * H + h) * V).to(tl.int64) * K + vv[None, :] * K + kk[:, None]  # S[k, v] = state[v, k]
+    base = ((n * H + h) * V).to(tl.int64) * K
+    if STATE_ROWS_V:
+        state_offsets = base + vv[:, None] * K + kk[None, :]  # Sᵀ[v, k] = state[v, k]
+    else:
+        state_offsets = base + vv[None, :] * K + kk[:, None]  # S[k, v] = state[v, k]
     if HAS_INITIAL:
         S = tl.load(initial_state + state_offsets).to(tl.float32)
+    elif STATE_ROWS_V:
+        S = tl.zeros((BV, K), dtype=tl.float32)
     else:
         S = tl.zeros((K, BV), dtype=tl.float32)
     num_chunks = tl.cdiv(eos - bos, C)
@@ -411,21 +424,29 @@ def _recurrence_kernel(
         tok = (bos + c * C + r).to(tl.int64)
         valid = tok < eos
         m_k = valid[:, None] & (kk[None, :] < K)
-        m_v = valid[:, None] & (vv[None, :] < V)
         row_k = tok[:, None] * (H * K) + h * K + kk[None, :]
-        w = tl.load(w_ws + row_k, mask=m_k, other=0.0)
-        qg = tl.load(qg_ws + row_k, mask=m_k, other=0.0)
-        kg = tl.load(kg_ws + row_k, mask=m_k, other=0.0)
-        u = load_f32(u_ws + tok[:, None] * (H * V) + h * V + vv[None, :], m_v)
-        A = tl.load(A_ws + tok[:, None] * (H * C) + h * C + cc[None, :], mask=valid[:, None] & (cc[None, :] < C),
-                    other=0.0)
+        w = bf16_operand(tl.load(w_ws + row_k, mask=m_k, other=0.0), EMULATE)
+        qg = bf16_operand(tl.load(qg_ws + row_k, mask=m_k, other=0.0), EMULATE)
+        kg = bf16_operand(tl.load(kg_ws + row_k, mask=m_k, other=0.0), EMULATE)
+        A = bf16_operand(tl.load(A_ws + tok[:, None] * (H * C) + h * C + cc[None, :],
+                                 mask=valid[:, None] & (cc[None, :] < C), other=0.0), EMULATE)
         chunk_decay = tl.load(decay_ws + ((slot0 + c) * H + h) * K + kk)
         S_op = bf16_operand(S, EMULATE)
-        v_new = u - tl.dot(bf16_operand(w, EMULATE), S_op)
-        v_op = bf16_operand(v_new, EMULATE)
-        o = tl.dot(bf16_operand(qg, EMULATE), S_op) + tl.dot(bf16_operand(A, EMULATE), v_op)
-        store_as(out + tok[:, None] * stride_out + h * V + vv[None, :], o, m_v, EMULATE)
-        S = S * chunk_decay[:, None] + tl.dot(tl.trans(bf16_operand(kg, EMULATE)), v_op)
+        if STATE_ROWS_V:  # v_newᵀ = uᵀ - Sᵀwᵀ, oᵀ = Sᵀqgᵀ + v_newᵀAᵀ, Sᵀ = Sᵀ·diag(decay) + v_newᵀ·kg
+            m_v = (vv[:, None] < V) & valid[None, :]
+            v_offsets = tok[None, :] * (H * V) + h * V + vv[:, None]
+            v_new = load_f32(u_ws + v_offsets, m_v) - tl.dot(S_op, tl.trans(w))
+            v_op = bf16_operand(v_new, EMULATE)
+            o = tl.dot(S_op, tl.trans(qg)) + tl.dot(v_op, tl.trans(A))
+            store_as(out + tok[None, :] * stride_out + h * V + vv[:, None], o, m_v, EMULATE)
+            S = S * chunk_decay[None, :] + tl.dot(v_op, kg)
+        else:  # v_new = u - w·S, o = qg·S + A·v_new, S = diag(decay)·S + kgᵀ·v_new
+            m_v = valid[:, None] & (vv[None, :] < V)
+            v_new = load_f32(u_ws + tok[:, None] * (H * V) + h * V + vv[None, :], m_v) - tl.dot(w, S_op)
+            v_op = bf16_operand(v_new, EMULATE)
+            o = tl.dot(qg, S_op) + tl.dot(A, v_op)
+            store_as(out + tok[:, None] * stride_out + h * V + vv[None, :], o, m_v, EMULATE)
+            S = S * chunk_decay[:, None] + tl.dot(tl.trans(kg), v_op)
     for j in tl.static_range(NUM_CKPT):
         _store_checkpoint(ckpt_offsets, ckpt_states, n, j, stride_ckpt_n, stride_ckpt_j, num_chunks * C, eos - bos, S,
                           state_offsets, H, V, K, EMULATE)
@@ -451,6 +472,20 @@ def prepare_channels(key_dim, lower_bound_gate):
     phase; H200: 0.76 -> 0.59 ms whole call at H12 N1 T8192, 4.54 -> 3.24 at H96 B1 T8192); PREPARE_CHANNELS under
     the precomputed gate, whose element-wise diagonal blocks would need 311 KB of shared memory in one step."""
     return key_dim if lower_bound_gate else min(PREPARE_CHANNELS, key_dim)
+
+
+def state_rows_v(slice_width):
+    """Whether the recurrence holds a slice's state as Sᵀ (rows = V): from 64 columns, where that makes every
+    product a wgmma with the state in registers (H200, H96 B1 T8192 at s = 2: 1.97 -> 1.81 ms whole call); a 32-wide
+    slice keeps S (rows = K): transposed, its 32-row products fall to mma.sync (H12 N1 T8192 at s = 4: 0.46 -> 0.61)."""
+    return slice_width >= 64
+
+
+def recurrence_warps(slice_width):
+    """Warps per recurrence program: 8 for a 128-wide slice (the ``[128, 128]`` fp32 state is 64 registers per
+    thread; on 4 warps it spilled, H200 s = 1 at H12 N1 T8192 1.88 -> 0.68 ms whole call), else RECURRENCE_WARPS
+    (4-warp programs fit two per SM)."""
+    return 8 if slice_width >= WIDE_SLICE else RECURRENCE_WARPS
 
 
 def num_slots(batch, seq_len, num_seqs, varlen):
@@ -543,8 +578,8 @@ def recur(ws, *, initial_state, final_state, out, v_slices, checkpoint_offsets=N
         checkpoint_offsets.stride(0) if checkpoints else 0, checkpoint_offsets.stride(-1) if checkpoints else 0,
         H=heads, K=key_dim, V=value_dim, BV=value_dim // v_slices, C=CHUNK,
         IS_VARLEN=ws.cu_seqlens is not None, HAS_INITIAL=initial_state is not None,
-        HAS_FINAL=final_state is not None, NUM_CKPT=checkpoints, EMULATE=interpreting(), num_warps=RECURRENCE_WARPS,
-        num_stages=RECURRENCE_STAGES,
+        HAS_FINAL=final_state is not None, NUM_CKPT=checkpoints, STATE_ROWS_V=state_rows_v(value_dim // v_slices),
+        EMULATE=interpreting(), num_warps=recurrence_warps(value_dim // v_slices), num_stages=RECURRENCE_STAGES,
     )
 
 
