@@ -84,9 +84,10 @@ def main():
                           cu_seqlens="*i32", ckpt_offsets="*i32", ckpt_states=F32, stride_out="i32", seq_len="i32",
                           rows="i32", total_slots="i32", stride_ckpt_n="i32", stride_ckpt_j="i32")
     for slices, checkpoints in ((1, 0), (2, 0), (4, 0), (4, 2)):
-        consts = dict(H=12, K=128, V=128, BV=128 // slices, C=prefill.CHUNK, IS_VARLEN=True, HAS_INITIAL=True,
-                      HAS_FINAL=True, NUM_CKPT=checkpoints, EMULATE=False)
-        stats = compile_stats(prefill._recurrence_kernel, recurrence_sig, consts, prefill.RECURRENCE_WARPS,
+        width = 128 // slices
+        consts = dict(H=12, K=128, V=128, BV=width, C=prefill.CHUNK, IS_VARLEN=True, HAS_INITIAL=True,
+                      HAS_FINAL=True, NUM_CKPT=checkpoints, STATE_ROWS_V=prefill.state_rows_v(width), EMULATE=False)
+        stats = compile_stats(prefill._recurrence_kernel, recurrence_sig, consts, prefill.recurrence_warps(width),
                               prefill.RECURRENCE_STAGES)  # as recur() launches it
         print(f"recurrence K=V=128 v_slices={slices} checkpoints={checkpoints}: {stats}")
     decode_sig = dict(q=BF16, k=BF16, v=BF16, g=BF16, beta=BF16, A_log=F32, dt_bias=F32, pool=F32, slots="*i32",
