@@ -19,6 +19,7 @@ BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 
 
 STAGES = dict(_prepare_kernel="PREPARE_STAGES", _solve_kernel="SOLVE_STAGES")  # the knobs their launches use
+WARPS = dict(_prepare_kernel="PREPARE_WARPS", _solve_kernel="SOLVE_WARPS")
 
 
 def sass(fn, constants, num_warps, num_stages):
@@ -32,9 +33,9 @@ def sass_of_arguments(kernel_name, settings):
     """SASS of ``kernel_name`` in fastkda.ops.prefill with ``NAME=VALUE`` settings (constexprs, num_warps,
     num_stages) on a K = V = 128, H = 12, lower-bound-gate varlen launch."""
     settings = dict(arg.split("=") for arg in settings)
-    warps = int(settings.pop("num_warps", 8))
+    warps = int(settings.pop("num_warps", getattr(prefill, WARPS[kernel_name])))
     stages = int(settings.pop("num_stages", getattr(prefill, STAGES[kernel_name])))
-    consts = dict(H=12, K=128, V=128, C=64, BC=16, IS_VARLEN=True, LOWER_BOUND_GATE=True, L2NORM=True,
+    consts = dict(H=12, K=128, V=128, C=prefill.CHUNK, BC=prefill.BLOCK, IS_VARLEN=True, LOWER_BOUND_GATE=True, L2NORM=True,
                   BETA_SIGMOID=True, DOT_PRECISION="tf32", EMULATE=False, **{k: int(v) for k, v in settings.items()})
     return sass(getattr(prefill, kernel_name), consts, warps, stages)
 
