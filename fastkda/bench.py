@@ -512,7 +512,10 @@ def render_results(meta, rows, stem, kernels=()):
     if kernels:
         md += ["", "## where fastkda's time goes (auto plan, torch.profiler; against the copy rate and the bf16 "
                f"matrix-product rate measured in the same run: {meta.get('copy_gbps')} GB/s, "
-               f"{meta.get('matmul_tflops')} TFLOP/s)", "", kernel_table(kernels, rows)]
+               f"{meta.get('matmul_tflops')} TFLOP/s)", "",
+               "Bytes and FLOPs are what each kernel loads, stores and multiplies (`fastkda.bench.kernel_work`); "
+               "a share of the copy rate above 100% means loads served from L2 (V-slices re-read the same "
+               "K-side tiles).", "", kernel_table(kernels, rows)]
     decode = [r for r in rows if r["group"] == "decode" and r["mode"] == "graph"]
     if decode:
         md += ["", "## decode (CUDA graph; % of the device-to-device copy rate measured in the same run)", "",
