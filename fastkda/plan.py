@@ -84,7 +84,7 @@ def _plan(num_seqs, heads, tokens, value_dim, sms, choice):
     narrow = value_dim // NARROW_SLICE_WIDTH
     room = NARROW_PROGRAMS_PER_SM * sms
     if narrow in V_SLICE_CHOICES and narrow > 1 and narrow * pairs <= room:
-        slices, reason = narrow, (f"{narrow} slices of {NARROW_SLICE_WIDTH} columns: {narrow * pairs} programs <= "
+        slices, reason = narrow, (f"{narrow} slices of {NARROW_SLICE_WIDTH} columns: {narrow * pairs} programs fit "
                                   f"{NARROW_PROGRAMS_PER_SM} per SM on {sms} SMs")
     else:
         slices, reason = 1, (f"1 slice of {value_dim} columns: {narrow} narrower ones would be {narrow * pairs} "

@@ -349,6 +349,9 @@ def _solve_kernel(
     L11 = _load_tile(L_c, rows1, ok1, BC + cb, C, H * C)
     b0 = _beta_rows(beta_c, rows0, ok0, stride_beta_tok, BETA_SIGMOID)
     b1 = _beta_rows(beta_c, rows1, ok1, stride_beta_tok, BETA_SIGMOID)
+    # T = (I + β·L)⁻¹ by blocks: inverses of the diagonal blocks, then T10 = -T11·L10·T00; then w = T·β·kd over
+    # the kd parked in the w workspace (row block 1 first: w_1 overwrites kd_1, which row block 0 does not need)
+    # and u = T·β·v, in the same channel steps
     T00 = _unit_lower_inverse_block(L00, BC, DOT_PRECISION)
     T11 = _unit_lower_inverse_block(L11, BC, DOT_PRECISION)
     T10 = -_mm(T11, _mm(L10, T00, DOT_PRECISION), DOT_PRECISION)
