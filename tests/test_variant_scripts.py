@@ -1,7 +1,10 @@
 """The device A/B script's variants are well-formed before a device call is spent on them."""
 
+import os
 import sys
 from pathlib import Path
+
+import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
 
@@ -31,3 +34,13 @@ def test_command_line_settings_become_variants():
     label, settings, edit = prepare_variants.variants([], ["PREPARE_WARPS=8,PREPARE_MAXNREG=None"])[-1]
     assert settings == dict(PREPARE_WARPS=8, PREPARE_MAXNREG=None) and edit is None and "PREPARE_WARPS=8" in label
     assert all(hasattr(prefill, name) for name in settings)
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="runs the kernels on the CPU interpreter")
+def test_variant_accuracy_runs_a_source_on_the_interpreter():
+    import variant_accuracy
+
+    found = variant_accuracy.main(["--tokens", "40", str(prepare_variants.SOURCE)])
+    (out_err, state_err), = found.values()
+    assert 0 < out_err < 4e-3 and 0 < state_err < 3e-3
+    assert not list(variant_accuracy.OPS.glob("_accuracy_variant*.py"))  # the copy is removed
