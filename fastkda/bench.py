@@ -254,18 +254,24 @@ def matmul_tflops(device="cuda", n=8192):
 KERNELS = ("prepare", "solve", "recurrence")  # fastkda's kernels, in launch order (``_<name>_kernel``)
 
 
-def kernel_work(workload, v_slices, key_dim=DIM, value_dim=DIM, chunk=64):
+def kernel_work(workload, v_slices, key_dim=DIM, value_dim=DIM):
     """Bytes each fastkda kernel moves and tensor-core FLOPs it issues in one call (bf16 inputs, fp32 states
     in and out), from the kernels' loads, stores and products: ``{kernel: (bytes, flops)}``. Each chunk's
     products are counted at full chunk size (the kernels compute them so); the solve kernel's 16x16 inverse is
     left out (under 1% of its products)."""
+    from .ops.prefill import BLOCK
+    from .plan import CHUNK
+
     heads, lengths = workload["H"], workload["lengths"]
     rows = heads * sum(lengths)  # (token, head) pairs
-    chunks = heads * sum(-(-n // chunk) for n in lengths)  # (chunk, head) pairs
-    K, V, C, s = key_dim, value_dim, chunk, v_slices
+    chunks = heads * sum(-(-n // CHUNK) for n in lengths)  # (chunk, head) pairs
+    K, V, C, s = key_dim, value_dim, CHUNK, v_slices
+    blocks = C // BLOCK
+    block_pairs = blocks * (blocks + 1) // 2  # the 16x16 blocks of T on and below the diagonal
     state = len(lengths) * heads * V * K * 4
     prepare = (rows * (3 * K * 2 + 2 + 3 * K * 2 + C * 2 + C * 4) + chunks * K * 4, chunks * 2 * 2 * C * C * K)
-    solve = (rows * (C * 4 + K * 2 + V * 2 + 2 + K * 2 + V * 2), chunks * 10 * 2 * 16 * 16 * (K + V))
+    solve = (rows * (C * 4 + K * 2 + V * 2 + 2 + K * 2 + V * 2),
+             chunks * block_pairs * 2 * BLOCK * BLOCK * (K + V))
     recurrence = (rows * (s * (3 * K * 2 + C * 2) + V * 2 + V * 2) + chunks * s * K * 4 + 2 * state,
                   chunks * 2 * (3 * C * K + C * C) * V)
     return dict(prepare=prepare, solve=solve, recurrence=recurrence)

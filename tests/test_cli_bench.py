@@ -76,11 +76,13 @@ def test_merge_keeps_earlier_rows_and_replaces_remeasured_ones(tmp_path):
 
 
 def test_kernel_work_follows_the_kernels_shapes():
-    one_chunk = dict(H=2, lengths=[64])
+    from fastkda.plan import CHUNK
+
+    one_chunk = dict(H=2, lengths=[CHUNK])
     work = bench.kernel_work(one_chunk, v_slices=1)
     assert set(work) == set(bench.KERNELS)
-    # a 65-token sequence is two chunks: the products double, the bytes grow by one token's share plus a chunk's decay
-    two_chunks = bench.kernel_work(dict(H=2, lengths=[65]), v_slices=1)
+    # one token more is two chunks: the products double, the bytes grow by one token's share plus a chunk's decay
+    two_chunks = bench.kernel_work(dict(H=2, lengths=[CHUNK + 1]), v_slices=1)
     assert all(two_chunks[k][1] == 2 * work[k][1] for k in bench.KERNELS)
     assert all(work[k][0] < two_chunks[k][0] < 2 * work[k][0] for k in ("prepare", "solve"))
     # V-slices re-read the K-side workspace, never add products; the other kernels do not see them
@@ -88,7 +90,7 @@ def test_kernel_work_follows_the_kernels_shapes():
     assert split["recurrence"][1] == work["recurrence"][1] and split["recurrence"][0] > work["recurrence"][0]
     assert split["prepare"] == work["prepare"] and split["solve"] == work["solve"]
     # the recurrence moves each sequence's fp32 state in and out: 2 * N * H * V * K * 4 bytes on top of the tokens'
-    more_seqs = bench.kernel_work(dict(H=2, lengths=[32, 32]), v_slices=1)
+    more_seqs = bench.kernel_work(dict(H=2, lengths=[CHUNK // 2, CHUNK // 2]), v_slices=1)
     assert more_seqs["recurrence"][0] - work["recurrence"][0] == 2 * 2 * 128 * 128 * 4 + 2 * 4 * 128 * 1
 
 
