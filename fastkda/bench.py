@@ -277,29 +277,37 @@ def kernel_work(workload, v_slices, key_dim=DIM, value_dim=DIM):
     return dict(prepare=prepare, solve=solve, recurrence=recurrence)
 
 
-def kernel_breakdown(inp, workload, copy_gbps, tflops, calls=5):
-    """fastkda's per-kernel GPU time (torch.profiler, mean over ``calls`` auto-plan calls), each against the copy
-    rate and the bf16 matrix-product rate measured in the same run: rows ``{workload, kernel, ms, gbps,
-    pct_copy, tflops, pct_matmul, v_slices}``."""
+def profile_kernels(run, calls, warmup=1):
+    """GPU time of every CUDA kernel over ``calls`` calls of ``run`` (torch.profiler, after ``warmup`` calls):
+    ``{kernel name: (total µs, launches)}``."""
     from torch.profiler import ProfilerActivity, profile
 
-    from .api import _sms_of
-    from .plan import choose_plan
-
-    heads, lengths = workload["H"], workload["lengths"]
-    v_slices = choose_plan(len(lengths), heads, sum(lengths) // len(lengths), DIM, _sms_of(inp["q"])).v_slices
-    run = fastkda_runner(inp, "auto")
-    run()
+    for _ in range(warmup):
+        run()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(calls):
             run()
         torch.cuda.synchronize()
+    device_us = lambda e: e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total  # noqa: E731
+    return {e.key: (device_us(e), e.count) for e in prof.key_averages()
+            if e.device_type.name == "CUDA" or device_us(e)}
+
+
+def kernel_breakdown(inp, workload, copy_gbps, tflops, calls=5):
+    """fastkda's per-kernel GPU time (torch.profiler, mean over ``calls`` auto-plan calls), each against the copy
+    rate and the bf16 matrix-product rate measured in the same run: rows ``{workload, kernel, ms, gbps,
+    pct_copy, tflops, pct_matmul, v_slices}``."""
+    from .api import _sms_of
+    from .plan import choose_plan
+
+    heads, lengths = workload["H"], workload["lengths"]
+    v_slices = choose_plan(len(lengths), heads, sum(lengths) // len(lengths), DIM, _sms_of(inp["q"])).v_slices
     total_us = {name: 0.0 for name in KERNELS}
-    for event in prof.key_averages():
+    for key, (us, _) in profile_kernels(fastkda_runner(inp, "auto"), calls).items():
         for name in KERNELS:
-            if f"_{name}_kernel" in event.key:
-                total_us[name] += getattr(event, "device_time_total", 0) or event.cuda_time_total
+            if f"_{name}_kernel" in key:
+                total_us[name] += us
     rows = []
     for name, (nbytes, flops) in kernel_work(workload, v_slices).items():
         ms = total_us[name] / calls / 1e3

@@ -4,10 +4,7 @@ python scripts/kernel_times.py [--v-slices 1] [--impl fla]   (--impl: any of fas
 
 import argparse
 
-import torch
-from torch.profiler import ProfilerActivity, profile
-
-from fastkda.bench import IMPLS, fastkda_runner, load_workloads, make_prefill_inputs
+from fastkda.bench import IMPLS, fastkda_runner, load_workloads, make_prefill_inputs, profile_kernels
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--only", nargs="*", default=["H96_B1_T8192", "H12_N1_T8192", "H12_N1_T1024", "H12_N1_T65536"])
@@ -20,16 +17,6 @@ for w in load_workloads()["prefill"]:
         continue
     inp = make_prefill_inputs(w, "cuda")
     run = fastkda_runner(inp, v_slices) if args.impl == "fastkda" else IMPLS[args.impl](inp)
-    for _ in range(3):
-        run()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(10):
-            run()
-        torch.cuda.synchronize()
-    times = {}
-    for e in prof.key_averages():
-        if e.device_type.name == "CUDA" or getattr(e, "device_time", 0):
-            times[e.key] = getattr(e, "device_time", None) or e.cuda_time
+    times = {key: us / launches for key, (us, launches) in profile_kernels(run, 10, warmup=3).items()}
     line = ", ".join(f"{k[:40]} {v / 1000:.3f} ms" for k, v in sorted(times.items(), key=lambda kv: -kv[1]))
     print(f"[kernels] {args.impl} {w['name']} v_slices={v_slices}: {line}")
