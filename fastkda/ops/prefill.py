@@ -420,6 +420,9 @@ def _recurrence_kernel(
     else:
         S = tl.zeros((K, BV), dtype=tl.float32)
     num_chunks = tl.cdiv(eos - bos, C)
+    if STATE_ROWS_V:  # the first chunk's uᵀ and decay; each step then loads the next chunk's (below)
+        u_T = _u_transposed(u_ws, (bos + r).to(tl.int64), eos, h, vv, H, V)
+        decay = tl.load(decay_ws + (slot0 * H + h) * K + kk, mask=(kk < K) & (num_chunks > 0), other=1.0)
     for c in range(num_chunks):
         for j in tl.static_range(NUM_CKPT):  # prefix-cache checkpoint: the state after c*C tokens
             _store_checkpoint(ckpt_offsets, ckpt_states, n, j, stride_ckpt_n, stride_ckpt_j, c * C, eos - bos, S,
@@ -433,17 +436,23 @@ def _recurrence_kernel(
         kg = bf16_operand(tl.load(kg_ws + row_k, mask=m_k, other=0.0), EMULATE)
         A = bf16_operand(tl.load(A_ws + tok[:, None] * (H * C) + h * C + cc[None, :],
                                  mask=valid[:, None] & (cc[None, :] < C), other=0.0), EMULATE)
-        chunk_decay = tl.load(decay_ws + ((slot0 + c) * H + h) * K + kk)
         S_op = bf16_operand(S, EMULATE)
         if STATE_ROWS_V:  # v_newᵀ = uᵀ - Sᵀwᵀ, oᵀ = Sᵀqgᵀ + v_newᵀAᵀ, Sᵀ = Sᵀ·diag(decay) + v_newᵀ·kg
+            # uᵀ and the decay were loaded a step ahead, and the next chunk's are loaded right after their last
+            # use here, so that the loads land in the loop-carried registers: Triton's own prefetch of u and a
+            # plain load of the decay both left the step waiting on global memory (H200, ncu, s = 1 at H12 N1
+            # T8192: the recurrence 525 -> 327 µs; docs/perf-notes.md, session 7)
             m_v = (vv[:, None] < V) & valid[None, :]
-            v_offsets = tok[None, :] * (H * V) + h * V + vv[:, None]
-            v_new = load_f32(u_ws + v_offsets, m_v) - tl.dot(S_op, tl.trans(w))
+            S_decayed = S * decay[None, :]
+            decay = tl.load(decay_ws + ((slot0 + tl.minimum(c + 1, num_chunks - 1)) * H + h) * K + kk)
+            v_new = u_T.to(tl.float32) - tl.dot(S_op, tl.trans(w))
+            u_T = _u_transposed(u_ws, tok + C, eos, h, vv, H, V)
             v_op = bf16_operand(v_new, EMULATE)
             o = tl.dot(S_op, tl.trans(qg)) + tl.dot(v_op, tl.trans(A))
             store_as(out + tok[None, :] * stride_out + h * V + vv[:, None], o, m_v, EMULATE)
-            S = S * chunk_decay[None, :] + tl.dot(v_op, kg)
+            S = S_decayed + tl.dot(v_op, kg)
         else:  # v_new = u - w·S, o = qg·S + A·v_new, S = diag(decay)·S + kgᵀ·v_new
+            chunk_decay = tl.load(decay_ws + ((slot0 + c) * H + h) * K + kk)
             m_v = valid[:, None] & (vv[None, :] < V)
             v_new = load_f32(u_ws + tok[:, None] * (H * V) + h * V + vv[None, :], m_v) - tl.dot(w, S_op)
             v_op = bf16_operand(v_new, EMULATE)
@@ -455,6 +464,13 @@ def _recurrence_kernel(
                           state_offsets, H, V, K, EMULATE)
     if HAS_FINAL:
         store_as(final_state + state_offsets, S, None, EMULATE)
+
+
+@triton.jit
+def _u_transposed(u_ws, tok, eos, h, vv, H: tl.constexpr, V: tl.constexpr):
+    """uᵀ ``[BV, C]`` (bf16) of tokens ``tok`` and columns ``vv`` of head ``h``, zeros from ``eos`` on."""
+    return tl.load(u_ws + tok[None, :] * (H * V) + h * V + vv[:, None], mask=(vv[:, None] < V) & (tok[None, :] < eos),
+                   other=0.0)
 
 
 @triton.jit
