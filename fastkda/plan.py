@@ -18,12 +18,11 @@ import torch
 V_SLICE_CHOICES = (1, 2, 4)
 ENV_V_SLICES = "FASTKDA_V_SLICES"
 MIN_SLICE_WIDTH = 16  # a V-slice narrower than this cannot feed a tensor-core dot
-# Auto picks one of two shapes (H200 sweeps with 32-token chunks, docs/perf-notes.md session 6): slices of 32 columns
-# while their programs fit two per SM (4-warp programs of 224 registers; four 32-wide slices ran 0.29 ms at H12 N1
-# T8192 against 0.52 for one 128-wide), else one slice of all V columns (an 8-warp program holding the state
-# transposed: 0.555 ms at H96 B1 T8192 against 0.75 for two 64-wide slices and 0.99 for four 32-wide ones)
+# Auto takes the most slices, at least NARROW_SLICE_WIDTH columns wide, whose programs fit one per SM, else one slice
+# (H200 sweep of the recurrence, 42 shapes, docs/perf-notes.md session 7: at H12 T8192 four 32-wide slices 0.290 ms
+# at N1 but 0.466 at N3, where 144 programs put two on some SMs; two 64-wide ones 0.309 there; one 128-wide slice
+# per head 0.363 at N6 against 0.378 for two, and 0.384 against 0.418 at H96 N1)
 NARROW_SLICE_WIDTH = 32
-NARROW_PROGRAMS_PER_SM = 2
 CHUNK = 32  # tokens per serial step of the prefill recurrence (fastkda.ops.prefill uses this one; H200: 32 beat 64,
 # docs/perf-notes.md session 6)
 
@@ -68,8 +67,8 @@ def requested_v_slices(argument="auto"):
 def choose_plan(num_seqs: int, heads: int, tokens: int, value_dim: int, sms: int, v_slices="auto") -> Plan:
     """The plan for ``num_seqs`` sequences of about ``tokens`` tokens and ``heads`` heads on ``sms`` SMs.
 
-    Auto: slices of :data:`NARROW_SLICE_WIDTH` columns while all ``s·N·H`` programs fit on the SMs at
-    :data:`NARROW_PROGRAMS_PER_SM` per SM; otherwise one slice (one program per sequence and head)."""
+    Auto: the largest ``s`` whose ``s·N·H`` programs fit one per SM, with slices at least
+    :data:`NARROW_SLICE_WIDTH` columns wide; otherwise one slice (one program per sequence and head)."""
     return _plan(num_seqs, heads, tokens, value_dim, sms, requested_v_slices(v_slices))
 
 
@@ -81,14 +80,15 @@ def _plan(num_seqs, heads, tokens, value_dim, sms, choice):
         if value_dim // choice < MIN_SLICE_WIDTH or value_dim % choice:
             raise ValueError(f"v_slices={choice} leaves slices narrower than {MIN_SLICE_WIDTH} for V={value_dim}")
         return Plan(choice, choice * pairs, sms, f"v_slices={choice} requested" + chain)
-    narrow = value_dim // NARROW_SLICE_WIDTH
-    room = NARROW_PROGRAMS_PER_SM * sms
-    if narrow in V_SLICE_CHOICES and narrow > 1 and narrow * pairs <= room:
-        slices, reason = narrow, (f"{narrow} slices of {NARROW_SLICE_WIDTH} columns: {narrow * pairs} programs fit "
-                                  f"{NARROW_PROGRAMS_PER_SM} per SM on {sms} SMs")
+    splits = [s for s in V_SLICE_CHOICES if s > 1 and value_dim % s == 0 and value_dim // s >= NARROW_SLICE_WIDTH]
+    fitting = [s for s in splits if s * pairs <= sms]
+    if fitting:
+        slices = max(fitting)
+        reason = f"{slices} slices of {value_dim // slices} columns: {slices * pairs} programs, one per SM on {sms} SMs"
     else:
-        slices, reason = 1, (f"1 slice of {value_dim} columns: {narrow} narrower ones would be {narrow * pairs} "
-                             f"programs > {room} ({NARROW_PROGRAMS_PER_SM} per SM)")
+        slices = 1
+        reason = f"1 slice of {value_dim} columns: {pairs} programs" + (
+            f"; {min(splits)} slices would be {min(splits) * pairs} programs > {sms} SMs" if splits else "")
     return Plan(slices, slices * pairs, sms, reason + chain)
 
 

@@ -23,15 +23,17 @@ def test_slices_respect_value_width():
 
 
 def test_rule_boundaries():
-    """The H200 sweep's rule: 32-column slices while 4·N·H <= 2·SMs, else one slice of all V columns."""
-    assert choose_plan(2, 12, 8192, 128, 132).v_slices == 4  # 4*12*2 = 96 <= 264
-    assert choose_plan(5, 12, 8192, 128, 132).v_slices == 4  # 4*12*5 = 240 <= 264
-    assert choose_plan(6, 12, 8192, 128, 132).v_slices == 1  # 4*12*6 = 288 > 264
-    assert choose_plan(4, 16, 8192, 128, 132).v_slices == 4  # power-of-two rows no longer matter
-    assert choose_plan(1, 96, 8192, 128, 132).v_slices == 1  # 384 > 264
-    assert choose_plan(8, 12, 8192, 64, 132).v_slices == 2  # V = 64: two 32-wide slices, 192 programs
-    assert choose_plan(16, 12, 8192, 64, 132).v_slices == 1
-    assert "2 per SM" in choose_plan(6, 12, 8192, 128, 132).reason
+    """The H200 sweep's rule: the most slices of at least 32 columns whose s·N·H programs fit one per SM."""
+    assert choose_plan(2, 12, 8192, 128, 132).v_slices == 4  # 4*12*2 = 96 <= 132
+    assert choose_plan(3, 12, 8192, 128, 132).v_slices == 2  # 4*36 = 144 > 132, 2*36 = 72
+    assert choose_plan(5, 12, 8192, 128, 132).v_slices == 2  # 2*60 = 120 <= 132
+    assert choose_plan(6, 12, 8192, 128, 132).v_slices == 1  # 2*72 = 144 > 132
+    assert choose_plan(4, 16, 8192, 128, 132).v_slices == 2  # 2*64 = 128
+    assert choose_plan(1, 96, 8192, 128, 132).v_slices == 1  # 2*96 = 192 > 132
+    assert choose_plan(5, 12, 8192, 64, 132).v_slices == 2  # V = 64: two 32-wide slices at most, 120 programs
+    assert choose_plan(6, 12, 8192, 64, 132).v_slices == 1
+    assert "2 slices would be 144 programs > 132 SMs" in choose_plan(6, 12, 8192, 128, 132).reason
+    assert "one per SM" in choose_plan(5, 12, 8192, 128, 132).reason
 
 
 def test_override_precedence(monkeypatch):
