@@ -1,8 +1,8 @@
-"""Sweep of the launch plan (issue 3): recurrence time for V-slices s in {1, 2, 4} over N x H x tokens.
+"""Sweep of the launch plan (issue 3): prefill time for V-slices s in {1, 2, 4} over N x H x tokens.
 
-The preparation kernel does the same work for every s, so each configuration is prepared once and only the
-recurrence is timed (CUDA-graph replay, median of do_bench); outputs and final states are also compared
-bitwise across s. Rows go to ``benchmarks/results/<date>-<gpu>-plan-sweep.json`` after every configuration,
+The whole call is timed for each s (CUDA-graph replay, median of do_bench), since the slice width also decides
+whether the solve kernel or the recurrence forms w and u (``fastkda.ops.prefill.solve_forms_w_u``); outputs and
+final states are also compared bitwise across s. Rows go to ``benchmarks/results/<date>-<gpu>-plan-sweep.json`` after every configuration,
 so a run cut short keeps what it measured. Then it prints how often the auto plan is within 2% of the best.
 
 python benchmarks/plan_sweep.py [--budget-s 400] [--rep-ms 25] [--seqs 1 2 ...] [--heads 4 8 ...] [--tokens 256 1024 8192]
@@ -17,8 +17,7 @@ from pathlib import Path
 
 import torch
 
-from fastkda.bench import LOWER_BOUND, git_commit, make_prefill_inputs, results_stem, time_graph
-from fastkda.ops.prefill import prepare, recur
+from fastkda.bench import fastkda_runner, git_commit, make_prefill_inputs, results_stem, time_graph
 from fastkda.plan import V_SLICE_CHOICES, choose_plan
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -27,17 +26,10 @@ RESULTS = Path(__file__).resolve().parent / "results"
 def sweep_one(heads, seqs, tokens, rep_ms):
     """``{s: ms}`` for one configuration, after checking every s gives the same bits."""
     inp = make_prefill_inputs(dict(H=heads, lengths=[tokens] * seqs, layout="varlen"), "cuda")
-    ws = prepare(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], A_log=inp["A_log"], dt_bias=inp["dt_bias"],
-                 lower_bound=LOWER_BOUND, scale=inp["scale"], cu_seqlens=inp["cu_seqlens"], use_qk_l2norm=True,
-                 use_beta_sigmoid=True)
     times, first = {}, None
     for s in V_SLICE_CHOICES:
-        out = torch.empty_like(inp["v"])
-        final = torch.empty_like(inp["initial_state"])
-
-        def run():
-            recur(ws, initial_state=inp["initial_state"], final_state=final, out=out, v_slices=s)
-        run()
+        run = fastkda_runner(inp, s)
+        out, final = run()
         if first is None:
             first = (out.clone(), final.clone())
         elif not (torch.equal(out, first[0]) and torch.equal(final, first[1])):

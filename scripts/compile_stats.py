@@ -75,18 +75,21 @@ def main():
                                   prefill.PREPARE_STAGES)
             print(f"prepare K=V={dim} lower_bound_gate={gate} channels={channels} warps={args.warps}: {stats}")
     for dim in (128, 64):
-        consts = dict(H=12, K=dim, V=dim, C=prefill.CHUNK, BC=prefill.BLOCK, BK=min(prefill.SOLVE_CHANNELS, dim),
-                      IS_VARLEN=True, BETA_SIGMOID=True, DOT_PRECISION="tf32", EMULATE=False)
-        stats = compile_stats(prefill._solve_kernel, PREPARATION_SIGNATURE, consts, prefill.SOLVE_WARPS,
-                              prefill.SOLVE_STAGES)
-        print(f"solve K=V={dim} warps={prefill.SOLVE_WARPS}: {stats}")
+        for form_w_u in (True, False):
+            consts = dict(H=12, K=dim, V=dim, C=prefill.CHUNK, BC=prefill.BLOCK, BK=min(prefill.SOLVE_CHANNELS, dim),
+                          IS_VARLEN=True, BETA_SIGMOID=True, DOT_PRECISION="tf32", EMULATE=False, FORM_W_U=form_w_u)
+            stats = compile_stats(prefill._solve_kernel, PREPARATION_SIGNATURE, consts, prefill.SOLVE_WARPS,
+                                  prefill.SOLVE_STAGES)
+            print(f"solve K=V={dim} warps={prefill.SOLVE_WARPS} form_w_u={form_w_u}: {stats}")
     recurrence_sig = dict(ws_bf16=BF16, ws_fp32=F32, out=BF16, initial_state=F32, final_state=F32,
                           cu_seqlens="*i32", ckpt_offsets="*i32", ckpt_states=F32, stride_out="i32", seq_len="i32",
-                          rows="i32", total_slots="i32", stride_ckpt_n="i32", stride_ckpt_j="i32")
+                          rows="i32", total_slots="i32", stride_ckpt_n="i32", stride_ckpt_j="i32", v=BF16,
+                          stride_v="i32")
     for slices, checkpoints in ((1, 0), (2, 0), (4, 0), (4, 2)):
         width = 128 // slices
         consts = dict(H=12, K=128, V=128, BV=width, C=prefill.CHUNK, IS_VARLEN=True, HAS_INITIAL=True,
-                      HAS_FINAL=True, NUM_CKPT=checkpoints, STATE_ROWS_V=prefill.state_rows_v(width), EMULATE=False)
+                      HAS_FINAL=True, NUM_CKPT=checkpoints, STATE_ROWS_V=prefill.state_rows_v(width),
+                      W_U_FORMED=prefill.solve_forms_w_u(width), DOT_PRECISION="tf32", EMULATE=False)
         stats = compile_stats(prefill._recurrence_kernel, recurrence_sig, consts, prefill.recurrence_warps(width),
                               prefill.RECURRENCE_STAGES)  # as recur() launches it
         print(f"recurrence K=V=128 v_slices={slices} checkpoints={checkpoints}: {stats}")

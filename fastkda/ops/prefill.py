@@ -7,7 +7,8 @@ Spec §2 in the WY form, chunk ``C`` = 32 tokens (``plan.CHUNK``) split into two
   ``T = (I + L)⁻¹``, and writes the bf16 workspace ``w = T·β·kd``, ``u = T·β·v``, ``qg = qd``, ``kg = kr``,
   ``A = M`` and the fp32 chunk decay ``exp(G_C)``, in two kernels per (chunk, head): ``_prepare_kernel``
   (4 warps; everything but T, with M and β·L built as two 32-row column blocks, β·L to an fp32 scratch)
-  and ``_solve_kernel`` (4 warps; T by 16x16 blocks, then w and u). Decays are base-2 (``a·log2 e``). No
+  and ``_solve_kernel`` (4 warps; T by 16x16 blocks, then w and u, or, for slices from 64 columns wide,
+  T·diag(β) for the recurrence to form w and u: ``solve_forms_w_u``). Decays are base-2 (``a·log2 e``). No
   factor ``exp(-G)`` is ever formed across more than one 16-token block, so nothing overflows: off-diagonal
   blocks use ``exp(G_i - G_end(J))·exp(G_end(J) - G_j)`` (both ≤ 1); diagonal blocks use
   ``exp(G_i - G_end(J)) ≤ e^75`` for the lower-bound gate, and an element-wise decay for an unbounded
@@ -325,10 +326,12 @@ def _solve_kernel(
     stride_v, stride_beta_tok, stride_beta_head, seq_len, num_seqs, rows, total_slots,
     H, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
     IS_VARLEN: tl.constexpr, BETA_SIGMOID: tl.constexpr, DOT_PRECISION: tl.constexpr, EMULATE: tl.constexpr,
+    FORM_W_U: tl.constexpr,
 ):
     """Preparation, second kernel, one (chunk, head) on few warps (its products are 16x16 blocks, which more
     warps would only replicate): T = (I + β·L)⁻¹ from the 16x16 blocks of the β·L scratch (diagonal ones
-    strictly lower), then w = T·β·kd and u = T·β·v."""
+    strictly lower), then w = T·β·kd and u = T·β·v (``FORM_W_U``), or T·diag(β) over the scratch for the
+    recurrence to form them (:func:`solve_forms_w_u`)."""
     slot = tl.program_id(0)
     h = tl.program_id(1)
     w_ws, _, _, u_ws, _, _, L_ws = _workspace(ws_bf16, ws_fp32, rows, total_slots, H, K, V, C)
@@ -358,18 +361,25 @@ def _solve_kernel(
     T00 = T00 * b0[None, :]
     T10 = T10 * b0[None, :]
     T11 = T11 * b1[None, :]
-    for c in range(tl.cdiv(max(K, V), BK)):  # w and u together: one load phase per step for both
-        dd = c * BK + tl.arange(0, BK)
-        kd0 = _load_tile(w_c, rows0, ok0, dd, K, H * K)
-        kd1 = _load_tile(w_c, rows1, ok1, dd, K, H * K)
-        v0 = _load_tile(v_c, rows0, ok0, dd, V, stride_v)
-        v1 = _load_tile(v_c, rows1, ok1, dd, V, stride_v)
-        tl.debug_barrier()  # every thread's kd loaded before any w overwrites it
-        _store_tile(w_c, rows1, ok1, dd, _mm(T10, kd0, DOT_PRECISION) + _mm(T11, kd1, DOT_PRECISION), K, H * K,
-                    EMULATE)
-        _store_tile(w_c, rows0, ok0, dd, _mm(T00, kd0, DOT_PRECISION), K, H * K, EMULATE)
-        _store_tile(u_c, rows0, ok0, dd, _mm(T00, v0, DOT_PRECISION), V, H * V, EMULATE)
-        _store_tile(u_c, rows1, ok1, dd, _mm(T10, v0, DOT_PRECISION) + _mm(T11, v1, DOT_PRECISION), V, H * V, EMULATE)
+    if FORM_W_U:
+        for c in range(tl.cdiv(max(K, V), BK)):  # w and u together: one load phase per step for both
+            dd = c * BK + tl.arange(0, BK)
+            kd0 = _load_tile(w_c, rows0, ok0, dd, K, H * K)
+            kd1 = _load_tile(w_c, rows1, ok1, dd, K, H * K)
+            v0 = _load_tile(v_c, rows0, ok0, dd, V, stride_v)
+            v1 = _load_tile(v_c, rows1, ok1, dd, V, stride_v)
+            tl.debug_barrier()  # every thread's kd loaded before any w overwrites it
+            _store_tile(w_c, rows1, ok1, dd, _mm(T10, kd0, DOT_PRECISION) + _mm(T11, kd1, DOT_PRECISION), K, H * K,
+                        EMULATE)
+            _store_tile(w_c, rows0, ok0, dd, _mm(T00, kd0, DOT_PRECISION), K, H * K, EMULATE)
+            _store_tile(u_c, rows0, ok0, dd, _mm(T00, v0, DOT_PRECISION), V, H * V, EMULATE)
+            _store_tile(u_c, rows1, ok1, dd, _mm(T10, v0, DOT_PRECISION) + _mm(T11, v1, DOT_PRECISION), V, H * V,
+                        EMULATE)
+    else:  # T·diag(β) over the scratch, whose upper-right block (rows 0, columns BC..) is zero already
+        tl.debug_barrier()  # every thread's L loaded before any T overwrites it
+        tl.store(L_c + rows0[:, None] * (H * C) + cb[None, :], T00, mask=ok0[:, None])
+        tl.store(L_c + rows1[:, None] * (H * C) + cb[None, :], T10, mask=ok1[:, None])
+        tl.store(L_c + rows1[:, None] * (H * C) + BC + cb[None, :], T11, mask=ok1[:, None])
 
 
 @triton.jit
@@ -388,20 +398,22 @@ def _store_column_block(A_c, L_c, valid, M_J, L_J, bv, J: tl.constexpr, H,
 @triton.jit
 def _recurrence_kernel(
     ws_bf16, ws_fp32, out, initial_state, final_state, cu_seqlens,
-    ckpt_offsets, ckpt_states, stride_out, seq_len, rows, total_slots, stride_ckpt_n, stride_ckpt_j,
+    ckpt_offsets, ckpt_states, stride_out, seq_len, rows, total_slots, stride_ckpt_n, stride_ckpt_j, v, stride_v,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
     IS_VARLEN: tl.constexpr, HAS_INITIAL: tl.constexpr, HAS_FINAL: tl.constexpr, NUM_CKPT: tl.constexpr,
-    STATE_ROWS_V: tl.constexpr, EMULATE: tl.constexpr,
+    STATE_ROWS_V: tl.constexpr, W_U_FORMED: tl.constexpr, DOT_PRECISION: tl.constexpr, EMULATE: tl.constexpr,
 ):
     """One (V-slice, head, sequence): the chunks in order, the state in fp32 registers. ``STATE_ROWS_V``
     (:func:`state_rows_v`) holds it as Sᵀ ``[BV, K]`` and computes every product transposed, so that the slice's
     BV rows are each product's M (wgmma from 64 rows) and its first operand, the state or v_newᵀ, stays in
     registers; otherwise S ``[K, BV]``, whose products have the chunk's C rows as M. Both forms add the same
-    products over K in the same order, so they give the same bits (checked across slice counts)."""
+    products over K in the same order, so they give the same bits (checked across slice counts). Unless
+    ``W_U_FORMED`` (by the solve kernel), each step forms w and u itself from T·diag(β), kd and v with the solve's
+    products (the same bits, :func:`solve_forms_w_u`)."""
     vs = tl.program_id(0)
     h = tl.program_id(1)
     n = tl.program_id(2)
-    w_ws, qg_ws, kg_ws, u_ws, A_ws, decay_ws, _ = _workspace(ws_bf16, ws_fp32, rows, total_slots, H, K, V, C)
+    w_ws, qg_ws, kg_ws, u_ws, A_ws, decay_ws, T_ws = _workspace(ws_bf16, ws_fp32, rows, total_slots, H, K, V, C)
     bos, eos = _sequence_span(cu_seqlens, n, seq_len, IS_VARLEN)
     slot0 = _first_slot(n, bos, seq_len, C, IS_VARLEN)
     kk = tl.arange(0, K)
@@ -421,7 +433,8 @@ def _recurrence_kernel(
         S = tl.zeros((K, BV), dtype=tl.float32)
     num_chunks = tl.cdiv(eos - bos, C)
     if STATE_ROWS_V:  # the first chunk's uᵀ and decay; each step then loads the next chunk's (below)
-        u_T = _u_transposed(u_ws, (bos + r).to(tl.int64), eos, h, vv, H, V)
+        if W_U_FORMED:
+            u_T = _u_transposed(u_ws, (bos + r).to(tl.int64), eos, h, vv, H, V)
         decay = tl.load(decay_ws + (slot0 * H + h) * K + kk, mask=(kk < K) & (num_chunks > 0), other=1.0)
     for c in range(num_chunks):
         for j in tl.static_range(NUM_CKPT):  # prefix-cache checkpoint: the state after c*C tokens
@@ -431,7 +444,14 @@ def _recurrence_kernel(
         valid = tok < eos
         m_k = valid[:, None] & (kk[None, :] < K)
         row_k = tok[:, None] * (H * K) + h * K + kk[None, :]
-        w = bf16_operand(tl.load(w_ws + row_k, mask=m_k, other=0.0), EMULATE)
+        if W_U_FORMED:
+            w = bf16_operand(tl.load(w_ws + row_k, mask=m_k, other=0.0), EMULATE)
+        else:  # w = T·β·kd and u = T·β·v, rounded to bf16 as the workspace would hold them
+            T_beta = tl.load(T_ws + tok[:, None] * (H * C) + h * C + cc[None, :],
+                             mask=valid[:, None] & (cc[None, :] < C), other=0.0)
+            w = bf16_operand(tl.dot(T_beta, load_f32(w_ws + row_k, m_k), input_precision=DOT_PRECISION), EMULATE)
+            v_c = load_f32(v + tok[:, None] * stride_v + h * V + vv[None, :], valid[:, None] & (vv[None, :] < V))
+            u = bf16_operand(tl.dot(T_beta, v_c, input_precision=DOT_PRECISION), EMULATE).to(tl.float32)
         qg = bf16_operand(tl.load(qg_ws + row_k, mask=m_k, other=0.0), EMULATE)
         kg = bf16_operand(tl.load(kg_ws + row_k, mask=m_k, other=0.0), EMULATE)
         A = bf16_operand(tl.load(A_ws + tok[:, None] * (H * C) + h * C + cc[None, :],
@@ -445,8 +465,11 @@ def _recurrence_kernel(
             m_v = (vv[:, None] < V) & valid[None, :]
             S_decayed = S * decay[None, :]
             decay = tl.load(decay_ws + ((slot0 + tl.minimum(c + 1, num_chunks - 1)) * H + h) * K + kk)
-            v_new = u_T.to(tl.float32) - tl.dot(S_op, tl.trans(w))
-            u_T = _u_transposed(u_ws, tok + C, eos, h, vv, H, V)
+            if W_U_FORMED:
+                v_new = u_T.to(tl.float32) - tl.dot(S_op, tl.trans(w))
+                u_T = _u_transposed(u_ws, tok + C, eos, h, vv, H, V)
+            else:
+                v_new = tl.trans(u) - tl.dot(S_op, tl.trans(w))
             v_op = bf16_operand(v_new, EMULATE)
             o = tl.dot(S_op, tl.trans(qg)) + tl.dot(v_op, tl.trans(A))
             store_as(out + tok[None, :] * stride_out + h * V + vv[:, None], o, m_v, EMULATE)
@@ -454,7 +477,9 @@ def _recurrence_kernel(
         else:  # v_new = u - w·S, o = qg·S + A·v_new, S = diag(decay)·S + kgᵀ·v_new
             chunk_decay = tl.load(decay_ws + ((slot0 + c) * H + h) * K + kk)
             m_v = valid[:, None] & (vv[None, :] < V)
-            v_new = load_f32(u_ws + tok[:, None] * (H * V) + h * V + vv[None, :], m_v) - tl.dot(w, S_op)
+            if W_U_FORMED:
+                u = load_f32(u_ws + tok[:, None] * (H * V) + h * V + vv[None, :], m_v)
+            v_new = u - tl.dot(w, S_op)
             v_op = bf16_operand(v_new, EMULATE)
             o = tl.dot(qg, S_op) + tl.dot(A, v_op)
             store_as(out + tok[:, None] * stride_out + h * V + vv[None, :], o, m_v, EMULATE)
@@ -520,7 +545,8 @@ class Workspace:
     """What the preparation kernels write for the recurrence, in two buffers (one allocation per dtype: an eager
     call's host time counts) whose sections the kernels locate themselves (``_workspace``): per token and head,
     bf16 ``w``, ``qg``, ``kg`` (K values each), ``u`` (V), ``A`` (C); per chunk slot and head, the fp32 chunk decay
-    (K values), then the preparation's fp32 β·L scratch (C per token and head)."""
+    (K values), then the preparation's fp32 β·L scratch (C per token and head). Unless ``w_u_formed``, the w
+    workspace still holds kd, the scratch holds T·diag(β), and the recurrence forms w and u with ``v``."""
 
     bf16: torch.Tensor
     fp32: torch.Tensor
@@ -532,12 +558,25 @@ class Workspace:
     cu_seqlens: Optional[torch.Tensor]
     seq_len: int
     num_seqs: int
+    w_u_formed: bool
+    v: torch.Tensor
+    dot_precision: str
+
+
+def solve_forms_w_u(slice_width):
+    """Whether the solve kernel forms w and u (for slices narrower than 64 columns) or leaves them to the
+    recurrence, whose every step then forms them from T·diag(β), kd and v (H200, 4d18b09: whole call −5–9% from
+    two 64-wide slices up, the solve kernel's 0.36 ms at H96 B1 T8192 mostly gone; +20% at four 32-wide slices,
+    each forming all of w on its serial chain). Both give the same bits (the same tf32 products in the same order),
+    so results stay bitwise identical across slice counts."""
+    return not state_rows_v(slice_width)
 
 
 def prepare(q, k, v, g, beta, *, A_log, dt_bias, lower_bound, scale, cu_seqlens, use_qk_l2norm, use_beta_sigmoid,
-            dot_precision="tf32"):
+            dot_precision="tf32", form_w_u=True):
     """Run the preparation kernels on validated inputs (``q, k, g [B, T, H, K]``, ``v [B, T, H, V]`` with
-    ``[H, K]`` contiguous per token, ``beta [B, T, H]`` any strides) and return their :class:`Workspace`."""
+    ``[H, K]`` contiguous per token, ``beta [B, T, H]`` any strides) and return their :class:`Workspace`; w and u
+    are left to the recurrence unless ``form_w_u`` (:func:`solve_forms_w_u`)."""
     batch, seq_len, heads, key_dim = q.shape
     value_dim = v.shape[-1]
     varlen = cu_seqlens is not None
@@ -548,7 +587,7 @@ def prepare(q, k, v, g, beta, *, A_log, dt_bias, lower_bound, scale, cu_seqlens,
         bf16=torch.empty(rows * (3 * key_dim + value_dim + CHUNK), dtype=torch.bfloat16, device=q.device),
         fp32=torch.empty(slots * heads * key_dim + rows * CHUNK, dtype=torch.float32, device=q.device),
         rows=rows, slots=slots, heads=heads, key_dim=key_dim, value_dim=value_dim, cu_seqlens=cu_seqlens,
-        seq_len=seq_len, num_seqs=num_seqs)
+        seq_len=seq_len, num_seqs=num_seqs, w_u_formed=form_w_u, v=v, dot_precision=dot_precision)
     if slots == 0:
         return ws
     lower_bound_gate = lower_bound is not None
@@ -572,7 +611,7 @@ def prepare(q, k, v, g, beta, *, A_log, dt_bias, lower_bound, scale, cu_seqlens,
         _solve_kernel, (slots, heads, 1),
         v, beta, cu, ws.bf16, ws.fp32, v.stride(1), beta.stride(1), beta.stride(2), seq_len, num_seqs, rows, slots,
         heads, K=key_dim, V=value_dim, C=CHUNK, BC=BLOCK, BK=min(SOLVE_CHANNELS, max(key_dim, value_dim)), **flags,
-        num_warps=SOLVE_WARPS,
+        FORM_W_U=form_w_u, num_warps=SOLVE_WARPS,
         num_stages=SOLVE_STAGES,
     )
     return ws
@@ -596,10 +635,10 @@ def recur(ws, *, initial_state, final_state, out, v_slices, checkpoint_offsets=N
         checkpoint_offsets if checkpoints else absent, checkpoint_states if checkpoints else absent,
         out.stride(1), ws.seq_len, ws.rows, ws.slots,
         checkpoint_offsets.stride(0) if checkpoints else 0, checkpoint_offsets.stride(-1) if checkpoints else 0,
-        H=heads, K=key_dim, V=value_dim, BV=value_dim // v_slices, C=CHUNK,
+        ws.v, ws.v.stride(1), H=heads, K=key_dim, V=value_dim, BV=value_dim // v_slices, C=CHUNK,
         IS_VARLEN=ws.cu_seqlens is not None, HAS_INITIAL=initial_state is not None,
         HAS_FINAL=final_state is not None, NUM_CKPT=checkpoints, STATE_ROWS_V=state_rows_v(value_dim // v_slices),
-        EMULATE=interpreting(), num_warps=recurrence_warps(value_dim // v_slices), num_stages=RECURRENCE_STAGES,
+        W_U_FORMED=ws.w_u_formed, DOT_PRECISION=ws.dot_precision, EMULATE=interpreting(), num_warps=recurrence_warps(value_dim // v_slices), num_stages=RECURRENCE_STAGES,
     )
 
 
@@ -611,6 +650,6 @@ def chunk_kda_forward(
     """Both kernels on validated inputs: :func:`prepare`, then :func:`recur`."""
     ws = prepare(q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, scale=scale,
                  cu_seqlens=cu_seqlens, use_qk_l2norm=use_qk_l2norm, use_beta_sigmoid=use_beta_sigmoid,
-                 dot_precision=dot_precision)
+                 dot_precision=dot_precision, form_w_u=solve_forms_w_u(v.shape[-1] // v_slices))
     recur(ws, initial_state=initial_state, final_state=final_state, out=out, v_slices=v_slices,
           checkpoint_offsets=checkpoint_offsets, checkpoint_states=checkpoint_states)
