@@ -1,6 +1,7 @@
 """Float64 error of prefill kernel variants on the spec's accuracy case, on the CPU (no GPU, no device time).
 
-python scripts/variant_accuracy.py [--tokens 2048] PREFILL.py ...   (each a whole ``fastkda/ops/prefill.py``)
+python scripts/variant_accuracy.py [--tokens 2048] [--v-slices 1] PREFILL.py ...   (each a whole
+``fastkda/ops/prefill.py``; ``--v-slices`` picks the recurrence's form, as the launch plan would)
 
 The Triton kernels run on Triton's CPU interpreter with bf16 rounding emulated as on the GPU (``fastkda.ops.common``),
 so variants that differ in bf16 operands get the GPU's error to about 1% (M from bf16 operands: 3.689e-3 here, 3.73e-3
@@ -40,13 +41,14 @@ def load_variant(path, index):
     return module
 
 
-def errors(module, inp, reference):
-    """(output, final state) relative L2 error of ``module.chunk_kda_forward`` against ``reference``."""
+def errors(module, inp, reference, v_slices=1):
+    """(output, final state) relative L2 error of ``module.chunk_kda_forward`` at ``v_slices`` against
+    ``reference``."""
     out, final = torch.empty_like(inp["v"]), torch.empty_like(inp["initial_state"])
     module.chunk_kda_forward(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], A_log=inp["A_log"],
                              dt_bias=inp["dt_bias"], lower_bound=LOWER_BOUND, scale=inp["scale"],
                              initial_state=inp["initial_state"], cu_seqlens=inp["cu_seqlens"], use_qk_l2norm=True,
-                             use_beta_sigmoid=True, v_slices=1, out=out, final_state=final)
+                             use_beta_sigmoid=True, v_slices=v_slices, out=out, final_state=final)
     return relative_error(out, reference[0]), relative_error(final, reference[1])
 
 
@@ -54,6 +56,8 @@ def main(argv=None):
     parser = argparse.ArgumentParser()
     parser.add_argument("sources", nargs="+", help="prefill.py variants")
     parser.add_argument("--tokens", type=int, default=ACCURACY_CASE["lengths"][0])
+    parser.add_argument("--v-slices", type=int, default=1, choices=(1, 2, 4),
+                        help="V-slices of the recurrence (its form follows the slice width)")
     args = parser.parse_args(argv)
     inp = make_prefill_inputs(dict(ACCURACY_CASE, lengths=[args.tokens]), "cpu", seed=1)
     reference = kda_reference(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], A_log=inp["A_log"],
@@ -62,7 +66,7 @@ def main(argv=None):
     found = {}
     for index, path in enumerate(args.sources):
         started = time.time()
-        found[path] = errors(load_variant(path, index), inp, reference)
+        found[path] = errors(load_variant(path, index), inp, reference, args.v_slices)
         print(f"[accuracy] {path}: output {found[path][0]:.3e} state {found[path][1]:.3e} "
               f"({time.time() - started:.0f} s, CPU interpreter)", flush=True)
     return found

@@ -37,10 +37,11 @@ def test_command_line_settings_become_variants():
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="runs the kernels on the CPU interpreter")
-def test_variant_accuracy_runs_a_source_on_the_interpreter():
+@pytest.mark.parametrize("v_slices", ["1", "4"])
+def test_variant_accuracy_runs_a_source_on_the_interpreter(v_slices):
     import variant_accuracy
 
-    found = variant_accuracy.main(["--tokens", "40", str(prepare_variants.SOURCE)])
+    found = variant_accuracy.main(["--tokens", "40", "--v-slices", v_slices, str(prepare_variants.SOURCE)])
     (out_err, state_err), = found.values()
     assert 0 < out_err < 4e-3 and 0 < state_err < 3e-3
     assert not list(variant_accuracy.OPS.glob("_accuracy_variant*.py"))  # the copy is removed
