@@ -29,12 +29,14 @@ CHUNK = 32  # tokens per serial step of the prefill recurrence (fastkda.ops.pref
 
 @dataclass(frozen=True)
 class Plan:
-    """What the prefill launches: ``v_slices`` programs per (sequence, head), and why."""
+    """What the prefill launches: ``v_slices`` programs per (sequence, head), whether the recurrence forms w and
+    u itself (:func:`w_u_in_recurrence`), and why."""
 
     v_slices: int
     programs: int
     sms: int
     reason: str
+    w_u_in_recurrence: bool = False
 
 
 @functools.lru_cache(maxsize=None)
@@ -72,14 +74,24 @@ def choose_plan(num_seqs: int, heads: int, tokens: int, value_dim: int, sms: int
     return _plan(num_seqs, heads, tokens, value_dim, sms, requested_v_slices(v_slices))
 
 
+def w_u_in_recurrence(slice_width: int, pairs: int) -> bool:
+    """Whether each recurrence step forms w = T·β·kd and u = T·β·v itself (the solve kernel then only inverts)
+    instead of loading the solve kernel's. Same bits either way (the same tf32 products in the same order). It
+    saves the solve kernel's w and u traffic, ~12 ns of the whole GPU per (sequence, head) pair and chunk, and costs
+    each step of the serial chain two products: ~0.75 µs at 128 columns, about half at 64, more than it saves at 32
+    (every slice forms all of w). So it pays from about one pair per two columns of slice width (H200, whole call:
+    H96 B1 T8192 1.626 -> 1.522 ms, H12 N4 T8192 at two slices 0.935 -> 0.888; H12 N1 T8192 at one slice 0.495 ->
+    0.623; docs/perf-notes.md, session 8)."""
+    return slice_width >= 2 * NARROW_SLICE_WIDTH and 2 * pairs >= slice_width
+
+
 @functools.lru_cache(maxsize=4096)  # an eager call's host time counts: a repeated shape reuses its plan
 def _plan(num_seqs, heads, tokens, value_dim, sms, choice):
     pairs = max(num_seqs * heads, 1)
-    chain = f"; each program walks {-(-tokens // CHUNK)} chunk(s) of {CHUNK} tokens in order"
     if choice != "auto":
         if value_dim // choice < MIN_SLICE_WIDTH or value_dim % choice:
             raise ValueError(f"v_slices={choice} leaves slices narrower than {MIN_SLICE_WIDTH} for V={value_dim}")
-        return Plan(choice, choice * pairs, sms, f"v_slices={choice} requested" + chain)
+        return _make_plan(choice, pairs, sms, tokens, value_dim, f"v_slices={choice} requested")
     splits = [s for s in V_SLICE_CHOICES if s > 1 and value_dim % s == 0 and value_dim // s >= NARROW_SLICE_WIDTH]
     fitting = [s for s in splits if s * pairs <= sms]
     if fitting:
@@ -89,7 +101,15 @@ def _plan(num_seqs, heads, tokens, value_dim, sms, choice):
         slices = 1
         reason = f"1 slice of {value_dim} columns: {pairs} programs" + (
             f"; {min(splits)} slices would be {min(splits) * pairs} programs > {sms} SMs" if splits else "")
-    return Plan(slices, slices * pairs, sms, reason + chain)
+    return _make_plan(slices, pairs, sms, tokens, value_dim, reason)
+
+
+def _make_plan(slices, pairs, sms, tokens, value_dim, reason):
+    """The :class:`Plan` of ``slices`` per pair, its reason completed with the serial chain and who forms w, u."""
+    in_recurrence = w_u_in_recurrence(value_dim // slices, pairs)
+    reason += (f"; each program walks {-(-tokens // CHUNK)} chunk(s) of {CHUNK} tokens in order, forming w and u "
+               + ("itself" if in_recurrence else "in the solve kernel"))
+    return Plan(slices, slices * pairs, sms, reason, in_recurrence)
 
 
 DECODE_SLICE_WIDTH = 16  # decode holds a [16, K] fp32 state slice per 2-warp program: 168 registers, 6 programs

@@ -85,14 +85,15 @@ def main():
                           cu_seqlens="*i32", ckpt_offsets="*i32", ckpt_states=F32, stride_out="i32", seq_len="i32",
                           rows="i32", total_slots="i32", stride_ckpt_n="i32", stride_ckpt_j="i32", v=BF16,
                           stride_v="i32")
-    for slices, checkpoints in ((1, 0), (2, 0), (4, 0), (4, 2)):
+    for slices, checkpoints, w_u_formed in ((1, 0, True), (1, 0, False), (2, 0, True), (2, 0, False), (4, 0, True),
+                                            (4, 2, True)):
         width = 128 // slices
         consts = dict(H=12, K=128, V=128, BV=width, C=prefill.CHUNK, IS_VARLEN=True, HAS_INITIAL=True,
                       HAS_FINAL=True, NUM_CKPT=checkpoints, STATE_ROWS_V=prefill.state_rows_v(width),
-                      W_U_FORMED=prefill.solve_forms_w_u(width), DOT_PRECISION="tf32", EMULATE=False)
+                      W_U_FORMED=w_u_formed, DOT_PRECISION="tf32", EMULATE=False)
         stats = compile_stats(prefill._recurrence_kernel, recurrence_sig, consts, prefill.recurrence_warps(width),
                               prefill.RECURRENCE_STAGES)  # as recur() launches it
-        print(f"recurrence K=V=128 v_slices={slices} checkpoints={checkpoints}: {stats}")
+        print(f"recurrence K=V=128 v_slices={slices} checkpoints={checkpoints} w_u_formed={w_u_formed}: {stats}")
     decode_sig = dict(q=BF16, k=BF16, v=BF16, g=BF16, beta=BF16, A_log=F32, dt_bias=F32, pool=F32, slots="*i32",
                       num_accepted="*i32", out=BF16, stride_q="i32", stride_k="i32", stride_v="i32", stride_g="i32",
                       stride_beta_n="i32", stride_beta_t="i32", stride_beta_h="i32", stride_slot_n="i32",

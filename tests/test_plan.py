@@ -36,6 +36,20 @@ def test_rule_boundaries():
     assert "one per SM" in choose_plan(5, 12, 8192, 128, 132).reason
 
 
+def test_who_forms_w_and_u():
+    """The recurrence forms w and u from one (sequence, head) pair per two columns of slice width, never in 32-wide
+    slices (H200: H96 B1 and H12 N4 at two slices gain, H12 N1 at one slice loses)."""
+    assert choose_plan(1, 96, 8192, 128, 132).w_u_in_recurrence  # 96 pairs, 128 columns
+    assert choose_plan(4, 12, 8192, 128, 132).w_u_in_recurrence  # two 64-wide slices, 48 pairs
+    assert not choose_plan(1, 12, 8192, 128, 132, v_slices=1).w_u_in_recurrence  # 12 pairs for 128 columns
+    assert not choose_plan(1, 32, 8192, 128, 132, v_slices=1).w_u_in_recurrence  # 32 pairs, 2 * 32 < 128
+    assert choose_plan(1, 64, 8192, 128, 132).w_u_in_recurrence  # 64 pairs
+    assert not choose_plan(1, 12, 8192, 128, 132).w_u_in_recurrence  # four 32-wide slices
+    assert not choose_plan(64, 96, 8192, 128, 132, v_slices=4).w_u_in_recurrence
+    assert "forming w and u itself" in choose_plan(1, 96, 8192, 128, 132).reason
+    assert "forming w and u in the solve kernel" in choose_plan(1, 12, 8192, 128, 132).reason
+
+
 def test_override_precedence(monkeypatch):
     monkeypatch.setenv("FASTKDA_V_SLICES", "4")
     assert requested_v_slices("auto") == 4

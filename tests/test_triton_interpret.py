@@ -17,7 +17,7 @@ pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
 OUT_BOUND, STATE_BOUND = 4e-3, 3e-3  # issue 2's accuracy bar
 
 
-def run_triton(inp, v_slices=1, final_dtype=torch.float32, use_final=True):
+def run_triton(inp, v_slices=1, final_dtype=torch.float32, use_final=True, w_u_in_recurrence=None):
     from fastkda.ops.prefill import chunk_kda_forward
 
     n = inp["cu_seqlens"].numel() - 1 if inp["cu_seqlens"] is not None else inp["q"].shape[0]
@@ -27,7 +27,8 @@ def run_triton(inp, v_slices=1, final_dtype=torch.float32, use_final=True):
     chunk_kda_forward(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], A_log=inp["A_log"],
                       dt_bias=inp["dt_bias"], lower_bound=inp["lower_bound"], scale=key_dim ** -0.5,
                       initial_state=inp["initial_state"], cu_seqlens=inp["cu_seqlens"], use_qk_l2norm=True,
-                      use_beta_sigmoid=True, v_slices=v_slices, out=out, final_state=final)
+                      use_beta_sigmoid=True, v_slices=v_slices, out=out, final_state=final,
+                      form_w_u_in_recurrence=w_u_in_recurrence)
     return out, final
 
 
@@ -58,11 +59,13 @@ def test_kernels_match_float64(case):
     assert rel_err(final, ref_s) < STATE_BOUND
 
 
-@pytest.mark.parametrize("v_slices", [2, 4])
-def test_v_slices_are_bitwise_identical(v_slices):
+@pytest.mark.parametrize("v_slices, w_u_in_recurrence", [(1, True), (2, False), (2, True), (4, False)])
+def test_v_slices_and_w_u_forms_are_bitwise_identical(v_slices, w_u_in_recurrence):
+    """Against one slice with the solve kernel's w and u: the 64-wide slice forms them itself or not, the 32-wide
+    ones (the untransposed form) either way, the 16-wide ones as the plan has it."""
     inp = make_inputs([0, 80, 1, 45], heads=2, key_dim=64, seed=3)
-    base_o, base_s = run_triton(inp, 1)
-    out, final = run_triton(inp, v_slices)
+    base_o, base_s = run_triton(inp, 1, w_u_in_recurrence=False)
+    out, final = run_triton(inp, v_slices, w_u_in_recurrence=w_u_in_recurrence)
     assert torch.equal(out, base_o) and torch.equal(final, base_s)
 
 

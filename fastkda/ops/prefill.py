@@ -8,7 +8,7 @@ Spec §2 in the WY form, chunk ``C`` = 32 tokens (``plan.CHUNK``) split into two
   ``A = M`` and the fp32 chunk decay ``exp(G_C)``, in two kernels per (chunk, head): ``_prepare_kernel``
   (4 warps; everything but T, with M and β·L built as two 32-row column blocks, β·L to an fp32 scratch)
   and ``_solve_kernel`` (4 warps; T by 16x16 blocks, then w and u, or, for slices from 64 columns wide,
-  T·diag(β) for the recurrence to form w and u: ``solve_forms_w_u``). Decays are base-2 (``a·log2 e``). No
+  T·diag(β) for the recurrence to form w and u: ``fastkda.plan.w_u_in_recurrence``). Decays are base-2 (``a·log2 e``). No
   factor ``exp(-G)`` is ever formed across more than one 16-token block, so nothing overflows: off-diagonal
   blocks use ``exp(G_i - G_end(J))·exp(G_end(J) - G_j)`` (both ≤ 1); diagonal blocks use
   ``exp(G_i - G_end(J)) ≤ e^75`` for the lower-bound gate, and an element-wise decay for an unbounded
@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..plan import CHUNK  # tokens per chunk (one serial step of the recurrence)
+from ..plan import CHUNK, w_u_in_recurrence  # CHUNK: tokens per chunk (one serial step of the recurrence)
 from ..reference import LOG_DECAY_FLOOR as _FLOOR
 from .common import bf16_operand, fast_exp2, fast_reciprocal, interpreting, launch, load_f32, store_as
 
@@ -331,7 +331,7 @@ def _solve_kernel(
     """Preparation, second kernel, one (chunk, head) on few warps (its products are 16x16 blocks, which more
     warps would only replicate): T = (I + β·L)⁻¹ from the 16x16 blocks of the β·L scratch (diagonal ones
     strictly lower), then w = T·β·kd and u = T·β·v (``FORM_W_U``), or T·diag(β) over the scratch for the
-    recurrence to form them (:func:`solve_forms_w_u`)."""
+    recurrence to form them (:func:`fastkda.plan.w_u_in_recurrence`)."""
     slot = tl.program_id(0)
     h = tl.program_id(1)
     w_ws, _, _, u_ws, _, _, L_ws = _workspace(ws_bf16, ws_fp32, rows, total_slots, H, K, V, C)
@@ -409,7 +409,7 @@ def _recurrence_kernel(
     registers; otherwise S ``[K, BV]``, whose products have the chunk's C rows as M. Both forms add the same
     products over K in the same order, so they give the same bits (checked across slice counts). Unless
     ``W_U_FORMED`` (by the solve kernel), each step forms w and u itself from T·diag(β), kd and v with the solve's
-    products (the same bits, :func:`solve_forms_w_u`)."""
+    products (the same bits, :func:`fastkda.plan.w_u_in_recurrence`)."""
     vs = tl.program_id(0)
     h = tl.program_id(1)
     n = tl.program_id(2)
@@ -563,20 +563,11 @@ class Workspace:
     dot_precision: str
 
 
-def solve_forms_w_u(slice_width):
-    """Whether the solve kernel forms w and u (for slices narrower than 64 columns) or leaves them to the
-    recurrence, whose every step then forms them from T·diag(β), kd and v (H200, 4d18b09: whole call −5–9% from
-    two 64-wide slices up, the solve kernel's 0.36 ms at H96 B1 T8192 mostly gone; +20% at four 32-wide slices,
-    each forming all of w on its serial chain). Both give the same bits (the same tf32 products in the same order),
-    so results stay bitwise identical across slice counts."""
-    return not state_rows_v(slice_width)
-
-
 def prepare(q, k, v, g, beta, *, A_log, dt_bias, lower_bound, scale, cu_seqlens, use_qk_l2norm, use_beta_sigmoid,
             dot_precision="tf32", form_w_u=True):
     """Run the preparation kernels on validated inputs (``q, k, g [B, T, H, K]``, ``v [B, T, H, V]`` with
     ``[H, K]`` contiguous per token, ``beta [B, T, H]`` any strides) and return their :class:`Workspace`; w and u
-    are left to the recurrence unless ``form_w_u`` (:func:`solve_forms_w_u`)."""
+    are left to the recurrence unless ``form_w_u`` (:func:`fastkda.plan.w_u_in_recurrence`)."""
     batch, seq_len, heads, key_dim = q.shape
     value_dim = v.shape[-1]
     varlen = cu_seqlens is not None
@@ -645,11 +636,15 @@ def recur(ws, *, initial_state, final_state, out, v_slices, checkpoint_offsets=N
 def chunk_kda_forward(
     q, k, v, g, beta, *, A_log, dt_bias, lower_bound, scale, initial_state, cu_seqlens,
     use_qk_l2norm, use_beta_sigmoid, v_slices, out, final_state, checkpoint_offsets=None, checkpoint_states=None,
-    dot_precision="tf32",
+    dot_precision="tf32", form_w_u_in_recurrence=None,
 ):
-    """Both kernels on validated inputs: :func:`prepare`, then :func:`recur`."""
+    """Both kernels on validated inputs: :func:`prepare`, then :func:`recur`. Who forms w and u follows the plan
+    (:func:`fastkda.plan.w_u_in_recurrence`) unless ``form_w_u_in_recurrence`` says (the bits are the same)."""
+    if form_w_u_in_recurrence is None:
+        pairs = (cu_seqlens.numel() - 1 if cu_seqlens is not None else q.shape[0]) * q.shape[2]
+        form_w_u_in_recurrence = w_u_in_recurrence(v.shape[-1] // v_slices, pairs)
     ws = prepare(q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, scale=scale,
                  cu_seqlens=cu_seqlens, use_qk_l2norm=use_qk_l2norm, use_beta_sigmoid=use_beta_sigmoid,
-                 dot_precision=dot_precision, form_w_u=solve_forms_w_u(v.shape[-1] // v_slices))
+                 dot_precision=dot_precision, form_w_u=not form_w_u_in_recurrence)
     recur(ws, initial_state=initial_state, final_state=final_state, out=out, v_slices=v_slices,
           checkpoint_offsets=checkpoint_offsets, checkpoint_states=checkpoint_states)
