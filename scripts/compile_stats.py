@@ -70,7 +70,7 @@ def main():
             channels = min(args.channels, dim) if args.channels else prefill.prepare_channels(dim, gate)
             consts = dict(H=12, K=dim, V=dim, C=prefill.CHUNK, BC=prefill.BLOCK, BK=channels,
                           IS_VARLEN=True, LOWER_BOUND_GATE=gate, L2NORM=True, BETA_SIGMOID=True,
-                          DOT_PRECISION="tf32", EMULATE=False)
+                          RUN=prefill.token_run(dim), DOT_PRECISION="tf32", EMULATE=False)
             stats = compile_stats(prefill._prepare_kernel, PREPARATION_SIGNATURE, consts, args.warps,
                                   prefill.PREPARE_STAGES)
             print(f"prepare K=V={dim} lower_bound_gate={gate} channels={channels} warps={args.warps}: {stats}")

@@ -6,13 +6,13 @@ Spec §2 in the WY form, chunk ``C`` = 32 tokens (``plan.CHUNK``) split into two
   normalised q/k, the in-chunk matrices ``M = lower_incl(qd·kiᵀ)`` and ``L = strictly_lower(β·kd·kiᵀ)`` and
   ``T = (I + L)⁻¹``, and writes the bf16 workspace ``w = T·β·kd``, ``u = T·β·v``, ``qg = qd``, ``kg = kr``,
   ``A = M`` and the fp32 chunk decay ``exp(G_C)``, in two kernels per (chunk, head): ``_prepare_kernel``
-  (4 warps; everything but T, with M and β·L built as two 32-row column blocks, β·L to an fp32 scratch)
-  and ``_solve_kernel`` (4 warps; T by 16x16 blocks, then w and u, or, for slices from 64 columns wide,
-  T·diag(β) for the recurrence to form w and u: ``fastkda.plan.w_u_in_recurrence``). Decays are base-2 (``a·log2 e``). No
-  factor ``exp(-G)`` is ever formed across more than one 16-token block, so nothing overflows: off-diagonal
-  blocks use ``exp(G_i - G_end(J))·exp(G_end(J) - G_j)`` (both ≤ 1); diagonal blocks use
-  ``exp(G_i - G_end(J)) ≤ e^75`` for the lower-bound gate, and an element-wise decay for an unbounded
-  precomputed gate.
+  (4 warps; everything but T, β·L to an fp32 scratch) and ``_solve_kernel`` (4 warps; T by 16x16 blocks, then w
+  and u, or, when the plan says so, T·diag(β) for the recurrence to form w and u:
+  ``fastkda.plan.w_u_in_recurrence``). Decays are base-2 (``a·log2 e``). No factor spans more than 16 tokens of
+  decay, so nothing overflows: under the lower-bound gate every factor is referred to the decay at the middle of
+  the chunk (``_midpoint_products``, within 2^±116) and M and β·L are one ``[C, C]`` product each; under a
+  precomputed gate they are built as two 16-column blocks, off-diagonal blocks from
+  ``exp(G_i - G_end(J))·exp(G_end(J) - G_j)`` (both ≤ 1) and diagonal blocks from element-wise decays.
 * ``_recurrence_kernel`` (one program per (sequence, head, V-slice)) walks the chunks in order with the
   state in fp32 registers: ``v_new = u - w·S``, ``o = qg·S + A·v_new``, ``S = diag(exp(G_C))·S + kgᵀ·v_new``
   (slices from 64 columns wide compute the same products transposed, ``state_rows_v``), and writes prefix-cache
@@ -205,16 +205,11 @@ def _diagonal_elementwise(q_b, k_b, cs, NB: tl.constexpr, BC: tl.constexpr, BK: 
 
 @triton.jit
 def _column_products(q_b, k_b, E, G_start, G_end, col, J: tl.constexpr, NB: tl.constexpr, BC: tl.constexpr,
-                     BK: tl.constexpr, LOWER_BOUND_GATE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                     EMULATE: tl.constexpr):
-    """Column block J of M and L over all C rows. Row factor exp(G_i - G_end(J)) = E_i · F[blk(i)] with
-    F[I] = exp(G_start(I) - G_end(J)) <= 1 for I > J; for I = J, exp(-total_J) <= e^(16·5) under the lower-bound
-    gate (the unbounded gate's diagonal blocks are element-wise, ``_diagonal_elementwise``); 0 for I < J."""
-    nb = tl.arange(0, NB)[:, None]
-    if LOWER_BOUND_GATE:
-        rows = nb >= J
-    else:
-        rows = nb > J
+                     BK: tl.constexpr, DOT_PRECISION: tl.constexpr, EMULATE: tl.constexpr):
+    """Column block J of M and L over all C rows under a precomputed gate, but for the diagonal block (element-wise,
+    ``_diagonal_elementwise``). Row factor exp(G_i - G_end(J)) = E_i · F[blk(i)] with F[I] = exp(G_start(I) -
+    G_end(J)) <= 1 for I > J, 0 for I <= J."""
+    rows = tl.arange(0, NB)[:, None] > J
     F = tl.where(rows, fast_exp2(tl.where(rows, G_start - _block_row(G_end, J, NB)[None, :], 0.0), EMULATE), 0.0)
     R = E * _expand_blocks(F, NB, BC, BK)
     col_t = tl.trans(_block_rows(col, J, NB, BC, BK))
@@ -243,19 +238,22 @@ def _prepare_kernel(
     seq_len, num_seqs, rows, total_slots, lower_bound, scale,
     H, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
     IS_VARLEN: tl.constexpr, LOWER_BOUND_GATE: tl.constexpr, L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, EMULATE: tl.constexpr,
+    RUN: tl.constexpr, DOT_PRECISION: tl.constexpr, EMULATE: tl.constexpr,
 ):
-    """Preparation, first kernel, one (chunk, head), ``BK`` key channels at a time over all C rows: gate,
-    in-block cumulative decays, qg, kg, kd (parked in the w workspace until ``_solve_kernel`` replaces it with
-    w), and M, L accumulated as ``C / BC`` ``[C, BC]`` column blocks; M goes to the A workspace, β·L to an fp32
-    scratch."""
+    """Preparation, first kernel, one (chunk, head): norms, gate, cumulative decays, qg, kg, kd (parked in the w
+    workspace until ``_solve_kernel`` replaces it with w), M to the A workspace and β·L to an fp32 scratch. Under
+    the lower-bound gate all K channels at once (``_midpoint_products``); under a precomputed gate ``BK`` channels
+    at a time, M and L accumulated as ``C / BC`` ``[C, BC]`` column blocks."""
     NB: tl.constexpr = C // BC
     tl.static_assert(NB == 2)
     slot = tl.program_id(0)
     h = tl.program_id(1)
     w_ws, qg_ws, kg_ws, _, A_ws, decay_ws, L_ws = _workspace(ws_bf16, ws_fp32, rows, total_slots, H, K, V, C)
     chunk_start, eos = _chunk_of_slot(slot, cu_seqlens, seq_len, num_seqs, C, IS_VARLEN)
-    r = tl.arange(0, C)
+    if LOWER_BOUND_GATE:  # row i holds token r[i]: each thread's rows are RUN consecutive tokens (token_run)
+        r = (tl.arange(0, C) % (C // RUN)) * RUN + tl.arange(0, C) // (C // RUN)
+    else:
+        r = tl.arange(0, C)
     blk = r // BC
     valid = r < eos - chunk_start
     # 64-bit base pointers per program, 32-bit offsets inside the chunk (fewer registers than 64-bit tiles)
@@ -271,53 +269,96 @@ def _prepare_kernel(
     k_t = load_f32(k_c + r[:, None] * stride_k + kall[None, :], valid[:, None])
     qs, ks = _row_scales(q_t, k_t, valid, scale, L2NORM)
 
-    zero = tl.zeros((C, BC), dtype=tl.float32)
-    M0, M1, L0, L1 = zero, zero, zero, zero
-    for c in range(K // BK):
-        kk = c * BK + tl.arange(0, BK)
-        m = valid[:, None]
-        if BK == K:  # one step (the lower-bound gate): the rows loaded for the norms, not a second load phase
-            q_b = q_t * qs[:, None]
-            k_b = k_t * ks[:, None]
-        else:
+    bv = _beta_rows(beta + row0 * stride_beta_tok + h * stride_beta_head, r, valid, stride_beta_tok, BETA_SIGMOID)
+    A_c = A_ws + row0 * (H * C) + h * C  # the chunk's first row in the [tokens, H, C] A and β·L workspaces
+    L_c = L_ws + row0 * (H * C) + h * C
+    if LOWER_BOUND_GATE:
+        _midpoint_products(q_t * qs[:, None], k_t * ks[:, None], g_c, r, valid, stride_g, h, kall, A_log, dt_bias,
+                           lower_bound, bv, qg_c, kd_c, kg_c, A_c, L_c, decay_ws + (slot * H + h) * K, H, K, C, BC,
+                           RUN, DOT_PRECISION, EMULATE)
+    else:
+        zero = tl.zeros((C, BC), dtype=tl.float32)
+        M0, M1, L0, L1 = zero, zero, zero, zero
+        for c in range(K // BK):
+            kk = c * BK + tl.arange(0, BK)
+            m = valid[:, None]
             q_b = load_f32(q_c + r[:, None] * stride_q + kk[None, :], m) * qs[:, None]
             k_b = load_f32(k_c + r[:, None] * stride_k + kk[None, :], m) * ks[:, None]
-        a3 = tl.reshape(_log2_decay_block(g_c, r, valid, stride_g, h, kk, A_log, dt_bias, lower_bound, K,
-                                          LOWER_BOUND_GATE, EMULATE), (NB, BC, BK))
-        cs = tl.reshape(tl.cumsum(a3, axis=1), (C, BK))  # G_i - G_start(blk(i))
-        total = tl.sum(a3, axis=1)  # [NB, BK] per-block log-decay
-        G_end = tl.cumsum(total, axis=0)
-        G_start = G_end - total
-        G_last = _block_row(G_end, NB - 1, NB)
-        E = fast_exp2(cs, EMULATE)  # <= 1
-        col = k_b * fast_exp2(_expand_blocks(total, NB, BC, BK) - cs, EMULATE)  # k̂_j·exp(G_end(J) - G_j) <= 1
-        x = _expand_blocks(fast_exp2(G_start, EMULATE), NB, BC, BK)
-        row_k = r[:, None] * (H * K) + kk[None, :]
-        store_as(qg_c + row_k, q_b * E * x, m, EMULATE)
-        store_as(kd_c + row_k, k_b * E * x, m, EMULATE)  # kd, until _solve_kernel replaces it with w
-        store_as(kg_c + row_k, col * _expand_blocks(fast_exp2(G_last[None, :] - G_end, EMULATE), NB, BC, BK), m,
-                 EMULATE)
-        tl.store(decay_ws + (slot * H + h) * K + kk, fast_exp2(G_last, EMULATE))
-        m_J, l_J = _column_products(q_b, k_b, E, G_start, G_end, col, 0, NB, BC, BK, LOWER_BOUND_GATE,
-                                    DOT_PRECISION, EMULATE)
-        M0 += m_J
-        L0 += l_J
-        m_J, l_J = _column_products(q_b, k_b, E, G_start, G_end, col, 1, NB, BC, BK, LOWER_BOUND_GATE,
-                                    DOT_PRECISION, EMULATE)
-        M1 += m_J
-        L1 += l_J
-        if not LOWER_BOUND_GATE:
+            a3 = tl.reshape(_log2_decay_block(g_c, r, valid, stride_g, h, kk, A_log, dt_bias, lower_bound, K,
+                                              False, EMULATE), (NB, BC, BK))
+            cs = tl.reshape(tl.cumsum(a3, axis=1), (C, BK))  # G_i - G_start(blk(i))
+            total = tl.sum(a3, axis=1)  # [NB, BK] per-block log-decay
+            G_end = tl.cumsum(total, axis=0)
+            G_start = G_end - total
+            G_last = _block_row(G_end, NB - 1, NB)
+            E = fast_exp2(cs, EMULATE)  # <= 1
+            col = k_b * fast_exp2(_expand_blocks(total, NB, BC, BK) - cs, EMULATE)  # k̂_j·exp(G_end(J) - G_j) <= 1
+            x = _expand_blocks(fast_exp2(G_start, EMULATE), NB, BC, BK)
+            row_k = r[:, None] * (H * K) + kk[None, :]
+            store_as(qg_c + row_k, q_b * E * x, m, EMULATE)
+            store_as(kd_c + row_k, k_b * E * x, m, EMULATE)  # kd, until _solve_kernel replaces it with w
+            store_as(kg_c + row_k, col * _expand_blocks(fast_exp2(G_last[None, :] - G_end, EMULATE), NB, BC, BK),
+                     m, EMULATE)
+            tl.store(decay_ws + (slot * H + h) * K + kk, fast_exp2(G_last, EMULATE))
+            m_J, l_J = _column_products(q_b, k_b, E, G_start, G_end, col, 0, NB, BC, BK, DOT_PRECISION, EMULATE)
+            M0 += m_J
+            L0 += l_J
+            m_J, l_J = _column_products(q_b, k_b, E, G_start, G_end, col, 1, NB, BC, BK, DOT_PRECISION, EMULATE)
+            M1 += m_J
+            L1 += l_J
             m_d, l_d = _diagonal_elementwise(q_b, k_b, cs, NB, BC, BK, EMULATE)
             M0 += tl.where((blk == 0)[:, None], m_d, 0.0)
             L0 += tl.where((blk == 0)[:, None], l_d, 0.0)
             M1 += tl.where((blk == 1)[:, None], m_d, 0.0)
             L1 += tl.where((blk == 1)[:, None], l_d, 0.0)
+        _store_column_block(A_c, L_c, valid, M0, L0, bv, 0, H, C, BC, EMULATE)
+        _store_column_block(A_c, L_c, valid, M1, L1, bv, 1, H, C, BC, EMULATE)
 
-    bv = _beta_rows(beta + row0 * stride_beta_tok + h * stride_beta_head, r, valid, stride_beta_tok, BETA_SIGMOID)
-    A_c = A_ws + row0 * (H * C) + h * C  # the chunk's first row in the [tokens, H, C] A and β·L workspaces
-    L_c = L_ws + row0 * (H * C) + h * C
-    _store_column_block(A_c, L_c, valid, M0, L0, bv, 0, H, C, BC, EMULATE)
-    _store_column_block(A_c, L_c, valid, M1, L1, bv, 1, H, C, BC, EMULATE)
+
+@triton.jit
+def _midpoint_products(q_b, k_b, g_c, r, valid, stride_g, h, kk, A_log, dt_bias, lower_bound, bv, qg_c, kd_c, kg_c,
+                       A_c, L_c, decay_c, H, K: tl.constexpr, C: tl.constexpr, BC: tl.constexpr, RUN: tl.constexpr,
+                       DOT_PRECISION: tl.constexpr, EMULATE: tl.constexpr):
+    """The first kernel's work under the lower-bound gate, from a chunk's normalised ``[C, K]`` q and k rows (row
+    i holding token ``r[i]``). Every decay is referred to G_mid, the cumulative log-decay through token BC - 1, so
+    that M = lower_incl((q̂·2^(G - G_mid))·(k̂·2^(G_mid - G))ᵀ) and β·L are one ``[C, C]`` product each. A factor
+    spans at most BC tokens of decay, 2^±(16·5·log2 e) = 2^±116 for λ >= -5, inside fp32's range; a product of
+    two overflows only above the diagonal, which is discarded. qg, kd and kg are the same factors times
+    per-channel decays. The cumulative sum runs over each thread's RUN consecutive tokens, then over the C / RUN
+    run totals, the only part that crosses threads (a scan over all C rows crosses warps through shared memory:
+    2872 against 2408 SASS instructions per warp), and the products take K in two halves (whole: 219 registers,
+    two programs per SM; halves: 166, three; docs/perf-notes.md session 8)."""
+    RUNS: tl.constexpr = C // RUN
+    a = tl.reshape(_log2_decay_block(g_c, r, valid, stride_g, h, kk, A_log, dt_bias, lower_bound, K, True, EMULATE),
+                   (RUN, RUNS, K))  # [j, s]: token s·RUN + j
+    run_total = tl.sum(a, axis=0)
+    G = tl.reshape(tl.cumsum(a, axis=0) + (tl.cumsum(run_total, axis=0) - run_total)[None, :, :], (C, K))
+    G_mid = tl.sum(tl.where((tl.arange(0, RUNS) < BC // RUN)[:, None], run_total, 0.0), axis=0)
+    G_last = tl.sum(run_total, axis=0)
+    up = fast_exp2(G - G_mid[None, :], EMULATE)
+    q_up = q_b * up
+    k_up = k_b * up
+    k_down = k_b * fast_exp2(G_mid[None, :] - G, EMULATE)
+    at_mid = fast_exp2(G_mid, EMULATE)[None, :]
+    row_k = r[:, None] * (H * K) + kk[None, :]
+    m = valid[:, None]
+    store_as(qg_c + row_k, q_up * at_mid, m, EMULATE)
+    store_as(kd_c + row_k, k_up * at_mid, m, EMULATE)  # kd, until _solve_kernel replaces it with w
+    store_as(kg_c + row_k, k_down * fast_exp2(G_last - G_mid, EMULATE)[None, :], m, EMULATE)
+    tl.store(decay_c + kk, fast_exp2(G_last, EMULATE))
+    q_even, q_odd = tl.split(tl.reshape(q_up, (C, K // 2, 2)))
+    k_even, k_odd = tl.split(tl.reshape(k_up, (C, K // 2, 2)))
+    down_even, down_odd = tl.split(tl.reshape(k_down, (C, K // 2, 2)))
+    # M from tf32 operands (bf16 ones cost the output 3.1e-3 -> 3.7e-3 of relative error); L from bf16 ones, which
+    # moved nothing measurable (its inverse meets bf16 k and v anyway) and took 4% off the call (docs/perf-notes.md).
+    # Both products of one half before the other's: M, M, L, L kept every operand alive (240 registers)
+    M = tl.dot(q_even, tl.trans(down_even), input_precision=DOT_PRECISION)
+    L = tl.dot(bf16_operand(k_even, EMULATE), bf16_operand(tl.trans(down_even), EMULATE))
+    M = tl.dot(q_odd, tl.trans(down_odd), M, input_precision=DOT_PRECISION)
+    L = tl.dot(bf16_operand(k_odd, EMULATE), bf16_operand(tl.trans(down_odd), EMULATE), L)
+    offsets = r[:, None] * (H * C) + r[None, :]
+    store_as(A_c + offsets, tl.where(r[:, None] >= r[None, :], M, 0.0), m, EMULATE)
+    tl.store(L_c + offsets, tl.where(r[:, None] > r[None, :], L * bv[:, None], 0.0), mask=m)
 
 
 @triton.jit(do_not_specialize=["H"])  # one compile for every head count
@@ -513,10 +554,17 @@ def _store_checkpoint(ckpt_offsets, ckpt_states, n, j, stride_n, stride_j, done,
 
 def prepare_channels(key_dim, lower_bound_gate):
     """Key channels per step of ``_prepare_kernel``: all of them under the lower-bound gate (one load-and-compute
-    phase; H200: 0.76 -> 0.59 ms whole call at H12 N1 T8192, 4.54 -> 3.24 at H96 B1 T8192); PREPARE_CHANNELS under
+    phase, ``_midpoint_products``; H200: 0.76 -> 0.59 ms whole call at H12 N1 T8192, 4.54 -> 3.24 at H96 B1 T8192); PREPARE_CHANNELS under
     the precomputed gate, whose element-wise diagonal blocks needed 311 KB of shared memory in one step at 64-token
     chunks (at 32 one step compiles, 78 KB, but has not been timed)."""
     return key_dim if lower_bound_gate else min(PREPARE_CHANNELS, key_dim)
+
+
+def token_run(key_dim):
+    """Consecutive tokens per thread in ``_prepare_kernel`` under the lower-bound gate: Triton lays a ``[C, K]`` bf16
+    tile over PREPARE_WARPS warps in 8-element rows of K / 8 threads, so each thread holds C·K / (warps·256) rows,
+    which the kernel fills with consecutive tokens."""
+    return max(CHUNK * key_dim // (PREPARE_WARPS * 256), 1)
 
 
 def state_rows_v(slice_width):
@@ -593,7 +641,7 @@ def prepare(q, k, v, g, beta, *, A_log, dt_bias, lower_bound, scale, cu_seqlens,
         q, k, g, beta, *gate, cu, ws.bf16, ws.fp32, q.stride(1), k.stride(1), g.stride(1), beta.stride(1),
         beta.stride(2), seq_len, num_seqs, rows, slots, bound, float(scale), heads,
         K=key_dim, V=value_dim, C=CHUNK, BC=BLOCK, BK=prepare_channels(key_dim, lower_bound_gate),
-        L2NORM=use_qk_l2norm,
+        L2NORM=use_qk_l2norm, RUN=token_run(key_dim),
         LOWER_BOUND_GATE=lower_bound_gate, **flags,
         num_warps=PREPARE_WARPS, num_stages=PREPARE_STAGES,
         **({} if PREPARE_MAXNREG is None else dict(maxnreg=PREPARE_MAXNREG)),
