@@ -59,6 +59,19 @@ def test_kernels_match_float64(case):
     assert rel_err(final, ref_s) < STATE_BOUND
 
 
+@pytest.mark.parametrize("key_dim", [64, 128])
+def test_saturated_lower_bound_gate(key_dim):
+    """Every token decaying at the lower bound (-5 per token and channel): the preparation's factors reach their
+    range's ends (2^±116 across 16 tokens), and must stay finite and accurate where they are kept."""
+    inp = make_inputs([100], varlen=False, key_dim=key_dim, seed=11)
+    inp["g"] = torch.full_like(inp["g"], 40.0)  # σ(e^A_log·(40 + b)) = 1 in fp32
+    out, final = run_triton(inp)
+    ref_o, ref_s = reference(inp)
+    assert torch.isfinite(out).all() and torch.isfinite(final).all()
+    assert rel_err(out, ref_o) < OUT_BOUND
+    assert rel_err(final, ref_s) < STATE_BOUND
+
+
 @pytest.mark.parametrize("v_slices, w_u_in_recurrence", [(1, True), (2, False), (2, True), (4, False)])
 def test_v_slices_and_w_u_forms_are_bitwise_identical(v_slices, w_u_in_recurrence):
     """Against one slice with the solve kernel's w and u: the 64-wide slice forms them itself or not, the 32-wide

@@ -316,6 +316,13 @@ def _prepare_kernel(
 
 
 @triton.jit
+def _columns_in_token_order(x, C: tl.constexpr, RUN: tl.constexpr):
+    """A ``[C, C]`` tile whose column i holds token r[i] (``_prepare_kernel``) with its columns in token order (a
+    layout conversion, so that the store is row-contiguous)."""
+    return tl.reshape(tl.permute(tl.reshape(x, (C, RUN, C // RUN)), (0, 2, 1)), (C, C))
+
+
+@triton.jit
 def _midpoint_products(q_b, k_b, g_c, r, valid, stride_g, h, kk, A_log, dt_bias, lower_bound, bv, qg_c, kd_c, kg_c,
                        A_c, L_c, decay_c, H, K: tl.constexpr, C: tl.constexpr, BC: tl.constexpr, RUN: tl.constexpr,
                        DOT_PRECISION: tl.constexpr, EMULATE: tl.constexpr):
@@ -325,9 +332,11 @@ def _midpoint_products(q_b, k_b, g_c, r, valid, stride_g, h, kk, A_log, dt_bias,
     spans at most BC tokens of decay, 2^±(16·5·log2 e) = 2^±116 for λ >= -5, inside fp32's range; a product of
     two overflows only above the diagonal, which is discarded. qg, kd and kg are the same factors times
     per-channel decays. The cumulative sum runs over each thread's RUN consecutive tokens, then over the C / RUN
-    run totals, the only part that crosses threads (a scan over all C rows crosses warps through shared memory:
-    2872 against 2408 SASS instructions per warp), and the products take K in two halves (whole: 219 registers,
-    two programs per SM; halves: 166, three; docs/perf-notes.md session 8)."""
+    run totals, the only part that crosses threads (a scan over all C rows crosses warps through shared memory),
+    the products take K in two halves, and M and β·L get their columns back in token order before they are stored
+    (stored as they come, each element was a 2-byte store to a scattered address: L2 69% busy, the kernel 0.86 ->
+    1.12 ms). H200, H96 B1 T8192, whole call: 1.520 ms with the two column blocks, 1.431 with one reference point,
+    1.386 with all of the above (docs/perf-notes.md, session 8)."""
     RUNS: tl.constexpr = C // RUN
     a = tl.reshape(_log2_decay_block(g_c, r, valid, stride_g, h, kk, A_log, dt_bias, lower_bound, K, True, EMULATE),
                    (RUN, RUNS, K))  # [j, s]: token s·RUN + j
@@ -356,9 +365,12 @@ def _midpoint_products(q_b, k_b, g_c, r, valid, stride_g, h, kk, A_log, dt_bias,
     L = tl.dot(bf16_operand(k_even, EMULATE), bf16_operand(tl.trans(down_even), EMULATE))
     M = tl.dot(q_odd, tl.trans(down_odd), M, input_precision=DOT_PRECISION)
     L = tl.dot(bf16_operand(k_odd, EMULATE), bf16_operand(tl.trans(down_odd), EMULATE), L)
-    offsets = r[:, None] * (H * C) + r[None, :]
-    store_as(A_c + offsets, tl.where(r[:, None] >= r[None, :], M, 0.0), m, EMULATE)
-    tl.store(L_c + offsets, tl.where(r[:, None] > r[None, :], L * bv[:, None], 0.0), mask=m)
+    cc = tl.arange(0, C)
+    offsets = r[:, None] * (H * C) + cc[None, :]
+    M = _columns_in_token_order(tl.where(r[:, None] >= r[None, :], M, 0.0), C, RUN)
+    L = _columns_in_token_order(tl.where(r[:, None] > r[None, :], L * bv[:, None], 0.0), C, RUN)
+    store_as(A_c + offsets, M, m, EMULATE)
+    tl.store(L_c + offsets, L, mask=m)
 
 
 @triton.jit(do_not_specialize=["H"])  # one compile for every head count
