@@ -258,9 +258,9 @@ def kernel_work(workload, v_slices, key_dim=DIM, value_dim=DIM):
     """Bytes each fastkda kernel moves and tensor-core FLOPs it issues in one call (bf16 inputs, fp32 states
     in and out), from the kernels' loads, stores and products: ``{kernel: (bytes, flops)}``. Each chunk's
     products are counted at full chunk size (the kernels compute them so); the solve kernel's 16x16 inverse is
-    left out (under 1% of its products)."""
+    left out (under 1% of its products when it forms w and u, its only products when the recurrence does)."""
     from .ops.prefill import BLOCK
-    from .plan import CHUNK
+    from .plan import CHUNK, w_u_in_recurrence
 
     heads, lengths = workload["H"], workload["lengths"]
     rows = heads * sum(lengths)  # (token, head) pairs
@@ -270,10 +270,17 @@ def kernel_work(workload, v_slices, key_dim=DIM, value_dim=DIM):
     block_pairs = blocks * (blocks + 1) // 2  # the 16x16 blocks of T on and below the diagonal
     state = len(lengths) * heads * V * K * 4
     prepare = (rows * (3 * K * 2 + 2 + 3 * K * 2 + C * 2 + C * 4) + chunks * K * 4, chunks * 2 * 2 * C * C * K)
-    solve = (rows * (C * 4 + K * 2 + V * 2 + 2 + K * 2 + V * 2),
-             chunks * block_pairs * 2 * BLOCK * BLOCK * (K + V))
-    recurrence = (rows * (s * (3 * K * 2 + C * 2) + V * 2 + V * 2) + chunks * s * K * 4 + 2 * state,
-                  chunks * 2 * (3 * C * K + C * C) * V)
+    recurrence_flops = chunks * 2 * (3 * C * K + C * C) * V
+    if w_u_in_recurrence(V // s, len(lengths) * heads):  # the solve kernel writes T·diag(β) over β·L, and each
+        # slice loads it (fp32) with kd and its v columns and forms w (all K columns) and its u columns
+        solve = (rows * (C * 4 + 2 + C * 4), 0)
+        recurrence = (rows * (s * (3 * K * 2 + C * 2 + C * 4) + V * 2 + V * 2) + chunks * s * K * 4 + 2 * state,
+                      recurrence_flops + chunks * 2 * C * C * (s * K + V))
+    else:
+        solve = (rows * (C * 4 + K * 2 + V * 2 + 2 + K * 2 + V * 2),
+                 chunks * block_pairs * 2 * BLOCK * BLOCK * (K + V))
+        recurrence = (rows * (s * (3 * K * 2 + C * 2) + V * 2 + V * 2) + chunks * s * K * 4 + 2 * state,
+                      recurrence_flops)
     return dict(prepare=prepare, solve=solve, recurrence=recurrence)
 
 

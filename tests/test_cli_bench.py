@@ -92,6 +92,13 @@ def test_kernel_work_follows_the_kernels_shapes():
     # the recurrence moves each sequence's fp32 state in and out: 2 * N * H * V * K * 4 bytes on top of the tokens'
     more_seqs = bench.kernel_work(dict(H=2, lengths=[CHUNK // 2, CHUNK // 2]), v_slices=1)
     assert more_seqs["recurrence"][0] - work["recurrence"][0] == 2 * 2 * 128 * 128 * 4 + 2 * 4 * 128 * 1
+    # from one (sequence, head) pair per two columns the recurrence forms w and u (plan.w_u_in_recurrence): per head,
+    # the solve kernel moves less and multiplies nothing it counts, the recurrence loads and multiplies more
+    formed_here = bench.kernel_work(dict(H=64, lengths=[CHUNK]), v_slices=1)
+    solved = bench.kernel_work(dict(H=63, lengths=[CHUNK]), v_slices=1)
+    assert formed_here["solve"][0] / 64 < solved["solve"][0] / 63 and formed_here["solve"][1] == 0 < solved["solve"][1]
+    assert all(formed_here["recurrence"][i] / 64 > solved["recurrence"][i] / 63 for i in (0, 1))
+    assert formed_here["prepare"][0] / 64 == solved["prepare"][0] / 63
 
 
 def test_kernel_table_and_merge_of_kernel_rows(tmp_path):
