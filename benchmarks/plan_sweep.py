@@ -3,7 +3,8 @@
 The whole call is timed for each s (CUDA-graph replay, median of do_bench), since the slice width and the pair count
 also decide whether the solve kernel or the recurrence forms w and u (``fastkda.plan.w_u_in_recurrence``); outputs
 and final states are also compared bitwise across s. Rows go to ``benchmarks/results/<date>-<gpu>-plan-sweep.json``
-after every configuration, so a run cut short keeps what it measured. Then it prints how often the auto plan is within 2% of the best.
+after every configuration, so a run cut short keeps what it measured. Then it prints how often the auto plan is
+within 2% of the best.
 
 python benchmarks/plan_sweep.py [--budget-s 400] [--rep-ms 25] [--seqs 1 2 ...] [--heads 4 8 ...] [--tokens 256 1024 8192]
 """

@@ -254,7 +254,6 @@ def _prepare_kernel(
         r = (tl.arange(0, C) % (C // RUN)) * RUN + tl.arange(0, C) // (C // RUN)
     else:
         r = tl.arange(0, C)
-    blk = r // BC
     valid = r < eos - chunk_start
     # 64-bit base pointers per program, 32-bit offsets inside the chunk (fewer registers than 64-bit tiles)
     row0 = chunk_start.to(tl.int64)
@@ -279,6 +278,7 @@ def _prepare_kernel(
     else:
         zero = tl.zeros((C, BC), dtype=tl.float32)
         M0, M1, L0, L1 = zero, zero, zero, zero
+        blk = r // BC
         for c in range(K // BK):
             kk = c * BK + tl.arange(0, BK)
             m = valid[:, None]
@@ -566,9 +566,9 @@ def _store_checkpoint(ckpt_offsets, ckpt_states, n, j, stride_n, stride_j, done,
 
 def prepare_channels(key_dim, lower_bound_gate):
     """Key channels per step of ``_prepare_kernel``: all of them under the lower-bound gate (one load-and-compute
-    phase, ``_midpoint_products``; H200: 0.76 -> 0.59 ms whole call at H12 N1 T8192, 4.54 -> 3.24 at H96 B1 T8192); PREPARE_CHANNELS under
-    the precomputed gate, whose element-wise diagonal blocks needed 311 KB of shared memory in one step at 64-token
-    chunks (at 32 one step compiles, 78 KB, but has not been timed)."""
+    phase, ``_midpoint_products``; H200: 0.76 -> 0.59 ms whole call at H12 N1 T8192, 4.54 -> 3.24 at H96 B1
+    T8192); PREPARE_CHANNELS under the precomputed gate, whose element-wise diagonal blocks needed 311 KB of shared
+    memory in one step at 64-token chunks (at 32 one step compiles, 78 KB, but has not been timed)."""
     return key_dim if lower_bound_gate else min(PREPARE_CHANNELS, key_dim)
 
 
@@ -689,7 +689,8 @@ def recur(ws, *, initial_state, final_state, out, v_slices, checkpoint_offsets=N
         ws.v, ws.v.stride(1), H=heads, K=key_dim, V=value_dim, BV=value_dim // v_slices, C=CHUNK,
         IS_VARLEN=ws.cu_seqlens is not None, HAS_INITIAL=initial_state is not None,
         HAS_FINAL=final_state is not None, NUM_CKPT=checkpoints, STATE_ROWS_V=state_rows_v(value_dim // v_slices),
-        W_U_FORMED=ws.w_u_formed, DOT_PRECISION=ws.dot_precision, EMULATE=interpreting(), num_warps=recurrence_warps(value_dim // v_slices), num_stages=RECURRENCE_STAGES,
+        W_U_FORMED=ws.w_u_formed, DOT_PRECISION=ws.dot_precision, EMULATE=interpreting(),
+        num_warps=recurrence_warps(value_dim // v_slices), num_stages=RECURRENCE_STAGES,
     )
 
 
