@@ -530,10 +530,12 @@ def render_results(meta, rows, stem, kernels=()):
     if measured:
         md += ["## accuracy (relative L2 vs float64, H=4 T=2048: output, final state)", ""]
         md += [f"- {impl}: {o:.2e}, {s:.2e}" for impl, (o, s) in measured.items()]
-    if kernels:
+    if kernels:  # the rates the rows were measured against, which a later run without them (--no-kernels) keeps
+        rates = dict.fromkeys((k.get("copy_gbps", meta.get("copy_gbps")),
+                               k.get("matmul_tflops", meta.get("matmul_tflops"))) for k in kernels)
         md += ["", "## where fastkda's time goes (auto plan, torch.profiler; against the copy rate and the bf16 "
-               f"matrix-product rate measured in the same run: {meta.get('copy_gbps')} GB/s, "
-               f"{meta.get('matmul_tflops')} TFLOP/s)", "",
+               "matrix-product rate measured in the same run: "
+               + "; ".join(f"{gbps} GB/s, {tflops} TFLOP/s" for gbps, tflops in rates) + ")", "",
                "Bytes and FLOPs are what each kernel loads, stores and multiplies (`fastkda.bench.kernel_work`); "
                "a share of the copy rate above 100% means loads served from L2 (V-slices re-read the same "
                "K-side tiles).", "", kernel_table(kernels, rows)]

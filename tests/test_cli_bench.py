@@ -118,3 +118,15 @@ def test_kernel_table_and_merge_of_kernel_rows(tmp_path):
     md = (tmp_path / "later.md").read_text()
     assert "where fastkda's time goes" in md and "4000.0 GB/s, 600.0 TFLOP/s" in md
     assert "| w | 2 | 0.400 (10%, 20%) | 0.100 (10%, 20%) | 0.300 (10%, 20%) | 0.800 |" in md
+
+
+def test_kernel_heading_keeps_the_rates_its_rows_were_measured_against(tmp_path):
+    """An --append run without the breakdown (--no-kernels: no matrix-product rate in its meta) keeps the earlier
+    kernel rows, and the heading still names the rates those rows carry."""
+    meta = dict(gpu="G", sms=1, torch="t", triton="3.6.0", commit="new", commits=["new"], date="d", peers={},
+                copy_gbps=4100.0, matmul_tflops=None)
+    kernels = [dict(workload="w", kernel="prepare", v_slices=1, ms=0.5, gbps=1.0, pct_copy=10.0, tflops=2.0,
+                    pct_matmul=20.0, commit="old", copy_gbps=4000.0, matmul_tflops=600.0)]
+    rows = [dict(workload="w", group="g", impl="fastkda", mode="graph", ms=0.9, commit="new")]
+    md = bench.render_results(meta, rows, str(tmp_path / "r"), kernels)
+    assert "measured in the same run: 4000.0 GB/s, 600.0 TFLOP/s)" in md and "None TFLOP/s" not in md
