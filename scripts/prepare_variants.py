@@ -17,6 +17,7 @@ from triton.testing import do_bench
 
 import fastkda.api
 from fastkda.bench import accuracy, fastkda_runner, load_workloads, make_prefill_inputs
+from variant_accuracy import load_variant  # a sibling script (its directory is on sys.path)
 
 SOURCE = Path(fastkda.api.__file__).parent / "ops" / "prefill.py"
 # (label, module settings, source edit or None)
@@ -30,11 +31,7 @@ def variant_module(index, settings, edit):
     applied. The API imports ``chunk_kda_forward`` from ``fastkda.ops.prefill`` at each call, so the variant's
     is put there."""
     prefill = importlib.reload(importlib.import_module("fastkda.ops.prefill"))
-    module = prefill
-    if edit is not None:
-        path = SOURCE.parent / f"_variant{index}.py"
-        path.write_text(edit(SOURCE.read_text()))
-        module = importlib.import_module(f"fastkda.ops._variant{index}")
+    module = prefill if edit is None else load_variant(edit(SOURCE.read_text()), f"_variant{index}")
     for name, value in settings.items():
         setattr(module, name, value)
     prefill.chunk_kda_forward = module.chunk_kda_forward
@@ -102,8 +99,6 @@ def main():
     finally:
         if args.compile_only is None:
             importlib.reload(importlib.import_module("fastkda.ops.prefill"))
-            for path in SOURCE.parent.glob("_variant*.py"):
-                path.unlink()
 
 
 if __name__ == "__main__":

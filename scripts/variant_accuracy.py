@@ -26,11 +26,11 @@ from fastkda.reference import kda_reference  # noqa: E402
 OPS = Path(__file__).resolve().parent.parent / "fastkda" / "ops"
 
 
-def load_variant(path, index):
-    """``path`` imported as a module inside ``fastkda.ops`` (its relative imports resolve there)."""
-    name = f"_accuracy_variant{index}"
+def load_variant(text, name):
+    """``text``, a whole ``prefill.py``, imported as ``fastkda.ops.<name>`` (its relative imports resolve
+    there) from a copy inside ``fastkda/ops/`` that is removed at once (Triton keeps each kernel's source)."""
     target = OPS / f"{name}.py"
-    target.write_text(Path(path).read_text())
+    target.write_text(text)
     spec = importlib.util.spec_from_file_location(f"fastkda.ops.{name}", target)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
@@ -66,7 +66,8 @@ def main(argv=None):
     found = {}
     for index, path in enumerate(args.sources):
         started = time.time()
-        found[path] = errors(load_variant(path, index), inp, reference, args.v_slices)
+        variant = load_variant(Path(path).read_text(), f"_accuracy_variant{index}")
+        found[path] = errors(variant, inp, reference, args.v_slices)
         print(f"[accuracy] {path}: output {found[path][0]:.3e} state {found[path][1]:.3e} "
               f"({time.time() - started:.0f} s, CPU interpreter)", flush=True)
     return found

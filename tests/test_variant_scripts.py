@@ -1,5 +1,6 @@
 """The device A/B script's variants are well-formed before a device call is spent on them."""
 
+import importlib
 import os
 import sys
 from pathlib import Path
@@ -28,6 +29,17 @@ def test_source_edits_apply_to_the_current_kernel():
     for label, _, edit in prepare_variants.VARIANTS:
         if edit is not None:
             assert edit(source) != source, f"{label}: its edit no longer matches fastkda/ops/prefill.py"
+
+
+def test_a_source_variant_is_imported_with_its_settings_and_its_copy_removed():
+    try:
+        module = prepare_variants.variant_module(7, dict(SOLVE_WARPS=1), lambda text: text + "\nEDITED = True\n")
+        assert module.EDITED and module.SOLVE_WARPS == 1 and module is not prefill
+        assert prefill.chunk_kda_forward is module.chunk_kda_forward  # where the API looks it up
+        assert not list(prepare_variants.SOURCE.parent.glob("_variant*.py"))
+    finally:
+        importlib.reload(prefill)
+    assert prefill.SOLVE_WARPS != 1 and not hasattr(prefill, "EDITED")
 
 
 def test_command_line_settings_become_variants():
