@@ -39,9 +39,15 @@ def variant_module(index, settings, edit):
 
 
 def parse_settings(text):
-    """``"NAME=VALUE,NAME=VALUE"`` -> module settings (integer values, or ``None``)."""
+    """``"NAME=VALUE,NAME=VALUE"`` -> module settings (integer values, or ``None``); a name that
+    ``fastkda.ops.prefill`` does not have is an error (it would time the committed kernels under a wrong label)."""
     pairs = (item.split("=", 1) for item in text.split(","))
-    return {name: None if value == "None" else int(value) for name, value in pairs}
+    settings = {name: None if value == "None" else int(value) for name, value in pairs}
+    prefill = importlib.import_module("fastkda.ops.prefill")
+    unknown = [name for name in settings if not hasattr(prefill, name)]
+    if unknown:
+        raise SystemExit(f"--set {text}: fastkda.ops.prefill has no {', '.join(unknown)}")
+    return settings
 
 
 def variants(source_files, settings=()):
