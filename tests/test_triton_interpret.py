@@ -45,7 +45,8 @@ CASES = [
     dict(lengths=[150, 20], varlen=True, gate="precomputed"),
     dict(lengths=[90], varlen=True, key_dim=128, state_dtype=torch.bfloat16),
     dict(lengths=[3, 65], varlen=True, cu_dtype=torch.int64),
-    # more sequences than one step of the chunk lookup compares (prefill.SLOT_SEARCH), empty ones among them
+    # 70 sequences, empty ones among them: a chunk lookup over many cu_seqlens entries (64 per step on the
+    # varlen-lookup branch, so two steps)
     dict(lengths=[(7 * i) % 41 for i in range(70)], varlen=True, cu_dtype=torch.int64),
     dict(lengths=[70], varlen=True, key_dim=64, value_dim=128),  # K != V: the solve kernel's masked channel steps
     dict(lengths=[66], varlen=False, key_dim=128, value_dim=64, gate="precomputed"),
