@@ -430,9 +430,9 @@ def _solve_kernel(
                         EMULATE)
     else:  # T·diag(β) over the scratch, whose upper-right block (rows 0, columns BC..) is zero already
         tl.debug_barrier()  # every thread's L loaded before any T overwrites it
-        tl.store(L_c + rows0[:, None] * (H * C) + cb[None, :], T00, mask=ok0[:, None])
-        tl.store(L_c + rows1[:, None] * (H * C) + cb[None, :], T10, mask=ok1[:, None])
-        tl.store(L_c + rows1[:, None] * (H * C) + BC + cb[None, :], T11, mask=ok1[:, None])
+        _store_tile(L_c, rows0, ok0, cb, T00, C, H * C, EMULATE)
+        _store_tile(L_c, rows1, ok1, cb, T10, C, H * C, EMULATE)
+        _store_tile(L_c, rows1, ok1, BC + cb, T11, C, H * C, EMULATE)
 
 
 @triton.jit
