@@ -18,7 +18,8 @@ from triton.compiler import ASTSource  # noqa: E402
 from fastkda import plan  # noqa: E402
 from fastkda.ops import decode, prefill  # noqa: E402
 
-PTXAS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"  # ptxas, nvdisasm
+PTXAS = BIN / "ptxas"
 BF16, F32 = "*bf16", "*fp32"
 # the arguments of both preparation kernels (compile_for_hopper drops those a kernel does not take)
 PREPARATION_SIGNATURE = dict(q=BF16, k=BF16, v=BF16, g=BF16, beta=BF16, A_log=F32, dt_bias=F32, cu_seqlens="*i32",

@@ -10,13 +10,8 @@ from pathlib import Path
 
 os.environ.pop("TRITON_INTERPRET", None)
 
-import triton  # noqa: E402
-
-from compile_stats import PREPARATION_SIGNATURE, compile_for_hopper  # noqa: E402
+from compile_stats import BIN, PREPARATION_SIGNATURE, compile_for_hopper  # noqa: E402
 from fastkda.ops import prefill  # noqa: E402
-
-BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
-
 
 STAGES = dict(_prepare_kernel="PREPARE_STAGES", _solve_kernel="SOLVE_STAGES")  # the knobs their launches use
 WARPS = dict(_prepare_kernel="PREPARE_WARPS", _solve_kernel="SOLVE_WARPS")
