@@ -31,8 +31,8 @@ def sass_of_arguments(kernel_name, settings):
     warps = int(settings.pop("num_warps", getattr(prefill, WARPS[kernel_name])))
     stages = int(settings.pop("num_stages", getattr(prefill, STAGES[kernel_name])))
     consts = dict(H=12, K=128, V=128, C=prefill.CHUNK, BC=prefill.BLOCK, IS_VARLEN=True, LOWER_BOUND_GATE=True, L2NORM=True,
-                  BETA_SIGMOID=True, DOT_PRECISION="tf32", EMULATE=False, FORM_W_U=True, RUN=prefill.token_run(128),
-                  **{k: int(v) for k, v in settings.items()})
+                  BETA_SIGMOID=True, DOT_PRECISION="tf32", EMULATE=False, FORM_W_U=True, RUN=prefill.token_run(128))
+    consts.update({k: int(v) for k, v in settings.items()})  # a setting may replace a default (FORM_W_U=0)
     return sass(getattr(prefill, kernel_name), consts, warps, stages)
 
 
