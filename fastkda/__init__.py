@@ -1,8 +1,9 @@
 """fastkda: Kimi Delta Attention inference kernels in Triton, with a PyTorch CPU path and reference."""
 
 from .api import kda_decode, kda_prefill
-from .plan import Plan, choose_plan
+from .plan import DecodePlan, PrefillPlan, choose_decode_plan, choose_plan
 from .reference import kda_chunked, kda_decode_reference, kda_reference
 
-__all__ = ["kda_prefill", "kda_decode", "kda_reference", "kda_chunked", "kda_decode_reference", "Plan", "choose_plan"]
+__all__ = ["kda_prefill", "kda_decode", "kda_reference", "kda_chunked", "kda_decode_reference", "PrefillPlan",
+           "DecodePlan", "choose_plan", "choose_decode_plan"]
 __version__ = "0.1.0"

@@ -1,5 +1,6 @@
-"""``python -m fastkda demo``: run the prefill on an embedded workload, check it, print the plan and time.
-``python -m fastkda plan --heads 12 --seqs 4 --tokens 8192 [--sms 132]``: print the launch plan and why."""
+"""``python -m fastkda demo``: run the prefill on an embedded workload, check it against float64, print the plan
+and the time (GPU: 12 heads, one 8192-token sequence; CPU: 4 heads, two sequences of about 1000 tokens).
+``python -m fastkda plan --heads 12 --seqs 4 --tokens 8192 [--sms 132]``: print the launch plan of a shape and why."""
 
 import argparse
 import sys
@@ -8,33 +9,47 @@ import time
 import torch
 
 from .api import kda_prefill
-from .plan import choose_plan, sm_count
+from .plan import SUPPORTED_DIMS, choose_plan, sm_count
 from .reference import kda_reference
 
-DEMO_GPU = dict(H=12, lengths=[8192], layout="varlen")  # the seed's low-parallelism prefill
-DEMO_CPU = dict(H=4, lengths=[1000, 1048], layout="varlen")
+DEMO_GPU = dict(heads=12, lengths=[8192])  # the seed's low-parallelism prefill: one sequence of TP8's local heads
+DEMO_CPU = dict(heads=4, lengths=[1000, 1048])
+DIM = 128
+LOWER_BOUND = -5.0
 CHECK_TOKENS = 512  # the float64 token-by-token check runs on a prefix of the first sequence
 
 
-def demo(args):
-    from .bench import LOWER_BOUND, make_prefill_inputs
+def demo_inputs(heads, lengths, device):
+    """One varlen batch of ``lengths`` tokens: bf16 q, k, v, gate and beta logits, the gate's parameters, an fp32
+    initial state, int32 ``cu_seqlens``."""
+    gen = torch.Generator(device=device).manual_seed(0)
+    tokens = sum(lengths)
+    draw = {name: torch.randn(1, tokens, heads, *dims, generator=gen, device=device).bfloat16()
+            for name, dims in (("q", [DIM]), ("k", [DIM]), ("v", [DIM]), ("g", [DIM]), ("beta", []))}
+    offsets = torch.tensor([0, *lengths], device=device).cumsum(0).int()
+    return draw, dict(A_log=torch.rand(heads, generator=gen, device=device),
+                      dt_bias=torch.rand(heads, DIM, generator=gen, device=device), lower_bound=LOWER_BOUND,
+                      initial_state=torch.randn(len(lengths), heads, DIM, DIM, generator=gen, device=device),
+                      cu_seqlens=offsets)
 
+
+def demo(args):
     cuda = torch.cuda.is_available() and not args.cpu
     device = "cuda" if cuda else "cpu"
     workload = DEMO_GPU if cuda else DEMO_CPU
-    inp = make_prefill_inputs(workload, device)
-    heads, lengths = workload["H"], workload["lengths"]
+    heads, lengths = workload["heads"], workload["lengths"]
+    tensors, kw = demo_inputs(heads, lengths, device)
     sms = sm_count(torch.cuda.current_device()) if cuda else 1
-    plan = choose_plan(len(lengths), heads, sum(lengths) // len(lengths), 128, sms)
-    kw = dict(A_log=inp["A_log"], dt_bias=inp["dt_bias"], lower_bound=LOWER_BOUND, scale=inp["scale"])
+    plan = choose_plan(len(lengths), heads, sum(lengths), DIM, DIM, sms)
+    qkvgb = [tensors[x] for x in ("q", "k", "v", "g", "beta")]
 
     def run():
-        return kda_prefill(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], **kw,
-                           initial_state=inp["initial_state"], output_final_state=True, cu_seqlens=inp["cu_seqlens"])
+        return kda_prefill(*qkvgb, **kw, output_final_state=True)
 
     name = torch.cuda.get_device_name() if cuda else "CPU (PyTorch chunked path)"
-    print(f"fastkda demo on {name}: H={heads}, sequences={lengths}, K=V=128, lower-bound gate {LOWER_BOUND}")
-    print(f"plan: v_slices={plan.v_slices} ({plan.reason})" if cuda else "plan: none (CPU path)")
+    print(f"fastkda demo on {name}: H={heads}, sequences={lengths}, K=V={DIM}, lower-bound gate {LOWER_BOUND}")
+    print(f"plan:\n  " + plan.describe().replace("\n", "\n  ") if cuda else
+          f"plan: the CPU path, chunks of {plan.cpu_chunk} tokens")
     run()
     if cuda:
         torch.cuda.synchronize()
@@ -45,10 +60,9 @@ def demo(args):
     if cuda:
         torch.cuda.synchronize()
     print(f"time: {(time.perf_counter() - start) / repeats * 1e3:.3f} ms per call (eager, wall clock)")
-    prefix = slice(0, CHECK_TOKENS)
-    ref_o, _ = kda_reference(*(inp[x][:, prefix] for x in ("q", "k", "v", "g", "beta")), **kw,
-                             initial_state=inp["initial_state"][:1])
-    err = ((out[:, prefix].double() - ref_o).norm() / ref_o.norm()).item()
+    prefix = [x[:, :CHECK_TOKENS] for x in qkvgb]
+    ref_o, _ = kda_reference(*prefix, **{**kw, "initial_state": kw["initial_state"][:1], "cu_seqlens": None})
+    err = ((out[:, :CHECK_TOKENS].double() - ref_o).norm() / ref_o.norm()).item()
     ok = err < 4e-3 and bool(torch.isfinite(final).all())
     print(f"check: relative L2 error of the first {CHECK_TOKENS} outputs vs float64: {err:.2e} "
           f"({'OK' if ok else 'FAILED'}, bound 4e-3)")
@@ -58,16 +72,20 @@ def demo(args):
 def plan_command(args):
     sms = args.sms or (sm_count(torch.cuda.current_device()) if torch.cuda.is_available() else None)
     if sms is None:
-        print("no GPU here: pass --sms (e.g. 132 for an H200)", file=sys.stderr)
+        print("error: no GPU here: pass --sms (e.g. 132 for an H200)", file=sys.stderr)
         return 2
     try:
-        plan = choose_plan(args.seqs, args.heads, args.tokens, args.value_dim, sms, args.v_slices)
+        for name in ("heads", "seqs", "tokens"):
+            if getattr(args, name) < 1:
+                raise ValueError(f"--{name} must be at least 1, got {getattr(args, name)}")
+        varlen = args.layout == "varlen"
+        plan = choose_plan(args.seqs, args.heads, args.tokens * args.seqs if varlen else args.tokens, args.key_dim,
+                           args.value_dim, sms, varlen=varlen, lower_bound_gate=args.gate == "lower-bound",
+                           v_slices=args.v_slices)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    occupancy = min(plan.programs, sms) / sms
-    print(f"v_slices={plan.v_slices} programs={plan.programs} sms={plan.sms} "
-          f"occupancy={occupancy:.0%} reason: {plan.reason}")
+    print(plan.describe())
     return 0
 
 
@@ -76,13 +94,17 @@ def main(argv=None):
     sub = parser.add_subparsers(dest="command", required=True)
     d = sub.add_parser("demo", help="run the prefill on an embedded workload and check it")
     d.add_argument("--cpu", action="store_true", help="use the CPU path even where a GPU is present")
-    p = sub.add_parser("plan", help="print the launch plan for a shape")
-    p.add_argument("--heads", type=int, required=True)
-    p.add_argument("--seqs", type=int, required=True)
+    p = sub.add_parser("plan", help="print the launch plan of a shape, and why")
+    p.add_argument("--heads", type=int, required=True, help="heads on this GPU (local heads under tensor parallelism)")
+    p.add_argument("--seqs", type=int, required=True, help="sequences in the batch")
     p.add_argument("--tokens", type=int, required=True, help="tokens per sequence")
-    p.add_argument("--value-dim", type=int, default=128)
+    p.add_argument("--key-dim", type=int, default=128, choices=SUPPORTED_DIMS)
+    p.add_argument("--value-dim", type=int, default=128, choices=SUPPORTED_DIMS)
+    p.add_argument("--layout", choices=("varlen", "fixed"), default="varlen",
+                   help="varlen: one row with cu_seqlens; fixed: one row per sequence")
+    p.add_argument("--gate", choices=("lower-bound", "precomputed"), default="lower-bound")
     p.add_argument("--sms", type=int, help="SM count (default: this GPU's)")
-    p.add_argument("--v-slices", default="auto")
+    p.add_argument("--v-slices", default="auto", help="auto (default) or 1, 2, 4")
     args = parser.parse_args(argv)
     return demo(args) if args.command == "demo" else plan_command(args)
 

@@ -7,14 +7,13 @@ when validation fails, and nothing synchronises host and device, so the call is 
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import List, Optional
 
 import torch
 
-from .plan import CHUNK, choose_decode_plan, choose_plan, sm_count
+from .plan import SUPPORTED_DIMS, DecodePlan, PrefillPlan, choose_decode_plan, choose_plan, sm_count
 from .reference import kda_chunked, kda_decode_reference
 
-SUPPORTED_DIMS = (64, 128)
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 STATE_DTYPES = (torch.bfloat16, torch.float32)
 MIN_LOWER_BOUND = -5.0  # exp(-G) over a 16-token block stays below e^80 (fp32/bf16 range) for λ >= -5
@@ -191,12 +190,12 @@ def validate_prefill(q, k, v, g, beta, A_log, dt_bias, lower_bound, scale, initi
     return num_seqs
 
 
-def check_checkpoint_offsets_values(checkpoint_offsets):
+def check_checkpoint_offsets_values(checkpoint_offsets, chunk):
     """Offsets non-negative multiples of the chunk. Reading them costs a device sync, so only CPU tensors are
     checked; on the GPU an offset that is not a multiple of the chunk never matches and is not written."""
     offsets = checkpoint_offsets.reshape(-1).tolist()
-    if any(o < 0 or o % CHUNK for o in offsets):
-        _fail("checkpoint_offsets", f"non-negative multiples of the chunk size {CHUNK}", offsets)
+    if any(o < 0 or o % chunk for o in offsets):
+        _fail("checkpoint_offsets", f"non-negative multiples of the chunk size {chunk}", offsets)
 
 
 def check_cu_seqlens_values(cu_seqlens, length):
@@ -210,26 +209,29 @@ def _prefill_impl(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
     A_log: Optional[torch.Tensor], dt_bias: Optional[torch.Tensor], lower_bound: Optional[float], scale: float,
     initial_state: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor], use_qk_l2norm: bool,
-    use_beta_sigmoid: bool, v_slices: int, out: torch.Tensor, final_state: Optional[torch.Tensor],
-    checkpoint_offsets: Optional[torch.Tensor], checkpoint_states: Optional[torch.Tensor],
+    use_beta_sigmoid: bool, launch_numbers: List[int], dot_precision: str, out: torch.Tensor,
+    final_state: Optional[torch.Tensor], checkpoint_offsets: Optional[torch.Tensor],
+    checkpoint_states: Optional[torch.Tensor],
 ) -> None:
-    """One opaque op for torch.compile and CUDA graphs: Triton on CUDA, the chunked PyTorch path on CPU."""
+    """One opaque op for torch.compile and CUDA graphs: Triton on CUDA, the chunked PyTorch path on CPU, both
+    as the plan carried in ``launch_numbers`` says (:meth:`fastkda.plan.PrefillPlan.launch_numbers`)."""
+    plan = PrefillPlan.from_launch_numbers(launch_numbers, dot_precision)
     gate = dict(A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound)
     checkpoints = dict(checkpoint_offsets=checkpoint_offsets, checkpoint_states=checkpoint_states)
     if q.is_cuda:
         from .ops.prefill import chunk_kda_forward  # Triton is only needed on the GPU
 
-        chunk_kda_forward(q, k, v, g, beta, **gate, scale=scale, initial_state=initial_state,
+        chunk_kda_forward(q, k, v, g, beta, plan=plan, **gate, scale=scale, initial_state=initial_state,
                           cu_seqlens=cu_seqlens, use_qk_l2norm=use_qk_l2norm, use_beta_sigmoid=use_beta_sigmoid,
-                          v_slices=v_slices, out=out, final_state=final_state, **checkpoints)
+                          out=out, final_state=final_state, **checkpoints)
         return
     if cu_seqlens is not None:
         check_cu_seqlens_values(cu_seqlens, q.shape[1])
     if checkpoint_offsets is not None:
-        check_checkpoint_offsets_values(checkpoint_offsets)
+        check_checkpoint_offsets_values(checkpoint_offsets, plan.chunk)
     o, state = kda_chunked(q, k, v, g, beta, **gate, scale=scale, initial_state=initial_state,
                            cu_seqlens=cu_seqlens, use_qk_l2norm=use_qk_l2norm, use_beta_sigmoid=use_beta_sigmoid,
-                           **checkpoints)
+                           chunk=plan.cpu_chunk, **checkpoints)
     out.copy_(o)
     if final_state is not None:
         final_state.copy_(state)
@@ -241,14 +243,15 @@ _prefill_op = torch.library.custom_op("fastkda::prefill", mutates_args=("out", "
 
 @_prefill_op.register_fake
 def _prefill_fake(q, k, v, g, beta, A_log, dt_bias, lower_bound, scale, initial_state, cu_seqlens,
-                  use_qk_l2norm, use_beta_sigmoid, v_slices, out, final_state, checkpoint_offsets, checkpoint_states):
+                  use_qk_l2norm, use_beta_sigmoid, launch_numbers, dot_precision, out, final_state, checkpoint_offsets,
+                  checkpoint_states):
     return None
 
 
 def kda_prefill(
     q, k, v, g, beta, *, A_log=None, dt_bias=None, lower_bound=None, scale=None, initial_state=None,
     final_state=None, output_final_state=False, cu_seqlens=None, use_qk_l2norm=True, use_beta_sigmoid=True,
-    out=None, v_slices="auto", checkpoint_offsets=None, checkpoint_states=None,
+    out=None, v_slices="auto", checkpoint_offsets=None, checkpoint_states=None, plan=None,
 ):
     """Kimi Delta Attention prefill (spec §1, §3). Returns ``(o, final_state)``.
 
@@ -271,6 +274,9 @@ def kda_prefill(
             checked; on the GPU another value never matches); the fp32 state after that many tokens is written to
             ``checkpoint_states [N, 2, H, V, K]``, bitwise equal to the final state of a prefill of that prefix
             on the same device. An offset beyond its sequence is ignored.
+        plan: a :class:`fastkda.plan.PrefillPlan` for this call's shape (``fastkda.choose_plan(...)``, changed with
+            ``.replace(...)``) instead of the automatic one, for sweeps and experiments; ``v_slices`` must then
+            stay ``"auto"``.
     """
     scale, lower_bound = _scalar_defaults(q, scale, lower_bound)
     num_seqs = _validated(validate_prefill, q, k, v, g, beta, A_log, dt_bias, lower_bound, scale, initial_state,
@@ -278,16 +284,36 @@ def kda_prefill(
     _check_not_an_input(out, (q, k, v, g))
     batch, length, heads, key_dim = q.shape
     value_dim = v.shape[-1]
-    tokens = batch * length // max(num_seqs, 1)
-    plan = choose_plan(num_seqs, heads, tokens, value_dim, _sms_of(q), v_slices)
+    facts = (num_seqs, heads, length, key_dim, value_dim)
+    varlen, lower_bound_gate = cu_seqlens is not None, lower_bound is not None
+    if plan is None:
+        plan = choose_plan(*facts, _sms_of(q), varlen=varlen, lower_bound_gate=lower_bound_gate, v_slices=v_slices)
+    else:
+        _check_plan_fits(plan, facts, varlen, lower_bound_gate, v_slices)
     if out is None:
         out = torch.empty_like(v, memory_format=torch.contiguous_format)
     if final_state is None and output_final_state:
         final_state = torch.empty(num_seqs, heads, value_dim, key_dim, dtype=torch.float32, device=q.device)
     _opaque_when_compiling(_prefill_op, _prefill_impl)(
         q, k, v, g, beta, A_log, dt_bias, lower_bound, float(scale), initial_state, cu_seqlens, use_qk_l2norm,
-        use_beta_sigmoid, plan.v_slices, out, final_state, checkpoint_offsets, checkpoint_states)
+        use_beta_sigmoid, plan.launch_numbers(), plan.dot_precision, out, final_state, checkpoint_offsets,
+        checkpoint_states)
     return out, final_state
+
+
+def _check_plan_fits(plan, facts, varlen, lower_bound_gate, v_slices):
+    """A caller's plan must be a :class:`PrefillPlan` made for this call's shape and gate, without ``v_slices``."""
+    if not isinstance(plan, PrefillPlan):
+        _fail("plan", "a fastkda.PrefillPlan", type(plan).__name__)
+    if v_slices != "auto":
+        _fail("v_slices", "'auto' when a plan is given (the plan holds v_slices)", v_slices)
+    made_for = (plan.num_seqs, plan.heads, plan.seq_len, plan.key_dim, plan.value_dim, plan.varlen,
+                plan.lower_bound_gate)
+    needed = (*facts, varlen, lower_bound_gate)
+    if made_for != needed:
+        names = ("num_seqs", "heads", "seq_len", "key_dim", "value_dim", "varlen", "lower_bound_gate")
+        _fail("plan", f"made for this call ({', '.join(f'{n}={x}' for n, x in zip(names, needed))})",
+              ", ".join(f"{n}={x}" for n, x in zip(names, made_for)))
 
 
 def validate_decode(q, k, v, g, beta, state_pool, slots, A_log, dt_bias, lower_bound, scale, num_accepted_tokens,
@@ -315,15 +341,17 @@ def _decode_impl(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
     state_pool: torch.Tensor, slots: torch.Tensor, A_log: Optional[torch.Tensor], dt_bias: Optional[torch.Tensor],
     lower_bound: Optional[float], scale: float, num_accepted_tokens: Optional[torch.Tensor], use_qk_l2norm: bool,
-    use_beta_sigmoid: bool, v_slices: int, out: torch.Tensor,
+    use_beta_sigmoid: bool, launch_numbers: List[int], out: torch.Tensor,
 ) -> None:
-    """One opaque op: the Triton kernel on CUDA, the token-by-token PyTorch path on CPU."""
+    """One opaque op: the Triton kernel on CUDA as the plan carried in ``launch_numbers`` says
+    (:meth:`fastkda.plan.DecodePlan.launch_numbers`), the token-by-token PyTorch path on CPU."""
     kw = dict(A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, scale=scale,
               num_accepted_tokens=num_accepted_tokens, use_qk_l2norm=use_qk_l2norm, use_beta_sigmoid=use_beta_sigmoid)
     if q.is_cuda:
         from .ops.decode import recurrent_kda_decode
 
-        recurrent_kda_decode(q, k, v, g, beta, state_pool, slots, **kw, v_slices=v_slices, out=out)
+        plan = DecodePlan.from_launch_numbers(launch_numbers)
+        recurrent_kda_decode(q, k, v, g, beta, state_pool, slots, plan=plan, **kw, out=out)
         return
     out.copy_(kda_decode_reference(q, k, v, g, beta, state_pool, slots, **kw))
 
@@ -333,13 +361,13 @@ _decode_op = torch.library.custom_op("fastkda::decode", mutates_args=("state_poo
 
 @_decode_op.register_fake
 def _decode_fake(q, k, v, g, beta, state_pool, slots, A_log, dt_bias, lower_bound, scale, num_accepted_tokens,
-                 use_qk_l2norm, use_beta_sigmoid, v_slices, out):
+                 use_qk_l2norm, use_beta_sigmoid, launch_numbers, out):
     return None
 
 
 def kda_decode(
     q, k, v, g, beta, state_pool, slots, *, A_log=None, dt_bias=None, lower_bound=None, scale=None,
-    num_accepted_tokens=None, use_qk_l2norm=True, use_beta_sigmoid=True, out=None, v_slices="auto",
+    num_accepted_tokens=None, use_qk_l2norm=True, use_beta_sigmoid=True, out=None, v_slices="auto", plan=None,
 ):
     """KDA decode over a state pool, updated in place (spec §5). Returns o ``[N, T, H, V]``.
 
@@ -353,16 +381,23 @@ def kda_decode(
         A_log, dt_bias, lower_bound, scale, use_qk_l2norm, use_beta_sigmoid: as in :func:`kda_prefill`.
         v_slices: ``"auto"`` (16-column slices of the state, :func:`fastkda.plan.choose_decode_plan`), or 1,
             2, 4 as in :func:`kda_prefill`.
+        plan: a :class:`fastkda.plan.DecodePlan` for this call (``fastkda.choose_decode_plan(...)``) instead of
+            the automatic one; ``v_slices`` must then stay ``"auto"``.
     """
     scale, lower_bound = _scalar_defaults(q, scale, lower_bound)
     _validated(validate_decode, q, k, v, g, beta, state_pool, slots, A_log, dt_bias, lower_bound, scale,
                num_accepted_tokens, out)
     _check_not_an_input(out, (q, k, v, g, state_pool))
     num_seqs, _, heads, _ = q.shape
-    plan = choose_decode_plan(num_seqs, heads, v.shape[-1], _sms_of(q), v_slices)
+    if plan is None:
+        plan = choose_decode_plan(num_seqs, heads, v.shape[-1], _sms_of(q), v_slices)
+    elif not isinstance(plan, DecodePlan) or v_slices != "auto" or (plan.num_seqs, plan.heads, plan.value_dim) != (
+            num_seqs, heads, v.shape[-1]):
+        _fail("plan", f"a fastkda.DecodePlan for num_seqs={num_seqs}, heads={heads}, value_dim={v.shape[-1]}, with "
+              "v_slices='auto'", plan)
     if out is None:
         out = torch.empty_like(v, memory_format=torch.contiguous_format)
     _opaque_when_compiling(_decode_op, _decode_impl)(
         q, k, v, g, beta, state_pool, slots, A_log, dt_bias, lower_bound, float(scale), num_accepted_tokens,
-        use_qk_l2norm, use_beta_sigmoid, plan.v_slices, out)
+        use_qk_l2norm, use_beta_sigmoid, plan.launch_numbers(), out)
     return out

@@ -251,7 +251,7 @@ def matmul_tflops(device="cuda", n=8192):
     return round(2 * n ** 3 / ms / 1e9, 1)
 
 
-KERNELS = ("prepare", "solve", "recurrence")  # fastkda's kernels, in launch order (``_<name>_kernel``)
+KERNELS = ("prepare", "solve", "recurrence")  # fastkda's kernels, in launch order (``<name>_kernel``)
 
 
 def kernel_work(workload, v_slices, key_dim=DIM, value_dim=DIM):
@@ -259,8 +259,7 @@ def kernel_work(workload, v_slices, key_dim=DIM, value_dim=DIM):
     in and out), from the kernels' loads, stores and products: ``{kernel: (bytes, flops)}``. Each chunk's
     products are counted at full chunk size (the kernels compute them so); the solve kernel's 16x16 inverse is
     left out (under 1% of its products when it forms w and u, its only products when the recurrence does)."""
-    from .ops.prefill import BLOCK
-    from .plan import CHUNK, w_u_in_recurrence
+    from .plan import BLOCK, CHUNK, w_u_in_recurrence
 
     heads, lengths = workload["H"], workload["lengths"]
     rows = heads * sum(lengths)  # (token, head) pairs
@@ -309,11 +308,12 @@ def kernel_breakdown(inp, workload, copy_gbps, tflops, calls=5):
     from .plan import choose_plan
 
     heads, lengths = workload["H"], workload["lengths"]
-    v_slices = choose_plan(len(lengths), heads, sum(lengths) // len(lengths), DIM, _sms_of(inp["q"])).v_slices
+    v_slices = choose_plan(len(lengths), heads, inp["q"].shape[1], DIM, DIM, _sms_of(inp["q"]),
+                           varlen=inp["cu_seqlens"] is not None).v_slices
     total_us = {name: 0.0 for name in KERNELS}
     for key, (us, _) in profile_kernels(fastkda_runner(inp, "auto"), calls).items():
         for name in KERNELS:
-            if f"_{name}_kernel" in key:
+            if f"{name}_kernel" in key:
                 total_us[name] += us
     rows = []
     for name, (nbytes, flops) in kernel_work(workload, v_slices).items():

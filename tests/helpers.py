@@ -1,8 +1,14 @@
-"""Random KDA inputs and error measures shared by the tests."""
+"""Random KDA inputs, plans and error measures shared by the tests."""
 
+import pytest
 import torch
 
+import interpreter
+
 LOWER_BOUND = -5.0
+needs_interpreter = pytest.mark.skipif(
+    not interpreter.active(),
+    reason=interpreter.unavailable_reason() or "a GPU runs the kernels natively here (tests/test_gpu.py)")
 
 
 def make_inputs(lengths, heads=2, key_dim=64, value_dim=None, varlen=True, gate="lower_bound", seed=0,
@@ -61,3 +67,14 @@ def run_prefill(inp, state_in, state_out, v_slices="auto"):
                         dt_bias=inp["dt_bias"], lower_bound=inp["lower_bound"], initial_state=h0, final_state=final,
                         cu_seqlens=inp["cu_seqlens"], out=out, v_slices=v_slices)
     return out, final, h0
+
+
+def plan_for(inp, v_slices="auto", sms=132, **changes):
+    """The prefill plan of ``inp`` (from :func:`make_inputs`) on ``sms`` SMs, with ``changes`` to its numbers."""
+    from fastkda.plan import choose_plan
+
+    q, cu = inp["q"], inp["cu_seqlens"]
+    plan = choose_plan(cu.numel() - 1 if cu is not None else q.shape[0], q.shape[2], q.shape[1], q.shape[3],
+                       inp["v"].shape[3], sms, varlen=cu is not None, lower_bound_gate=inp["lower_bound"] is not None,
+                       v_slices=v_slices)
+    return plan.replace(**changes) if changes else plan

@@ -1,16 +1,15 @@
 """Prefix-cache checkpoints in prefill: the state after an offset equals the final state of a prefill of that
 prefix (bitwise for the Triton kernels, run on the interpreter without a GPU; the CPU path to fp32 rounding)."""
 
-import os
-
 import pytest
 import torch
 
 import fastkda
-from helpers import make_inputs
+import interpreter
+from helpers import make_inputs, plan_for
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-BACKENDS = ["api"] + (["triton"] if os.environ.get("TRITON_INTERPRET") == "1" else [])
+BACKENDS = ["api"] + (["triton"] if interpreter.active() else [])
 
 
 def prefill(backend, inp, final, checkpoint_offsets=None, checkpoint_states=None):
@@ -24,9 +23,9 @@ def prefill(backend, inp, final, checkpoint_offsets=None, checkpoint_states=None
     else:
         from fastkda.ops.prefill import chunk_kda_forward
 
-        chunk_kda_forward(*args, **gate, scale=inp["q"].shape[-1] ** -0.5, initial_state=inp["initial_state"],
-                          cu_seqlens=inp["cu_seqlens"], use_qk_l2norm=True, use_beta_sigmoid=True, v_slices=2,
-                          out=out, final_state=final, checkpoint_offsets=checkpoint_offsets,
+        chunk_kda_forward(*args, plan=plan_for(inp, 2), **gate, scale=inp["q"].shape[-1] ** -0.5,
+                          initial_state=inp["initial_state"], cu_seqlens=inp["cu_seqlens"], use_qk_l2norm=True,
+                          use_beta_sigmoid=True, out=out, final_state=final, checkpoint_offsets=checkpoint_offsets,
                           checkpoint_states=checkpoint_states)
     return out
 

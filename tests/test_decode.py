@@ -1,17 +1,16 @@
 """Decode over a state pool: the CPU path (kda_decode on CPU tensors) and, without a GPU, the Triton kernel on the
 interpreter, against float64. Untouched pool slots are filled with 1e30 and must stay bitwise unchanged."""
 
-import os
-
 import pytest
 import torch
 
 import fastkda
+import interpreter
 from fastkda.reference import kda_decode_reference, kda_reference
 from helpers import make_inputs, rel_err
 
 FILL = 2.0 ** 100  # exact in bf16 and fp32
-BACKENDS = ["cpu"] + (["triton"] if os.environ.get("TRITON_INTERPRET") == "1" else [])
+BACKENDS = ["cpu"] + (["triton"] if interpreter.active() else [])
 
 
 def decode(backend, inp, pool, slots, num_accepted=None, v_slices=1):
@@ -20,11 +19,13 @@ def decode(backend, inp, pool, slots, num_accepted=None, v_slices=1):
         return fastkda.kda_decode(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], pool, slots, **gate,
                                   num_accepted_tokens=num_accepted, v_slices=v_slices)
     from fastkda.ops.decode import recurrent_kda_decode
+    from fastkda.plan import choose_decode_plan
 
     out = torch.full_like(inp["v"], float("nan"))
-    recurrent_kda_decode(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], pool, slots, **gate,
+    plan = choose_decode_plan(inp["q"].shape[0], inp["q"].shape[2], inp["v"].shape[3], 132, v_slices)
+    recurrent_kda_decode(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], pool, slots, plan=plan, **gate,
                          scale=inp["q"].shape[-1] ** -0.5, num_accepted_tokens=num_accepted, use_qk_l2norm=True,
-                         use_beta_sigmoid=True, v_slices=v_slices, out=out)
+                         use_beta_sigmoid=True, out=out)
     return out
 
 

@@ -1,8 +1,15 @@
-"""The launch plan: a pure function of host-known facts, with overrides."""
+"""The launch plans: pure functions of host-known facts, with overrides, that reject what the kernels cannot run."""
+
+import dataclasses
 
 import pytest
 
-from fastkda.plan import V_SLICE_CHOICES, choose_plan, parse_v_slices, requested_v_slices
+from fastkda.plan import (V_SLICE_CHOICES, DecodePlan, PrefillPlan, choose_decode_plan, choose_plan, parse_v_slices,
+                          requested_v_slices)
+
+
+def plan(num_seqs, heads, value_dim=128, sms=132, **kw):
+    return choose_plan(num_seqs, heads, 8192 * num_seqs, 128, value_dim, sms, **kw)
 
 
 @pytest.mark.parametrize("sms", [78, 132, 188])
@@ -10,51 +17,91 @@ def test_slices_never_decrease_as_parallelism_drops(sms):
     for heads in (1, 4, 8, 12, 16, 24, 48, 96):
         previous = None
         for num_seqs in range(64, 0, -1):
-            plan = choose_plan(num_seqs, heads, 8192, 128, sms)
-            assert plan.v_slices in V_SLICE_CHOICES
-            assert previous is None or plan.v_slices >= previous
-            previous = plan.v_slices
+            chosen = plan(num_seqs, heads, sms=sms)
+            assert chosen.v_slices in V_SLICE_CHOICES
+            assert previous is None or chosen.v_slices >= previous
+            previous = chosen.v_slices
 
 
 def test_slices_respect_value_width():
-    assert choose_plan(1, 1, 8192, 64, 132).v_slices * 16 <= 64
-    with pytest.raises(ValueError, match="narrower"):
-        choose_plan(1, 1, 8192, 32, 132, v_slices=4)
+    assert plan(1, 1, value_dim=64).slice_width >= 32
+    assert choose_plan(1, 1, 8192, 64, 64, 132, v_slices=4).slice_width == 16  # asked for: the narrowest allowed
+    with pytest.raises(ValueError, match="at least 16 columns"):
+        choose_plan(1, 1, 8192, 64, 64, 132).replace(v_slices=8)
 
 
 def test_rule_boundaries():
-    """The H200 sweep's rule: the most slices of at least 32 columns whose s·N·H programs fit one per SM."""
-    assert choose_plan(2, 12, 8192, 128, 132).v_slices == 4  # 4*12*2 = 96 <= 132
-    assert choose_plan(3, 12, 8192, 128, 132).v_slices == 2  # 4*36 = 144 > 132, 2*36 = 72
-    assert choose_plan(5, 12, 8192, 128, 132).v_slices == 2  # 2*60 = 120 <= 132
-    assert choose_plan(6, 12, 8192, 128, 132).v_slices == 1  # 2*72 = 144 > 132
-    assert choose_plan(4, 16, 8192, 128, 132).v_slices == 2  # 2*64 = 128
-    assert choose_plan(1, 96, 8192, 128, 132).v_slices == 1  # 2*96 = 192 > 132
-    assert choose_plan(5, 12, 8192, 64, 132).v_slices == 2  # V = 64: two 32-wide slices at most, 120 programs
-    assert choose_plan(6, 12, 8192, 64, 132).v_slices == 1
-    assert "2 slices would be 144 programs > 132 SMs" in choose_plan(6, 12, 8192, 128, 132).reason
-    assert "one per SM" in choose_plan(5, 12, 8192, 128, 132).reason
+    """The most slices of at least 32 columns whose s·N·H programs fit one per SM."""
+    assert plan(2, 12).v_slices == 4  # 4*12*2 = 96 <= 132
+    assert plan(3, 12).v_slices == 2  # 4*36 = 144 > 132, 2*36 = 72
+    assert plan(5, 12).v_slices == 2  # 2*60 = 120 <= 132
+    assert plan(6, 12).v_slices == 1  # 2*72 = 144 > 132
+    assert plan(4, 16).v_slices == 2  # 2*64 = 128
+    assert plan(1, 96).v_slices == 1  # 2*96 = 192 > 132
+    assert plan(5, 12, value_dim=64).v_slices == 2  # V = 64: two 32-wide slices at most, 120 programs
+    assert plan(6, 12, value_dim=64).v_slices == 1
+    assert "2 slices would put 144 programs on 132 SMs" in plan(6, 12).reason
+    assert "fit one per SM" in plan(5, 12).reason and "4 slices would put 240 programs" in plan(5, 12).reason
 
 
-def test_who_forms_w_and_u():
+def test_who_forms_w_and_u_and_the_states_form():
     """The recurrence forms w and u from one (sequence, head) pair per two columns of slice width, never in 32-wide
-    slices (H200: H96 B1 and H12 N4 at two slices gain, H12 N1 at one slice loses)."""
-    assert choose_plan(1, 96, 8192, 128, 132).w_u_in_recurrence  # 96 pairs, 128 columns
-    assert choose_plan(4, 12, 8192, 128, 132).w_u_in_recurrence  # two 64-wide slices, 48 pairs
-    assert not choose_plan(1, 12, 8192, 128, 132, v_slices=1).w_u_in_recurrence  # 12 pairs for 128 columns
-    assert not choose_plan(1, 32, 8192, 128, 132, v_slices=1).w_u_in_recurrence  # 32 pairs, 2 * 32 < 128
-    assert choose_plan(1, 64, 8192, 128, 132).w_u_in_recurrence  # 64 pairs
-    assert not choose_plan(1, 12, 8192, 128, 132).w_u_in_recurrence  # four 32-wide slices
-    assert not choose_plan(64, 96, 8192, 128, 132, v_slices=4).w_u_in_recurrence
-    assert "forming w and u itself" in choose_plan(1, 96, 8192, 128, 132).reason
-    assert "forming w and u in the solve kernel" in choose_plan(1, 12, 8192, 128, 132).reason
+    slices; slices from 64 columns hold the state transposed, 128-column ones on 8 warps."""
+    assert plan(1, 96).w_u_in_recurrence  # 96 pairs, 128 columns
+    assert plan(4, 12).w_u_in_recurrence  # two 64-wide slices, 48 pairs
+    assert not plan(1, 12, v_slices=1).w_u_in_recurrence  # 12 pairs for 128 columns
+    assert not plan(1, 32, v_slices=1).w_u_in_recurrence  # 32 pairs, 2 * 32 < 128
+    assert plan(1, 64).w_u_in_recurrence
+    assert not plan(1, 12).w_u_in_recurrence  # four 32-wide slices
+    assert not plan(64, 96, v_slices=4).w_u_in_recurrence
+    assert "forms w and u itself" in plan(1, 96).reason
+    assert "the solve kernel forms w and u" in plan(1, 12).reason
+    assert plan(1, 96).state_rows_v and plan(1, 96).recurrence_warps == 8
+    assert not plan(1, 12).state_rows_v and plan(1, 12).recurrence_warps == 4
+
+
+def test_preparation_numbers_follow_the_gate_and_key_dim():
+    lower = choose_plan(1, 12, 8192, 128, 128, 132)
+    assert (lower.prepare_channels, lower.prepare_token_run, lower.solve_channels) == (128, 4, 128)
+    precomputed = choose_plan(1, 12, 8192, 64, 64, 132, lower_bound_gate=False)
+    assert (precomputed.prepare_channels, precomputed.prepare_token_run, precomputed.solve_channels) == (32, 2, 64)
+
+
+def test_grids_and_slots():
+    fixed = choose_plan(3, 4, 100, 64, 64, 132, varlen=False)
+    assert fixed.batch == 3 and fixed.chunk_slots == 3 * 4 and fixed.prepare_grid == (12, 4, 1)
+    varlen = choose_plan(3, 4, 100, 64, 64, 132)
+    assert varlen.batch == 1 and varlen.chunk_slots == 100 // 32 + 3 + 1
+    assert varlen.recurrence_grid == (varlen.v_slices, 4, 3)
+
+
+def test_launch_numbers_round_trip_and_changes_are_validated():
+    chosen = plan(2, 12)
+    assert PrefillPlan.from_launch_numbers(chosen.launch_numbers(), chosen.dot_precision) == chosen
+    assert all(type(n) is int for n in chosen.launch_numbers())
+    changed = chosen.replace(prepare_warps=8, recurrence_stages=2)
+    assert changed.prepare_warps == 8 and "overridden: prepare_warps=8, recurrence_stages=2" in changed.reason
+    for bad in (dict(v_slices=3), dict(v_slices=16), dict(prepare_warps=3), dict(solve_stages=0),
+                dict(prepare_channels=32), dict(prepare_token_run=5), dict(chunk=64), dict(dot_precision="bf16"),
+                dict(key_dim=96), dict(heads=0)):
+        with pytest.raises(ValueError, match="fastkda plan"):
+            chosen.replace(**bad)
+    assert DecodePlan.from_launch_numbers(choose_decode_plan(3, 4, 128, 132).launch_numbers()).v_slices == 8
+
+
+@pytest.mark.parametrize("facts", [dict(heads=0), dict(value_dim=96), dict(key_dim=32), dict(sms=0),
+                                   dict(num_seqs=-1), dict(seq_len=-5)])
+def test_shapes_the_api_rejects_are_rejected(facts):
+    args = dict(num_seqs=1, heads=12, seq_len=8192, key_dim=128, value_dim=128, sms=132)
+    with pytest.raises(ValueError, match="fastkda plan"):
+        choose_plan(**{**args, **facts})
 
 
 def test_override_precedence(monkeypatch):
     monkeypatch.setenv("FASTKDA_V_SLICES", "4")
     assert requested_v_slices("auto") == 4
     assert requested_v_slices(2) == 2  # the argument wins
-    assert choose_plan(64, 96, 8192, 128, 132).v_slices == 4
+    assert plan(64, 96).v_slices == 4
     monkeypatch.setenv("FASTKDA_V_SLICES", " AUTO ")
     assert requested_v_slices("auto") == "auto"
 
@@ -72,12 +119,13 @@ def test_bad_environment_is_rejected(monkeypatch):
 
 
 def test_decode_plan_uses_narrow_slices_and_honours_overrides(monkeypatch):
-    from fastkda.plan import choose_decode_plan
-
     assert choose_decode_plan(256, 96, 128, 132).v_slices == 8  # 16-column slices
+    assert choose_decode_plan(256, 96, 128, 132).warps == 2
     assert choose_decode_plan(1, 12, 64, 132).v_slices == 4
-    assert choose_decode_plan(1, 12, 128, 132, v_slices=1).v_slices == 1
+    assert choose_decode_plan(1, 12, 128, 132, v_slices=1).warps == 8
     monkeypatch.setenv("FASTKDA_V_SLICES", "2")
     assert choose_decode_plan(1, 12, 128, 132).v_slices == 2
+    with pytest.raises(ValueError, match="fastkda plan"):
+        choose_decode_plan(1, 12, 96, 132)
     with pytest.raises(ValueError, match="narrower"):
-        choose_decode_plan(1, 12, 32, 132, v_slices=4)
+        dataclasses.replace(choose_decode_plan(1, 12, 64, 132), v_slices=8)

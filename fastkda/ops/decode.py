@@ -1,6 +1,6 @@
 """KDA decode on the GPU: a few tokens per sequence, states read from and written back to a pool in place.
 
-One program per (sequence, head, V-slice) holds its ``[BV, K]`` slice of the state in fp32 registers and walks
+One program per (sequence, head, V-slice) (:class:`fastkda.plan.DecodePlan`) holds its ``[BV, K]`` slice of the state in fp32 registers and walks
 the sequence's tokens (spec §1, token by token). Slots: ``[N]`` (read and write one slot per sequence) or
 ``[N, T]`` (the state after token t goes to ``slots[n, t]``; the initial state comes from
 ``slots[n, num_accepted_tokens[n] - 1]``, or ``slots[n, 0]``). A negative read slot marks a padding row: zero
@@ -14,7 +14,7 @@ from .common import interpreting, launch, load_f32, store_as
 
 
 @triton.jit
-def _token_inputs(q, k, v, g, beta, n, t, T, h, kk, vv, stride_q, stride_k, stride_v, stride_g, stride_beta_n,
+def token_inputs(q, k, v, g, beta, n, t, T, h, kk, vv, stride_q, stride_k, stride_v, stride_g, stride_beta_n,
                   stride_beta_t, stride_beta_h, K: tl.constexpr, V: tl.constexpr):
     """Token ``t`` of sequence ``n``: q, k, g ``[K]``, v ``[BV]`` as fp32 and β (raw), zeros past ``T``."""
     ok = t < T
@@ -28,7 +28,7 @@ def _token_inputs(q, k, v, g, beta, n, t, T, h, kk, vv, stride_q, stride_k, stri
 
 
 @triton.jit
-def _decode_kernel(
+def decode_kernel(
     q, k, v, g, beta, A_log, dt_bias, pool, slots, num_accepted, out,
     stride_q, stride_k, stride_v, stride_g, stride_beta_n, stride_beta_t, stride_beta_h, stride_slot_n,
     stride_slot_t, lower_bound, scale, T,
@@ -44,7 +44,7 @@ def _decode_kernel(
     # the first token's inputs (and the gate's parameters) are requested before the slot, so that their round trip
     # to memory overlaps the slot -> state chain instead of following it; each later token's while the previous
     # one computes
-    q_t, k_t, v_t, g_t, b_t = _token_inputs(q, k, v, g, beta, n, 0, T, h, kk, vv, stride_q, stride_k, stride_v,
+    q_t, k_t, v_t, g_t, b_t = token_inputs(q, k, v, g, beta, n, 0, T, h, kk, vv, stride_q, stride_k, stride_v,
                                             stride_g, stride_beta_n, stride_beta_t, stride_beta_h, K, V)
     if LOWER_BOUND_GATE:
         a_scale = tl.exp(tl.load(A_log + h).to(tl.float32))
@@ -58,7 +58,7 @@ def _decode_kernel(
     m_state = live & (vv[:, None] < V) & (kk[None, :] < K)
     S = load_f32(pool + read_slot * (H * V * K) + state_cols, m_state)
     for t in range(T):
-        q_n, k_n, v_n, g_n, b_n = _token_inputs(q, k, v, g, beta, n, t + 1, T, h, kk, vv, stride_q, stride_k,
+        q_n, k_n, v_n, g_n, b_n = token_inputs(q, k, v, g, beta, n, t + 1, T, h, kk, vv, stride_q, stride_k,
                                                 stride_v, stride_g, stride_beta_n, stride_beta_t, stride_beta_h, K, V)
         if L2NORM:
             q_t = q_t * tl.rsqrt(tl.sum(q_t * q_t) + 1e-6)
@@ -85,31 +85,24 @@ def _decode_kernel(
         store_as(pool + read_slot * (H * V * K) + state_cols, S, m_state, EMULATE)
 
 
-def decode_warps(block_v):
-    """Warps per decode program: 2 for 16 state columns, 4 for 32, 8 beyond (32 elements per thread)."""
-    return 2 if block_v <= 16 else 4 if block_v <= 32 else 8
-
-
-def recurrent_kda_decode(q, k, v, g, beta, state_pool, slots, *, A_log, dt_bias, lower_bound, scale,
-                         num_accepted_tokens, use_qk_l2norm, use_beta_sigmoid, v_slices, out):
-    """Launch the decode kernel on validated inputs; ``out [N, T, H, V]`` contiguous, written in place, and
-    the pool updated in place."""
+def recurrent_kda_decode(q, k, v, g, beta, state_pool, slots, *, plan, A_log, dt_bias, lower_bound, scale,
+                         num_accepted_tokens, use_qk_l2norm, use_beta_sigmoid, out):
+    """Launch the decode kernel on validated inputs as the :class:`fastkda.plan.DecodePlan` says; ``out [N, T, H,
+    V]`` contiguous, written in place, and the pool updated in place."""
     num_seqs, tokens, heads, key_dim = q.shape
-    value_dim = v.shape[-1]
     if num_seqs == 0 or tokens == 0:
         return
     lower_bound_gate = lower_bound is not None
     per_token = slots.dim() == 2
     absent = slots  # stands for absent optional tensors; never dereferenced
-    block_v = value_dim // v_slices
     launch(
-        _decode_kernel, (v_slices, heads, num_seqs),
+        decode_kernel, (plan.v_slices, heads, num_seqs),
         q, k, v, g, beta, A_log if lower_bound_gate else absent, dt_bias if lower_bound_gate else absent,
         state_pool, slots, num_accepted_tokens if num_accepted_tokens is not None else absent, out,
         q.stride(1), k.stride(1), v.stride(1), g.stride(1), beta.stride(0), beta.stride(1), beta.stride(2),
         slots.stride(0), slots.stride(1) if per_token else 0,
         float(lower_bound) if lower_bound_gate else 0.0, float(scale), tokens,
-        H=heads, K=key_dim, V=value_dim, BV=block_v, LOWER_BOUND_GATE=lower_bound_gate, L2NORM=use_qk_l2norm,
-        BETA_SIGMOID=use_beta_sigmoid, PER_TOKEN_SLOTS=per_token, HAS_ACCEPTED=num_accepted_tokens is not None,
-        EMULATE=interpreting(), num_warps=decode_warps(block_v),
+        H=heads, K=key_dim, V=plan.value_dim, BV=plan.slice_width, LOWER_BOUND_GATE=lower_bound_gate,
+        L2NORM=use_qk_l2norm, BETA_SIGMOID=use_beta_sigmoid, PER_TOKEN_SLOTS=per_token,
+        HAS_ACCEPTED=num_accepted_tokens is not None, EMULATE=interpreting(), num_warps=plan.warps,
     )

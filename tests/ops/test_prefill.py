@@ -3,32 +3,30 @@
 The kernels keep bf16 operands as their exact bf16 roundings in fp32 under the interpreter (see
 ``fastkda/ops/common.py``), so these errors are the GPU's, up to summation order."""
 
-import os
-
 import pytest
 import torch
 
 from fastkda.reference import kda_reference
-from helpers import make_inputs, rel_err
+from helpers import make_inputs, needs_interpreter, plan_for, rel_err
 
-pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
-                                reason="interpreter tests run where there is no GPU")
+pytestmark = needs_interpreter
 
 OUT_BOUND, STATE_BOUND = 4e-3, 3e-3  # issue 2's accuracy bar
 
 
-def run_triton(inp, v_slices=1, final_dtype=torch.float32, use_final=True, w_u_in_recurrence=None):
+def run_triton(inp, v_slices=1, final_dtype=torch.float32, use_final=True, **plan_changes):
+    """The kernels as the plan for ``inp`` at ``v_slices`` says, with ``plan_changes``, into NaN-poisoned buffers."""
     from fastkda.ops.prefill import chunk_kda_forward
 
-    n = inp["cu_seqlens"].numel() - 1 if inp["cu_seqlens"] is not None else inp["q"].shape[0]
-    heads, key_dim, value_dim = inp["q"].shape[2], inp["q"].shape[3], inp["v"].shape[3]
+    plan = plan_for(inp, v_slices, **plan_changes)
+    key_dim = inp["q"].shape[3]
     out = torch.full_like(inp["v"], float("nan"))
-    final = torch.full((n, heads, value_dim, key_dim), float("nan"), dtype=final_dtype) if use_final else None
-    chunk_kda_forward(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], A_log=inp["A_log"],
+    final = (torch.full((plan.num_seqs, plan.heads, plan.value_dim, key_dim), float("nan"), dtype=final_dtype)
+             if use_final else None)
+    chunk_kda_forward(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], plan=plan, A_log=inp["A_log"],
                       dt_bias=inp["dt_bias"], lower_bound=inp["lower_bound"], scale=key_dim ** -0.5,
                       initial_state=inp["initial_state"], cu_seqlens=inp["cu_seqlens"], use_qk_l2norm=True,
-                      use_beta_sigmoid=True, v_slices=v_slices, out=out, final_state=final,
-                      form_w_u_in_recurrence=w_u_in_recurrence)
+                      use_beta_sigmoid=True, out=out, final_state=final)
     return out, final
 
 
@@ -85,6 +83,18 @@ def test_v_slices_and_w_u_forms_are_bitwise_identical(v_slices, w_u_in_recurrenc
     assert torch.equal(out, base_o) and torch.equal(final, base_s)
 
 
+@pytest.mark.parametrize("changes", [dict(state_rows_v=True), dict(prepare_warps=2),
+                                     dict(solve_channels=32, solve_warps=2), dict(recurrence_stages=1)])
+def test_other_launch_numbers_give_the_same_bits(changes):
+    """Launch numbers a sweep may set (warps, stages, channels per step, the state's form) change how the kernels
+    are scheduled, never what they add in which order (``prepare_token_run`` does: it orders the in-chunk
+    cumulative sum)."""
+    inp = make_inputs([0, 80, 1, 45], heads=2, key_dim=64, value_dim=128, seed=4)
+    base_o, base_s = run_triton(inp, 4)
+    out, final = run_triton(inp, 4, **changes)
+    assert torch.equal(out, base_o) and torch.equal(final, base_s)
+
+
 def test_bf16_final_state_and_no_final_state():
     inp = make_inputs([70], seed=5, with_initial=False)
     ref_o, ref_s = reference(inp)
@@ -92,3 +102,51 @@ def test_bf16_final_state_and_no_final_state():
     assert final.dtype == torch.bfloat16 and rel_err(final, ref_s) < STATE_BOUND
     out_only, none = run_triton(inp, use_final=False)
     assert none is None and torch.equal(out_only, out)
+
+
+def test_every_launch_number_comes_from_the_plan(monkeypatch):
+    """Each stage launches with the grid, warps, stages and tile sizes of the plan it is given: a plan whose numbers
+    differ from the defaults reaches every launch unchanged (the kernels are not run here)."""
+    from fastkda.ops.prefill import chunk_kda_forward, prepare, recurrence, solve
+
+    launched = {}
+    for module in (prepare, solve, recurrence):
+        monkeypatch.setattr(module, "launch", lambda kernel, grid, *args, **meta: launched.setdefault(
+            kernel.__name__, (grid, meta)))
+    inp = make_inputs([40, 90], heads=3, key_dim=64, value_dim=128, gate="precomputed", seed=5)
+    plan = plan_for(inp, 2, prepare_warps=2, prepare_stages=1, prepare_channels=16, prepare_token_run=2,
+                    solve_warps=1, solve_stages=2, solve_channels=32, recurrence_warps=8, recurrence_stages=2,
+                    state_rows_v=False, w_u_in_recurrence=True, dot_precision="ieee")
+    chunk_kda_forward(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], plan=plan, A_log=None, dt_bias=None,
+                      lower_bound=None, scale=0.125, initial_state=None, cu_seqlens=inp["cu_seqlens"],
+                      use_qk_l2norm=True, use_beta_sigmoid=True, out=torch.empty_like(inp["v"]), final_state=None)
+    expected = {
+        "prepare_kernel": (plan.prepare_grid, dict(num_warps=2, num_stages=1, BK=16, RUN=2, C=32, BC=16, K=64)),
+        "solve_kernel": (plan.prepare_grid, dict(num_warps=1, num_stages=2, BK=32, C=32, BC=16, K=64, V=128,
+                                                 FORM_W_U=False)),
+        "recurrence_kernel": (plan.recurrence_grid, dict(num_warps=8, num_stages=2, BV=64, C=32, K=64, V=128,
+                                                         STATE_ROWS_V=False, W_U_FORMED=False)),
+    }
+    assert set(launched) == set(expected)
+    for name, (grid, numbers) in expected.items():
+        assert launched[name][0] == grid, name
+        assert {key: launched[name][1][key] for key in numbers} == numbers, name
+        assert launched[name][1]["DOT_PRECISION"] == "ieee", name
+    assert plan.prepare_grid == (plan.chunk_slots, 3, 1) and plan.recurrence_grid == (2, 3, 2)
+
+
+def test_no_module_level_launch_constants_in_ops():
+    """Every launch number lives in the plan: no module of fastkda.ops holds a number (math constants aside)."""
+    import importlib
+    import pkgutil
+
+    import fastkda.ops
+
+    allowed = {"LOG2E", "LOG_DECAY_FLOOR"}  # log2(e) and the precomputed gate's floor, not launch numbers
+    names = [m.name for m in pkgutil.walk_packages(fastkda.ops.__path__, "fastkda.ops.")]
+    assert "fastkda.ops.prefill.recurrence" in names
+    for name in names:
+        module = importlib.import_module(name)
+        for attr, value in vars(module).items():
+            number = type(value) in (int, float) or type(getattr(value, "value", None)) in (int, float)
+            assert not number or attr in allowed, f"{name}.{attr} = {value!r}"

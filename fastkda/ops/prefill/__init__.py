@@ -1,0 +1,35 @@
+"""Chunked KDA prefill on the GPU, one module per stage.
+
+Spec §2 in the WY form, over chunks of ``C`` tokens (the plan's ``chunk``, two 16-token blocks):
+
+1. ``prepare.py``: everything of a chunk that does not depend on the state but the inverse (gate, cumulative
+   decays, normalised q and k, the in-chunk matrices M and β·L), token-parallel over (chunk, head);
+2. ``solve.py``: the in-chunk inverse ``T = (I + β·L)⁻¹``, then ``w = T·β·kd`` and ``u = T·β·v`` (or T·diag(β)
+   alone, for the recurrence to form them), token-parallel;
+3. ``recurrence.py``: the serial recurrence over chunks, one program per (sequence, head, V-slice).
+
+``layout.py`` defines where chunks and the workspace between the stages live. Every launch number comes from the
+:class:`fastkda.plan.PrefillPlan` the caller passes; nothing here decides one.
+"""
+
+from ..common import interpreting
+from .layout import Workspace
+from .prepare import launch_prepare
+from .recurrence import launch_recurrence
+from .solve import launch_solve
+
+
+def chunk_kda_forward(q, k, v, g, beta, *, plan, A_log, dt_bias, lower_bound, scale, initial_state, cu_seqlens,
+                      use_qk_l2norm, use_beta_sigmoid, out, final_state, checkpoint_offsets=None,
+                      checkpoint_states=None):
+    """The three stages on validated inputs (``q, k, g [B, T, H, K]``, ``v [B, T, H, V]`` with ``[H, D]``
+    contiguous per token, ``beta [B, T, H]`` any strides) as ``plan`` says; writes ``out``, ``final_state`` and
+    the checkpoints in place."""
+    ws = Workspace.allocate(plan, v, cu_seqlens)
+    emulate = interpreting()
+    if plan.chunk_slots:
+        launch_prepare(plan, ws, q, k, g, beta, A_log, dt_bias, lower_bound, scale, use_qk_l2norm, use_beta_sigmoid,
+                       emulate)
+        launch_solve(plan, ws, v, beta, use_beta_sigmoid, emulate)
+    if plan.num_seqs:
+        launch_recurrence(plan, ws, out, initial_state, final_state, checkpoint_offsets, checkpoint_states, emulate)

@@ -1,0 +1,122 @@
+"""Where the prefill's chunks and workspace live: the one definition both the host and the kernels use.
+
+Chunk slots. The preparation runs one program per (chunk slot, head). Sequence ``n`` owns ``ceil(len_n / C)``
+consecutive slots from ``n · ceil(T / C)`` (fixed length, ``B`` rows of ``T`` tokens) or from
+``cu_seqlens[n] // C + n`` (varlen, one row): the varlen formula never lets two sequences share a slot and needs
+no prefix sum, so every kernel finds a slot's chunk from ``cu_seqlens`` alone, with no host-device
+synchronisation. Slots past the end of their sequence are empty chunks. The host side of this layout is
+:attr:`fastkda.plan.PrefillPlan.chunk_slots`.
+
+Workspace (:class:`Workspace`). What the preparation writes for the recurrence, in one bf16 and one fp32 buffer
+(one allocation per dtype: an eager call's host time counts). Per (token, head) row, the row index being
+``token · H + head``:
+
+=========  =====  ==============  ======================================================================
+section    dtype  per row         holds
+=========  =====  ==============  ======================================================================
+``w``      bf16   K               kd = k̂·exp(G) until the solve kernel replaces it with w = T·β·kd
+``qg``     bf16   K               qd = s·q̂·exp(G)
+``kg``     bf16   K               kr = k̂·exp(G_C − G)
+``u``      bf16   V               u = T·β·v (unused when the recurrence forms w and u itself)
+``A``      bf16   C               M = lower_incl(qd·kiᵀ)
+``scratch`` fp32  C               β·L from the first kernel; T·diag(β) when the recurrence forms w and u
+=========  =====  ==============  ======================================================================
+
+and per (chunk slot, head), the fp32 chunk decay ``decay = exp(G_C)`` (K values) at the start of the fp32 buffer.
+Kernels receive the two buffers and each section's element offset (:class:`Workspace` fields); they address
+rows from their chunk's first token.
+"""
+
+import functools
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def sequence_span(cu_seqlens, n, seq_len, IS_VARLEN: tl.constexpr):
+    """First and one-past-last flattened token of sequence ``n``."""
+    if IS_VARLEN:
+        bos = tl.load(cu_seqlens + n).to(tl.int32)
+        eos = tl.load(cu_seqlens + n + 1).to(tl.int32)
+    else:
+        bos = n * seq_len
+        eos = bos + seq_len
+    return bos, eos
+
+
+@triton.jit
+def first_slot(n, bos, seq_len, C: tl.constexpr, IS_VARLEN: tl.constexpr):
+    """Slot of sequence ``n``'s first chunk (see the module docstring)."""
+    if IS_VARLEN:
+        return bos // C + n
+    else:
+        return n * tl.cdiv(seq_len, C)
+
+
+@triton.jit
+def chunk_of_slot(slot, cu_seqlens, seq_len, num_seqs, C: tl.constexpr, IS_VARLEN: tl.constexpr):
+    """First token of chunk ``slot`` and one past its sequence's last token (a slot past the end of its
+    sequence gives an empty chunk)."""
+    if IS_VARLEN:  # the last sequence whose first slot is <= slot
+        lo = 0
+        hi = num_seqs - 1
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if tl.load(cu_seqlens + mid).to(tl.int32) // C + mid <= slot:
+                lo = mid
+            else:
+                hi = mid - 1
+        n = lo
+    else:
+        n = slot // tl.cdiv(seq_len, C)
+    bos, eos = sequence_span(cu_seqlens, n, seq_len, IS_VARLEN)
+    return bos + (slot - first_slot(n, bos, seq_len, C, IS_VARLEN)) * C, eos
+
+
+@dataclass(frozen=True)
+class WorkspaceLayout:
+    """Element offsets of the workspace's sections (module docstring) and the two buffers' sizes."""
+
+    qg: int
+    kg: int
+    u: int
+    A: int
+    scratch: int
+    bf16_elements: int
+    fp32_elements: int
+
+
+@functools.lru_cache(maxsize=4096)
+def workspace_layout(rows: int, slots: int, heads: int, key_dim: int, value_dim: int, chunk: int) -> WorkspaceLayout:
+    """The layout for ``rows`` (token, head) rows and ``slots`` chunk slots (``w`` and ``decay`` at offset 0)."""
+    qg = rows * key_dim
+    kg = qg + rows * key_dim
+    u = kg + rows * key_dim
+    A = u + rows * value_dim
+    scratch = slots * heads * key_dim
+    return WorkspaceLayout(qg=qg, kg=kg, u=u, A=A, scratch=scratch, bf16_elements=A + rows * chunk,
+                           fp32_elements=scratch + rows * chunk)
+
+
+@dataclass
+class Workspace:
+    """The preparation's output for one call: the two buffers, their :class:`WorkspaceLayout`, and what the
+    recurrence needs besides (``v`` when it forms u itself, ``cu_seqlens``)."""
+
+    bf16: torch.Tensor
+    fp32: torch.Tensor
+    layout: WorkspaceLayout
+    cu_seqlens: Optional[torch.Tensor]
+    v: torch.Tensor
+
+    @staticmethod
+    def allocate(plan, v, cu_seqlens) -> "Workspace":
+        layout = workspace_layout(plan.batch * plan.seq_len * plan.heads, plan.chunk_slots, plan.heads,
+                                  plan.key_dim, plan.value_dim, plan.chunk)
+        return Workspace(bf16=torch.empty(layout.bf16_elements, dtype=torch.bfloat16, device=v.device),
+                         fp32=torch.empty(layout.fp32_elements, dtype=torch.float32, device=v.device),
+                         layout=layout, cu_seqlens=cu_seqlens, v=v)

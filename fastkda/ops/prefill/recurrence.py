@@ -1,0 +1,154 @@
+"""The serial recurrence over chunks: one program per (V-slice, head, sequence), the state in fp32 registers.
+
+Per chunk, in order (spec §2 in the WY form): ``v_new = u − w·S``, ``o = qg·S + A·v_new``,
+``S = diag(exp(G_C))·S + kgᵀ·v_new``, with prefix-cache checkpoints written at chunk boundaries. No step reduces
+over V, and every slice adds the same products over K in the same order, so results are bitwise identical for
+any number of V-slices (the plan's ``v_slices``).
+
+Two forms of the same arithmetic (the plan's ``state_rows_v``):
+
+* slices from 64 columns hold the state transposed, ``Sᵀ [BV, K]``, and compute every product transposed, so that
+  the slice's columns are each product's M (a wgmma from 64 rows) and its first operand, the state or
+  ``v_newᵀ``, stays in registers. The next chunk's ``uᵀ`` and decay are loaded right after their last use in the
+  current step, so that the loads land in the loop-carried registers and overlap the step (loaded at the top of
+  the step, or left to Triton's pipeliner, the step waited on them);
+* narrower slices hold ``S [K, BV]``, whose products have the chunk's C rows as M.
+
+Unless the solve kernel formed them (``W_U_FORMED``), each step forms ``w = T·β·kd`` and ``u = T·β·v`` itself from
+the T·diag(β) scratch, kd and v, with the solve kernel's products in the same order: the same bits either way.
+"""
+
+import triton
+import triton.language as tl
+
+from ..common import bf16_operand, launch, store_as
+from ..tiles import load_tile, load_tile_t, store_tile, store_tile_t, tile_offsets
+from .layout import first_slot, sequence_span
+
+
+@triton.jit
+def store_checkpoint(ckpt_offsets, ckpt_states, n, j, stride_n, stride_j, done, length, S, state_offsets,
+                     H: tl.constexpr, V: tl.constexpr, K: tl.constexpr, EMULATE: tl.constexpr):
+    """Write ``S`` (the state after ``done`` tokens) to checkpoint ``j`` of sequence ``n`` if its offset is
+    ``done`` and inside the sequence. ``state_offsets`` address ``[n, h, v, k]`` of an ``[N, H, V, K]``
+    tensor; checkpoints are ``[N, 2, H, V, K]``."""
+    offset = tl.load(ckpt_offsets + n * stride_n + j * stride_j).to(tl.int32)
+    if (offset == done) & (offset <= length):
+        per_seq = H * V * K
+        target = n.to(tl.int64) * (2 * per_seq) + j * per_seq + (state_offsets - n.to(tl.int64) * per_seq)
+        store_as(ckpt_states + target, S, None, EMULATE)
+
+
+@triton.jit
+def recurrence_kernel(
+    ws_bf16, ws_fp32, qg_at, kg_at, u_at, A_at, scratch_at, out, initial_state, final_state, cu_seqlens,
+    ckpt_offsets, ckpt_states, stride_out, seq_len, stride_ckpt_n, stride_ckpt_j, v, stride_v,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
+    IS_VARLEN: tl.constexpr, HAS_INITIAL: tl.constexpr, HAS_FINAL: tl.constexpr, NUM_CKPT: tl.constexpr,
+    STATE_ROWS_V: tl.constexpr, W_U_FORMED: tl.constexpr, DOT_PRECISION: tl.constexpr, EMULATE: tl.constexpr,
+):
+    """One (V-slice, head, sequence): the chunks in order (module docstring)."""
+    vs = tl.program_id(0)
+    h = tl.program_id(1)
+    n = tl.program_id(2)
+    w_ws = ws_bf16 + h * K  # each section's rows from head h's first column
+    qg_ws = ws_bf16 + qg_at + h * K
+    kg_ws = ws_bf16 + kg_at + h * K
+    u_ws = ws_bf16 + u_at + h * V
+    A_ws = ws_bf16 + A_at + h * C
+    T_ws = ws_fp32 + scratch_at + h * C
+    v_h = v + h * V
+    out_h = out + h * V
+    bos, eos = sequence_span(cu_seqlens, n, seq_len, IS_VARLEN)
+    slot0 = first_slot(n, bos, seq_len, C, IS_VARLEN)
+    kk = tl.arange(0, K)
+    vv = vs * BV + tl.arange(0, BV)
+    r = tl.arange(0, C)
+    cc = tl.arange(0, C)
+    base = ((n * H + h) * V).to(tl.int64) * K
+    if STATE_ROWS_V:
+        state_offsets = base + tile_offsets(vv, kk, K, 1)  # Sᵀ[v, k] = state[v, k]
+    else:
+        state_offsets = base + tile_offsets(kk, vv, 1, K)  # S[k, v] = state[v, k]
+    if HAS_INITIAL:
+        S = tl.load(initial_state + state_offsets).to(tl.float32)
+    elif STATE_ROWS_V:
+        S = tl.zeros((BV, K), dtype=tl.float32)
+    else:
+        S = tl.zeros((K, BV), dtype=tl.float32)
+    num_chunks = tl.cdiv(eos - bos, C)
+    decay_h = ws_fp32 + h * K  # the chunk decays [slots, H, K]
+    if STATE_ROWS_V:  # the first chunk's uᵀ and decay; each step then loads the next chunk's (below)
+        if W_U_FORMED:
+            first = (bos + r).to(tl.int64)
+            u_T = load_tile_t(u_ws, first, first < eos, vv, V, H * V)
+        decay = tl.load(decay_h + slot0 * (H * K) + kk, mask=(kk < K) & (num_chunks > 0), other=1.0)
+    for c in range(num_chunks):
+        for j in tl.static_range(NUM_CKPT):  # prefix-cache checkpoint: the state after c*C tokens
+            store_checkpoint(ckpt_offsets, ckpt_states, n, j, stride_ckpt_n, stride_ckpt_j, c * C, eos - bos, S,
+                             state_offsets, H, V, K, EMULATE)
+        tok = (bos + c * C + r).to(tl.int64)
+        valid = tok < eos
+        if W_U_FORMED:
+            w = bf16_operand(load_tile(w_ws, tok, valid, kk, K, H * K), EMULATE)
+        else:  # w = T·β·kd and u = T·β·v, rounded to bf16 as the workspace would hold them
+            T_beta = load_tile(T_ws, tok, valid, cc, C, H * C)
+            kd = load_tile(w_ws, tok, valid, kk, K, H * K).to(tl.float32)
+            w = bf16_operand(tl.dot(T_beta, kd, input_precision=DOT_PRECISION), EMULATE)
+            v_c = load_tile(v_h, tok, valid, vv, V, stride_v).to(tl.float32)
+            u = bf16_operand(tl.dot(T_beta, v_c, input_precision=DOT_PRECISION), EMULATE).to(tl.float32)
+        qg = bf16_operand(load_tile(qg_ws, tok, valid, kk, K, H * K), EMULATE)
+        kg = bf16_operand(load_tile(kg_ws, tok, valid, kk, K, H * K), EMULATE)
+        A = bf16_operand(load_tile(A_ws, tok, valid, cc, C, H * C), EMULATE)
+        S_op = bf16_operand(S, EMULATE)
+        if STATE_ROWS_V:  # v_newᵀ = uᵀ - Sᵀwᵀ, oᵀ = Sᵀqgᵀ + v_newᵀAᵀ, Sᵀ = Sᵀ·diag(decay) + v_newᵀ·kg
+            S_decayed = S * decay[None, :]
+            decay = tl.load(decay_h + (slot0 + tl.minimum(c + 1, num_chunks - 1)) * (H * K) + kk)
+            if W_U_FORMED:
+                v_new = u_T.to(tl.float32) - tl.dot(S_op, tl.trans(w))
+                u_T = load_tile_t(u_ws, tok + C, tok + C < eos, vv, V, H * V)
+            else:
+                v_new = tl.trans(u) - tl.dot(S_op, tl.trans(w))
+            v_op = bf16_operand(v_new, EMULATE)
+            o = tl.dot(S_op, tl.trans(qg)) + tl.dot(v_op, tl.trans(A))
+            store_tile_t(out_h, tok, valid, vv, V, stride_out, o, EMULATE)
+            S = S_decayed + tl.dot(v_op, kg)
+        else:  # v_new = u - w·S, o = qg·S + A·v_new, S = diag(decay)·S + kgᵀ·v_new
+            chunk_decay = tl.load(decay_h + (slot0 + c) * (H * K) + kk)
+            if W_U_FORMED:
+                u = load_tile(u_ws, tok, valid, vv, V, H * V).to(tl.float32)
+            v_new = u - tl.dot(w, S_op)
+            v_op = bf16_operand(v_new, EMULATE)
+            o = tl.dot(qg, S_op) + tl.dot(A, v_op)
+            store_tile(out_h, tok, valid, vv, V, stride_out, o, EMULATE)
+            S = S * chunk_decay[:, None] + tl.dot(tl.trans(kg), v_op)
+    for j in tl.static_range(NUM_CKPT):
+        store_checkpoint(ckpt_offsets, ckpt_states, n, j, stride_ckpt_n, stride_ckpt_j, num_chunks * C, eos - bos,
+                         S, state_offsets, H, V, K, EMULATE)
+    if HAS_FINAL:
+        store_as(final_state + state_offsets, S, None, EMULATE)
+
+
+def launch_recurrence(plan, ws, out, initial_state, final_state, checkpoint_offsets, checkpoint_states, emulate):
+    """Launch :func:`recurrence_kernel` over the plan's grid: ``out [B, T, H, V]`` (contiguous), ``final_state
+    [N, H, V, K]`` and the checkpoints ``checkpoint_states [N, 2, H, V, K]`` at ``checkpoint_offsets [N]`` or
+    ``[N, 2]`` (if given), in place."""
+    absent = ws.fp32  # stands for absent optional tensors; never dereferenced
+    checkpoints = 0 if checkpoint_offsets is None else (1 if checkpoint_offsets.dim() == 1 else
+                                                        checkpoint_offsets.shape[1])
+    layout = ws.layout
+    launch(
+        recurrence_kernel, plan.recurrence_grid,
+        ws.bf16, ws.fp32, layout.qg, layout.kg, layout.u, layout.A, layout.scratch, out,
+        initial_state if initial_state is not None else absent,
+        final_state if final_state is not None else absent,
+        ws.cu_seqlens if plan.varlen else absent,
+        checkpoint_offsets if checkpoints else absent, checkpoint_states if checkpoints else absent,
+        out.stride(1), plan.seq_len,
+        checkpoint_offsets.stride(0) if checkpoints else 0, checkpoint_offsets.stride(-1) if checkpoints else 0,
+        ws.v, ws.v.stride(1), H=plan.heads, K=plan.key_dim, V=plan.value_dim, BV=plan.slice_width, C=plan.chunk,
+        IS_VARLEN=plan.varlen, HAS_INITIAL=initial_state is not None, HAS_FINAL=final_state is not None,
+        NUM_CKPT=checkpoints, STATE_ROWS_V=plan.state_rows_v, W_U_FORMED=not plan.w_u_in_recurrence,
+        DOT_PRECISION=plan.dot_precision, EMULATE=emulate, num_warps=plan.recurrence_warps,
+        num_stages=plan.recurrence_stages,
+    )

@@ -1,0 +1,60 @@
+"""Triton's CPU interpreter for the tests: whether it can run here, and products that do not depend on the CPU.
+
+Without a GPU the tests run fastkda's Triton kernels on Triton's interpreter (``TRITON_INTERPRET=1``). Its
+``tl.dot`` is numpy's ``matmul``, whose BLAS kernel, and with it the order of the sums, depends on the CPU
+(OpenBLAS picks one per processor; ``OPENBLAS_CORETYPE`` changes it): the same kernel then gives bits that differ
+from one machine to another and, worse, between two tile shapes on one machine, which the bitwise tests across
+V-slices would take for a kernel bug. :func:`install_ordered_dot` makes the interpreter's products add their
+terms in one fixed order, k = 0, 1, ..., with plain fp32 multiplies and adds (exact IEEE operations on any CPU),
+so the interpreter's results are the same everywhere and a product's element depends on its row and column
+alone, as it does on the GPU. The GPU tests keep their own bitwise checks on the real tensor cores.
+"""
+
+import os
+
+REQUIRED = "triton 3.6 and numpy < 2.4 (pip install -e '.[interpreter]')"
+
+
+def unavailable_reason():
+    """None if the interpreter can run fastkda's kernels here, else why not (triton 3.6's interpreter fails on
+    loops with a runtime bound under numpy >= 2.4). Reads the installed versions without importing triton, which
+    must first be imported after ``TRITON_INTERPRET`` is set."""
+    from importlib import metadata
+
+    try:
+        versions = {name: metadata.version(name) for name in ("triton", "numpy")}
+    except metadata.PackageNotFoundError as exc:
+        return f"needs {REQUIRED}: {exc.name} is not installed"
+    triton_ok = versions["triton"].split(".")[:2] == ["3", "6"]
+    numpy_ok = tuple(int(x) for x in versions["numpy"].split(".")[:2]) < (2, 4)
+    if not (triton_ok and numpy_ok):
+        return f"needs {REQUIRED}, found triton {versions['triton']}, numpy {versions['numpy']}"
+    return None
+
+
+def install_ordered_dot():
+    """Replace the interpreter's fp32/fp64 ``tl.dot`` by a sum over k in order (see the module docstring)."""
+    import numpy as np
+    from triton.runtime import interpreter
+
+    builder = interpreter.InterpreterBuilder
+    if getattr(builder.create_dot, "ordered", False):
+        return
+    matmul_dot = builder.create_dot
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        lhs, rhs, acc = a.data, b.data, d.data
+        if lhs.dtype not in (np.float32, np.float64) or rhs.dtype != lhs.dtype:
+            return matmul_dot(self, a, b, d, input_precision, max_num_imprecise_acc)
+        total = np.zeros(lhs.shape[:-1] + rhs.shape[-1:], dtype=acc.dtype)
+        for i in range(lhs.shape[-1]):
+            total += lhs[..., i:i + 1].astype(acc.dtype) * rhs[..., i:i + 1, :].astype(acc.dtype)
+        return interpreter.TensorHandle(total + acc, d.dtype.scalar)
+
+    create_dot.ordered = True
+    builder.create_dot = create_dot
+
+
+def active():
+    """Whether this test run interprets the kernels."""
+    return os.environ.get("TRITON_INTERPRET") == "1"

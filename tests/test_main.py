@@ -1,0 +1,33 @@
+"""``python -m fastkda``: the demo on the CPU path and the plan command."""
+
+import subprocess
+import sys
+
+import pytest
+
+
+def fastkda(*args, timeout=60):
+    return subprocess.run([sys.executable, "-m", "fastkda", *args], capture_output=True, text=True, timeout=timeout)
+
+
+def test_demo_runs_and_checks_on_cpu():
+    done = fastkda("demo", "--cpu", timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "OK" in done.stdout and "CPU" in done.stdout
+
+
+def test_plan_command_prints_the_whole_plan():
+    done = fastkda("plan", "--heads", "12", "--seqs", "1", "--tokens", "8192", "--sms", "132")
+    assert done.returncode == 0, done.stderr
+    for words in ("v_slices=4", "V cut into 4 slice(s) of 32 columns", "48 programs on 132 SMs", "leave SMs idle",
+                  "solve kernel 4 warps", "256 chunk(s)", "CPU path"):
+        assert words in done.stdout, words
+
+
+@pytest.mark.parametrize("args, word", [
+    (["--v-slices", "3"], "v_slices"), (["--heads", "0"], "--heads"), (["--seqs", "0"], "--seqs"),
+    (["--tokens", "0"], "--tokens"), (["--value-dim", "96"], "value-dim"), (["--sms", "0"], "sms")])
+def test_plan_command_rejects_what_the_api_rejects(args, word):
+    options = {"--heads": "12", "--seqs": "1", "--tokens": "8", "--sms": "132", args[0]: args[1]}
+    done = fastkda("plan", *[x for pair in options.items() for x in pair])
+    assert done.returncode == 2 and word in done.stderr, done.stderr
