@@ -6,11 +6,14 @@ Both take the operator's raw inputs (bf16 or any float dtype) and compute in ``d
 
 from __future__ import annotations
 
+import math
+
 import torch
 
-CPU_CHUNK = 16  # chunk length of the CPU path: the decay matrix of a chunk is formed element-wise
+CPU_CHUNK = 16  # chunk length of the CPU path (spec §2)
 # Chunked paths clamp a precomputed log-decay here: exp(-30) keeps 1e-13 of the state (below fp32
-# resolution), and the floor bounds the in-chunk cumulative decay, so its fp32 ulp stays small.
+# resolution), and the floor bounds the in-chunk cumulative decay, so its fp32 ulp stays small. Like the GPU
+# kernels, the CPU paths also take a precomputed value above 0 (outside the contract) as 0.
 LOG_DECAY_FLOOR = -30.0
 
 
@@ -97,42 +100,161 @@ def _chunk_decay_matrix(G):
     return torch.where(lower.unsqueeze(-1), diff.clamp(max=0), float("-inf")).exp()
 
 
-def _chunked_sequence(q, k, v, a, beta, S, chunk, checkpoints):
-    """Chunked form (spec §2) for one sequence, all heads at once: q,k,a ``[T,H,K]``, v ``[T,H,V]``,
-    beta ``[T,H]``, S ``[H,K,V]`` (updated in place), ``checkpoints [(offset, [H,V,K] target)]`` (offsets
-    multiples of ``chunk``, 0 < offset <= T). Returns o ``[T,H,V]``."""
+def _decay_factor(x):
+    """``exp(x)`` in place for exponents ``x ≤ 0``, with those whose exp would be subnormal flushed to 0: such
+    factors change nothing at the working precision, and subnormal operands slow the CPU's arithmetic many-fold."""
+    tiny = math.log(torch.finfo(x.dtype).tiny)
+    return torch.nn.functional.threshold_(x, tiny, -math.inf).exp_()
+
+
+def _in_chunk_sums(a, inclusive):
+    """Cumulative sums of ``a [..., C, K]`` along the chunk: ``Σ_{t ≤ i} a_t`` (inclusive) or ``Σ_{t > i} a_t``
+    (the rest of the chunk), as one matmul with a 0/1 triangle."""
+    size = a.shape[-2]
+    ones = torch.ones(size, size, dtype=a.dtype, device=a.device)
+    return torch.matmul(ones.tril_() if inclusive else ones.triu_(1), a)
+
+
+def _in_chunk_products(q, k, a):
+    """The in-chunk matrices of spec §2 for a batch of chunks: q, k, a ``[B, C, K]`` (a the per-token log-decay).
+    Returns ``[B, 2, C, C]``: ``[:, 0]`` is M, ``Σ_k q_i k_j exp(G_i − G_j)`` for i ≥ j, ``[:, 1]`` the same with
+    k_i in place of q_i for i > j (L without β); zero elsewhere.
+
+    Never forms ``exp(−G)``: the lower triangle is split recursively into halves, and the block (second half) ×
+    (first half) factors through the first half's last token b as ``exp(G_i − G_b) · exp(G_b − G_j)``, both ≤ 1,
+    each exponent a sum of ``a`` inside one half (not a difference of cumulative sums, whose rounding grows with
+    the decay before them). So any log-decay ≤ 0 is safe (the unbounded precomputed gate too), and every product
+    is a batched matmul over K. A chunk length that is not a power of two is padded with tokens of zero q, k, a."""
+    batch, size, key_dim = q.shape
+    span = 1 << (size - 1).bit_length()
+    if span != size:
+        pad = (0, 0, 0, span - size)
+        q, k, a = (torch.nn.functional.pad(x, pad) for x in (q, k, a))
+    out = q.new_zeros(batch, 2, span, span)
+    torch.diagonal(out[:, 0], dim1=-2, dim2=-1).copy_(torch.linalg.vecdot(q, k))
+    half = span // 2
+    while half:
+        groups = span // (2 * half)
+        split = lambda x: x.view(batch, groups, 2, half, key_dim)  # noqa: E731
+        a_split, k_split = split(a), split(k)
+        row = _decay_factor(_in_chunk_sums(a_split[:, :, 1], True))  # second half: exp(G_i − G_b) ≤ 1
+        col = _decay_factor(_in_chunk_sums(a_split[:, :, 0], False)).mul_(k_split[:, :, 0]).transpose(-1, -2)
+        blocks = torch.diagonal(out.view(batch, 2, groups, 2, half, groups, 2, half), dim1=2, dim2=5)
+        for side, x in enumerate((q, k)):  # rows i of the second half, columns j of the first
+            blocks[:, side, 1, :, 0].copy_(torch.matmul(split(x)[:, :, 1] * row, col).permute(0, 2, 3, 1))
+        half //= 2
+    return out[:, :, :size, :size] if span != size else out
+
+
+def _unit_lower_inverse(L):
+    """``(I + L)⁻¹`` for strictly lower triangular ``L [B, C, C]``: ``(I − L)(I + L²)(I + L⁴)…`` (L^C = 0)."""
+    size = L.shape[-1]
+    inv = torch.eye(size, dtype=L.dtype, device=L.device) - L
+    power, covered = L, 2  # inv holds the terms (−L)^0 … (−L)^(covered−1)
+    while covered < size:
+        power = torch.bmm(power, power)
+        inv = torch.baddbmm(inv, inv, power)
+        covered *= 2
+    return inv
+
+
+def _to_chunks(x, n_chunks, chunk, dtype):
+    """Token rows ``[T, H, ...]`` (T ≤ n_chunks·chunk) as zero-padded chunks ``[n_chunks, H, chunk, X]``, in
+    ``dtype`` (always a fresh tensor)."""
+    length, heads = x.shape[:2]
+    x = x.reshape(length, heads, -1)
+    full = length // chunk
+    out = torch.empty(n_chunks, heads, chunk, x.shape[-1], dtype=dtype, device=x.device)
+    if full:
+        out[:full].copy_(x[:full * chunk].reshape(full, chunk, heads, -1).transpose(1, 2))
+    if full < n_chunks:
+        out[full:].zero_()
+        out[full, :, :length - full * chunk].copy_(x[full * chunk:].transpose(0, 1))
+    return out
+
+
+def _prepare_block(q, k, v, g, beta, *, A_log, dt_bias, lower_bound, scale, use_qk_l2norm, use_beta_sigmoid, dtype,
+                   chunk):
+    """Token-parallel part of spec §2 (K1) for a block of chunks of one sequence: raw token rows q, k, g ``[T, H, K]``,
+    v ``[T, H, V]``, beta ``[T, H]`` (a tail shorter than a chunk is padded with tokens that leave the state
+    unchanged). Returns ``{w, u, qd, M, kr, decay}``, each ``[n_chunks, H, ...]``: ``w = (I+L)⁻¹·diag(β)·kd`` and
+    ``u = (I+L)⁻¹·diag(β)·v`` (spec §7's WY form, so ``U = u − w·S``), ``qd``, ``M`` ``[.., C, C]``, ``kr`` and
+    ``decay = exp(G_C)`` ``[.., K, 1]``."""
     length, heads, key_dim = q.shape
-    pad = (-length) % chunk
-    if pad:  # padded tokens: zero k and beta, zero decay: they leave the state unchanged
-        q, k, v, a, beta = (torch.nn.functional.pad(x, (0, 0) * (x.dim() - 1) + (0, pad)) for x in (q, k, v, a, beta))
-    n_chunks = (length + pad) // chunk
-    # [H, n_chunks, C, ...]
-    q, k, v, a = (x.reshape(n_chunks, chunk, heads, -1).permute(2, 0, 1, 3) for x in (q, k, v, a))
-    beta = beta.reshape(n_chunks, chunk, heads).permute(2, 0, 1)
-    G = a.cumsum(-2)
-    decay = _chunk_decay_matrix(G)  # [H, n, C, C, K]
-    kk = torch.einsum("hnik,hnjk,hnijk->hnij", k, k, decay)
-    qk = torch.einsum("hnik,hnjk,hnijk->hnij", q, k, decay)
-    eye = torch.eye(chunk, dtype=q.dtype, device=q.device)
-    system = eye + (beta.unsqueeze(-1) * kk).tril(-1)  # I + L
-    kd = k * G.exp()
-    qd = q * G.exp()
-    kr = k * (G[:, :, -1:] - G).exp()
-    w = torch.linalg.solve_triangular(system, beta.unsqueeze(-1) * kd, upper=False, unitriangular=True)
-    u = torch.linalg.solve_triangular(system, beta.unsqueeze(-1) * v, upper=False, unitriangular=True)
-    chunk_decay = G[:, :, -1].exp()  # [H, n, K]
-    out = torch.empty_like(v)
-    for c in range(n_chunks):
-        for offset, target in checkpoints:
-            if offset == c * chunk:
-                target.copy_(S.transpose(-1, -2))
-        v_new = u[:, c] - w[:, c] @ S
-        out[:, c] = qd[:, c] @ S + qk[:, c] @ v_new
-        S.mul_(chunk_decay[:, c].unsqueeze(-1)).add_(kr[:, c].transpose(-1, -2) @ v_new)
-    for offset, target in checkpoints:
-        if offset == n_chunks * chunk == length:
+    n_chunks = -(-length // chunk)
+    q, k, v, g, beta = (_to_chunks(x, n_chunks, chunk, dtype) for x in (q, k, v, g, beta))
+    scale = key_dim ** -0.5 if scale is None else scale
+    if use_qk_l2norm:  # l2_normalize, in place on the fresh copies
+        q.mul_(torch.linalg.vector_norm(q, dim=-1, keepdim=True).square_().add_(1e-6).rsqrt_().mul_(scale))
+        k.mul_(torch.linalg.vector_norm(k, dim=-1, keepdim=True).square_().add_(1e-6).rsqrt_())
+    else:
+        q.mul_(scale)
+    if lower_bound is None:
+        a = g.clamp_(min=LOG_DECAY_FLOOR, max=0.0)
+    else:  # log_decay, with the head dimension third from last; a >= lower_bound, above the floor in [-5, 0)
+        A = A_log.to(dtype).reshape(heads, 1, 1).exp()
+        a = torch.addcmul(A * dt_bias.to(dtype).reshape(heads, 1, key_dim), A, g).sigmoid_().mul_(lower_bound)
+        if lower_bound < LOG_DECAY_FLOOR:
+            a.clamp_(min=LOG_DECAY_FLOOR)
+    if length % chunk:  # padded tokens: zero q, k, v and zero decay
+        a[-1, :, length % chunk:] = 0
+    if use_beta_sigmoid:
+        beta = torch.sigmoid(beta)
+    flat = n_chunks * heads
+    q, k, v, a, beta = (x.view(flat, chunk, x.shape[-1]) for x in (q, k, v, a, beta))
+    G = _in_chunk_sums(a, True)
+    products = _in_chunk_products(q, k, a)
+    solve = _unit_lower_inverse(products[:, 1] * beta).mul_(beta.transpose(-1, -2))  # (I + L)⁻¹·diag(β)
+    growth = _decay_factor(G)
+    w = torch.bmm(solve, k * growth)
+    u = torch.bmm(solve, v)
+    block = dict(w=w, u=u, qd=q.mul_(growth), M=products[:, 0], kr=k.mul_(_decay_factor(_in_chunk_sums(a, False))),
+                 decay=growth[:, -1:].transpose(-1, -2))
+    return {name: x.view(n_chunks, heads, *x.shape[1:]) for name, x in block.items()}
+
+
+def _serial_chunks(block, S, out, checkpoints, first):
+    """Serial part of spec §2 (K2) over a block's chunks from the state ``S [H, K, V]`` (updated in place): writes the
+    outputs ``out [n_chunks, H, C, V]``; ``checkpoints`` maps a token offset to the ``[H, V, K]`` tensors that take
+    the state there, ``first`` is the offset of the block's first token."""
+    chunk = block["u"].shape[-2]
+    names = ("w", "u", "qd", "M", "kr", "decay")
+    for c, (w, u, qd, M, kr, decay, o) in enumerate(zip(*(block[x].unbind(0) for x in names), out.unbind(0))):
+        for target in checkpoints.get(first + c * chunk, ()):
             target.copy_(S.transpose(-1, -2))
-    return out.permute(1, 2, 0, 3).reshape(n_chunks * chunk, heads, -1)[:length]
+        v_new = u.baddbmm_(w, S, alpha=-1)  # U = u − w·S, in u's place
+        torch.bmm(qd, S, out=o).baddbmm_(M, v_new)  # o = qd·S + M·U
+        S.mul_(decay).baddbmm_(kr.transpose(-1, -2), v_new)  # S = diag(exp(G_C))·S + krᵀ·U
+
+
+CPU_BLOCK_PAIRS = 2048  # (token, head) pairs the chunked CPU path prepares at once: bounds its working memory
+
+
+def kda_chunked_span(q, k, v, g, beta, S, out, start, end, *, A_log=None, dt_bias=None, lower_bound=None, scale=None,
+                     use_qk_l2norm=True, use_beta_sigmoid=True, dtype=torch.float32, chunk=CPU_CHUNK,
+                     checkpoints=None, block_pairs=CPU_BLOCK_PAIRS):
+    """Chunked form (spec §2) of one sequence's tokens ``[start, end)`` from the entry state ``S [H, K, V]`` (in
+    ``dtype``, updated in place to the exit state). q, k, g ``[T, H, K]``, v ``[T, H, V]``, beta ``[T, H]``: raw
+    token rows of one sequence; ``out [T, H, V]`` receives rows ``[start, end)``. Chunks start at ``start``.
+    ``checkpoints``: ``{offset: [targets]}``, offsets from ``start``, multiples of ``chunk`` in ``[0, end − start]``;
+    each ``[H, V, K]`` target takes the state after that many tokens. The tokens go in blocks of at most
+    ``block_pairs`` (token, head) pairs (whole chunks, at least one): a block's chunks are prepared together
+    (:func:`_prepare_block`, token-parallel), then walked in order from the carried state (:func:`_serial_chunks`),
+    so the working memory does not grow with the length."""
+    checkpoints = checkpoints or {}
+    heads = q.shape[1]
+    prep = dict(A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, scale=scale, use_qk_l2norm=use_qk_l2norm,
+                use_beta_sigmoid=use_beta_sigmoid, dtype=dtype, chunk=chunk)
+    step = max(1, block_pairs // (heads * chunk)) * chunk
+    for first in range(start, end, step):
+        last = min(first + step, end)
+        span = slice(first, last)
+        block = _prepare_block(q[span], k[span], v[span], g[span], beta[span], **prep)
+        o = torch.empty(block["u"].shape, dtype=dtype, device=q.device)
+        _serial_chunks(block, S, o, checkpoints, first - start)
+        out[span] = o.transpose(1, 2).reshape(-1, heads, o.shape[-1])[:last - first]
+    for target in checkpoints.get(end - start, ()):
+        target.copy_(S.transpose(-1, -2))
 
 
 def kda_chunked(
@@ -142,27 +264,61 @@ def kda_chunked(
 ):
     """Vectorised chunked KDA (the CPU path); same arguments and results as :func:`kda_reference`, plus
     prefix-cache checkpoints: the state after ``checkpoint_offsets[n, j]`` tokens (a multiple of ``chunk``;
-    beyond the sequence: ignored) is written to ``checkpoint_states[n, j]`` (``[N, 2, H, V, K]``)."""
-    q, k, v, a, beta = prepare_inputs(
-        q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, scale=scale,
-        use_qk_l2norm=use_qk_l2norm, use_beta_sigmoid=use_beta_sigmoid, dtype=dtype,
-    )
-    a = a.clamp(min=LOG_DECAY_FLOOR)
+    beyond the sequence: ignored) is written to ``checkpoint_states[n, j]`` (``[N, 2, H, V, K]``).
+
+    Each sequence runs through :func:`kda_chunked_span` in blocks of chunks, so besides the output the working
+    memory is bounded (``CPU_BLOCK_PAIRS``), whatever the length."""
     bounds = sequence_bounds(q.shape[0], q.shape[1], cu_seqlens)
     out, final = _zero_outputs(q, v, bounds, initial_state, dtype)
     offsets = [] if checkpoint_offsets is None else checkpoint_offsets.reshape(len(bounds), -1).tolist()
+    prep = dict(A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, scale=scale, use_qk_l2norm=use_qk_l2norm,
+                use_beta_sigmoid=use_beta_sigmoid, dtype=dtype, chunk=chunk)
     for n, (b, start, end) in enumerate(bounds):
-        checkpoints = [(o, checkpoint_states[n, j]) for j, o in enumerate(offsets[n] if offsets else [])
-                       if 0 <= o <= end - start]
-        for offset, target in checkpoints:
-            if offset == 0:
-                target.copy_(final[n].transpose(-1, -2))
-        checkpoints = [(o, t) for o, t in checkpoints if o > 0]
+        checkpoints = {}
+        for j, offset in enumerate(offsets[n] if offsets else []):
+            if 0 <= offset <= end - start and offset % chunk == 0:
+                checkpoints.setdefault(offset, []).append(checkpoint_states[n, j])
         if end > start:
-            span = slice(start, end)
-            out[b, span] = _chunked_sequence(q[b, span], k[b, span], v[b, span], a[b, span], beta[b, span], final[n],
-                                             chunk, checkpoints)
+            kda_chunked_span(q[b], k[b], v[b], g[b], beta[b], final[n], out[b], start, end, **prep,
+                             checkpoints=checkpoints)
+        else:
+            for target in checkpoints.get(0, ()):
+                target.copy_(final[n].transpose(-1, -2))
     return out, final.transpose(-1, -2).contiguous()
+
+
+def _as(x, dtype):
+    return x if x.dtype == dtype else x.to(dtype)  # skips the dispatch of a no-op .to
+
+
+def _decode_inputs(q, k, v, g, beta, *, A_log, dt_bias, lower_bound, scale, use_qk_l2norm, use_beta_sigmoid, dtype):
+    """:func:`prepare_inputs` for the decode path in few (tiny) torch ops, token-major over (sequence, head) rows
+    ``r = n·H + h``: ``kq [T, R, 2, K]`` (rows k̂ and s·q̂), ``exp(a) [T, R, 1, K]``, ``β [T, R, 1]``,
+    ``β·v [T, R, V]`` and ``k̂·s·q̂ [T, R, 1]``."""
+    num_seqs, tokens, heads = q.shape[:3]
+
+    def rows(x):  # [N, T, H, ...] -> [T, N·H, ...]
+        x = x if num_seqs == 1 or tokens == 1 else x.transpose(0, 1)
+        return x.reshape(tokens, num_seqs * heads, *x.shape[3:])
+
+    kq = _as(rows(torch.stack((k, q) if k.dtype == q.dtype else (_as(k, dtype), _as(q, dtype)), -2)), dtype)  # fresh
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    if use_qk_l2norm:
+        factor = torch.linalg.vector_norm(kq, dim=-1, keepdim=True).square_().add_(1e-6).rsqrt_()
+        factor.select(-2, 1).mul_(scale)
+        kq.mul_(factor)
+    else:
+        kq.select(-2, 1).mul_(scale)
+    g = _as(g, dtype)
+    if lower_bound is None:
+        decay = rows(g).clamp(max=0.0).exp_()
+    else:
+        A = _as(A_log, dtype).exp().view(heads, 1)
+        decay = rows(torch.sigmoid(A * (g + _as(dt_bias, dtype).reshape(heads, -1))).mul_(lower_bound)).exp_()
+    beta = rows(_as(beta, dtype))
+    beta = (torch.sigmoid(beta) if use_beta_sigmoid else beta).unsqueeze(-1)
+    kdotq = (kq.select(-2, 0) * kq.select(-2, 1)).sum(-1, keepdim=True)
+    return kq, decay.unsqueeze(-2), beta, rows(_as(v, dtype)) * beta, kdotq
 
 
 def kda_decode_reference(
@@ -172,26 +328,63 @@ def kda_decode_reference(
     """Decode over a state pool, token by token in ``dtype`` (the CPU path; float64 is the truth).
 
     q, k, g ``[N, T, H, K]``, v ``[N, T, H, V]``, beta ``[N, T, H]``; ``state_pool [P, H, V, K]`` updated in
-    place; ``slots [N]`` or ``[N, T]`` (see :mod:`fastkda.ops.decode`). Returns o ``[N, T, H, V]`` in ``dtype``."""
-    q, k, v, a, beta = prepare_inputs(
+    place; ``slots [N]`` or ``[N, T]`` (see :mod:`fastkda.ops.decode`). Returns o ``[N, T, H, V]`` in ``dtype``.
+
+    The state stays V-first (``S[v, k]``), one ``[V, K]`` matrix per (sequence, head), and a token passes over it
+    three times: ``S ← S·diag(exp(a))``, ``[Sk̂, s·Sq̂] = S·[k̂, s·q̂]``, then ``u = β(v − Sk̂)``,
+    ``o = s·Sq̂ + u(k̂·s·q̂)`` (the output of the updated state) and ``S ← S + u·k̂ᵀ``."""
+    num_seqs, tokens, heads, key_dim = q.shape
+    value_dim = v.shape[-1]
+    kq, decay, beta, beta_v, kdotq = _decode_inputs(
         q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, scale=scale,
         use_qk_l2norm=use_qk_l2norm, use_beta_sigmoid=use_beta_sigmoid, dtype=dtype,
     )
-    num_seqs, tokens = q.shape[:2]
     per_token = slots.dim() == 2
-    rows = torch.arange(num_seqs, device=slots.device)
-    read_t = (num_accepted_tokens.long() - 1) if num_accepted_tokens is not None else torch.zeros_like(rows)
-    read_slot = (slots[rows, read_t] if per_token else slots).long()
-    live = read_slot >= 0
-    S = torch.zeros(num_seqs, q.shape[2], q.shape[3], v.shape[3], dtype=dtype, device=q.device)
-    S[live] = state_pool[read_slot[live]].to(dtype).transpose(-1, -2)
-    out = torch.zeros_like(v)
-    for t in range(tokens):
-        out[:, t] = _token_step(S, q[:, t], k[:, t], v[:, t], a[:, t], beta[:, t])
-        if per_token:
-            write = live & (slots[:, t] >= 0)
-            state_pool[slots[write, t].long()] = S[write].transpose(-1, -2).to(state_pool.dtype)
     if not per_token:
-        state_pool[read_slot[live]] = S[live].transpose(-1, -2).to(state_pool.dtype)
-    out[~live] = 0
-    return out
+        read_slot = slots
+    elif num_accepted_tokens is None:
+        read_slot = slots[:, 0]
+    else:
+        read_slot = slots.gather(1, num_accepted_tokens.long().sub(1).unsqueeze(1)).squeeze(1)
+    if num_seqs == 1:  # one sequence: its slot is read on the host, and an fp32 slot is updated in place
+        slot = int(read_slot)
+        all_live = slot >= 0
+        in_place = all_live and not per_token and state_pool.dtype == dtype and state_pool.is_contiguous()
+        row = state_pool[max(slot, 0):max(slot, 0) + 1]
+        S = row if in_place else row.to(dtype, copy=True)
+    else:
+        read_slot = read_slot.long()
+        live = read_slot >= 0
+        all_live, in_place = bool(live.all()), False
+        S = state_pool.index_select(0, read_slot if all_live else read_slot.clamp(min=0)).to(dtype)  # [N, H, V, K]
+    if not all_live:
+        live = read_slot >= 0
+        S = torch.where(live.view(-1, 1, 1, 1), S, 0)
+    rows = S.view(num_seqs * heads, value_dim, key_dim)  # S itself: the updates below reach S (and a pool slot)
+    outs = []
+    for t in range(tokens):
+        kq_t = kq[t]
+        y = torch.bmm(kq_t, rows.mul_(decay[t]).transpose(-1, -2))  # [R, 2, V]: S·k̂, s·S·q̂ of the decayed state
+        u = torch.addcmul(beta_v[t], beta[t], y.select(1, 0), value=-1)
+        outs.append(torch.addcmul(y.select(1, 1), u, kdotq[t]))
+        rows.addcmul_(u.unsqueeze(-1), kq_t.narrow(1, 0, 1))
+        if per_token:
+            slot_t = slots[:, t].long()
+            write = (slot_t >= 0) if all_live else live & (slot_t >= 0)
+            if bool(write.all()):
+                state_pool.index_copy_(0, slot_t, S.to(state_pool.dtype))
+            elif bool(write.any()):
+                state_pool[slot_t[write]] = S[write].to(state_pool.dtype)
+    if not per_token and not in_place:
+        read_slot = read_slot.long()
+        if all_live:
+            state_pool.index_copy_(0, read_slot, S.to(state_pool.dtype))
+        elif bool(live.any()):
+            state_pool[read_slot[live]] = S[live].to(state_pool.dtype)
+    if tokens == 1:
+        out = outs[0].view(num_seqs, 1, heads, value_dim)
+    elif tokens:
+        out = torch.stack(outs).view(tokens, num_seqs, heads, value_dim).transpose(0, 1).contiguous()
+    else:
+        out = torch.zeros(num_seqs, 0, heads, value_dim, dtype=dtype, device=v.device)
+    return out if all_live else torch.where(live.view(-1, 1, 1, 1), out, 0)

@@ -5,7 +5,7 @@ import time
 import pytest
 import torch
 
-from fastkda.reference import kda_chunked, kda_reference
+from fastkda.reference import kda_chunked, kda_chunked_span, kda_decode_reference, kda_reference
 from helpers import make_inputs, rel_err
 
 
@@ -65,6 +65,89 @@ def test_cpu_chunked_survives_huge_precomputed_decay():
     ref_o, ref_s = kda_reference(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], **kw)
     o, s = kda_chunked(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], **kw)
     assert rel_err(o, ref_o) < 2e-6 and rel_err(s, ref_s) < 2e-6
+
+
+@pytest.mark.parametrize("chunk", [1, 5, 24, 64])
+def test_cpu_chunked_takes_any_chunk_length(chunk):
+    """Chunks that are not a power of two, and chunks long enough that exp(-G) would overflow fp32 many times over
+    under the precomputed gate (a run of -1e4 entries, clamped to -30)."""
+    inp = make_inputs([150, 0, 77], gate="precomputed", seed=7)
+    inp["g"][0, 10:40] = -1e4
+    kw = dict(initial_state=inp["initial_state"], cu_seqlens=inp["cu_seqlens"])
+    ref_o, ref_s = kda_reference(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], **kw)
+    o, s = kda_chunked(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], **kw, chunk=chunk)
+    assert rel_err(o, ref_o) < 2e-6 and rel_err(s, ref_s) < 2e-6
+
+
+def span_run(inp, spans, block_pairs, checkpoint_offsets=()):
+    """``kda_chunked_span`` over ``spans`` of sequence 0, chained through the state: (out, state, checkpoints)."""
+    args = [inp[x][0] for x in ("q", "k", "v", "g", "beta")]
+    S = inp["initial_state"][0].float().transpose(-1, -2).clone()
+    out = torch.full(inp["v"][0].shape, float("nan"))
+    targets = {o: [torch.full_like(inp["initial_state"][0], float("nan"))] for o in checkpoint_offsets}
+    for start, end in spans:
+        kda_chunked_span(*args, S, out, start, end, **gate_args(inp), block_pairs=block_pairs,
+                         checkpoints={o - start: t for o, t in targets.items() if start <= o <= end})
+    return out, S, {o: t[0] for o, t in targets.items()}
+
+
+def test_cpu_chunked_blocks_and_spans_agree():
+    """One chunk per block, or one block for the whole sequence, or two spans chained through the state: the same
+    results, checkpoints included (inside a block, on a block's edge, at the end)."""
+    inp = make_inputs([203], heads=2, seed=8)
+    offsets = (0, 32, 96, 192)
+    whole = span_run(inp, [(0, 203)], 10 ** 9, offsets)
+    for spans, pairs in (([(0, 203)], 1), ([(0, 96), (96, 203)], 64)):
+        other = span_run(inp, spans, pairs, offsets)
+        torch.testing.assert_close(other[0], whole[0], rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(other[1], whole[1], rtol=1e-6, atol=1e-6)
+        for o in offsets:
+            torch.testing.assert_close(other[2][o], whole[2][o], rtol=1e-6, atol=1e-6)
+    ref_o, ref_s = kda_reference(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], **gate_args(inp),
+                                 initial_state=inp["initial_state"], cu_seqlens=inp["cu_seqlens"])
+    assert rel_err(whole[0], ref_o[0]) < 2e-6 and rel_err(whole[1].transpose(-1, -2), ref_s[0]) < 2e-6
+    assert torch.equal(whole[2][0], inp["initial_state"][0])
+    for o in offsets[1:]:
+        _, prefix_s = kda_reference(*(inp[x][:, :o] for x in ("q", "k", "v", "g", "beta")), **gate_args(inp),
+                                    initial_state=inp["initial_state"])
+        assert rel_err(whole[2][o], prefix_s[0]) < 2e-6
+
+
+def test_cpu_paths_leave_their_inputs_alone():
+    """fp32 inputs are used as they are by the conversions; nothing may write to them."""
+    inp = make_inputs([40, 3], gate="precomputed", seed=9)
+    inp.update({x: inp[x].float() for x in ("q", "k", "v", "beta")})
+    before = {x: inp[x].clone() for x in ("q", "k", "v", "g", "beta", "initial_state")}
+    kda_chunked(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], initial_state=inp["initial_state"],
+                cu_seqlens=inp["cu_seqlens"])
+    step = {x: inp[x][:, :2].reshape(2, 1, *inp[x].shape[2:]) for x in ("q", "k", "v", "g", "beta")}
+    pool = inp["initial_state"].clone()
+    kda_decode_reference(step["q"], step["k"], step["v"], step["g"], step["beta"], pool, torch.tensor([0, 1]))
+    assert all(torch.equal(inp[x], before[x]) for x in before)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_decode_reference_matches_the_token_loop(dtype):
+    """Several tokens of several sequences: per-token slots take the state after each token, the outputs are the
+    token loop's; with one slot per sequence the slot ends with the final state."""
+    seqs, tokens, heads = 3, 4, 2
+    inp = make_inputs([tokens] * seqs, heads=heads, varlen=False, seed=10)
+    args = [inp[x] for x in ("q", "k", "v", "g", "beta")]
+    ref_o, ref_s = kda_reference(*args, **gate_args(inp), initial_state=inp["initial_state"])
+    bound = 2e-6 if dtype == torch.float32 else 1e-12
+    slots = 1 + torch.arange(seqs * tokens).reshape(seqs, tokens)
+    pool = torch.zeros(1 + seqs * tokens, heads, 64, 64, dtype=torch.float64)
+    pool[slots[:, 0]] = inp["initial_state"].double()
+    o = kda_decode_reference(*args, pool, slots, **gate_args(inp), dtype=dtype)
+    assert o.dtype == dtype and rel_err(o, ref_o) < bound
+    for t in range(tokens):
+        _, prefix_s = kda_reference(*(x[:, :t + 1] for x in args), **gate_args(inp), initial_state=inp["initial_state"])
+        assert rel_err(pool[slots[:, t]], prefix_s) < bound
+    pool = torch.zeros(5, heads, 64, 64, dtype=torch.float64)
+    rows = torch.tensor([4, 0, 2])
+    pool[rows] = inp["initial_state"].double()
+    o = kda_decode_reference(*args, pool, rows.int(), **gate_args(inp), dtype=dtype)
+    assert rel_err(o, ref_o) < bound and rel_err(pool[rows], ref_s) < bound
 
 
 def test_cpu_path_is_fast_enough():
