@@ -1,9 +1,10 @@
 """fastkda: Kimi Delta Attention inference kernels in Triton, with a PyTorch CPU path and reference."""
 
 from .api import kda_decode, kda_prefill
+from .errors import error_counts, reset_error_counts
 from .plan import DecodePlan, PrefillPlan, choose_decode_plan, choose_plan
 from .reference import kda_chunked, kda_decode_reference, kda_reference
 
 __all__ = ["kda_prefill", "kda_decode", "kda_reference", "kda_chunked", "kda_decode_reference", "PrefillPlan",
-           "DecodePlan", "choose_plan", "choose_decode_plan"]
+           "DecodePlan", "choose_plan", "choose_decode_plan", "error_counts", "reset_error_counts"]
 __version__ = "0.1.0"

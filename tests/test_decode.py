@@ -25,7 +25,7 @@ def decode(backend, inp, pool, slots, num_accepted=None, v_slices=1):
     plan = choose_decode_plan(inp["q"].shape[0], inp["q"].shape[2], inp["v"].shape[3], 132, v_slices)
     recurrent_kda_decode(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], pool, slots, plan=plan, **gate,
                          scale=inp["q"].shape[-1] ** -0.5, num_accepted_tokens=num_accepted, use_qk_l2norm=True,
-                         use_beta_sigmoid=True, out=out)
+                         use_beta_sigmoid=True, out=out, errors=torch.zeros(3, dtype=torch.int32))
     return out
 
 

@@ -4,7 +4,10 @@ One program per (sequence, head, V-slice) (:class:`fastkda.plan.DecodePlan`) hol
 the sequence's tokens (spec §1, token by token). Slots: ``[N]`` (read and write one slot per sequence) or
 ``[N, T]`` (the state after token t goes to ``slots[n, t]``; the initial state comes from
 ``slots[n, num_accepted_tokens[n] - 1]``, or ``slots[n, 0]``). A negative read slot marks a padding row: zero
-output, no pool access; a negative write slot skips that write.
+output, no pool access; a negative write slot skips that write. Whatever the index tensors hold, nothing outside
+the pool or the slot table is touched: a read slot at or past the pool's size, or an accepted count outside
+``[1, T]``, makes the sequence a null row too, and a write slot past the pool skips that write; each such event
+is counted in :mod:`fastkda.errors`. A precomputed gate above 0 (outside the contract) counts as 0.
 """
 
 import triton
@@ -29,9 +32,9 @@ def token_inputs(q, k, v, g, beta, n, t, T, h, kk, vv, stride_q, stride_k, strid
 
 @triton.jit
 def decode_kernel(
-    q, k, v, g, beta, A_log, dt_bias, pool, slots, num_accepted, out,
+    q, k, v, g, beta, A_log, dt_bias, pool, slots, num_accepted, out, errors,
     stride_q, stride_k, stride_v, stride_g, stride_beta_n, stride_beta_t, stride_beta_h, stride_slot_n,
-    stride_slot_t, lower_bound, scale, T,
+    stride_slot_t, lower_bound, scale, T, pool_slots,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
     LOWER_BOUND_GATE: tl.constexpr, L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr,
     PER_TOKEN_SLOTS: tl.constexpr, HAS_ACCEPTED: tl.constexpr, EMULATE: tl.constexpr,
@@ -49,11 +52,17 @@ def decode_kernel(
     if LOWER_BOUND_GATE:
         a_scale = tl.exp(tl.load(A_log + h).to(tl.float32))
         bias = tl.load(dt_bias + h * K + kk).to(tl.float32)
-    read_t = 0
+    counting = (vs == 0) & (h == 0)  # each event counted once, by one program of its sequence
     if HAS_ACCEPTED:
         read_t = tl.load(num_accepted + n).to(tl.int32) - 1
-    read_slot = tl.load(slots + n * stride_slot_n + read_t * stride_slot_t).to(tl.int64)
-    live = read_slot >= 0
+        accepted_ok = (read_t >= 0) & (read_t < T)
+        tl.atomic_add(errors + 1, 1, mask=counting & ~accepted_ok, sem="relaxed")  # fastkda.errors: "accepted"
+        read_slot = tl.load(slots + n * stride_slot_n + tl.where(accepted_ok, read_t, 0) * stride_slot_t)
+        read_slot = tl.where(accepted_ok, read_slot.to(tl.int64), -1)  # a bad count: a null row
+    else:
+        read_slot = tl.load(slots + n * stride_slot_n).to(tl.int64)
+    tl.atomic_add(errors, 1, mask=counting & (read_slot >= pool_slots), sem="relaxed")  # fastkda.errors: "slot"
+    live = (read_slot >= 0) & (read_slot < pool_slots)
     state_cols = (h * V + vv[:, None]) * K + kk[None, :]  # S[v, k] = pool[slot, h, v, k]; int32 within a slot
     m_state = live & (vv[:, None] < V) & (kk[None, :] < K)
     S = load_f32(pool + read_slot * (H * V * K) + state_cols, m_state)
@@ -66,7 +75,7 @@ def decode_kernel(
         if LOWER_BOUND_GATE:
             a_t = lower_bound * tl.sigmoid(a_scale * (g_t + bias))
         else:
-            a_t = g_t
+            a_t = tl.minimum(g_t, 0.0)
         if BETA_SIGMOID:
             b_t = tl.sigmoid(b_t)
         decay = tl.exp(a_t)
@@ -79,16 +88,19 @@ def decode_kernel(
         store_as(out + row * (H * V) + h * V + vv, tl.where(live, o_t, 0.0), vv < V, EMULATE)
         if PER_TOKEN_SLOTS:
             write_slot = tl.load(slots + n * stride_slot_n + t * stride_slot_t).to(tl.int64)
-            store_as(pool + write_slot * (H * V * K) + state_cols, S, m_state & (write_slot >= 0), EMULATE)
+            tl.atomic_add(errors, 1, mask=counting & live & (write_slot >= pool_slots), sem="relaxed")  # "slot"
+            writes = m_state & (write_slot >= 0) & (write_slot < pool_slots)
+            store_as(pool + write_slot * (H * V * K) + state_cols, S, writes, EMULATE)
         q_t, k_t, v_t, g_t, b_t = q_n, k_n, v_n, g_n, b_n
     if not PER_TOKEN_SLOTS:
         store_as(pool + read_slot * (H * V * K) + state_cols, S, m_state, EMULATE)
 
 
 def recurrent_kda_decode(q, k, v, g, beta, state_pool, slots, *, plan, A_log, dt_bias, lower_bound, scale,
-                         num_accepted_tokens, use_qk_l2norm, use_beta_sigmoid, out):
+                         num_accepted_tokens, use_qk_l2norm, use_beta_sigmoid, out, errors):
     """Launch the decode kernel on validated inputs as the :class:`fastkda.plan.DecodePlan` says; ``out [N, T, H,
-    V]`` contiguous, written in place, and the pool updated in place."""
+    V]`` contiguous, written in place, the pool updated in place, bad indices counted in ``errors``
+    (:func:`fastkda.errors.counters`)."""
     num_seqs, tokens, heads, key_dim = q.shape
     if num_seqs == 0 or tokens == 0:
         return
@@ -98,10 +110,10 @@ def recurrent_kda_decode(q, k, v, g, beta, state_pool, slots, *, plan, A_log, dt
     launch(
         decode_kernel, (plan.v_slices, heads, num_seqs),
         q, k, v, g, beta, A_log if lower_bound_gate else absent, dt_bias if lower_bound_gate else absent,
-        state_pool, slots, num_accepted_tokens if num_accepted_tokens is not None else absent, out,
+        state_pool, slots, num_accepted_tokens if num_accepted_tokens is not None else absent, out, errors,
         q.stride(1), k.stride(1), v.stride(1), g.stride(1), beta.stride(0), beta.stride(1), beta.stride(2),
         slots.stride(0), slots.stride(1) if per_token else 0,
-        float(lower_bound) if lower_bound_gate else 0.0, float(scale), tokens,
+        float(lower_bound) if lower_bound_gate else 0.0, float(scale), tokens, state_pool.shape[0],
         H=heads, K=key_dim, V=plan.value_dim, BV=plan.slice_width, LOWER_BOUND_GATE=lower_bound_gate,
         L2NORM=use_qk_l2norm, BETA_SIGMOID=use_beta_sigmoid, PER_TOKEN_SLOTS=per_token,
         HAS_ACCEPTED=num_accepted_tokens is not None, EMULATE=interpreting(), num_warps=plan.warps,

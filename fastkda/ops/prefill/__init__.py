@@ -12,6 +12,7 @@ Spec §2 in the WY form, over chunks of ``C`` tokens (the plan's ``chunk``, two 
 :class:`fastkda.plan.PrefillPlan` the caller passes; nothing here decides one.
 """
 
+from ...errors import counters
 from ..common import interpreting
 from .layout import Workspace
 from .prepare import launch_prepare
@@ -21,10 +22,11 @@ from .solve import launch_solve
 
 def chunk_kda_forward(q, k, v, g, beta, *, plan, A_log, dt_bias, lower_bound, scale, initial_state, cu_seqlens,
                       use_qk_l2norm, use_beta_sigmoid, out, final_state, checkpoint_offsets=None,
-                      checkpoint_states=None):
+                      checkpoint_states=None, errors=None):
     """The three stages on validated inputs (``q, k, g [B, T, H, K]``, ``v [B, T, H, V]`` with ``[H, D]``
     contiguous per token, ``beta [B, T, H]`` any strides) as ``plan`` says; writes ``out``, ``final_state`` and
-    the checkpoints in place."""
+    the checkpoints in place and counts malformed ``cu_seqlens`` in ``errors`` (default: the device's
+    :func:`fastkda.errors.counters`)."""
     ws = Workspace.allocate(plan, v, cu_seqlens)
     emulate = interpreting()
     if plan.chunk_slots:
@@ -32,4 +34,5 @@ def chunk_kda_forward(q, k, v, g, beta, *, plan, A_log, dt_bias, lower_bound, sc
                        emulate)
         launch_solve(plan, ws, v, beta, use_beta_sigmoid, emulate)
     if plan.num_seqs:
-        launch_recurrence(plan, ws, out, initial_state, final_state, checkpoint_offsets, checkpoint_states, emulate)
+        launch_recurrence(plan, ws, out, initial_state, final_state, checkpoint_offsets, checkpoint_states,
+                          counters(q.device) if errors is None else errors, emulate)

@@ -31,8 +31,9 @@ def log2_decay_block(g_c, rows, valid, stride_g, h, kk, A_log, dt_bias, lower_bo
         slope = tl.exp(tl.load(A_log + h).to(tl.float32)) * LOG2E
         bias = tl.load(dt_bias + h * K + kk).to(tl.float32)
         a = (lower_bound * LOG2E) * fast_reciprocal(1.0 + fast_exp2(-slope * (gv + bias[None, :]), EMULATE), EMULATE)
-    else:  # floor: exp(-30) leaves 1e-13 of the state, below fp32 resolution; keeps G's ulp small
-        a = tl.maximum(gv, LOG_DECAY_FLOOR) * LOG2E
+    else:  # floor: exp(-30) leaves 1e-13 of the state, below fp32 resolution, and keeps G's ulp small; a value
+        # above 0 (outside the contract) counts as 0, so finite inputs always give finite outputs
+        a = tl.minimum(tl.maximum(gv, LOG_DECAY_FLOOR), 0.0) * LOG2E
     return tl.where(valid[:, None], a, 0.0)
 
 

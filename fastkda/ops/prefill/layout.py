@@ -7,6 +7,11 @@ no prefix sum, so every kernel finds a slot's chunk from ``cu_seqlens`` alone, w
 synchronisation. Slots past the end of their sequence are empty chunks. The host side of this layout is
 :attr:`fastkda.plan.PrefillPlan.chunk_slots`.
 
+Whatever ``cu_seqlens`` holds on the device, no kernel leaves its buffers: every span is clamped into ``[0, T]``
+with its end at or after its start (:func:`sequence_span`), which keeps every token row below T and every slot
+below ``chunk_slots``, and a slot its sequence does not own is an empty chunk. Only valid offsets (0 first, T last,
+nondecreasing) give meaningful results; the recurrence counts the others (:mod:`fastkda.errors`).
+
 Workspace (:class:`Workspace`). What the preparation writes for the recurrence, in one bf16 and one fp32 buffer
 (one allocation per dtype: an eager call's host time counts). Per (token, head) row, the row index being
 ``token · H + head``:
@@ -37,15 +42,22 @@ import triton.language as tl
 
 
 @triton.jit
-def sequence_span(cu_seqlens, n, seq_len, IS_VARLEN: tl.constexpr):
-    """First and one-past-last flattened token of sequence ``n``."""
+def sequence_span(cu_seqlens, n, seq_len, num_seqs, IS_VARLEN: tl.constexpr):
+    """First and one-past-last flattened token of sequence ``n``, and whether its ``cu_seqlens`` entries are as the
+    contract says (in ``[0, T]``, in order, 0 first and T last; varlen: ``seq_len`` is the row's T; the span is
+    clamped as the module docstring says)."""
     if IS_VARLEN:
-        bos = tl.load(cu_seqlens + n).to(tl.int32)
-        eos = tl.load(cu_seqlens + n + 1).to(tl.int32)
+        start = tl.load(cu_seqlens + n)
+        end = tl.load(cu_seqlens + n + 1)
+        in_order = ((start >= 0) & (start <= end) & (end <= seq_len) & ((n > 0) | (start == 0))
+                    & ((n < num_seqs - 1) | (end == seq_len)))
+        bos = tl.minimum(tl.maximum(start, 0), seq_len).to(tl.int32)
+        eos = tl.minimum(tl.maximum(end, bos), seq_len).to(tl.int32)
     else:
         bos = n * seq_len
         eos = bos + seq_len
-    return bos, eos
+        in_order = True
+    return bos, eos, in_order
 
 
 @triton.jit
@@ -73,8 +85,10 @@ def chunk_of_slot(slot, cu_seqlens, seq_len, num_seqs, C: tl.constexpr, IS_VARLE
         n = lo
     else:
         n = slot // tl.cdiv(seq_len, C)
-    bos, eos = sequence_span(cu_seqlens, n, seq_len, IS_VARLEN)
-    return bos + (slot - first_slot(n, bos, seq_len, C, IS_VARLEN)) * C, eos
+    bos, eos, _ = sequence_span(cu_seqlens, n, seq_len, num_seqs, IS_VARLEN)
+    first = first_slot(n, bos, seq_len, C, IS_VARLEN)
+    chunk_start = bos + (slot - first) * C
+    return chunk_start, tl.where(slot >= first, eos, chunk_start)  # a slot before its sequence's: an empty chunk
 
 
 @dataclass(frozen=True)

@@ -41,7 +41,7 @@ def store_checkpoint(ckpt_offsets, ckpt_states, n, j, stride_n, stride_j, done, 
 
 @triton.jit
 def recurrence_kernel(
-    ws_bf16, ws_fp32, qg_at, kg_at, u_at, A_at, scratch_at, out, initial_state, final_state, cu_seqlens,
+    ws_bf16, ws_fp32, qg_at, kg_at, u_at, A_at, scratch_at, out, initial_state, final_state, cu_seqlens, errors,
     ckpt_offsets, ckpt_states, stride_out, seq_len, stride_ckpt_n, stride_ckpt_j, v, stride_v,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
     IS_VARLEN: tl.constexpr, HAS_INITIAL: tl.constexpr, HAS_FINAL: tl.constexpr, NUM_CKPT: tl.constexpr,
@@ -59,7 +59,9 @@ def recurrence_kernel(
     T_ws = ws_fp32 + scratch_at + h * C
     v_h = v + h * V
     out_h = out + h * V
-    bos, eos = sequence_span(cu_seqlens, n, seq_len, IS_VARLEN)
+    bos, eos, in_order = sequence_span(cu_seqlens, n, seq_len, tl.num_programs(2), IS_VARLEN)
+    if IS_VARLEN:  # fastkda.errors: "cu_seqlens", counted once per sequence
+        tl.atomic_add(errors + 2, 1, mask=(vs == 0) & (h == 0) & ~in_order, sem="relaxed")
     slot0 = first_slot(n, bos, seq_len, C, IS_VARLEN)
     kk = tl.arange(0, K)
     vv = vs * BV + tl.arange(0, BV)
@@ -129,10 +131,11 @@ def recurrence_kernel(
         store_as(final_state + state_offsets, S, None, EMULATE)
 
 
-def launch_recurrence(plan, ws, out, initial_state, final_state, checkpoint_offsets, checkpoint_states, emulate):
+def launch_recurrence(plan, ws, out, initial_state, final_state, checkpoint_offsets, checkpoint_states, errors,
+                      emulate):
     """Launch :func:`recurrence_kernel` over the plan's grid: ``out [B, T, H, V]`` (contiguous), ``final_state
     [N, H, V, K]`` and the checkpoints ``checkpoint_states [N, 2, H, V, K]`` at ``checkpoint_offsets [N]`` or
-    ``[N, 2]`` (if given), in place."""
+    ``[N, 2]`` (if given), in place; malformed ``cu_seqlens`` counted in ``errors``."""
     absent = ws.fp32  # stands for absent optional tensors; never dereferenced
     checkpoints = 0 if checkpoint_offsets is None else (1 if checkpoint_offsets.dim() == 1 else
                                                         checkpoint_offsets.shape[1])
@@ -142,7 +145,7 @@ def launch_recurrence(plan, ws, out, initial_state, final_state, checkpoint_offs
         ws.bf16, ws.fp32, layout.qg, layout.kg, layout.u, layout.A, layout.scratch, out,
         initial_state if initial_state is not None else absent,
         final_state if final_state is not None else absent,
-        ws.cu_seqlens if plan.varlen else absent,
+        ws.cu_seqlens if plan.varlen else absent, errors,
         checkpoint_offsets if checkpoints else absent, checkpoint_states if checkpoints else absent,
         out.stride(1), plan.seq_len,
         checkpoint_offsets.stride(0) if checkpoints else 0, checkpoint_offsets.stride(-1) if checkpoints else 0,

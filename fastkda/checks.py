@@ -1,0 +1,83 @@
+"""Checks of the values inside the index and input tensors, which the host can only read by synchronising.
+
+On CPU tensors the index checks (``cu_seqlens``, checkpoint offsets, decode slots and accepted counts) always run
+before anything is written: reading them costs nothing there. On the GPU the kernels never leave their buffers
+whatever these hold (:mod:`fastkda.errors`), so the fast path reads nothing; checked mode (``checks=True`` on a
+call, or ``FASTKDA_CHECKS=1``) synchronises and runs every check, also that a precomputed gate is at most 0 and
+that the inputs are finite, raising ``ValueError`` naming the argument before any kernel runs.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from .validation import fail
+
+ENV_CHECKS = "FASTKDA_CHECKS"
+
+
+def requested(checks) -> bool:
+    """The call's ``checks`` argument, or ``$FASTKDA_CHECKS == "1"`` when it is None."""
+    if checks is None:
+        return os.environ.get(ENV_CHECKS, "") == "1"
+    if not isinstance(checks, bool):
+        fail("checks", "True, False or None (then $FASTKDA_CHECKS decides)", repr(checks))
+    return checks
+
+
+def cu_seqlens_values(cu_seqlens, length):
+    """Offsets nondecreasing from 0 to T."""
+    offsets = cu_seqlens.tolist()
+    if offsets[0] != 0 or offsets[-1] != length or any(b < a for a, b in zip(offsets, offsets[1:])):
+        shown = offsets if len(offsets) <= 16 else offsets[:8] + ["..."] + offsets[-8:]
+        fail("cu_seqlens", f"nondecreasing from 0 to T={length}", shown)
+
+
+def checkpoint_offsets_values(checkpoint_offsets, chunk):
+    """Offsets non-negative multiples of the chunk (on the GPU without checks, another value never matches a
+    chunk boundary and is not written)."""
+    offsets = checkpoint_offsets.reshape(-1).tolist()
+    if any(o < 0 or o % chunk for o in offsets):
+        fail("checkpoint_offsets", f"non-negative multiples of the chunk size {chunk}", offsets)
+
+
+def decode_indices(slots, num_accepted_tokens, pool_size, tokens):
+    """Accepted counts in ``[1, T]``; slots below the pool's size (negative ones are padding); no slot read or
+    written by two live sequences (their updates would race)."""
+    rows = slots.reshape(slots.shape[0], -1).tolist()
+    if num_accepted_tokens is not None:
+        accepted = num_accepted_tokens.tolist()
+        bad = [n for n, a in enumerate(accepted) if not 1 <= a <= tokens]
+        if bad:
+            fail("num_accepted_tokens", f"in [1, T={tokens}] for every sequence",
+                 f"{accepted[bad[0]]} for sequence {bad[0]}")
+    owner = {}
+    for n, row in enumerate(rows):
+        read = row[accepted[n] - 1] if num_accepted_tokens is not None else row[0]
+        if read < 0:  # a padding row reads and writes nothing
+            continue
+        used = {read} | {s for s in row if s >= 0} if len(row) > 1 else {read}
+        for slot in sorted(used):
+            if slot >= pool_size:
+                fail("slots", f"below the pool's size {pool_size} (negative for padding)",
+                     f"{slot} for sequence {n}")
+            if owner.setdefault(slot, n) != n:
+                fail("slots", "distinct between live sequences (each slot read and written by one sequence)",
+                     f"slot {slot} in sequences {owner[slot]} and {n}")
+
+
+def precomputed_gate_values(g):
+    """A precomputed gate is a log-decay: at most 0 (the kernels take a larger value as 0)."""
+    largest = g.max().item() if g.numel() else 0.0
+    if largest > 0:
+        fail("g", "at most 0 with the precomputed gate (a log-decay; A_log, dt_bias and lower_bound are None)",
+             f"a maximum of {largest}")
+
+
+def finite(**tensors):
+    """Every given tensor finite (NaN or infinity in an input spreads to its outputs and states)."""
+    for name, x in tensors.items():
+        if x is not None and x.numel() and not bool(torch.isfinite(x).all()):
+            fail(name, "finite (no NaN or infinity)", f"{int((~torch.isfinite(x)).sum())} non-finite value(s)")

@@ -1,0 +1,241 @@
+"""What the host can check of a call without reading device memory: shapes, dtypes, devices, strides, scalars,
+sizes and buffer overlaps. Every failure raises ``ValueError`` naming the argument, what was expected and what
+came, before anything is written. Values inside tensors are :mod:`fastkda.checks`'s."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .plan import SUPPORTED_DIMS
+
+FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+STATE_DTYPES = (torch.bfloat16, torch.float32)
+INDEX_DTYPES = (torch.int32, torch.int64)
+MIN_LOWER_BOUND = -5.0  # exp(-G) over a 16-token block stays below e^80 (fp32/bf16 range) for λ >= -5
+INT32_LIMIT = 2 ** 31  # the kernels form some offsets in 32 bits (fastkda/ops/)
+
+
+def fail(name, expected, got):
+    raise ValueError(f"fastkda: {name} must be {expected}, got {got}")
+
+
+def _describe(x):
+    return list(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+
+
+def check_tensor(name, x, shape, dtypes, device):
+    if not isinstance(x, torch.Tensor):
+        fail(name, "a torch.Tensor", type(x).__name__)
+    if x.shape != shape:
+        fail(name, f"of shape {list(shape)}", list(x.shape))
+    if x.dtype not in dtypes:
+        fail(name, f"of dtype {' or '.join(str(d) for d in dtypes)}", x.dtype)
+    if x.device != device:
+        fail(name, f"on {device} (where q is)", x.device)
+
+
+def check_contiguous(name, x):
+    if x is not None and not x.is_contiguous():
+        fail(name, "contiguous", f"strides {tuple(x.stride())}")
+
+
+def _check_token_rows(name, x):
+    """The kernels address token t of batch b as ``base + (b*T + t) * stride(1)``, rows contiguous."""
+    batch, length, heads, dim = x.shape
+    stride = x.stride()
+    if x.numel() and (stride[3] != 1 or stride[2] != dim or (batch > 1 and stride[0] != length * stride[1])):
+        fail(name, "contiguous within each token ([H, D] rows) with batch rows back to back", f"strides {stride}")
+
+
+def scalar_defaults(q, scale, lower_bound):
+    """``scale`` defaulting to K^-1/2 (when q is a 4-D tensor to read K from; validation reports anything else), a
+    0-d CPU tensor ``scale`` as its number, and an integer ``lower_bound`` as a float."""
+    if scale is None and isinstance(q, torch.Tensor) and q.dim() == 4 and q.shape[-1]:
+        scale = q.shape[-1] ** -0.5
+    if isinstance(scale, torch.Tensor) and scale.dim() == 0 and scale.device.type == "cpu":
+        scale = scale.item()
+    if isinstance(lower_bound, int) and not isinstance(lower_bound, bool):
+        lower_bound = float(lower_bound)
+    return scale, lower_bound
+
+
+def _check_scale(scale):
+    if isinstance(scale, torch.Tensor):
+        fail("scale", "a Python number or a 0-d CPU tensor (reading a GPU tensor would synchronise)",
+             f"a tensor of shape {list(scale.shape)} on {scale.device}")
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not (0 < scale < math.inf):
+        fail("scale", "a positive finite number", repr(scale))
+
+
+def check_inputs(q, k, v, g, beta, A_log, dt_bias, lower_bound, scale):
+    """q, k, g ``[B, T, H, K]``, v ``[B, T, H, V]``, beta ``[B, T, H]``, the gate and the scale; returns the
+    value dimension."""
+    if not isinstance(q, torch.Tensor) or q.dim() != 4:
+        fail("q", "a 4-D tensor [B, T, H, K]", _describe(q))
+    batch, length, heads, key_dim = q.shape
+    device = q.device
+    if key_dim not in SUPPORTED_DIMS:
+        fail("q", f"of key dimension K in {SUPPORTED_DIMS}", key_dim)
+    if heads < 1:
+        fail("q", "of at least one head (H >= 1)", f"H={heads}")
+    check_tensor("q", q, q.shape, FLOAT_DTYPES, device)
+    check_tensor("k", k, q.shape, (q.dtype,), device)
+    if not isinstance(v, torch.Tensor) or v.dim() != 4 or v.shape[-1] not in SUPPORTED_DIMS:
+        fail("v", f"a 4-D tensor [B, T, H, V] with V in {SUPPORTED_DIMS}", _describe(v))
+    value_dim = v.shape[-1]
+    check_tensor("v", v, (batch, length, heads, value_dim), (q.dtype,), device)
+    check_tensor("g", g, q.shape, FLOAT_DTYPES, device)
+    check_tensor("beta", beta, (batch, length, heads), FLOAT_DTYPES, device)
+    for name, x in (("q", q), ("k", k), ("v", v), ("g", g)):
+        _check_token_rows(name, x)
+    if beta.numel() and batch > 1 and beta.stride(0) != length * beta.stride(1):
+        fail("beta", "a view whose batch rows are back to back", f"strides {tuple(beta.stride())}")
+    _check_gate(A_log, dt_bias, lower_bound, heads, key_dim, device)
+    _check_scale(scale)
+    return value_dim
+
+
+def _check_gate(A_log, dt_bias, lower_bound, heads, key_dim, device):
+    """All three lower-bound gate arguments, or none (then g is the log-decay)."""
+    gate_args = (A_log, dt_bias, lower_bound)
+    if any(x is not None for x in gate_args) and any(x is None for x in gate_args):
+        fail("A_log, dt_bias and lower_bound", "all given (lower-bound gate) or all None (g is the log-decay)",
+             f"A_log={'set' if A_log is not None else None}, dt_bias={'set' if dt_bias is not None else None}, "
+             f"lower_bound={lower_bound}")
+    if lower_bound is None:
+        return
+    if isinstance(lower_bound, bool) or not isinstance(lower_bound, (int, float)) or not (
+            MIN_LOWER_BOUND <= lower_bound < 0):
+        fail("lower_bound", f"a number in [{MIN_LOWER_BOUND}, 0)", repr(lower_bound))
+    if not isinstance(A_log, torch.Tensor) or A_log.numel() != heads or not A_log.is_contiguous():
+        fail("A_log", f"a contiguous tensor of {heads} values ([H])", _describe(A_log))
+    check_tensor("A_log", A_log, A_log.shape, FLOAT_DTYPES, device)
+    if not isinstance(dt_bias, torch.Tensor) or dt_bias.numel() != heads * key_dim or not dt_bias.is_contiguous():
+        fail("dt_bias", f"a contiguous tensor of {heads * key_dim} values ([H, K] or [H*K])", _describe(dt_bias))
+    check_tensor("dt_bias", dt_bias, dt_bias.shape, FLOAT_DTYPES, device)
+
+
+def check_out(out, v):
+    if out is not None:
+        check_tensor("out", out, v.shape, (v.dtype,), v.device)
+        check_contiguous("out", out)
+
+
+def _byte_span(x):
+    """``(first byte, one past the last byte)`` of the addresses a tensor's elements can reach."""
+    start = x.data_ptr()
+    if x.is_contiguous():
+        return start, start + x.numel() * x.element_size()
+    reach = sum([(size - 1) * abs(stride) for size, stride in zip(x.shape, x.stride())])
+    return start, start + (reach + 1) * x.element_size()
+
+
+def check_no_overlap(name, written, others):
+    """``written`` (an output buffer) must share no memory with ``others`` ``{name: tensor}`` (checked on every
+    call: it depends on addresses, not on the signature validation remembers)."""
+    if written is None or not written.numel():
+        return
+    start, end = _byte_span(written)
+    for other_name, x in others.items():
+        if x is not None and x.numel():
+            other_start, other_end = _byte_span(x)
+            if start < other_end and other_start < end:
+                fail(name, f"a buffer that shares no memory with {other_name}", f"a tensor overlapping {other_name}")
+
+
+def check_index_ranges(**products):
+    """Shapes the kernels' 32-bit offsets can address: each ``name=(factors...)`` product below 2^31."""
+    for name, factors in products.items():
+        if math.prod(factors) >= INT32_LIMIT:
+            fail("q", "of a shape whose index ranges fit the kernels' 32-bit offsets (each below 2^31)",
+                 f"{name.replace('_', ' x ')} = {' x '.join(map(str, factors))}")
+
+
+_VALIDATED = {}  # (validation function, signature of its arguments) -> what it returned
+_NOT_YET = object()  # a signature not validated yet (validation may return None)
+
+
+def remembered(validate, *args):
+    """``validate(*args)``, remembered per signature of the arguments: validation reads only each tensor's shape,
+    strides, dtype and device and the other arguments' values, and an eager call's host time counts (validation
+    was a third of it). No signature holds a tensor; symbolic shapes (torch.compile) are validated afresh."""
+    try:
+        key = validate, tuple([(a.shape, a.stride(), a.dtype, a.device) if isinstance(a, torch.Tensor) else a
+                               for a in args])
+        result = _VALIDATED.get(key, _NOT_YET)
+    except TypeError:  # an unhashable argument (a symbolic size, a list): no signature
+        return validate(*args)
+    if result is _NOT_YET:
+        result = validate(*args)  # raises on bad input, so only valid signatures are remembered
+        if len(_VALIDATED) > 4096:
+            _VALIDATED.clear()
+        _VALIDATED[key] = result
+    return result
+
+
+def validate_prefill(q, k, v, g, beta, A_log, dt_bias, lower_bound, scale, initial_state, final_state,
+                     cu_seqlens, out, checkpoint_offsets, checkpoint_states, chunk):
+    """Raise ``ValueError`` naming the first argument that breaks the contract (spec §3); return N."""
+    value_dim = check_inputs(q, k, v, g, beta, A_log, dt_bias, lower_bound, scale)
+    batch, length, heads, key_dim = q.shape
+    device = q.device
+    if cu_seqlens is None:
+        num_seqs = batch
+    else:
+        if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1:
+            fail("cu_seqlens", "a 1-D tensor [N+1] of token offsets", _describe(cu_seqlens))
+        if cu_seqlens.numel() == 0 or (cu_seqlens.numel() == 1 and length):
+            fail("cu_seqlens", f"[N+1] offsets from 0 to T={length}: at least two entries when T > 0, one ([0]) "
+                 f"for an empty batch", f"{cu_seqlens.numel()} entr{'y' if cu_seqlens.numel() == 1 else 'ies'}")
+        check_tensor("cu_seqlens", cu_seqlens, cu_seqlens.shape, INDEX_DTYPES, device)
+        if batch != 1:
+            fail("q", "of batch size 1 when cu_seqlens is given", batch)
+        check_contiguous("cu_seqlens", cu_seqlens)
+        num_seqs = cu_seqlens.numel() - 1
+    state_shape = (num_seqs, heads, value_dim, key_dim)
+    for name, state in (("initial_state", initial_state), ("final_state", final_state)):
+        if state is not None:
+            check_tensor(name, state, state_shape, STATE_DTYPES, device)
+            check_contiguous(name, state)
+    check_out(out, v)
+    check_index_ranges(slots_H_K=(batch * length // chunk + num_seqs + 1, heads, key_dim),
+                       N_H_V=(num_seqs, heads, value_dim))
+    if (checkpoint_offsets is None) != (checkpoint_states is None):
+        fail("checkpoint_offsets and checkpoint_states", "given together",
+             f"checkpoint_offsets={'set' if checkpoint_offsets is not None else None}, "
+             f"checkpoint_states={'set' if checkpoint_states is not None else None}")
+    if checkpoint_offsets is not None:
+        if not isinstance(checkpoint_offsets, torch.Tensor) or tuple(checkpoint_offsets.shape) not in (
+                (num_seqs,), (num_seqs, 1), (num_seqs, 2)):
+            fail("checkpoint_offsets", f"of shape [{num_seqs}] or [{num_seqs}, 2]", _describe(checkpoint_offsets))
+        dtypes = (cu_seqlens.dtype,) if cu_seqlens is not None else INDEX_DTYPES
+        check_tensor("checkpoint_offsets", checkpoint_offsets, checkpoint_offsets.shape, dtypes, device)
+        check_tensor("checkpoint_states", checkpoint_states, (num_seqs, 2, heads, value_dim, key_dim),
+                     (torch.float32,), device)
+        check_contiguous("checkpoint_states", checkpoint_states)
+    return num_seqs
+
+
+def validate_decode(q, k, v, g, beta, state_pool, slots, A_log, dt_bias, lower_bound, scale, num_accepted_tokens,
+                    out):
+    """Raise ``ValueError`` naming the first argument that breaks the decode contract (spec §5)."""
+    if isinstance(q, torch.Tensor) and q.dim() == 4 and q.shape[1] < 1:
+        fail("q", "[N, T, H, K] with at least one token per sequence (T >= 1)", f"T={q.shape[1]}")
+    value_dim = check_inputs(q, k, v, g, beta, A_log, dt_bias, lower_bound, scale)
+    num_seqs, tokens, heads, key_dim = q.shape
+    device = q.device
+    if not isinstance(state_pool, torch.Tensor) or state_pool.dim() != 4:
+        fail("state_pool", "a 4-D tensor [P, H, V, K]", _describe(state_pool))
+    check_tensor("state_pool", state_pool, (state_pool.shape[0], heads, value_dim, key_dim), STATE_DTYPES, device)
+    check_contiguous("state_pool", state_pool)
+    if not isinstance(slots, torch.Tensor) or tuple(slots.shape) not in ((num_seqs,), (num_seqs, tokens)):
+        fail("slots", f"of shape [{num_seqs}] or [{num_seqs}, {tokens}]", _describe(slots))
+    check_tensor("slots", slots, slots.shape, INDEX_DTYPES, device)
+    if num_accepted_tokens is not None:
+        if slots.dim() != 2:
+            fail("slots", "per-token [N, T] when num_accepted_tokens is given", list(slots.shape))
+        check_tensor("num_accepted_tokens", num_accepted_tokens, (num_seqs,), INDEX_DTYPES, device)
+    check_out(out, v)
+    check_index_ranges(H_V_K=(heads, value_dim, key_dim), N_T=(num_seqs, tokens))

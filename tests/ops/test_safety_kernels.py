@@ -1,0 +1,91 @@
+"""The GPU kernels against bad device-side indices, on Triton's interpreter: a slot, count or ``cu_seqlens`` entry
+out of range is neutralised as the API documents, counted in the error counters (:mod:`fastkda.errors`), and
+nothing outside the buffers is touched (guard regions around the pool and the output stay bitwise unchanged).
+On the H200 the same cases run under compute-sanitizer (tests/test_gpu_safety.py)."""
+
+import pytest
+import torch
+
+from fastkda.plan import choose_decode_plan
+from helpers import make_inputs, needs_interpreter, plan_for
+
+pytestmark = needs_interpreter
+SENTINEL = 2.0 ** 100
+GUARD = 64 * 64  # elements of guard on each side of a buffer
+
+
+def guarded(shape, fill, dtype=torch.float32):
+    """A buffer of ``shape`` with ``GUARD`` sentinel elements before and after it: ``(view, whole buffer)``."""
+    size = torch.Size(shape).numel()
+    whole = torch.full((size + 2 * GUARD,), SENTINEL, dtype=dtype)
+    view = whole[GUARD:GUARD + size].view(shape)
+    view.copy_(fill)
+    return view, whole
+
+
+def guards_intact(whole):
+    return bool((whole[:GUARD] == SENTINEL).all() and (whole[-GUARD:] == SENTINEL).all())
+
+
+def run_decode(slots, accepted=None, tokens=1, seqs=3, pool_slots=4):
+    from fastkda.ops.decode import recurrent_kda_decode
+
+    inp = make_inputs([tokens] * seqs, heads=2, key_dim=64, varlen=False, seed=51)
+    states = torch.randn(pool_slots, 2, 64, 64)
+    pool, pool_whole = guarded(states.shape, states)
+    out, out_whole = guarded(inp["v"].shape, torch.full(inp["v"].shape, float("nan")), torch.bfloat16)
+    errors = torch.zeros(3, dtype=torch.int32)
+    recurrent_kda_decode(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], pool, slots,
+                         plan=choose_decode_plan(seqs, 2, 64, 132), A_log=inp["A_log"], dt_bias=inp["dt_bias"],
+                         lower_bound=inp["lower_bound"], scale=0.125, num_accepted_tokens=accepted,
+                         use_qk_l2norm=True, use_beta_sigmoid=True, out=out, errors=errors)
+    assert guards_intact(pool_whole) and guards_intact(out_whole)
+    return out, pool, states, errors.tolist()
+
+
+@pytest.mark.parametrize("bad", [4, 10 ** 6])
+def test_a_read_slot_past_the_pool_is_a_null_row(bad):
+    out, pool, before, errors = run_decode(torch.tensor([0, bad, 2], dtype=torch.int32))
+    assert (out[1] == 0).all() and torch.isfinite(out).all()
+    assert torch.equal(pool[1], before[1]) and torch.equal(pool[3], before[3])  # untouched slots
+    assert not torch.equal(pool[0], before[0]) and not torch.equal(pool[2], before[2])
+    assert errors == [1, 0, 0]
+
+
+def test_a_write_slot_past_the_pool_is_skipped():
+    slots = torch.tensor([[0, 1], [2, 9], [-1, -1]], dtype=torch.int32)
+    out, pool, before, errors = run_decode(slots, tokens=2)
+    assert torch.isfinite(out[:2]).all() and (out[2] == 0).all()
+    assert not torch.equal(pool[2], before[2]) and torch.equal(pool[3], before[3])
+    assert errors == [1, 0, 0]
+
+
+@pytest.mark.parametrize("counts", [[0, 2, 1], [3, 1, 2], [-5, 1, 1]])
+def test_accepted_counts_out_of_range_make_null_rows(counts):
+    slots = torch.tensor([[0, 1], [2, 3], [-1, -1]], dtype=torch.int32)
+    out, pool, before, errors = run_decode(slots, torch.tensor(counts, dtype=torch.int32), tokens=2)
+    bad = [n for n, c in enumerate(counts) if not 1 <= c <= 2]
+    for n in bad:
+        assert (out[n] == 0).all() and all(torch.equal(pool[s], before[s]) for s in slots[n].tolist() if s >= 0)
+    assert errors == [0, len(bad), 0]
+
+
+@pytest.mark.parametrize("offsets", [[0, 40, 200], [0, 60, 30, 100], [-7, 50, 100], [0, 30, 100, 100, 90]],
+                         ids=["last past T", "decreasing", "negative first", "short of T"])
+def test_malformed_cu_seqlens_stay_inside_the_buffers(offsets):
+    from fastkda.ops.prefill import chunk_kda_forward
+
+    lengths = [100 // (len(offsets) - 1)] * (len(offsets) - 2)
+    lengths.append(100 - sum(lengths))
+    inp = make_inputs(lengths, heads=2, key_dim=64, seed=52)
+    plan = plan_for(inp, 1)
+    out, out_whole = guarded(inp["v"].shape, torch.zeros(inp["v"].shape), torch.bfloat16)
+    final, final_whole = guarded(inp["initial_state"].shape, torch.zeros(inp["initial_state"].shape))
+    errors = torch.zeros(3, dtype=torch.int32)
+    chunk_kda_forward(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], plan=plan, A_log=inp["A_log"],
+                      dt_bias=inp["dt_bias"], lower_bound=inp["lower_bound"], scale=0.125,
+                      initial_state=inp["initial_state"], cu_seqlens=torch.tensor(offsets, dtype=torch.int32),
+                      use_qk_l2norm=True, use_beta_sigmoid=True, out=out, final_state=final, errors=errors)
+    assert guards_intact(out_whole) and guards_intact(final_whole)
+    assert torch.isfinite(out).all() and torch.isfinite(final).all()
+    assert errors[2] >= 1 and errors[:2].tolist() == [0, 0]

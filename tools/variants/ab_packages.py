@@ -1,0 +1,148 @@
+"""Same-run A/B of fastkda at other commits: each package times the same inputs, interleaved, in one process.
+
+A refactor or a kernel change is judged against the commit before it on the same GPU, in the same process, on
+the same inputs: the packages take turns on every workload (graph replay and eager), twice, and the faster of
+each package's two medians counts, so drift of the card's clocks during the run falls on both alike. It also
+says whether the packages' outputs and final states are bitwise equal (a change that moves code should keep
+every bit).
+
+Here (needs git): ``python tools/variants/ab_packages.py --make ce73160 [--make ...]`` copies the ``fastkda``
+package of each commit into ``.ab/fastkda_<commit>/`` (ignored by git; carry ``.ab`` to the device), renamed so
+that it imports beside the working tree's, its custom ops in their own namespace.
+On the device: ``python tools/variants/ab_packages.py --against ce73160 [--only NAME ...] [--out DIR]``
+prints one line per workload and mode (the working tree's time, each other package's, their ratios) and writes
+``ab-<commits>.json`` under ``--out``.
+"""
+
+import argparse
+import datetime
+import importlib
+import json
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[2]
+AB = REPO / ".ab"
+sys.path[:0] = [str(REPO), str(AB)]
+
+
+def make_package(commit):
+    """``.ab/fastkda_<commit>/``: the ``fastkda`` package of ``commit``, its custom ops renamed."""
+    name = f"fastkda_{commit}"
+    target = AB / name
+    if target.exists():
+        shutil.rmtree(target)
+    with tempfile.TemporaryDirectory() as tmp:
+        archive = Path(tmp) / "src.tar"
+        subprocess.run(["git", "-C", str(REPO), "archive", "-o", str(archive), commit, "fastkda"], check=True)
+        with tarfile.open(archive) as tar:
+            tar.extractall(tmp, filter="data")
+        shutil.move(str(Path(tmp) / "fastkda"), target)
+    for path in target.rglob("*.py"):
+        text = path.read_text()
+        if '"fastkda::' in text:
+            path.write_text(text.replace('"fastkda::', f'"{name}::'))
+    return target
+
+
+def prefill_call(package, inp, out, final):
+    """One prefill of ``inp`` (a bench workload's inputs) through ``package``'s public function."""
+    return lambda: package.kda_prefill(
+        inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], A_log=inp["A_log"], dt_bias=inp["dt_bias"],
+        lower_bound=inp["lower_bound"], scale=inp["scale"], initial_state=inp["initial_state"], final_state=final,
+        cu_seqlens=inp["cu_seqlens"], out=out)
+
+
+def decode_call(package, inp, pool, out):
+    return lambda: package.kda_decode(
+        inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], pool, inp["slots"], A_log=inp["A_log"],
+        dt_bias=inp["dt_bias"], lower_bound=inp["lower_bound"], scale=inp["scale"],
+        num_accepted_tokens=inp["accepted"], out=out)
+
+
+def compare(packages, workloads, rounds=2):
+    """Rows ``{workload, mode, ms: {package: ms}, equal: {package: bool}}``: the packages' times, interleaved."""
+    from fastkda.bench.timing import time_eager, time_graph
+    from fastkda.bench.workloads import LOWER_BOUND, make_decode_inputs, make_prefill_inputs
+
+    rows = []
+    for kind, workload in workloads:
+        inp = (make_prefill_inputs if kind == "prefill" else make_decode_inputs)(workload, "cuda")
+        inp.setdefault("lower_bound", LOWER_BOUND)
+        calls, results = {}, {}
+        for name, package in packages.items():
+            if kind == "prefill":
+                out, final = torch.empty_like(inp["v"]), torch.empty_like(inp["initial_state"])
+                calls[name] = prefill_call(package, inp, out, final)
+                calls[name]()
+                results[name] = (out, final)
+            else:
+                pool, out = inp["pool"].clone(), torch.empty_like(inp["v"])
+                start = pool.clone()
+                calls[name] = decode_call(package, inp, pool, out)
+                pool.copy_(start)
+                calls[name]()
+                results[name] = (out.clone(), pool.clone())
+                pool.copy_(start)
+        torch.cuda.synchronize()
+        first = next(iter(results))
+        equal = {name: all(torch.equal(a, b) for a, b in zip(results[first], results[name])) for name in results}
+        for mode, timer in (("graph", time_graph), ("eager", time_eager)):
+            best = {name: float("inf") for name in calls}
+            for _ in range(rounds):
+                for name, call in calls.items():
+                    best[name] = min(best[name], timer(call))
+            rows.append(dict(workload=workload["name"], kind=kind, mode=mode, ms={k: round(v, 5) for k, v in
+                                                                                  best.items()}, equal=equal))
+            line = "  ".join(f"{name} {ms:.4f}" + ("" if name == first else f" ({ms / best[first]:.3f}x)")
+                             for name, ms in best.items())
+            print(f"[ab] {workload['name']:<22} {mode:<5} {line}  bits {'equal' if all(equal.values()) else 'DIFFER'}",
+                  flush=True)
+        del inp, calls, results
+        torch.cuda.empty_cache()
+    return rows
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--make", action="append", default=[], metavar="COMMIT", help="copy a commit's package")
+    parser.add_argument("--against", nargs="*", default=[], metavar="COMMIT", help="packages made by --make")
+    parser.add_argument("--only", nargs="*", help="workload names (default: every prefill and decode workload)")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--out", default="fastkda-results")
+    args = parser.parse_args(argv)
+    for commit in args.make:
+        print(f"made {make_package(commit)}")
+    if not args.against:
+        return 0
+    if not torch.cuda.is_available():
+        print("the A/B needs a CUDA GPU", file=sys.stderr)
+        return 2
+    from fastkda.bench.workloads import load_workloads
+
+    packages = {"current": importlib.import_module("fastkda")}
+    packages.update({commit: importlib.import_module(f"fastkda_{commit}") for commit in args.against})
+    found = load_workloads()
+    workloads = [(kind, w) for kind in ("prefill", "decode") for w in found[kind]
+                 if not args.only or w["name"] in args.only]
+    rows = compare(packages, workloads, args.rounds)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    meta = dict(gpu=torch.cuda.get_device_name(), date=datetime.date.today().isoformat(),
+                packages=list(packages), torch=torch.__version__)
+    path = out / f"ab-{'-'.join(args.against)}.json"
+    path.write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
+    slower = [(r["workload"], r["mode"], r["ms"]["current"] / r["ms"][c]) for r in rows for c in args.against
+              if r["ms"]["current"] > 1.02 * r["ms"][c]]
+    print(f"[ab] wrote {path}; {len(slower)} row(s) more than 2% slower than a base: {slower}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
