@@ -51,9 +51,10 @@ def rel_err(x, ref):
     return ((x - ref.double()).norm() / ref.double().norm().clamp_min(1e-30)).item()
 
 
-def run_prefill(inp, state_in, state_out, v_slices="auto"):
+def run_prefill(inp, state_in, state_out, v_slices="auto", plan=None):
     """``kda_prefill`` into NaN-poisoned buffers; ``state_in``/``state_out``: dtype of the initial/final state,
-    or None for none. Returns ``(out, final, initial_state)``."""
+    or None for none; ``plan``: a plan for ``inp`` (:func:`plan_for`) instead of ``v_slices``. Returns ``(out,
+    final, initial_state)``."""
     import fastkda
 
     device = inp["q"].device
@@ -65,7 +66,7 @@ def run_prefill(inp, state_in, state_out, v_slices="auto"):
     h0 = inp["initial_state"].to(state_in) if state_in else None
     fastkda.kda_prefill(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], A_log=inp["A_log"],
                         dt_bias=inp["dt_bias"], lower_bound=inp["lower_bound"], initial_state=h0, final_state=final,
-                        cu_seqlens=inp["cu_seqlens"], out=out, v_slices=v_slices)
+                        cu_seqlens=inp["cu_seqlens"], out=out, v_slices=v_slices, plan=plan)
     return out, final, h0
 
 

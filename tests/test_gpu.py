@@ -1,4 +1,4 @@
-"""GPU tests (run on the H200 by ``scripts/device_tests.sh``; skipped without CUDA).
+"""GPU tests (run on the H200 by ``tools/device_tests.sh``; skipped without CUDA).
 
 Every output buffer is NaN-poisoned before the call; errors are against the float64 recurrence."""
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import fastkda
-from fastkda.bench import capture_graph
+from fastkda.bench.timing import capture_graph
 from fastkda.reference import kda_reference
 from helpers import make_inputs, rel_err, run_prefill
 
@@ -201,13 +201,17 @@ def test_repeated_call_skips_tritons_launch_path(monkeypatch):
 
 
 def test_bench_kernel_breakdown_times_each_kernel():
-    from fastkda import bench
+    from fastkda.bench.work import KERNELS, kernel_breakdown, kernel_work, plan_for_inputs
+    from fastkda.bench.workloads import make_prefill_inputs
 
     workload = dict(name="w", H=4, lengths=[1024, 300], layout="varlen")
     copy_gbps, tflops = 4000.0, 600.0
-    rows = bench.kernel_breakdown(bench.make_prefill_inputs(workload, "cuda"), workload, copy_gbps, tflops)
-    assert [r["kernel"] for r in rows] == list(bench.KERNELS)
-    work = bench.kernel_work(workload, rows[0]["v_slices"])
+    inp = make_prefill_inputs(workload, "cuda")
+    rows = kernel_breakdown(inp, workload, copy_gbps, tflops)
+    assert [r["kernel"] for r in rows] == list(KERNELS)
+    plan = plan_for_inputs(inp)
+    assert rows[0]["v_slices"] == plan.v_slices
+    work = kernel_work(workload, plan)
     for r in rows:
         assert r["ms"] > 0 and r["gbps"] == pytest.approx(work[r["kernel"]][0] / r["ms"] / 1e6, rel=1e-3, abs=0.1)
         assert r["pct_copy"] == pytest.approx(100 * r["gbps"] / copy_gbps, abs=0.1)

@@ -2,10 +2,10 @@
 # Everything an H200 run needs, in one call, each step under its own time limit (seconds) so that one slow step
 # cannot starve the rest. One log ($OUT/device.log) and the results files ($OUT/results) come back: the device
 # tool returns at most 8 files. Order: the kernel A/B (when asked for), correctness, the benchmarks and sweeps, where the time goes.
-#   bash scripts/device_tests.sh [bench args...]
+#   bash tools/device_tests.sh [bench args...]
 #   TEST_FILTER='accuracy or graph' TESTS_S=150 EXACT_S=150 KERNELS_S=40 VARIANTS_S=120 CKPT_S=40 NCU_S=90
 #   DSWEEP_S=90 PSWEEP_S=100 BENCH_S=200 (0 skips a step; the bench appends to today's committed results file)
-#   PSWEEP_ARGS, VARIANTS_ARGS: extra arguments of the plan sweep and of scripts/prepare_variants.py
+#   PSWEEP_ARGS, VARIANTS_ARGS: extra arguments of tools/sweeps/plan_sweep.py and tools/variants/prepare_variants.py
 set -uo pipefail
 OUT=${OUT:-/tmp/fastkda-out}
 mkdir -p "$OUT/results"
@@ -30,17 +30,17 @@ step() {  # step NAME SECONDS COMMAND...: run unless SECONDS is 0, append to the
   echo "== $name (rc=$rc)"
   grep -E "^\[|passed|failed|Error" "/tmp/$name.log" | grep -v " eager: " | tail -40
 }
-step prepare-variants "${VARIANTS_S:-0}" python3 scripts/prepare_variants.py ${VARIANTS_ARGS:-}
+step prepare-variants "${VARIANTS_S:-0}" python3 tools/variants/prepare_variants.py ${VARIANTS_ARGS:-}
 step gpu-tests "${TESTS_S:-600}" python3 -m pytest -q -s tests/test_gpu.py tests/test_checkpoints.py \
   ${TEST_FILTER:+-k "$TEST_FILTER"}
-step exactness "${EXACT_S:-0}" python3 scripts/exactness_matrix.py
-step decode-sweep "${DSWEEP_S:-0}" python3 scripts/decode_sweep.py --out "$OUT/results"
-step bench "${BENCH_S:-400}" python3 -m fastkda.bench --append --out-dir "$OUT/results" "$@"
-step plan-sweep "${PSWEEP_S:-0}" python3 benchmarks/plan_sweep.py --out "$OUT/results" --budget-s "${PSWEEP_BUDGET:-60}" \
+step exactness "${EXACT_S:-0}" python3 tools/sweeps/exactness_matrix.py
+step decode-sweep "${DSWEEP_S:-0}" python3 tools/sweeps/decode_sweep.py --out "$OUT/results"
+step bench "${BENCH_S:-400}" python3 -m fastkda.bench --append --out "$OUT/results" "$@"
+step plan-sweep "${PSWEEP_S:-0}" python3 tools/sweeps/plan_sweep.py --out "$OUT/results" --budget-s "${PSWEEP_BUDGET:-60}" \
   ${PSWEEP_ARGS:-}
-step kernel-times "${KERNELS_S:-60}" python3 scripts/kernel_times.py
-step checkpoint-cost "${CKPT_S:-0}" python3 scripts/checkpoint_cost.py
+step kernel-times "${KERNELS_S:-60}" python3 tools/profiling/kernel_times.py
+step checkpoint-cost "${CKPT_S:-0}" python3 tools/sweeps/checkpoint_cost.py
 step ncu "${NCU_S:-0}" bash -c 'ncu --clock-control none --set full --import-source yes -k regex:prepare_kernel \
-  --launch-count 1 -f -o /tmp/prep python3 scripts/ncu_prepare.py && ncu -i /tmp/prep.ncu-rep --page details \
+  --launch-count 1 -f -o /tmp/prep python3 tools/profiling/ncu_prepare.py && ncu -i /tmp/prep.ncu-rep --page details \
   && ncu -i /tmp/prep.ncu-rep --page source --print-source sass --csv > /tmp/prep-sass.csv \
-  && python3 scripts/ncu_hotspots.py /tmp/prep-sass.csv'
+  && python3 tools/profiling/ncu_hotspots.py /tmp/prep-sass.csv'

@@ -3,9 +3,9 @@
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: the tools package
 
-import ncu_hotspots  # noqa: E402
+from tools.profiling import ncu_hotspots  # noqa: E402
 
 PAGE = '''==PROF== Connected to process 1
 "Address","Source","Warp Stall Sampling (All Samples)","Warp Stall Sampling (Not-issued Samples)"

@@ -1,60 +1,61 @@
-"""The device A/B script's variants are well-formed before a device call is spent on them."""
+"""The variant tools: their variants are well formed before a device call is spent on them, a source variant is a
+whole prefill package imported apart and removed afterwards, and its error is measured on the CPU interpreter."""
 
-import importlib
 import os
+import shutil
 import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+pytest.importorskip("triton")  # the variants are Triton kernels
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: the tools package
 
-import prepare_variants  # noqa: E402
-from fastkda.ops import prefill  # noqa: E402
-
-
-def test_settings_name_existing_knobs_and_source_files_are_read(tmp_path):
-    for label, settings, _ in prepare_variants.VARIANTS:
-        for name in settings:
-            assert hasattr(prefill, name), f"{label}: fastkda.ops.prefill has no {name}"
-    other = tmp_path / "prefill_old.py"
-    other.write_text("# an older prefill.py\n")
-    label, settings, edit = prepare_variants.variants([str(other)])[-1]
-    assert str(other) in label and settings == {}
-    assert edit(prepare_variants.SOURCE.read_text()) == "# an older prefill.py\n"
+import fastkda.ops.prefill as committed  # noqa: E402
+from tools.variants import prepare_variants, variant_accuracy  # noqa: E402
+from tools.variants.variant import OPS, PREFILL, Variant, prefill_package, variant_package  # noqa: E402
 
 
-def test_source_edits_apply_to_the_current_kernel():
-    source = prepare_variants.SOURCE.read_text()
-    for label, _, edit in prepare_variants.VARIANTS:
-        if edit is not None:
-            assert edit(source) != source, f"{label}: its edit no longer matches fastkda/ops/prefill.py"
+def leftovers():
+    return [p.name for p in OPS.iterdir() if p.name.startswith(("_variant", "_accuracy_variant"))]
 
 
-def test_a_source_variant_is_imported_with_its_settings_and_its_copy_removed():
-    try:
-        module = prepare_variants.variant_module(7, dict(SOLVE_WARPS=1), lambda text: text + "\nEDITED = True\n")
-        assert module.EDITED and module.SOLVE_WARPS == 1 and module is not prefill
-        assert prefill.chunk_kda_forward is module.chunk_kda_forward  # where the API looks it up
-        assert not list(prepare_variants.SOURCE.parent.glob("_variant*.py"))
-    finally:
-        importlib.reload(prefill)
-    assert prefill.SOLVE_WARPS != 1 and not hasattr(prefill, "EDITED")
+def test_command_line_variants(tmp_path, capsys):
+    args = prepare_variants.parser().parse_args(["--set", "prepare_warps=8,solve_stages=2", "recurrence_warps=8",
+                                                 "--source", str(tmp_path)])
+    chosen = prepare_variants.variants(args.source, args.set)
+    assert [v.label for v in chosen] == ["as committed", "as committed, prepare_warps=8,solve_stages=2",
+                                         "as committed, recurrence_warps=8", f"source {tmp_path}"]
+    assert chosen[1].changes == dict(prepare_warps=8, solve_stages=2) and chosen[3].source == str(tmp_path)
+    with pytest.raises(SystemExit):  # a misspelt launch number would time the committed kernels under its label
+        prepare_variants.parser().parse_args(["--set", "PREPARE_WARPS=8"])
+    assert "no launch number 'PREPARE_WARPS'" in capsys.readouterr().err
 
 
-def test_command_line_settings_become_variants():
-    label, settings, edit = prepare_variants.variants([], ["PREPARE_WARPS=8,PREPARE_MAXNREG=None"])[-1]
-    assert settings == dict(PREPARE_WARPS=8, PREPARE_MAXNREG=None) and edit is None and "PREPARE_WARPS=8" in label
-    with pytest.raises(SystemExit, match="PREPARE_WRAPS"):  # a misspelt knob would time the committed kernels
-        prepare_variants.variants([], ["PREPARE_WRAPS=8"])
+def test_a_source_variant_is_a_whole_package_imported_apart_and_removed(tmp_path):
+    source = tmp_path / "prefill"
+    shutil.copytree(PREFILL, source, ignore=shutil.ignore_patterns("__pycache__"))
+    with open(source / "__init__.py", "a") as f:
+        f.write("\nEDITED = True\n")
+    with prefill_package(source, "_variant_test") as package:
+        assert package.__name__ == "fastkda.ops._variant_test" and package.EDITED
+        assert package.prepare.prepare_kernel is not committed.prepare.prepare_kernel  # compiled afresh
+        assert package.prepare.launch is committed.prepare.launch  # its relative imports resolve in fastkda.ops
+        assert (OPS / "_variant_test").is_dir()
+    assert not leftovers() and "fastkda.ops._variant_test" not in sys.modules
+    assert not hasattr(committed, "EDITED")
+    with variant_package(Variant(), "_variant_unused") as package:  # no source: the committed package, no copy
+        assert package is committed and not leftovers()
+    with pytest.raises(ValueError, match="not a prefill package"):
+        with prefill_package(tmp_path, "_variant_bad"):
+            pass
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="runs the kernels on the CPU interpreter")
 @pytest.mark.parametrize("v_slices", ["1", "4"])
 def test_variant_accuracy_runs_a_source_on_the_interpreter(v_slices):
-    import variant_accuracy
-
-    found = variant_accuracy.main(["--tokens", "40", "--v-slices", v_slices, str(prepare_variants.SOURCE)])
-    (out_err, state_err), = found.values()
+    found = variant_accuracy.main([str(PREFILL), "--tokens", "40", "--v-slices", v_slices, "--set", "solve_stages=2"])
+    (label, (out_err, state_err)), = found.items()
+    assert label == f"source {PREFILL}, solve_stages=2"
     assert 0 < out_err < 4e-3 and 0 < state_err < 3e-3
-    assert not list(variant_accuracy.OPS.glob("_accuracy_variant*.py"))  # the copy is removed
+    assert not leftovers()  # the copy is removed

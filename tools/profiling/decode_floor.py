@@ -2,26 +2,34 @@
 replay, timed as the benchmark times it): an empty kernel on decode's grid (the replay itself), a kernel that only
 moves each program's state slice through the slot index (slot -> state -> store: the memory chain), the same
 without the slot indirection, and the decode step. Also back-to-back replays without the L2 flush between them.
+The grid, slice width and warps are those of the decode plan of each workload.
 
-python scripts/decode_floor.py"""
+python tools/profiling/decode_floor.py [--max-seqs 32]"""
 
-import torch
-import triton
-import triton.language as tl
+import argparse
+import sys
+from pathlib import Path
 
-from fastkda.bench import LOWER_BOUND, capture_graph, load_workloads, make_decode_inputs, time_graph
-from fastkda.ops.decode import decode_warps, recurrent_kda_decode
-from fastkda.plan import DECODE_SLICE_WIDTH
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: fastkda and tools
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+from fastkda.bench.runners import fastkda_decode_runner  # noqa: E402
+from fastkda.bench.timing import capture_graph, time_graph  # noqa: E402
+from fastkda.bench.workloads import load_workloads, make_decode_inputs  # noqa: E402
+from fastkda.plan import choose_decode_plan, sm_count  # noqa: E402
 
 
 @triton.jit
-def _empty_kernel(pool):
+def empty_kernel(pool):
     pass
 
 
 @triton.jit
-def _state_chain_kernel(pool, slots, H: tl.constexpr, V: tl.constexpr, K: tl.constexpr, BV: tl.constexpr,
-                        INDIRECT: tl.constexpr):
+def state_chain_kernel(pool, slots, H: tl.constexpr, V: tl.constexpr, K: tl.constexpr, BV: tl.constexpr,
+                       INDIRECT: tl.constexpr):
     vs = tl.program_id(0)
     h = tl.program_id(1)
     n = tl.program_id(2)
@@ -46,26 +54,25 @@ def replay_back_to_back(run, replays=200):
     return start.elapsed_time(end) / replays * 1e3
 
 
-def main():
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--max-seqs", type=int, default=32, help="the decode workloads of at most this many sequences")
+    args = parser.parse_args(argv)
     for w in load_workloads()["decode"]:
-        if w["N"] > 32 or w["tokens_per_seq"] != 1:
+        if w["N"] > args.max_seqs or w["tokens_per_seq"] != 1:
             continue
         inp = make_decode_inputs(w, "cuda")
         pool, slots = inp["pool"], inp["slots"]
         heads, dim = w["H"], pool.shape[-1]
-        grid = (dim // DECODE_SLICE_WIDTH, heads, w["N"])
-        warps = decode_warps(DECODE_SLICE_WIDTH)
-        out = torch.empty_like(inp["v"])
+        plan = choose_decode_plan(w["N"], heads, dim, sm_count(torch.cuda.current_device()))
+        grid, width, warps = (plan.v_slices, heads, w["N"]), plan.slice_width, plan.warps
         runs = {
-            "empty kernel": lambda: _empty_kernel[grid](pool, num_warps=warps),
-            "slot -> state -> store": lambda: _state_chain_kernel[grid](pool, slots, heads, dim, dim, DECODE_SLICE_WIDTH,
-                                                                        True, num_warps=warps),
-            "state -> store (no slot)": lambda: _state_chain_kernel[grid](pool, slots, heads, dim, dim,
-                                                                          DECODE_SLICE_WIDTH, False, num_warps=warps),
-            "decode step": lambda: recurrent_kda_decode(
-                inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], pool, slots, A_log=inp["A_log"],
-                dt_bias=inp["dt_bias"], lower_bound=LOWER_BOUND, scale=inp["scale"], num_accepted_tokens=None,
-                use_qk_l2norm=True, use_beta_sigmoid=True, v_slices=dim // DECODE_SLICE_WIDTH, out=out),
+            "empty kernel": lambda: empty_kernel[grid](pool, num_warps=warps),
+            "slot -> state -> store": lambda: state_chain_kernel[grid](pool, slots, heads, dim, dim, width, True,
+                                                                       num_warps=warps),
+            "state -> store (no slot)": lambda: state_chain_kernel[grid](pool, slots, heads, dim, dim, width, False,
+                                                                         num_warps=warps),
+            "decode step": fastkda_decode_runner(inp, plan=plan),
         }
         for label, run in runs.items():
             run()

@@ -1,25 +1,30 @@
 """Host time of one eager prefill call (issue 4's eager bar): wall time per call of a loop that never waits for
 the GPU, then a cProfile of the same loop, the functions that take the host's time.
 
-python scripts/host_overhead.py [--only H12_N1_T1024] [--calls 300]"""
+python tools/profiling/host_overhead.py [--only H12_N1_T1024] [--calls 300]"""
 
 import argparse
 import cProfile
 import pstats
+import sys
 import time
+from pathlib import Path
 
-import torch
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: fastkda and tools
 
-from fastkda.bench import fastkda_runner, load_workloads, make_prefill_inputs
+import torch  # noqa: E402
+
+from fastkda.bench.runners import fastkda_runner  # noqa: E402
+from fastkda.bench.workloads import load_workloads, make_prefill_inputs  # noqa: E402
 
 
-def main():
-    parser = argparse.ArgumentParser()
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--only", default="H12_N1_T1024")
     parser.add_argument("--calls", type=int, default=300)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     workload = next(w for w in load_workloads()["prefill"] if w["name"] == args.only)
-    run = fastkda_runner(make_prefill_inputs(workload, "cuda"), "auto")
+    run = fastkda_runner(make_prefill_inputs(workload, "cuda"))
     for _ in range(20):
         run()
     torch.cuda.synchronize()

@@ -1,22 +1,43 @@
-"""Per-kernel GPU time of one prefill call (torch.profiler), for docs/perf-notes.md.
+"""Per-kernel GPU time of one prefill call (torch.profiler, mean of 10 calls after 3), for docs/perf-notes.md.
 
-python scripts/kernel_times.py [--v-slices 1] [--impl fla]   (--impl: any of fastkda.bench.IMPLS, peers too)"""
+python tools/profiling/kernel_times.py [--only NAME ...] [--v-slices 1] [--set NAME=VALUE,...] [--impl fla]
+(--impl: any implementation of the bench, peers too; fastkda's plan follows --v-slices and --set)"""
 
 import argparse
+import sys
+from pathlib import Path
 
-from fastkda.bench import IMPLS, fastkda_runner, load_workloads, make_prefill_inputs, profile_kernels
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: fastkda and tools
 
-parser = argparse.ArgumentParser()
-parser.add_argument("--only", nargs="*", default=["H96_B1_T8192", "H12_N1_T8192", "H12_N1_T1024", "H12_N1_T65536"])
-parser.add_argument("--v-slices", default="auto")
-parser.add_argument("--impl", default="fastkda", choices=list(IMPLS), help="whose kernels to time (fastkda honours --v-slices)")
-args = parser.parse_args()
-v_slices = args.v_slices if args.v_slices == "auto" else int(args.v_slices)
-for w in load_workloads()["prefill"]:
-    if w["name"] not in args.only:
-        continue
-    inp = make_prefill_inputs(w, "cuda")
-    run = fastkda_runner(inp, v_slices) if args.impl == "fastkda" else IMPLS[args.impl](inp)
-    times = {key: us / launches for key, (us, launches) in profile_kernels(run, 10, warmup=3).items()}
-    line = ", ".join(f"{k[:40]} {v / 1000:.3f} ms" for k, v in sorted(times.items(), key=lambda kv: -kv[1]))
-    print(f"[kernels] {args.impl} {w['name']} v_slices={v_slices}: {line}")
+from fastkda.bench.runners import IMPLS, fastkda_runner  # noqa: E402
+from fastkda.bench.timing import profile_kernels  # noqa: E402
+from fastkda.bench.work import plan_for_inputs  # noqa: E402
+from fastkda.bench.workloads import load_workloads, make_prefill_inputs  # noqa: E402
+from tools.plan_changes import add_set_argument, describe, parse_arguments  # noqa: E402
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--only", nargs="*", default=["H96_B1_T8192", "H12_N1_T8192", "H12_N1_T1024",
+                                                      "H12_N1_T65536"])
+    parser.add_argument("--v-slices", default="auto")
+    parser.add_argument("--impl", default="fastkda", choices=list(IMPLS), help="whose kernels to time")
+    add_set_argument(parser)
+    args, changes = parse_arguments(parser, argv)
+    v_slices = args.v_slices if args.v_slices == "auto" else int(args.v_slices)
+    for w in load_workloads()["prefill"]:
+        if w["name"] not in args.only:
+            continue
+        inp = make_prefill_inputs(w, "cuda")
+        if args.impl == "fastkda":
+            plan = plan_for_inputs(inp, v_slices=v_slices)
+            run = fastkda_runner(inp, plan=plan.replace(**changes) if changes else plan)
+        else:
+            run = IMPLS[args.impl].make(inp)
+        times = {key: us / launches for key, (us, launches) in profile_kernels(run, 10, warmup=3).items()}
+        line = ", ".join(f"{k[:40]} {v / 1000:.3f} ms" for k, v in sorted(times.items(), key=lambda kv: -kv[1]))
+        print(f"[kernels] {args.impl} {w['name']} v_slices={v_slices} {describe(changes)}: {line}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

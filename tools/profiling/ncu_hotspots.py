@@ -2,9 +2,9 @@
 
 On the device:
   ncu --clock-control none --set full --import-source yes -k regex:prepare_kernel --launch-count 1 \\
-      -o /tmp/prep python3 scripts/ncu_prepare.py
+      -o /tmp/prep python3 tools/profiling/ncu_prepare.py
   ncu -i /tmp/prep.ncu-rep --page source --print-source sass --csv > /tmp/prep-sass.csv
-  python3 scripts/ncu_hotspots.py /tmp/prep-sass.csv [--top 40]
+  python3 tools/profiling/ncu_hotspots.py /tmp/prep-sass.csv [--top 40]
 Prints the top lines by sampled stalls with their share, the instruction and its neighbourhood's opcode, so
 the next kernel change can aim at the phase that holds the time."""
 

@@ -1,12 +1,28 @@
-"""Hardware counters of the preparation kernel (Nsight Compute), to tell where its time goes.
+"""One prefill call for Nsight Compute to count, to tell where the preparation's time goes (H96 B1 T8192 unless
+``--only`` names another workload).
 
-ncu --clock-control none -k regex:prepare_kernel --section ... python scripts/ncu_prepare.py
-(one H96 B1 T8192 call)"""
+ncu --clock-control none -k regex:prepare_kernel --section ... python tools/profiling/ncu_prepare.py [--only NAME]"""
 
-import torch
+import argparse
+import sys
+from pathlib import Path
 
-from fastkda.bench import fastkda_runner, load_workloads, make_prefill_inputs
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: fastkda and tools
 
-workload = next(w for w in load_workloads()["prefill"] if w["name"] == "H96_B1_T8192")
-fastkda_runner(make_prefill_inputs(workload, "cuda"), "auto")()
-torch.cuda.synchronize()
+import torch  # noqa: E402
+
+from fastkda.bench.runners import fastkda_runner  # noqa: E402
+from fastkda.bench.workloads import load_workloads, make_prefill_inputs  # noqa: E402
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--only", default="H96_B1_T8192", help="the prefill workload to run once")
+    args = parser.parse_args(argv)
+    workload = next(w for w in load_workloads()["prefill"] if w["name"] == args.only)
+    fastkda_runner(make_prefill_inputs(workload, "cuda"))()
+    torch.cuda.synchronize()
+
+
+if __name__ == "__main__":
+    main()

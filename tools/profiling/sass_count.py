@@ -1,59 +1,68 @@
-"""Static SASS instruction counts of the preparation kernels (sm_90a, no GPU), a local proxy for their
-dynamic instruction count: ``python scripts/sass_count.py PATH [PATH ...]`` with PATH a kernel name in
-fastkda.ops.prefill, settings as NAME=VALUE (BK, num_warps, num_stages; the last defaults to the launch's)."""
+"""Static SASS instruction counts of one of fastkda's kernels (sm_90a, no GPU), a local proxy for its dynamic
+instruction count, compiled exactly as a launch under the plan of a shape compiles it (``hopper.py``).
 
-import os
+python tools/profiling/sass_count.py KERNEL [--workload NAME | --heads H --seqs N --tokens T] [--set NAME=VALUE,...]
+KERNEL: prepare, solve, recurrence or decode; e.g. ``sass_count.py prepare --set prepare_warps=8``."""
+
+import argparse
 import re
-import subprocess
 import sys
 from pathlib import Path
 
-os.environ.pop("TRITON_INTERPRET", None)
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: fastkda and tools
 
-from compile_stats import BIN, PREPARATION_SIGNATURE, compile_for_hopper  # noqa: E402
-from fastkda.ops import prefill  # noqa: E402
+from tools.profiling.hopper import KERNELS, add_plan_arguments, launches, plans_from_arguments, sass  # noqa: E402
 
-STAGES = dict(_prepare_kernel="PREPARE_STAGES", _solve_kernel="SOLVE_STAGES")  # the knobs their launches use
-WARPS = dict(_prepare_kernel="PREPARE_WARPS", _solve_kernel="SOLVE_WARPS")
+INSTRUCTION = re.compile(r"\s+/\*[0-9a-f]{4,}\*/")  # an instruction line of nvdisasm's listing
 
 
-def sass(fn, constants, num_warps, num_stages):
-    kernel = compile_for_hopper(fn, PREPARATION_SIGNATURE, constants, num_warps, num_stages)
-    Path("/tmp/fastkda_sass.cubin").write_bytes(kernel.asm["cubin"])
-    return subprocess.run([str(BIN / "nvdisasm"), "-c", "/tmp/fastkda_sass.cubin"], capture_output=True,
-                          text=True).stdout
+def parser_for(description):
+    """The command line of this tool and of ``sass_lines.py``: a kernel and the shape and plan changes."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("kernel", choices=KERNELS)
+    add_plan_arguments(parser)
+    return parser
 
 
-def sass_of_arguments(kernel_name, settings):
-    """SASS of ``kernel_name`` in fastkda.ops.prefill with ``NAME=VALUE`` settings (constexprs, num_warps,
-    num_stages) on a K = V = 128, H = 12, lower-bound-gate varlen launch."""
-    settings = dict(arg.split("=") for arg in settings)
-    warps = int(settings.pop("num_warps", getattr(prefill, WARPS[kernel_name])))
-    stages = int(settings.pop("num_stages", getattr(prefill, STAGES[kernel_name])))
-    consts = dict(H=12, K=128, V=128, C=prefill.CHUNK, BC=prefill.BLOCK, IS_VARLEN=True, LOWER_BOUND_GATE=True, L2NORM=True,
-                  BETA_SIGMOID=True, DOT_PRECISION="tf32", EMULATE=False, FORM_W_U=True, RUN=prefill.token_run(128))
-    consts.update({k: int(v) for k, v in settings.items()})  # a setting may replace a default (FORM_W_U=0)
-    return sass(getattr(prefill, kernel_name), consts, warps, stages)
+def sass_of_arguments(args, line_info=False):
+    """The SASS of ``args.kernel`` under the plan ``args`` describe."""
+    plan, decode_plan = plans_from_arguments(args)
+    fn, kernel_args, warps, stages = launches(plan, decode_plan, [args.kernel], args.checkpoints)[args.kernel]
+    return sass(fn, kernel_args, warps, stages, line_info)
 
 
-if __name__ == "__main__":
-    text = sass_of_arguments(sys.argv[1], sys.argv[2:])
-    Path("/tmp/fastkda.sass").write_text(text)
-    body = [ln for ln in text.splitlines() if re.match(r"\s+/\*[0-9a-f]{4,}\*/", ln)]
+def loop_bodies(text):
+    """Instructions in each loop body: code between a label and a later branch back to it."""
     labels, position, loops = {}, 0, []
-    for ln in text.splitlines():  # loop bodies: code between a label and a later branch back to it
+    for ln in text.splitlines():
         label = re.match(r"(\.L_x_\d+):", ln)
         if label:
             labels[label.group(1)] = position
-        elif re.match(r"\s+/\*[0-9a-f]{4,}\*/", ln):
+        elif INSTRUCTION.match(ln):
             target = re.search(r"BRA\s+`\((\.L_x_\d+)\)", ln)
             if target and target.group(1) in labels:
                 loops.append(position - labels[target.group(1)] + 1)
             position += 1
-    print("loop bodies (instructions):", loops)
-    print(sys.argv[1:], "SASS instructions:", len(body),
-          "BAR:", sum("BAR.SYNC" in ln for ln in body), "MUFU:", sum("MUFU" in ln for ln in body),
-          "HGMMA:", sum("HGMMA" in ln for ln in body), "HMMA:", sum("HMMA" in ln for ln in body),
-          "LDS:", sum(" LDS" in ln or "LDSM" in ln for ln in body), "STS:", sum(" STS" in ln for ln in body),
-          "SHFL:", sum("SHFL" in ln for ln in body), "LDG:", sum("LDG" in ln for ln in body),
-          "STG:", sum("STG" in ln for ln in body), "local:", sum("LDL" in ln or "STL" in ln for ln in body))
+    return loops
+
+
+def counts(text):
+    """Instructions in all and of the kinds that matter for these kernels."""
+    body = [ln for ln in text.splitlines() if INSTRUCTION.match(ln)]
+    kinds = dict(BAR=("BAR.SYNC",), MUFU=("MUFU",), HGMMA=("HGMMA",), HMMA=("HMMA",), LDS=(" LDS", "LDSM"),
+                 STS=(" STS",), SHFL=("SHFL",), LDG=("LDG",), STG=("STG",), local=("LDL", "STL"))
+    return dict(instructions=len(body), **{kind: sum(any(w in ln for w in words) for ln in body)
+                                          for kind, words in kinds.items()})
+
+
+def main(argv=None):
+    args = parser_for(__doc__.split("\n\n")[0]).parse_args(argv)
+    text = sass_of_arguments(args)
+    found = counts(text)
+    print("[sass] loop bodies (instructions):", loop_bodies(text))
+    print(f"[sass] {args.kernel}:", ", ".join(f"{kind} {n}" for kind, n in found.items()))
+    return found
+
+
+if __name__ == "__main__":
+    main()

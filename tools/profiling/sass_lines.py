@@ -1,22 +1,23 @@
-"""Where a preparation kernel's SASS instructions come from, per source line (sm_90a, no GPU): the static
-counterpart of ncu's source view, from the line info in Triton's cubin (an inlined helper's instructions count
-against the helper's line). ``python scripts/sass_lines.py KERNEL [NAME=VALUE ...] [--top N]``, arguments as
-``scripts/sass_count.py``; prints the lines with the most instructions and their main opcodes."""
+"""Where a kernel's SASS instructions come from, per source line (sm_90a, no GPU): the static counterpart of ncu's
+source view, from the line info in Triton's cubin (an inlined helper's instructions count against the helper's
+line). Arguments as ``sass_count.py``, plus ``--top N``; prints the lines with the most instructions and their
+main opcodes.
+
+python tools/profiling/sass_lines.py KERNEL [--workload NAME | --heads H ...] [--set NAME=VALUE,...] [--top 25]"""
 
 import collections
 import re
-import subprocess
 import sys
 from pathlib import Path
 
-import sass_count  # noqa: E402  (sets up a GPU-less compile of fastkda.ops.prefill)
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: fastkda and tools
+
+from tools.profiling.sass_count import parser_for, sass_of_arguments  # noqa: E402
 
 
-def per_line(cubin):
-    """{(file, line): Counter of opcodes} from ``nvdisasm -g`` of ``cubin``."""
-    text = subprocess.run([str(sass_count.BIN / "nvdisasm"), "-c", "-g", str(cubin)], capture_output=True,
-                          text=True).stdout
-    where, counts = None, collections.defaultdict(collections.Counter)
+def per_line(text):
+    """``{(file, line): Counter of opcodes}`` from an ``nvdisasm -g`` listing."""
+    where, found = None, collections.defaultdict(collections.Counter)
     for ln in text.splitlines():
         source = re.match(r'\s*//## File "(.+)", line (\d+)', ln)
         if source:
@@ -24,24 +25,22 @@ def per_line(cubin):
             continue
         op = re.match(r"\s+/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_]+)", ln)
         if op and where:
-            counts[where][op.group(1)] += 1
-    return counts
+            found[where][op.group(1)] += 1
+    return found
 
 
-def main():
-    top = 25
-    args = sys.argv[1:]
-    if "--top" in args:
-        top = int(args[args.index("--top") + 1])
-        del args[args.index("--top"):args.index("--top") + 2]
-    sass_count.sass_of_arguments(args[0], args[1:])  # writes /tmp/fastkda_sass.cubin
-    counts = per_line(Path("/tmp/fastkda_sass.cubin"))
-    total = sum(sum(c.values()) for c in counts.values())
-    print(f"{' '.join(args)}: {total} instructions per warp")
-    for (path, line), ops in sorted(counts.items(), key=lambda kv: -sum(kv[1].values()))[:top]:
+def main(argv=None):
+    parser = parser_for(__doc__.split("\n\n")[0])
+    parser.add_argument("--top", type=int, default=25)
+    args = parser.parse_args(argv)
+    found = per_line(sass_of_arguments(args, line_info=True))
+    total = sum(sum(c.values()) for c in found.values())
+    print(f"[sass-lines] {args.kernel}: {total} instructions per warp")
+    for (path, line), ops in sorted(found.items(), key=lambda kv: -sum(kv[1].values()))[:args.top]:
         source = Path(path).read_text().splitlines()[line - 1].strip() if Path(path).exists() else ""
         main_ops = " ".join(f"{op}:{n}" for op, n in ops.most_common(4))
         print(f"{sum(ops.values()):5d} {Path(path).name}:{line:<4d} {main_ops:44s} {source[:70]}")
+    return found
 
 
 if __name__ == "__main__":

@@ -1,50 +1,64 @@
-"""Decode launch settings on the device: every decode workload with state slices of 16, 32 and 64 columns
-(and 32 columns on 8 warps), CUDA-graph replay, so that the decode plan rests on measurements.
+"""Decode launch settings on the device: every decode workload under decode plans of 16, 32 and 64 state columns
+per program (and 32 columns on 8 warps), CUDA-graph replay, so that the decode plan rests on measurements.
 
-python scripts/decode_sweep.py [--out DIR]  ->  <date>-<gpu>-decode-sweep.json"""
+python tools/sweeps/decode_sweep.py [--out DIR] [--settings 16 32 32:8 64]  ->  <date>-<gpu>-decode-sweep.json
+A setting is COLUMNS[:WARPS]; without WARPS, the plan's own warps for that width (fastkda.plan.decode_warps)."""
 
 import argparse
 import datetime
 import json
+import sys
 from pathlib import Path
 
-import torch
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: fastkda and tools
 
-from fastkda.bench import (LOWER_BOUND, RESULTS, decode_state_bytes, git_commit, load_workloads,
-                           make_decode_inputs, results_stem, time_graph)
-from fastkda.ops import decode
+from fastkda.bench.report import git_commit, results_stem  # noqa: E402
+from fastkda.bench.runners import fastkda_decode_runner  # noqa: E402
+from fastkda.bench.timing import time_graph  # noqa: E402
+from fastkda.bench.work import decode_state_bytes  # noqa: E402
+from fastkda.bench.workloads import DIM, load_workloads, make_decode_inputs  # noqa: E402
+from fastkda.plan import DecodePlan, decode_warps  # noqa: E402
 
-
-
-def runner(inp, v_slices):
-    """The decode kernel launched directly, so that any slice count can be timed (the API takes 1, 2, 4)."""
-    out = torch.empty_like(inp["v"])
-    return lambda: decode.recurrent_kda_decode(
-        inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], inp["pool"], inp["slots"], A_log=inp["A_log"],
-        dt_bias=inp["dt_bias"], lower_bound=LOWER_BOUND, scale=inp["scale"], num_accepted_tokens=inp["accepted"],
-        use_qk_l2norm=True, use_beta_sigmoid=True, v_slices=v_slices, out=out)
+SETTINGS = ("16", "32", "32:8", "64")
 
 
-SETTINGS = [(16, None), (32, None), (32, 8), (64, None)]  # (state columns per program, warps; None: default)
+def decode_plan(workload, setting, value_dim=DIM):
+    """The :class:`fastkda.DecodePlan` of a ``COLUMNS[:WARPS]`` setting for ``workload``."""
+    columns, _, warps = setting.partition(":")
+    columns = int(columns)
+    if columns < 1 or value_dim % columns:
+        raise ValueError(f"setting {setting!r}: the columns must divide V={value_dim}")
+    return DecodePlan(workload["N"], workload["H"], value_dim, value_dim // columns,
+                      int(warps) if warps else decode_warps(columns), reason=f"decode sweep: {setting}")
 
-parser = argparse.ArgumentParser()
-parser.add_argument("--out", default=str(RESULTS))
-args = parser.parse_args()
-default_warps = decode.decode_warps
-rows = []
-for w in load_workloads()["decode"]:
-    inp = make_decode_inputs(w, "cuda")
-    state_bytes = decode_state_bytes(w)
-    for columns, warps in SETTINGS:
-        decode.decode_warps = default_warps if warps is None else (lambda block_v, warps=warps: warps)
-        run = runner(inp, inp["v"].shape[-1] // columns)
-        ms = time_graph(run)
-        label = f"{columns} columns, {warps or default_warps(columns)} warps"
-        rows.append(dict(workload=w["name"], setting=label, ms=round(ms, 5), gbps=round(state_bytes / ms / 1e6, 1)))
-        print(f"[decode-sweep] {w['name']} {label}: {ms * 1e3:.1f} us, {state_bytes / ms / 1e6:.0f} GB/s", flush=True)
-    decode.decode_warps = default_warps
-props = torch.cuda.get_device_properties(0)
-meta = dict(gpu=props.name, sms=props.multi_processor_count, commit=git_commit(), date=datetime.date.today().isoformat())
-out = Path(args.out)
-out.mkdir(parents=True, exist_ok=True)
-Path(f"{results_stem(out)}-decode-sweep.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", default="fastkda-results", help="folder for the results file")
+    parser.add_argument("--settings", nargs="*", default=list(SETTINGS), metavar="COLUMNS[:WARPS]")
+    args = parser.parse_args(argv)
+    import torch
+
+    rows = []
+    for w in load_workloads()["decode"]:
+        inp = make_decode_inputs(w, "cuda")
+        state_bytes = decode_state_bytes(w)
+        for setting in args.settings:
+            plan = decode_plan(w, setting)
+            ms = time_graph(fastkda_decode_runner(inp, plan=plan))
+            label = f"{plan.slice_width} columns, {plan.warps} warps"
+            rows.append(dict(workload=w["name"], setting=label, ms=round(ms, 5), gbps=round(state_bytes / ms / 1e6, 1)))
+            print(f"[decode-sweep] {w['name']} {label}: {ms * 1e3:.1f} us, {state_bytes / ms / 1e6:.0f} GB/s",
+                  flush=True)
+    props = torch.cuda.get_device_properties(0)
+    meta = dict(gpu=props.name, sms=props.multi_processor_count, commit=git_commit(),
+                date=datetime.date.today().isoformat())
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = Path(f"{results_stem(out, props.name)}-decode-sweep.json")
+    path.write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
+    print(f"[decode-sweep] results in {path}")
+
+
+if __name__ == "__main__":
+    main()

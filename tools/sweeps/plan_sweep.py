@@ -1,69 +1,83 @@
-"""Sweep of the launch plan (issue 3): prefill time for V-slices s in {1, 2, 4} over N x H x tokens.
+"""Sweep of the launch plan: prefill time for V-slices s in {1, 2, 4} over N x H x tokens, on the GPU.
 
-The whole call is timed for each s (CUDA-graph replay, median of do_bench), since the slice width and the pair count
-also decide whether the solve kernel or the recurrence forms w and u (``fastkda.plan.w_u_in_recurrence``); outputs
-and final states are also compared bitwise across s. Rows go to ``benchmarks/results/<date>-<gpu>-plan-sweep.json``
-after every configuration, so a run cut short keeps what it measured. Then it prints how often the auto plan is
-within 2% of the best.
+The whole call is timed for each s (CUDA-graph replay, median of do_bench) under the plan made for that s (the
+slice width and the pair count also decide whether the solve kernel or the recurrence forms w and u), with the
+``--set`` changes on top; outputs and final states are compared bitwise across s. Rows go to
+``OUT/<date>-<gpu>-plan-sweep.json`` after every configuration, so a run cut short keeps what it measured. Then it
+prints how often the automatic plan is within 2% of the best.
 
-python benchmarks/plan_sweep.py [--budget-s 400] [--rep-ms 25] [--seqs 1 2 ...] [--heads 4 8 ...] [--tokens 256 1024 8192]
+python tools/sweeps/plan_sweep.py [--out DIR] [--budget-s 400] [--rep-ms 25] [--seqs 1 2 ...] [--heads 4 8 ...]
+    [--tokens 256 1024 8192] [--set NAME=VALUE,...]
 """
 
 import argparse
 import datetime
 import itertools
 import json
+import sys
 import time
 from pathlib import Path
 
-import torch
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: fastkda and tools
 
-from fastkda.bench import fastkda_runner, git_commit, make_prefill_inputs, results_stem, time_graph
-from fastkda.plan import V_SLICE_CHOICES, choose_plan
+import torch  # noqa: E402
 
-RESULTS = Path(__file__).resolve().parent / "results"
+from fastkda.bench.report import git_commit, results_stem  # noqa: E402
+from fastkda.bench.runners import fastkda_runner  # noqa: E402
+from fastkda.bench.timing import time_graph  # noqa: E402
+from fastkda.bench.work import plan_for_inputs  # noqa: E402
+from fastkda.bench.workloads import make_prefill_inputs  # noqa: E402
+from fastkda.plan import V_SLICE_CHOICES  # noqa: E402
+from tools.plan_changes import add_set_argument, describe, parse_arguments  # noqa: E402
 
 
-def sweep_one(heads, seqs, tokens, rep_ms):
-    """``{s: ms}`` for one configuration, after checking every s gives the same bits."""
+def sweep_plans(inp, changes):
+    """``{s: plan}``: the plan for each slice count, with ``changes``."""
+    plans = {s: plan_for_inputs(inp, v_slices=s) for s in V_SLICE_CHOICES}
+    return {s: plan.replace(**changes) if changes else plan for s, plan in plans.items()}
+
+
+def sweep_one(heads, seqs, tokens, rep_ms, changes):
+    """``({s: ms}, auto s)`` for one configuration, after checking every s gives the same bits."""
     inp = make_prefill_inputs(dict(H=heads, lengths=[tokens] * seqs, layout="varlen"), "cuda")
     times, first = {}, None
-    for s in V_SLICE_CHOICES:
-        run = fastkda_runner(inp, s)
+    for s, plan in sweep_plans(inp, changes).items():
+        run = fastkda_runner(inp, plan=plan)
         out, final = run()
         if first is None:
             first = (out.clone(), final.clone())
         elif not (torch.equal(out, first[0]) and torch.equal(final, first[1])):
             raise AssertionError(f"v_slices={s} differs from v_slices=1 at H={heads} N={seqs} T={tokens}")
         times[s] = time_graph(run, rep_ms)
-    return times
+    return times, plan_for_inputs(inp).v_slices
 
 
-def main():
-    parser = argparse.ArgumentParser()
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seqs", nargs="*", type=int, default=list(range(1, 17)))
     parser.add_argument("--heads", nargs="*", type=int, default=[4, 8, 12, 16, 24, 48, 96])
     parser.add_argument("--tokens", nargs="*", type=int, default=[256, 1024, 8192])
     parser.add_argument("--budget-s", type=float, default=400.0)
     parser.add_argument("--rep-ms", type=int, default=25, help="graph replay time per measurement")
-    parser.add_argument("--out", default=str(RESULTS))
-    args = parser.parse_args()
+    parser.add_argument("--out", default="fastkda-results", help="folder for the results file")
+    add_set_argument(parser, what="launch numbers to change in every plan", fixed=("v_slices",))
+    args, changes = parse_arguments(parser, argv)
     props = torch.cuda.get_device_properties(0)
     out = Path(args.out)
-    path = Path(f"{results_stem(out)}-plan-sweep.json")
+    path = Path(f"{results_stem(out, props.name)}-plan-sweep.json")
     out.mkdir(parents=True, exist_ok=True)
+    meta = dict(gpu=props.name, sms=props.multi_processor_count, commit=git_commit(),
+                date=datetime.date.today().isoformat(), changes=describe(changes))
     rows, start = [], time.time()
     for tokens, heads, seqs in itertools.product(args.tokens, args.heads, args.seqs):
         if time.time() - start > args.budget_s:
             print(f"[sweep] budget reached after {len(rows)} configurations")
             break
-        times = sweep_one(heads, seqs, tokens, args.rep_ms)
-        auto = choose_plan(seqs, heads, tokens, 128, props.multi_processor_count).v_slices
+        times, auto = sweep_one(heads, seqs, tokens, args.rep_ms, changes)
         best = min(times, key=times.get)
         rows.append(dict(H=heads, N=seqs, T=tokens, ms={str(s): round(t, 5) for s, t in times.items()}, best=best,
                          auto=auto, auto_over_best=round(times[auto] / times[best], 4)))
-        path.write_text(json.dumps(dict(meta=dict(gpu=props.name, sms=props.multi_processor_count, commit=git_commit(),
-                                                  date=datetime.date.today().isoformat()), rows=rows), indent=1))
+        path.write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
     within = sum(r["auto_over_best"] <= 1.02 for r in rows)
     print(f"[sweep] {len(rows)} configurations, auto within 2% of the best in {within}; results in {path}")
     for r in rows:

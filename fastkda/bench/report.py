@@ -1,0 +1,296 @@
+"""The bench's results: ``<out>/<date>-<gpu>.json`` (every row), ``.md`` (tables) and ``.png`` (plot).
+
+Each row carries the ``commit`` it measured and the ``run`` it came from (the run's start time and host), so a file
+that merges runs (``--append``, ``--merge``) still says where every number came from: where rows of several runs
+meet in a table, each row names its run by number and a legend under the tables resolves the numbers.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+PEERS = ("flashkda", "fla", "fla_cp")  # the implementations fastkda's rows are compared with, by name
+KERNEL_FIELDS = ("workload", "kernel")  # what identifies a kernel-breakdown row
+ROW_FIELDS = ("workload", "impl", "mode")  # what identifies a timing row
+
+
+def git_commit():
+    """The commit measured: ``$FASTKDA_COMMIT`` when set (a copied tree may have no .git, or a stale one), else
+    the commit of the git checkout this fastkda is imported from, else "unknown" (an installed package)."""
+    if os.environ.get("FASTKDA_COMMIT"):
+        return os.environ["FASTKDA_COMMIT"]
+    source = Path(__file__).resolve().parents[2]  # the folder that holds the fastkda package
+    try:
+        top, commit = subprocess.run(["git", "-C", str(source), "rev-parse", "--show-toplevel", "--short", "HEAD"],
+                                     capture_output=True, text=True, check=True).stdout.split()
+    except (OSError, subprocess.CalledProcessError, ValueError):
+        return "unknown"
+    return commit if Path(top).resolve() == source else "unknown"
+
+
+def run_id(now=None):
+    """A run's name: its start (UTC, to the second) and the host, e.g. ``2026-12-01T09:30:00Z gpu-host``."""
+    now = now or datetime.datetime.now(datetime.timezone.utc)
+    return f"{now.strftime('%Y-%m-%dT%H:%M:%SZ')} {socket.gethostname()}"
+
+
+def run_of(row):
+    """The run a row came from; rows written before runs were recorded are named by their commit."""
+    return row.get("run") or f"at {row.get('commit', 'unknown')} (run not recorded)"
+
+
+def run_numbers(*row_lists):
+    """``{run: number}``, numbered from 1 in order of first appearance over the rows."""
+    found = {}
+    for rows in row_lists:
+        for r in rows:
+            found.setdefault(run_of(r), len(found) + 1)
+    return found
+
+
+def _tag(row, reference, runs):
+    """`` [n]`` after a cell whose row came from another run than the line's ``reference`` row, when runs mix."""
+    if len(runs) < 2 or row is None or reference is None or run_of(row) == run_of(reference):
+        return ""
+    return f" [{runs[run_of(row)]}]"
+
+
+def results_stem(out_dir, gpu=None):
+    """``out_dir/<date>-<gpu>``, the name every results file of today's runs on this GPU starts with."""
+    if gpu is None:
+        import torch
+
+        gpu = torch.cuda.get_device_properties(0).name
+    return Path(out_dir) / f"{datetime.date.today().isoformat()}-{gpu.replace(' ', '_')}"
+
+
+def earlier_results(out_dir):
+    """Today's results file for this GPU (``--append``): ``{"rows": [...], "kernels": [...]}``, empty if none."""
+    path = Path(f"{results_stem(out_dir)}.json")
+    found = json.loads(path.read_text()) if path.exists() else {}
+    return dict(rows=found.get("rows", []), kernels=found.get("kernels", []))
+
+
+def merge_rows(earlier, later, fields=ROW_FIELDS):
+    """``later``'s rows, after ``earlier``'s rows for the ``fields`` values (by default (workload, implementation,
+    mode)) that ``later`` did not measure: a run of some implementations (``--impls``) keeps the others' earlier
+    rows of the same workload."""
+    def key(r):
+        return tuple(r[f] for f in fields)
+    measured = {key(r) for r in later}
+    return [r for r in earlier if key(r) not in measured] + list(later)
+
+
+def markdown_table(rows, impls, mode, runs=None):
+    """One line per workload: each implementation measured in ``mode`` with its ms, the peers' time over
+    fastkda's, fastkda's commit and, where rows of several runs mix, the run of fastkda's row (a cell from another
+    run names its own)."""
+    runs = runs if runs is not None else run_numbers(rows)
+    mixed = len(runs) > 1
+    by = {(r["workload"], r["impl"]): r for r in rows if r["mode"] == mode}
+    names = list(dict.fromkeys(r["workload"] for r in rows))
+    impls = [i for i in impls if any(impl == i for _, impl in by)]  # e.g. fla_cp has no graph rows
+    peers = [p for p in PEERS if p in impls]
+    head = ["workload"] + [f"{i} ms" for i in impls] + [f"vs {p}" for p in peers] + ["commit"]
+    head += ["run"] if mixed else []
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for n in names:
+        ours = by.get((n, "fastkda"))
+        reference = ours or next((by[(n, i)] for i in impls if (n, i) in by), None)
+        cells = [n] + [f"{by[(n, i)]['ms']:.3f}{_tag(by[(n, i)], reference, runs)}" if (n, i) in by else "—"
+                       for i in impls]
+        for p in peers:
+            cells.append(f"{by[(n, p)]['ms'] / ours['ms']:.2f}×" if (n, p) in by and ours else "—")
+        cells.append(ours.get("commit", "") if ours else "")
+        if mixed:
+            cells.append(str(runs[run_of(reference)]) if reference else "")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def decode_table(rows, runs=None):
+    """µs per step, state GB/s (read + written) and its share of the copy rate, per implementation, from
+    graph-mode decode rows; the run of fastkda's row where rows of several runs mix."""
+    runs = runs if runs is not None else run_numbers(rows)
+    mixed = len(runs) > 1
+    by = {(r["workload"], r["impl"]): r for r in rows}
+    lines = ["| workload | fastkda µs | fastkda GB/s | % of copy | fla µs | fla GB/s | vs fla |"
+             + (" run |" if mixed else ""), "|---|---|---|---|---|---|---|" + ("---|" if mixed else "")]
+    for name in dict.fromkeys(r["workload"] for r in rows):
+        ours, peer = by.get((name, "fastkda")), by.get((name, "fla"))
+
+        def cell(r, key, fmt):
+            return fmt(r[key]) if r else "—"
+        ratio = f"{peer['ms'] / ours['ms']:.2f}×" if ours and peer else "—"
+        share = f"{100 * ours['gbps'] / ours['copy_gbps']:.0f}%" if ours and ours.get("copy_gbps") else "—"
+        line = (f"| {name} | {cell(ours, 'ms', lambda x: f'{x * 1e3:.1f}')} | {cell(ours, 'gbps', str)} | {share} | "
+                f"{cell(peer, 'ms', lambda x: f'{x * 1e3:.1f}')}{_tag(peer, ours, runs)} | {cell(peer, 'gbps', str)} | "
+                f"{ratio} |")
+        if mixed:
+            line += f" {runs[run_of(ours or peer)]} |"
+        lines.append(line)
+    return "\n".join(lines)
+
+
+def kernel_table(kernels, rows, runs=None):
+    """One line per workload: each fastkda kernel's ms with its share of the copy rate and of the matrix-product
+    rate, their sum, and the call's CUDA-graph time when measured in the same run."""
+    from .work import KERNELS
+
+    runs = runs if runs is not None else run_numbers(kernels)
+    mixed = len(runs) > 1
+    graph = {(r["workload"], run_of(r)): r["ms"] for r in rows if r["impl"] == "fastkda" and r["mode"] == "graph"}
+    by = {(k["workload"], k["kernel"]): k for k in kernels}
+    lines = ["| workload | s | " + " | ".join(f"{k} ms (% copy, % matmul)" for k in KERNELS) + " | sum ms | graph ms | "
+             "commit |" + (" run |" if mixed else ""),
+             "|" + "---|" * (len(KERNELS) + 5 + mixed)]
+    for name in dict.fromkeys(k["workload"] for k in kernels):
+        found = [by[(name, k)] for k in KERNELS if (name, k) in by]
+        cells = [f"{by[(name, k)]['ms']:.3f} ({by[(name, k)]['pct_copy']:.0f}%, {by[(name, k)]['pct_matmul']:.0f}%)"
+                 f"{_tag(by[(name, k)], found[0], runs)}" if (name, k) in by else "—" for k in KERNELS]
+        call = graph.get((name, run_of(found[0])))
+        line = (f"| {name} | {found[0]['v_slices']} | " + " | ".join(cells) + f" | {sum(k['ms'] for k in found):.3f} | "
+                f"{f'{call:.3f}' if call else '—'} | {found[0].get('commit')} |")
+        if mixed:
+            line += f" {runs[run_of(found[0])]} |"
+        lines.append(line)
+    return "\n".join(lines)
+
+
+def runs_legend(runs, rows):
+    """One line per run: its number, its name and the commit(s) its rows measured."""
+    commits = {}
+    for r in rows:
+        commits.setdefault(run_of(r), set()).add(r.get("commit", "unknown"))
+    return [f"- [{n}] {run}, commit {', '.join(sorted(commits.get(run, {'unknown'})))}" for run, n in runs.items()]
+
+
+def plot(rows, impls, path):
+    """Bars of each implementation's CUDA-graph ms per workload (log scale), labelled with fastkda's speed-up
+    over the faster peer."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    graph = [r for r in rows if r["mode"] == "graph"]
+    names = list(dict.fromkeys(r["workload"] for r in graph))
+    ms = {(r["workload"], r["impl"]): r["ms"] for r in graph}
+    impls = [i for i in impls if any(i == impl for _, impl in ms)]
+    if not names or not impls:
+        return
+    fig, ax = plt.subplots(figsize=(max(8, len(names) * 0.9), 5))
+    width = 0.8 / len(impls)
+    for i, impl in enumerate(impls):
+        xs = [j + i * width for j, n in enumerate(names) if (n, impl) in ms]
+        ax.bar(xs, [ms[(n, impl)] for n in names if (n, impl) in ms], width, label=impl)
+    for j, n in enumerate(names):
+        peer_best = min((ms[(n, p)] for p in PEERS if (n, p) in ms), default=None)
+        if peer_best and (n, "fastkda") in ms:
+            ax.annotate(f"{peer_best / ms[(n, 'fastkda')]:.2f}×", (j, ms[(n, "fastkda")]), ha="center",
+                        va="bottom", fontsize=7)
+    ax.set_yscale("log")
+    ax.set_ylabel("ms (CUDA-graph replay, log scale)")
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(names))], names, rotation=45, ha="right", fontsize=7)
+    ax.set_title("KDA prefill; label: fastkda speed-up over the faster peer")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def render_results(meta, rows, stem, kernels=()):
+    """Write ``stem.json``, ``.md`` and ``.png`` from ``meta``, ``rows`` and the kernel breakdown; returns the
+    markdown."""
+    from .runners import IMPLS
+
+    kernels = list(kernels)
+    prefill_rows = [r for r in rows if r["group"] != "decode"]
+    known = [i for i in IMPLS if any(r["impl"] == i for r in prefill_rows)]
+    impls = known + [i for i in dict.fromkeys(r["impl"] for r in prefill_rows) if i not in known]
+    runs = run_numbers(rows, kernels)
+    with open(f"{stem}.json", "w") as f:
+        json.dump(dict(meta=meta, rows=rows, kernels=kernels), f, indent=1)
+    md = [f"# KDA prefill, {meta['gpu']} ({meta['sms']} SMs), {meta['date']}, commit(s) {', '.join(meta['commits'])}",
+          f"torch {meta['torch']}, triton {meta['triton']}, peers {meta['peers']}. Median ms.", ""]
+    if meta.get("note"):  # what a reader must know about where the rows came from
+        md += [f"Note: {meta['note']}", ""]
+    for mode in ("graph", "eager"):
+        md += [f"## {mode}", "", markdown_table(prefill_rows, impls, mode, runs), ""]
+    measured = {r["impl"]: (r["rel_err"], r["rel_err_state"]) for r in rows if "rel_err" in r}
+    if measured:
+        md += ["## accuracy (relative L2 vs float64, H=4 T=2048: output, final state)", ""]
+        md += [f"- {impl}: {o:.2e}, {s:.2e}" for impl, (o, s) in measured.items()]
+    if kernels:  # the rates the rows were measured against, which a later run without them (--no-kernels) keeps
+        rates = dict.fromkeys((k.get("copy_gbps", meta.get("copy_gbps")),
+                               k.get("matmul_tflops", meta.get("matmul_tflops"))) for k in kernels)
+        md += ["", "## where fastkda's time goes (auto plan, torch.profiler; against the copy rate and the bf16 "
+               "matrix-product rate measured in the same run: "
+               + "; ".join(f"{gbps} GB/s, {tflops} TFLOP/s" for gbps, tflops in rates) + ")", "",
+               "Bytes and FLOPs are what each kernel loads, stores and multiplies under the call's plan "
+               "(`fastkda.bench.work.kernel_work`); a share of the copy rate above 100% means loads served from L2 "
+               "(V-slices re-read the same K-side tiles).", "", kernel_table(kernels, rows, runs)]
+    decode = [r for r in rows if r["group"] == "decode" and r["mode"] == "graph"]
+    if decode:
+        md += ["", "## decode (CUDA graph; % of the device-to-device copy rate measured in the same run)", "",
+               decode_table(decode, runs)]
+    if len(runs) > 1:
+        md += ["", "## runs", "", "Rows of several runs meet in this file; a table's run column and a bracketed "
+               "number after a cell name the run a row came from:", ""] + runs_legend(runs, rows + kernels)
+    text = "\n".join(md) + "\n"
+    Path(f"{stem}.md").write_text(text)
+    try:
+        plot(prefill_rows, impls, f"{stem}.png")
+    except ImportError:
+        print("[bench] matplotlib missing: no plot", file=sys.stderr)
+    return text
+
+
+def write_results(rows, out_dir, errors, run, copy_gbps=None, earlier=None, kernels=(), matmul=None):
+    """Write ``<out_dir>/<date>-<gpu>.json/.md/.png`` for this run's ``rows`` and kernel breakdown (each row given
+    this ``run`` and the commit), merged after the ``earlier`` results' (``--append``: a (workload,
+    implementation, mode) or (workload, kernel) this run measured replaces its earlier row, the others are kept);
+    returns the markdown."""
+    import torch
+    import triton
+
+    from .runners import peer_versions
+
+    earlier = earlier or dict(rows=[], kernels=[])
+    commit = git_commit()
+    for r in rows:
+        r.setdefault("commit", commit)
+        r.setdefault("run", run)
+        if r["impl"] in errors:
+            r["rel_err"], r["rel_err_state"] = (round(e, 6) for e in errors[r["impl"]])
+    for r in kernels:
+        r.setdefault("commit", commit)
+        r.setdefault("run", run)
+        r.setdefault("copy_gbps", copy_gbps)
+        r.setdefault("matmul_tflops", matmul)
+    rows = merge_rows(earlier["rows"], rows)
+    kernels = merge_rows(earlier["kernels"], kernels, KERNEL_FIELDS)
+    props = torch.cuda.get_device_properties(0)
+    meta = dict(gpu=props.name, sms=props.multi_processor_count, torch=torch.__version__, triton=triton.__version__,
+                commit=commit, commits=sorted({r.get("commit", commit) for r in rows}), run=run,
+                runs=list(run_numbers(rows, kernels)), date=datetime.date.today().isoformat(), peers=peer_versions(),
+                copy_gbps=copy_gbps, matmul_tflops=matmul)
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
+    return render_results(meta, rows, results_stem(out_dir, props.name), kernels)
+
+
+def merge_files(earlier_path, later_path):
+    """``--merge``: rewrite ``later_path`` (and its .md/.png) with ``earlier_path``'s rows for what it lacks, e.g.
+    after a run cut short by a time limit."""
+    earlier, later = (json.loads(Path(p).read_text()) for p in (earlier_path, later_path))
+    rows = merge_rows(earlier["rows"], later["rows"])
+    kernels = merge_rows(earlier.get("kernels", []), later.get("kernels", []), KERNEL_FIELDS)
+    meta = dict(later["meta"], commits=sorted({r["commit"] for r in rows if "commit" in r}),
+                runs=list(run_numbers(rows, kernels)))
+    return render_results(meta, rows, str(later_path)[:-len(".json")], kernels)

@@ -1,0 +1,87 @@
+"""Where fastkda's time goes: the bytes and FLOPs each kernel of a call moves and issues (a model read from the
+kernels' loads, stores and products, for the plan the call runs with), and each kernel's measured time against
+the copy rate and the matrix-product rate measured in the same run.
+"""
+
+from __future__ import annotations
+
+from .workloads import DIM, state_dtype
+
+KERNELS = ("prepare", "solve", "recurrence")  # fastkda's prefill kernels in launch order, ``<name>_kernel``
+
+
+def plan_for_inputs(inp, sms=None, v_slices="auto"):
+    """The :class:`fastkda.PrefillPlan` ``fastkda.kda_prefill`` makes for the bench's inputs ``inp`` (same facts:
+    sequences, heads, ``seq_len = q.shape[1]``, K, V, the device's SM count unless ``sms`` is given, varlen when
+    there are ``cu_seqlens``, the lower-bound gate)."""
+    from ..api import _sms_of
+    from ..plan import choose_plan
+
+    q, cu = inp["q"], inp["cu_seqlens"]
+    num_seqs = cu.numel() - 1 if cu is not None else q.shape[0]
+    return choose_plan(num_seqs, q.shape[2], q.shape[1], q.shape[3], inp["v"].shape[3],
+                       _sms_of(q) if sms is None else sms, varlen=cu is not None, lower_bound_gate=True,
+                       v_slices=v_slices)
+
+
+def kernel_work(workload, plan):
+    """Bytes each fastkda kernel moves and tensor-core FLOPs it issues in one call of ``workload`` under ``plan``
+    (bf16 inputs, fp32 states in and out): ``{kernel: (bytes, flops)}``. The chunk, the inverse's blocks, the
+    V-slices and which kernel forms w and u come from the plan. Each chunk's products are counted at full chunk
+    size (the kernels compute them so); the solve kernel's 16x16 inverse is left out (a small share of its products
+    when it forms w and u, its only products when the recurrence does)."""
+    heads, lengths = workload["H"], workload["lengths"]
+    if (heads, len(lengths)) != (plan.heads, plan.num_seqs):
+        raise ValueError(f"the plan is for {plan.num_seqs} sequence(s) of {plan.heads} heads, the workload has "
+                         f"{len(lengths)} of {heads}")
+    K, V, C, s = plan.key_dim, plan.value_dim, plan.chunk, plan.v_slices
+    rows = heads * sum(lengths)  # (token, head) pairs
+    chunks = heads * sum(-(-n // C) for n in lengths)  # (chunk, head) pairs
+    blocks = C // plan.block
+    block_pairs = blocks * (blocks + 1) // 2  # the blocks of T on and below the diagonal
+    state = len(lengths) * heads * V * K * 4
+    prepare = (rows * (3 * K * 2 + 2 + 3 * K * 2 + C * 2 + C * 4) + chunks * K * 4, chunks * 2 * 2 * C * C * K)
+    recurrence_flops = chunks * 2 * (3 * C * K + C * C) * V
+    if plan.w_u_in_recurrence:  # the solve kernel writes T·diag(β) over β·L, and each slice loads it (fp32) with kd
+        # and its v columns and forms w (all K columns) and its u columns
+        solve = (rows * (C * 4 + 2 + C * 4), 0)
+        recurrence = (rows * (s * (3 * K * 2 + C * 2 + C * 4) + V * 2 + V * 2) + chunks * s * K * 4 + 2 * state,
+                      recurrence_flops + chunks * 2 * C * C * (s * K + V))
+    else:
+        solve = (rows * (C * 4 + K * 2 + V * 2 + 2 + K * 2 + V * 2),
+                 chunks * block_pairs * 2 * plan.block * plan.block * (K + V))
+        recurrence = (rows * (s * (3 * K * 2 + C * 2) + V * 2 + V * 2) + chunks * s * K * 4 + 2 * state,
+                      recurrence_flops)
+    return dict(prepare=prepare, solve=solve, recurrence=recurrence)
+
+
+def decode_state_bytes(workload):
+    """State bytes one decode step reads and writes: each sequence's state once each way, in the pool's dtype."""
+    return 2 * workload["N"] * workload["H"] * DIM * DIM * state_dtype(workload).itemsize
+
+
+def kernel_breakdown(inp, workload, copy_gbps, tflops, calls=5):
+    """fastkda's per-kernel GPU time (torch.profiler, mean over ``calls`` calls under the automatic plan), each
+    against the copy rate and the bf16 matrix-product rate measured in the same run: rows ``{workload, kernel,
+    v_slices, ms, gbps, pct_copy, tflops, pct_matmul}``."""
+    from .runners import fastkda_runner
+    from .timing import profile_kernels
+
+    plan = plan_for_inputs(inp)
+    total_us = {name: 0.0 for name in KERNELS}
+    for key, (us, _) in profile_kernels(fastkda_runner(inp, plan=plan), calls).items():
+        for name in KERNELS:
+            if f"{name}_kernel" in key:
+                total_us[name] += us
+    rows = []
+    for name, (nbytes, flops) in kernel_work(workload, plan).items():
+        ms = total_us[name] / calls / 1e3
+        if ms <= 0:
+            continue
+        gbps, rate = nbytes / ms / 1e6, flops / ms / 1e9
+        rows.append(dict(workload=workload["name"], kernel=name, v_slices=plan.v_slices, ms=round(ms, 5),
+                         gbps=round(gbps, 1), pct_copy=round(100 * gbps / copy_gbps, 1),
+                         tflops=round(rate, 1), pct_matmul=round(100 * rate / tflops, 1)))
+        print(f"[kernels] {workload['name']} {name}: {ms:.4f} ms, {gbps:.0f} GB/s ({100 * gbps / copy_gbps:.0f}% of "
+              f"copy), {rate:.0f} TFLOP/s ({100 * rate / tflops:.0f}% of matmul)", flush=True)
+    return rows

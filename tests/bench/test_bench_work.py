@@ -1,0 +1,61 @@
+"""The byte and FLOP model of fastkda's kernels follows the plan a call runs with."""
+
+import pytest
+
+from fastkda.bench.work import KERNELS, kernel_work, plan_for_inputs
+from fastkda.bench.workloads import make_prefill_inputs
+from fastkda.plan import CHUNK
+
+
+def plan_of(workload, v_slices="auto", sms=132):
+    return plan_for_inputs(make_prefill_inputs(dict(workload, layout="varlen"), "cpu"), sms=sms, v_slices=v_slices)
+
+
+def work_of(workload, v_slices="auto"):
+    return kernel_work(workload, plan_of(workload, v_slices))
+
+
+def test_plan_for_inputs_takes_the_facts_the_api_takes():
+    inp = make_prefill_inputs(dict(H=3, lengths=[40, 0, 9], layout="varlen"), "cpu")
+    plan = plan_for_inputs(inp, sms=132)
+    assert (plan.num_seqs, plan.heads, plan.seq_len, plan.varlen, plan.lower_bound_gate) == (3, 3, 49, True, True)
+    assert plan_for_inputs(inp).sms == 1  # the API plans a CPU call for one SM
+    fixed = plan_for_inputs(make_prefill_inputs(dict(H=2, lengths=[7, 7], layout="fixed"), "cpu"), sms=132)
+    assert (fixed.num_seqs, fixed.seq_len, fixed.varlen) == (2, 7, False)
+
+
+def test_kernel_work_follows_the_kernels_shapes():
+    one_chunk = dict(H=2, lengths=[CHUNK])
+    work = work_of(one_chunk, 1)
+    assert set(work) == set(KERNELS)
+    # one token more is two chunks: the products double, the bytes grow by one token's share plus a chunk's decay
+    two_chunks = work_of(dict(H=2, lengths=[CHUNK + 1]), 1)
+    assert all(two_chunks[k][1] == 2 * work[k][1] for k in KERNELS)
+    assert all(work[k][0] < two_chunks[k][0] < 2 * work[k][0] for k in ("prepare", "solve"))
+    # V-slices re-read the K-side workspace, never add products; the other kernels do not see them
+    split = work_of(one_chunk, 4)
+    assert split["recurrence"][1] == work["recurrence"][1] and split["recurrence"][0] > work["recurrence"][0]
+    assert split["prepare"] == work["prepare"] and split["solve"] == work["solve"]
+    # the recurrence moves each sequence's fp32 state in and out: 2 * N * H * V * K * 4 bytes on top of the tokens'
+    more_seqs = work_of(dict(H=2, lengths=[CHUNK // 2, CHUNK // 2]), 1)
+    assert more_seqs["recurrence"][0] - work["recurrence"][0] == 2 * 2 * 128 * 128 * 4 + 2 * 4 * 128 * 1
+
+
+def test_kernel_work_reads_who_forms_w_and_u_from_the_plan():
+    # from one (sequence, head) pair per two columns the plan has the recurrence form w and u: per head, the solve
+    # kernel moves less and multiplies nothing counted, the recurrence loads and multiplies more
+    formed_here, solved = plan_of(dict(H=64, lengths=[CHUNK]), 1), plan_of(dict(H=63, lengths=[CHUNK]), 1)
+    assert formed_here.w_u_in_recurrence and not solved.w_u_in_recurrence
+    here = kernel_work(dict(H=64, lengths=[CHUNK]), formed_here)
+    there = kernel_work(dict(H=63, lengths=[CHUNK]), solved)
+    assert here["solve"][0] / 64 < there["solve"][0] / 63 and here["solve"][1] == 0 < there["solve"][1]
+    assert all(here["recurrence"][i] / 64 > there["recurrence"][i] / 63 for i in (0, 1))
+    assert here["prepare"][0] / 64 == there["prepare"][0] / 63
+    # the model counts the form the plan says, not one it would work out again
+    overridden = kernel_work(dict(H=64, lengths=[CHUNK]), formed_here.replace(w_u_in_recurrence=False))
+    assert overridden["solve"][1] > 0 and overridden["recurrence"][1] < here["recurrence"][1]
+
+
+def test_kernel_work_rejects_a_plan_for_another_shape():
+    with pytest.raises(ValueError, match="plan is for"):
+        kernel_work(dict(H=4, lengths=[CHUNK]), plan_of(dict(H=2, lengths=[CHUNK])))

@@ -1,0 +1,87 @@
+"""The sm_90a compile tools compile what a launch compiles: the kernels' arguments as the launch functions pass
+them under a plan, compiled and read back with Triton's own ptxas and nvdisasm (no GPU). They run in processes of
+their own, since the tests interpret the kernels and these tools must not."""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="compiles with Triton's ptxas")
+
+
+def run_tool(*args, code=None):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    command = [sys.executable, "-c", code] if code else [sys.executable, str(ROOT / "tools" / "profiling" / args[0]),
+                                                         *args[1:]]
+    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return done.stdout
+
+
+# Records every launch of chunk_kda_forward and recurrent_kda_decode on CPU tensors (no kernel runs), as the
+# compile tools would describe the same launches; prints both as JSON.
+RECORD = r"""
+import json, sys
+sys.path.insert(0, ".")
+from tools.profiling import hopper
+import torch
+from fastkda.bench.work import plan_for_inputs
+from fastkda.bench.workloads import make_decode_inputs, make_prefill_inputs
+from fastkda.ops import decode
+from fastkda.ops.prefill import chunk_kda_forward, prepare, recurrence, solve
+from fastkda.plan import choose_decode_plan
+
+POINTERS = {torch.bfloat16: "*bf16", torch.float32: "*fp32", torch.int32: "*i32"}
+recorded = {}
+
+def record(kernel, grid, *args, **meta):
+    values = dict(zip([p.name for p in kernel.params], args), **meta)
+    values = {k: POINTERS[v.dtype] if isinstance(v, torch.Tensor) else v for k, v in values.items()}
+    recorded[kernel.__name__] = [values, values.pop("num_warps"), values.pop("num_stages", 3)]
+
+for module in (prepare, solve, recurrence, decode):
+    module.launch = record
+inp = make_prefill_inputs(dict(H=3, lengths=[100, 37], layout="varlen"), "cpu")
+plan = plan_for_inputs(inp, sms=132).replace(prepare_warps=8, solve_stages=2)
+offsets = torch.tensor([[32, 64], [0, 32]], dtype=torch.int32)
+chunk_kda_forward(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], plan=plan, A_log=inp["A_log"],
+                  dt_bias=inp["dt_bias"], lower_bound=-5.0, scale=inp["scale"], initial_state=inp["initial_state"],
+                  cu_seqlens=inp["cu_seqlens"], use_qk_l2norm=True, use_beta_sigmoid=True,
+                  out=torch.empty_like(inp["v"]), final_state=torch.empty_like(inp["initial_state"]),
+                  checkpoint_offsets=offsets, checkpoint_states=torch.empty(2, 2, 3, 128, 128),
+                  errors=torch.zeros(3, dtype=torch.int32))
+dec = make_decode_inputs(dict(H=3, N=2, tokens_per_seq=1), "cpu")
+decode_plan = choose_decode_plan(2, 3, 128, 132)
+decode.recurrent_kda_decode(dec["q"], dec["k"], dec["v"], dec["g"], dec["beta"], dec["pool"], dec["slots"],
+                            plan=decode_plan, A_log=dec["A_log"], dt_bias=dec["dt_bias"], lower_bound=-5.0,
+                            scale=dec["scale"], num_accepted_tokens=None, use_qk_l2norm=True, use_beta_sigmoid=True,
+                            out=torch.empty_like(dec["v"]), errors=torch.zeros(3, dtype=torch.int32))
+described = {fn.__name__: [args, warps, stages]
+             for fn, args, warps, stages in hopper.launches(plan, decode_plan, checkpoints=2).values()}
+print(json.dumps(dict(recorded=recorded, described=described)))
+"""
+
+
+def test_the_tools_describe_each_launch_as_the_launch_functions_make_it():
+    found = json.loads(run_tool(code=RECORD))
+    assert set(found["recorded"]) == {"prepare_kernel", "solve_kernel", "recurrence_kernel", "decode_kernel"}
+    assert found["described"] == found["recorded"]
+
+
+def test_compile_stats_compiles_a_kernel_under_a_changed_plan():
+    out = run_tool("compile_stats.py", "--heads", "2", "--tokens", "64", "--kernels", "solve", "--set",
+                   "solve_warps=2")
+    line = next(ln for ln in out.splitlines() if ln.startswith("[compile] solve"))
+    assert "warps=2 stages=3" in line and "'regs': " in line and "'spill_st': " in line
+
+
+def test_sass_count_reads_the_decode_kernels_sass():
+    out = run_tool("sass_count.py", "decode", "--heads", "2", "--decode-set", "warps=4")
+    line = next(ln for ln in out.splitlines() if ln.startswith("[sass] decode:"))
+    assert int(line.split("instructions ")[1].split(",")[0]) > 100 and "LDG" in line

@@ -1,0 +1,30 @@
+"""The tools that need a GPU parse their command lines here (their first real run costs device time)."""
+
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("triton")  # decode_floor defines Triton kernels of its own
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: the tools package
+
+from tools.profiling import decode_floor, host_overhead, kernel_times, ncu_prepare  # noqa: E402
+from tools.sweeps import checkpoint_cost, decode_sweep, exactness_matrix, plan_sweep  # noqa: E402
+from tools.variants import prepare_variants  # noqa: E402
+
+TOOLS = [decode_floor, host_overhead, kernel_times, ncu_prepare, checkpoint_cost, decode_sweep, exactness_matrix,
+         plan_sweep, prepare_variants]
+
+
+@pytest.mark.parametrize("tool", TOOLS, ids=lambda tool: tool.__name__.rsplit(".", 1)[-1])
+def test_help(tool, capsys):
+    with pytest.raises(SystemExit) as done:
+        tool.main(["--help"])
+    assert done.value.code == 0 and "usage:" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("tool", [kernel_times, plan_sweep], ids=["kernel_times", "plan_sweep"])
+def test_set_rejects_what_is_not_a_launch_number(tool, capsys):
+    with pytest.raises(SystemExit):
+        tool.main(["--set", "prepare_wraps=8"])
+    assert "no launch number 'prepare_wraps'" in capsys.readouterr().err
