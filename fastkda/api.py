@@ -17,7 +17,7 @@ from . import checks as value_checks
 from .errors import counters
 from .plan import CHUNK, DecodePlan, PrefillPlan, choose_decode_plan, choose_plan, sm_count
 from .reference import kda_chunked, kda_decode_reference
-from .validation import (check_no_overlap, check_tensor, fail, remembered, scalar_defaults, validate_decode,
+from .validation import (check_disjoint, check_tensor, fail, remembered, scalar_defaults, validate_decode,
                          validate_prefill)
 
 
@@ -149,11 +149,14 @@ def kda_prefill(
             device's own (:mod:`fastkda.errors`).
     """
     scale, lower_bound = scalar_defaults(q, scale, lower_bound)
-    num_seqs = remembered(validate_prefill, q, k, v, g, beta, A_log, dt_bias, lower_bound, scale, initial_state,
-                          final_state, cu_seqlens, out, checkpoint_offsets, checkpoint_states, CHUNK)
-    inputs = dict(q=q, k=k, v=v, g=g, beta=beta)
-    check_no_overlap("out", out, {**inputs, "initial_state": initial_state, "final_state": final_state})
-    check_no_overlap("final_state", final_state, inputs)
+    num_seqs, extents = remembered(validate_prefill, q, k, v, g, beta, A_log, dt_bias, lower_bound, scale,
+                                   initial_state, final_state, cu_seqlens, out, checkpoint_offsets, checkpoint_states,
+                                   CHUNK)
+    if out is not None or final_state is not None:  # buffers the caller passed must not alias an input
+        others = list(zip(("q", "k", "v", "g", "beta", "initial_state", "final_state"),
+                          (q, k, v, g, beta, initial_state, final_state), extents))
+        check_disjoint("out", out, extents[7], others)
+        check_disjoint("final_state", final_state, extents[6], others[:5])
     batch, length, heads, key_dim = q.shape
     value_dim = v.shape[-1]
     facts = (num_seqs, heads, length, key_dim, value_dim)
@@ -251,9 +254,11 @@ def kda_decode(
             the automatic one; ``v_slices`` must then stay ``"auto"``.
     """
     scale, lower_bound = scalar_defaults(q, scale, lower_bound)
-    remembered(validate_decode, q, k, v, g, beta, state_pool, slots, A_log, dt_bias, lower_bound, scale,
-               num_accepted_tokens, out)
-    check_no_overlap("out", out, dict(q=q, k=k, v=v, g=g, beta=beta, state_pool=state_pool))
+    extents = remembered(validate_decode, q, k, v, g, beta, state_pool, slots, A_log, dt_bias, lower_bound, scale,
+                         num_accepted_tokens, out)
+    if out is not None:
+        check_disjoint("out", out, extents[6], zip(("q", "k", "v", "g", "beta", "state_pool"),
+                                                   (q, k, v, g, beta, state_pool), extents))
     num_seqs, _, heads, _ = q.shape
     if plan is None:
         plan = choose_decode_plan(num_seqs, heads, v.shape[-1], _sms_of(q), v_slices)

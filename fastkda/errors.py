@@ -35,6 +35,9 @@ def _device(device) -> torch.device:
 def counters(device=None) -> torch.Tensor:
     """The counters tensor of a device (allocated, zeroed, on first use), as the kernels take it (the kernels run
     on CPU tensors too, under Triton's interpreter)."""
+    found = _COUNTERS.get(device)  # a CUDA tensor's device names its index: the common case, looked up as is
+    if found is not None:
+        return found
     device = _device(device)
     found = _COUNTERS.get(device)
     if found is None:

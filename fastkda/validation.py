@@ -123,25 +123,26 @@ def check_out(out, v):
         check_contiguous("out", out)
 
 
-def _byte_span(x):
-    """``(first byte, one past the last byte)`` of the addresses a tensor's elements can reach."""
-    start = x.data_ptr()
-    if x.is_contiguous():
-        return start, start + x.numel() * x.element_size()
-    reach = sum([(size - 1) * abs(stride) for size, stride in zip(x.shape, x.stride())])
-    return start, start + (reach + 1) * x.element_size()
+def byte_extent(x):
+    """Bytes from a tensor's first element to one past the last element it can reach (0 if absent or empty): a
+    fact of its shape, strides and dtype, so validation computes it once per signature."""
+    if x is None or not x.numel():
+        return 0
+    return (sum((size - 1) * abs(stride) for size, stride in zip(x.shape, x.stride())) + 1) * x.element_size()
 
 
-def check_no_overlap(name, written, others):
-    """``written`` (an output buffer) must share no memory with ``others`` ``{name: tensor}`` (checked on every
-    call: it depends on addresses, not on the signature validation remembers)."""
-    if written is None or not written.numel():
+def check_disjoint(name, written, extent, others):
+    """``written`` (an output buffer, ``extent`` bytes from its first element) must share no memory with any of
+    ``others`` ``[(name, tensor, extent)]``. Checked on every call (addresses change between calls), from the
+    extents validation remembered: two address ranges per pair."""
+    if not extent:
         return
-    start, end = _byte_span(written)
-    for other_name, x in others.items():
-        if x is not None and x.numel():
-            other_start, other_end = _byte_span(x)
-            if start < other_end and other_start < end:
+    start = written.data_ptr()
+    end = start + extent
+    for other_name, x, other_extent in others:
+        if other_extent:
+            other_start = x.data_ptr()
+            if other_start < end and start < other_start + other_extent:
                 fail(name, f"a buffer that shares no memory with {other_name}", f"a tensor overlapping {other_name}")
 
 
@@ -177,7 +178,8 @@ def remembered(validate, *args):
 
 def validate_prefill(q, k, v, g, beta, A_log, dt_bias, lower_bound, scale, initial_state, final_state,
                      cu_seqlens, out, checkpoint_offsets, checkpoint_states, chunk):
-    """Raise ``ValueError`` naming the first argument that breaks the contract (spec §3); return N."""
+    """Raise ``ValueError`` naming the first argument that breaks the contract (spec §3); return N and the byte
+    extents of q, k, v, g, beta, initial_state, final_state and out (:func:`check_disjoint`)."""
     value_dim = check_inputs(q, k, v, g, beta, A_log, dt_bias, lower_bound, scale)
     batch, length, heads, key_dim = q.shape
     device = q.device
@@ -215,12 +217,13 @@ def validate_prefill(q, k, v, g, beta, A_log, dt_bias, lower_bound, scale, initi
         check_tensor("checkpoint_states", checkpoint_states, (num_seqs, 2, heads, value_dim, key_dim),
                      (torch.float32,), device)
         check_contiguous("checkpoint_states", checkpoint_states)
-    return num_seqs
+    return num_seqs, tuple(byte_extent(x) for x in (q, k, v, g, beta, initial_state, final_state, out))
 
 
 def validate_decode(q, k, v, g, beta, state_pool, slots, A_log, dt_bias, lower_bound, scale, num_accepted_tokens,
                     out):
-    """Raise ``ValueError`` naming the first argument that breaks the decode contract (spec §5)."""
+    """Raise ``ValueError`` naming the first argument that breaks the decode contract (spec §5); return the byte
+    extents of q, k, v, g, beta, state_pool and out (:func:`check_disjoint`)."""
     if isinstance(q, torch.Tensor) and q.dim() == 4 and q.shape[1] < 1:
         fail("q", "[N, T, H, K] with at least one token per sequence (T >= 1)", f"T={q.shape[1]}")
     value_dim = check_inputs(q, k, v, g, beta, A_log, dt_bias, lower_bound, scale)
@@ -239,3 +242,4 @@ def validate_decode(q, k, v, g, beta, state_pool, slots, A_log, dt_bias, lower_b
         check_tensor("num_accepted_tokens", num_accepted_tokens, (num_seqs,), INDEX_DTYPES, device)
     check_out(out, v)
     check_index_ranges(H_V_K=(heads, value_dim, key_dim), N_T=(num_seqs, tokens))
+    return tuple(byte_extent(x) for x in (q, k, v, g, beta, state_pool, out))

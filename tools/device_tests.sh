@@ -6,6 +6,7 @@
 #   TEST_FILTER='accuracy or graph' TESTS_S=150 EXACT_S=150 KERNELS_S=40 VARIANTS_S=120 CKPT_S=40 NCU_S=90
 #   DSWEEP_S=90 PSWEEP_S=100 BENCH_S=200 (0 skips a step; the bench appends to today's committed results file)
 #   PSWEEP_ARGS, VARIANTS_ARGS: extra arguments of tools/sweeps/plan_sweep.py and tools/variants/prepare_variants.py
+#   AB_S, AB_ARGS: the same-run A/B against packages of other commits (tools/variants/ab_packages.py; carry .ab)
 set -uo pipefail
 OUT=${OUT:-/tmp/fastkda-out}
 mkdir -p "$OUT/results"
@@ -31,9 +32,10 @@ step() {  # step NAME SECONDS COMMAND...: run unless SECONDS is 0, append to the
   grep -E "^\[|passed|failed|Error" "/tmp/$name.log" | grep -v " eager: " | tail -40
 }
 step prepare-variants "${VARIANTS_S:-0}" python3 tools/variants/prepare_variants.py ${VARIANTS_ARGS:-}
-step gpu-tests "${TESTS_S:-600}" python3 -m pytest -q -s tests/test_gpu.py tests/test_checkpoints.py \
+step gpu-tests "${TESTS_S:-600}" python3 -m pytest -q -s tests/test_gpu.py tests/test_checkpoints.py tests/test_gpu_safety.py \
   ${TEST_FILTER:+-k "$TEST_FILTER"}
 step exactness "${EXACT_S:-0}" python3 tools/sweeps/exactness_matrix.py
+step ab "${AB_S:-0}" python3 tools/variants/ab_packages.py --out "$OUT/results" ${AB_ARGS:-}
 step decode-sweep "${DSWEEP_S:-0}" python3 tools/sweeps/decode_sweep.py --out "$OUT/results"
 step bench "${BENCH_S:-400}" python3 -m fastkda.bench --append --out "$OUT/results" "$@"
 step plan-sweep "${PSWEEP_S:-0}" python3 tools/sweeps/plan_sweep.py --out "$OUT/results" --budget-s "${PSWEEP_BUDGET:-60}" \

@@ -1,8 +1,9 @@
 """Same-run A/B of fastkda at other commits: each package times the same inputs, interleaved, in one process.
 
 A refactor or a kernel change is judged against the commit before it on the same GPU, in the same process, on
-the same inputs: the packages take turns on every workload (graph replay and eager), twice, and the faster of
-each package's two medians counts, so drift of the card's clocks during the run falls on both alike. It also
+the same inputs: the packages take turns on every workload (graph replay and eager), ``--rounds`` times, each
+round starting with the next package (so that no package is always timed first, after the idle gap of making
+the inputs), and the fastest of each package's medians counts, so drift of the card's clocks falls on all alike. It also
 says whether the packages' outputs and final states are bitwise equal (a change that moves code should keep
 every bit).
 
@@ -32,10 +33,10 @@ AB = REPO / ".ab"
 sys.path[:0] = [str(REPO), str(AB)]
 
 
-def make_package(commit):
-    """``.ab/fastkda_<commit>/``: the ``fastkda`` package of ``commit``, its custom ops renamed."""
+def make_package(commit, root=AB):
+    """``root/fastkda_<commit>/``: the ``fastkda`` package of ``commit``, its custom ops renamed."""
     name = f"fastkda_{commit}"
-    target = AB / name
+    target = root / name
     if target.exists():
         shutil.rmtree(target)
     with tempfile.TemporaryDirectory() as tmp:
@@ -66,8 +67,9 @@ def decode_call(package, inp, pool, out):
         num_accepted_tokens=inp["accepted"], out=out)
 
 
-def compare(packages, workloads, rounds=2):
-    """Rows ``{workload, mode, ms: {package: ms}, equal: {package: bool}}``: the packages' times, interleaved."""
+def compare(packages, workloads, rounds=2, on_row=lambda rows: None):
+    """Rows ``{workload, mode, ms: {package: ms}, equal: {package: bool}}``: the packages' times, interleaved;
+    ``on_row(rows)`` after each workload (so that a run cut short keeps what it measured)."""
     from fastkda.bench.timing import time_eager, time_graph
     from fastkda.bench.workloads import LOWER_BOUND, make_decode_inputs, make_prefill_inputs
 
@@ -95,9 +97,10 @@ def compare(packages, workloads, rounds=2):
         equal = {name: all(torch.equal(a, b) for a, b in zip(results[first], results[name])) for name in results}
         for mode, timer in (("graph", time_graph), ("eager", time_eager)):
             best = {name: float("inf") for name in calls}
-            for _ in range(rounds):
-                for name, call in calls.items():
-                    best[name] = min(best[name], timer(call))
+            order = list(calls)
+            for round_index in range(rounds):
+                for name in order[round_index % len(order):] + order[:round_index % len(order)]:
+                    best[name] = min(best[name], timer(calls[name]))
             rows.append(dict(workload=workload["name"], kind=kind, mode=mode, ms={k: round(v, 5) for k, v in
                                                                                   best.items()}, equal=equal))
             line = "  ".join(f"{name} {ms:.4f}" + ("" if name == first else f" ({ms / best[first]:.3f}x)")
@@ -106,6 +109,7 @@ def compare(packages, workloads, rounds=2):
                   flush=True)
         del inp, calls, results
         torch.cuda.empty_cache()
+        on_row(rows)
     return rows
 
 
@@ -114,7 +118,7 @@ def main(argv=None):
     parser.add_argument("--make", action="append", default=[], metavar="COMMIT", help="copy a commit's package")
     parser.add_argument("--against", nargs="*", default=[], metavar="COMMIT", help="packages made by --make")
     parser.add_argument("--only", nargs="*", help="workload names (default: every prefill and decode workload)")
-    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--out", default="fastkda-results")
     args = parser.parse_args(argv)
     for commit in args.make:
@@ -131,13 +135,13 @@ def main(argv=None):
     found = load_workloads()
     workloads = [(kind, w) for kind in ("prefill", "decode") for w in found[kind]
                  if not args.only or w["name"] in args.only]
-    rows = compare(packages, workloads, args.rounds)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     meta = dict(gpu=torch.cuda.get_device_name(), date=datetime.date.today().isoformat(),
                 packages=list(packages), torch=torch.__version__)
     path = out / f"ab-{'-'.join(args.against)}.json"
-    path.write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
+    rows = compare(packages, workloads, args.rounds,
+                   lambda done: path.write_text(json.dumps(dict(meta=meta, rows=done), indent=1)))
     slower = [(r["workload"], r["mode"], r["ms"]["current"] / r["ms"][c]) for r in rows for c in args.against
               if r["ms"]["current"] > 1.02 * r["ms"][c]]
     print(f"[ab] wrote {path}; {len(slower)} row(s) more than 2% slower than a base: {slower}")
