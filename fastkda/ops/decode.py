@@ -52,16 +52,16 @@ def decode_kernel(
     if LOWER_BOUND_GATE:
         a_scale = tl.exp(tl.load(A_log + h).to(tl.float32))
         bias = tl.load(dt_bias + h * K + kk).to(tl.float32)
-    counting = (vs == 0) & (h == 0)  # each event counted once, by one program of its sequence
     if HAS_ACCEPTED:
         read_t = tl.load(num_accepted + n).to(tl.int32) - 1
         accepted_ok = (read_t >= 0) & (read_t < T)
-        tl.atomic_add(errors + 1, 1, mask=counting & ~accepted_ok, sem="relaxed")  # fastkda.errors: "accepted"
         read_slot = tl.load(slots + n * stride_slot_n + tl.where(accepted_ok, read_t, 0) * stride_slot_t)
         read_slot = tl.where(accepted_ok, read_slot.to(tl.int64), -1)  # a bad count: a null row
+        bad_counts = (~accepted_ok).to(tl.int32)
     else:
         read_slot = tl.load(slots + n * stride_slot_n).to(tl.int64)
-    tl.atomic_add(errors, 1, mask=counting & (read_slot >= pool_slots), sem="relaxed")  # fastkda.errors: "slot"
+        bad_counts = 0
+    bad_slots = (read_slot >= pool_slots).to(tl.int32)
     live = (read_slot >= 0) & (read_slot < pool_slots)
     state_cols = (h * V + vv[:, None]) * K + kk[None, :]  # S[v, k] = pool[slot, h, v, k]; int32 within a slot
     m_state = live & (vv[:, None] < V) & (kk[None, :] < K)
@@ -88,12 +88,17 @@ def decode_kernel(
         store_as(out + row * (H * V) + h * V + vv, tl.where(live, o_t, 0.0), vv < V, EMULATE)
         if PER_TOKEN_SLOTS:
             write_slot = tl.load(slots + n * stride_slot_n + t * stride_slot_t).to(tl.int64)
-            tl.atomic_add(errors, 1, mask=counting & live & (write_slot >= pool_slots), sem="relaxed")  # "slot"
+            bad_slots += (live & (write_slot >= pool_slots)).to(tl.int32)
             writes = m_state & (write_slot >= 0) & (write_slot < pool_slots)
             store_as(pool + write_slot * (H * V * K) + state_cols, S, writes, EMULATE)
         q_t, k_t, v_t, g_t, b_t = q_n, k_n, v_n, g_n, b_n
     if not PER_TOKEN_SLOTS:
         store_as(pool + read_slot * (H * V * K) + state_cols, S, m_state, EMULATE)
+    # counted last, after every load and store, by one program of the sequence (fastkda.errors: "slot", "accepted")
+    counting = (vs == 0) & (h == 0)
+    tl.atomic_add(errors, bad_slots, mask=counting & (bad_slots > 0), sem="relaxed")
+    if HAS_ACCEPTED:
+        tl.atomic_add(errors + 1, bad_counts, mask=counting & (bad_counts > 0), sem="relaxed")
 
 
 def recurrent_kda_decode(q, k, v, g, beta, state_pool, slots, *, plan, A_log, dt_bias, lower_bound, scale,

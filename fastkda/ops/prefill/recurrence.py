@@ -60,8 +60,6 @@ def recurrence_kernel(
     v_h = v + h * V
     out_h = out + h * V
     bos, eos, in_order = sequence_span(cu_seqlens, n, seq_len, tl.num_programs(2), IS_VARLEN)
-    if IS_VARLEN:  # fastkda.errors: "cu_seqlens", counted once per sequence
-        tl.atomic_add(errors + 2, 1, mask=(vs == 0) & (h == 0) & ~in_order, sem="relaxed")
     slot0 = first_slot(n, bos, seq_len, C, IS_VARLEN)
     kk = tl.arange(0, K)
     vv = vs * BV + tl.arange(0, BV)
@@ -129,6 +127,8 @@ def recurrence_kernel(
                          S, state_offsets, H, V, K, EMULATE)
     if HAS_FINAL:
         store_as(final_state + state_offsets, S, None, EMULATE)
+    if IS_VARLEN:  # fastkda.errors: "cu_seqlens", counted last, once per sequence
+        tl.atomic_add(errors + 2, 1, mask=(vs == 0) & (h == 0) & ~in_order, sem="relaxed")
 
 
 def launch_recurrence(plan, ws, out, initial_state, final_state, checkpoint_offsets, checkpoint_states, errors,
