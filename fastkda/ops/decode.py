@@ -63,6 +63,7 @@ def decode_kernel(
         bad_counts = 0
     bad_slots = (read_slot >= pool_slots).to(tl.int32)
     live = (read_slot >= 0) & (read_slot < pool_slots)
+    counting = (vs == 0) & (h == 0)  # each event is counted once, by one program of its sequence
     state_cols = (h * V + vv[:, None]) * K + kk[None, :]  # S[v, k] = pool[slot, h, v, k]; int32 within a slot
     m_state = live & (vv[:, None] < V) & (kk[None, :] < K)
     S = load_f32(pool + read_slot * (H * V * K) + state_cols, m_state)
@@ -88,14 +89,13 @@ def decode_kernel(
         store_as(out + row * (H * V) + h * V + vv, tl.where(live, o_t, 0.0), vv < V, EMULATE)
         if PER_TOKEN_SLOTS:
             write_slot = tl.load(slots + n * stride_slot_n + t * stride_slot_t).to(tl.int64)
-            bad_slots += (live & (write_slot >= pool_slots)).to(tl.int32)
+            tl.atomic_add(errors, 1, mask=counting & live & (write_slot >= pool_slots), sem="relaxed")  # "slot"
             writes = m_state & (write_slot >= 0) & (write_slot < pool_slots)
             store_as(pool + write_slot * (H * V * K) + state_cols, S, writes, EMULATE)
         q_t, k_t, v_t, g_t, b_t = q_n, k_n, v_n, g_n, b_n
     if not PER_TOKEN_SLOTS:
         store_as(pool + read_slot * (H * V * K) + state_cols, S, m_state, EMULATE)
-    # counted last, after every load and store, by one program of the sequence (fastkda.errors: "slot", "accepted")
-    counting = (vs == 0) & (h == 0)
+    # a bad read slot or count is added last, after every load and store (fastkda.errors: "slot", "accepted")
     tl.atomic_add(errors, bad_slots, mask=counting & (bad_slots > 0), sem="relaxed")
     if HAS_ACCEPTED:
         tl.atomic_add(errors + 1, bad_counts, mask=counting & (bad_counts > 0), sem="relaxed")
