@@ -25,3 +25,17 @@ def test_a_commits_package_imports_beside_the_current_one(tmp_path, monkeypatch)
 
     assert copy is not fastkda and copy.kda_prefill is not fastkda.kda_prefill
     sys.modules.pop("fastkda_HEAD", None)
+
+
+def test_render_writes_the_table_beside_the_json(tmp_path):
+    import json
+
+    from tools.variants import ab_packages
+
+    found = dict(meta=dict(gpu="G", date="d", torch="t", packages=["current", "base"], current="abc1234"),
+                 rows=[dict(workload="w", kind="prefill", mode="graph", ms=dict(current=1.1, base=1.0),
+                            equal=dict(current=True, base=True))])
+    path = tmp_path / "ab.json"
+    path.write_text(json.dumps(found))
+    ab_packages.render(path)
+    assert "| w | graph | 1.1000 | 1.0000 | 1.100 | equal |" in (tmp_path / "ab.md").read_text()

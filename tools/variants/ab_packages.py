@@ -12,7 +12,8 @@ package of each commit into ``.ab/fastkda_<commit>/`` (ignored by git; carry ``.
 that it imports beside the working tree's, its custom ops in their own namespace.
 On the device: ``python tools/variants/ab_packages.py --against ce73160 [--only NAME ...] [--out DIR]``
 prints one line per workload and mode (the working tree's time, each other package's, their ratios) and writes
-``ab-<commits>.json`` under ``--out``.
+``ab-<commits>.json`` under ``--out`` (the working tree's commit from ``$FASTKDA_COMMIT`` or git);
+``--render FILE.json`` writes its table as ``FILE.md``.
 """
 
 import argparse
@@ -113,6 +114,29 @@ def compare(packages, workloads, rounds=2, on_row=lambda rows: None):
     return rows
 
 
+def render(path):
+    """``path`` (an A/B JSON) as a markdown table beside it: each package's ms and its time over the first
+    base's (the last package named on the command line's ``--against`` comes last)."""
+    found = json.loads(Path(path).read_text())
+    meta, rows = found["meta"], found["rows"]
+    names = meta["packages"]
+    label = {name: meta.get("current", "current") if name == "current" else name for name in names}
+    base = names[1]
+    head = ["workload", "mode"] + [f"{label[n]} ms" for n in names] + [f"{label[n]} / {label[base]}" for n in names
+                                                                        if n != base] + ["bits"]
+    lines = [f"# Same-run A/B, {meta['gpu']}, {meta['date']}, torch {meta['torch']}",
+             "", "Median ms (the fastest of the rounds), CUDA-graph replay and eager; packages interleaved in one "
+             "process on the same inputs (tools/variants/ab_packages.py). A ratio above 1 is slower than "
+             f"{label[base]}.", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        ms = r["ms"]
+        cells = [r["workload"], r["mode"]] + [f"{ms[n]:.4f}" for n in names]
+        cells += [f"{ms[n] / ms[base]:.3f}" for n in names if n != base]
+        cells.append("equal" if all(r["equal"].values()) else "DIFFER")
+        lines.append("| " + " | ".join(cells) + " |")
+    Path(path).with_suffix(".md").write_text("\n".join(lines) + "\n")
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--make", action="append", default=[], metavar="COMMIT", help="copy a commit's package")
@@ -120,7 +144,11 @@ def main(argv=None):
     parser.add_argument("--only", nargs="*", help="workload names (default: every prefill and decode workload)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--out", default="fastkda-results")
+    parser.add_argument("--render", metavar="FILE", help="write an A/B JSON's table as markdown, no timing")
     args = parser.parse_args(argv)
+    if args.render:
+        render(args.render)
+        return 0
     for commit in args.make:
         print(f"made {make_package(commit)}")
     if not args.against:
@@ -137,8 +165,10 @@ def main(argv=None):
                  if not args.only or w["name"] in args.only]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    from fastkda.bench.report import git_commit
+
     meta = dict(gpu=torch.cuda.get_device_name(), date=datetime.date.today().isoformat(),
-                packages=list(packages), torch=torch.__version__)
+                packages=list(packages), current=git_commit(), torch=torch.__version__)
     path = out / f"ab-{'-'.join(args.against)}.json"
     rows = compare(packages, workloads, args.rounds,
                    lambda done: path.write_text(json.dumps(dict(meta=meta, rows=done), indent=1)))
