@@ -14,7 +14,7 @@ import triton.language as tl
 
 
 _INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") == "1"  # read once, as Triton reads it when it defines
-# the kernels (an eager call's host time counts: the environment lookup cost ~2 µs per call on the H200's host)
+# the kernels (an eager call's host time counts, and an environment lookup per call is part of it)
 
 
 def interpreting() -> bool:
@@ -99,8 +99,8 @@ def _launch_hooked():
 
 def launch(kernel, grid, *args, **meta):
     """``kernel[grid](*args, **meta)`` for a 3-D ``grid``, keyword arguments being the parameters after ``args`` (in
-    any order) and launch options. Triton binds and specialises every argument of every call in Python (~45 µs of
-    host time per launch on the H200's host, three launches per prefill); after the first call of a
+    any order) and launch options. Triton binds and specialises every argument of every call in Python, tens of µs
+    of host time per launch (docs/perf-notes.md, "Eager host path"); after the first call of a
     specialisation this launches its compiled kernel directly. Under the interpreter, with a Triton launch hook
     set (profilers) or another Triton than 3.6, it is Triton's own path."""
     if _INTERPRETING or not _DIRECT_LAUNCH or _launch_hooked():
