@@ -48,7 +48,7 @@ def demo(args):
 
     name = torch.cuda.get_device_name() if cuda else "CPU (PyTorch chunked path)"
     print(f"fastkda demo on {name}: H={heads}, sequences={lengths}, K=V={DIM}, lower-bound gate {LOWER_BOUND}")
-    print(f"plan:\n  " + plan.describe().replace("\n", "\n  ") if cuda else
+    print("plan:\n  " + plan.describe().replace("\n", "\n  ") if cuda else
           f"plan: the CPU path, chunks of {plan.cpu_chunk} tokens")
     run()
     if cuda:

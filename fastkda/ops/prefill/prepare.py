@@ -24,7 +24,7 @@ choice are in ``docs/perf-notes.md``.
 import triton
 import triton.language as tl
 
-from ..common import bf16_operand, fast_exp2, launch, load_f32, store_as
+from ..common import bf16_operand, fast_exp2, launch
 from ..tiles import load_rows, store_rows
 from .inputs import beta_rows, log2_decay_block, row_scales
 from .layout import chunk_of_slot
