@@ -14,7 +14,7 @@ from typing import List, Optional
 import torch
 
 from . import checks as value_checks
-from .errors import counters
+from .errors import KINDS, counters
 from .plan import CHUNK, DecodePlan, PrefillPlan, choose_decode_plan, choose_plan, sm_count
 from .reference import kda_chunked, kda_decode_reference
 from .validation import (check_disjoint, check_tensor, fail, remembered, scalar_defaults, validate_decode,
@@ -36,10 +36,11 @@ def _opaque_when_compiling(op, impl):
 
 
 def _error_counters(errors, q):
-    """The counters the kernels add to: the caller's ``errors`` (int32 ``[3]`` on q's device) or the device's."""
+    """The counters the kernels add to: the caller's ``errors`` (int32, one per kind of :mod:`fastkda.errors`, on
+    q's device) or the device's."""
     if errors is None:
         return counters(q.device) if q.is_cuda else None
-    check_tensor("errors", errors, (3,), (torch.int32,), q.device)
+    check_tensor("errors", errors, (len(KINDS),), (torch.int32,), q.device)
     return errors
 
 

@@ -283,11 +283,6 @@ def choose_plan(num_seqs: int, heads: int, seq_len: int, key_dim: int, value_dim
 def _choose_plan(num_seqs, heads, seq_len, key_dim, value_dim, sms, varlen, lower_bound_gate, choice):
     for name, value in (("num_seqs", num_seqs), ("heads", heads), ("seq_len", seq_len), ("sms", sms)):
         _check(isinstance(value, int) and not isinstance(value, bool), f"{name} must be an integer, got {value!r}")
-    _check(key_dim in SUPPORTED_DIMS and value_dim in SUPPORTED_DIMS,
-           f"K and V must be in {SUPPORTED_DIMS}, got K={key_dim}, V={value_dim}")
-    _check(heads >= 1 and sms >= 1 and num_seqs >= 0 and seq_len >= 0,
-           f"heads and SMs must be >= 1, sequences and tokens >= 0, got heads={heads}, sms={sms}, "
-           f"num_seqs={num_seqs}, seq_len={seq_len}")
     pairs = max(num_seqs * heads, 1)
     if choice != "auto":
         slices = choice
