@@ -34,6 +34,19 @@ BLOCK = 16  # tokens per block of the in-chunk inverse (and the span of any deca
 CPU_CHUNK = 16  # tokens per step of the CPU path (its in-chunk decays are formed element-wise)
 DECODE_SLICE_WIDTH = 16  # state columns per decode program
 WARP_CHOICES = (1, 2, 4, 8, 16)
+ENV_SEQUENCE_PARALLEL = "FASTKDA_SEQUENCE_PARALLEL"
+SCAN_WIDTH = 32  # state columns per program of the segment scan: fixed, so the scan's bits never depend on the plan
+MAX_SEGMENTS = 32  # segments of one sequence at most (each adds a step to the scan, and rounding to the state)
+MIN_SEGMENT_CHUNKS = 4  # chunks per segment at least (shorter ones pay two launches for too little)
+SP_GAIN = 0.9  # the sequence-parallel form only where the model predicts at least 10% off the serial recurrence
+# The step model behind the choice of segment length (docs/sequence-parallel.md §3.1; perf-notes "Recurrence"):
+# the latency of one step of one program alone by slice width (µs), what a step costs per SM at full occupancy
+# per 32 columns, the transition-only steps' share of a full step, a scan step, and the gap per kernel boundary.
+STEP_LATENCY_US = {16: 1.1, 32: 1.1, 64: 1.3, 128: 1.3}
+STEP_THROUGHPUT_US = 0.42
+TRANSITION_SHARE = 0.65
+SCAN_STEP_US = 1.5
+LAUNCH_GAP_US = 2.5
 
 
 def _check(condition, message):
@@ -54,7 +67,11 @@ class PrefillPlan:
     Preparation: warps, stages, key channels per step and ``prepare_token_run`` (consecutive tokens per thread,
     which keeps the in-chunk cumulative sum inside threads; it sets that sum's order, so it is the one number here
     besides ``chunk`` and ``dot_precision`` that changes the results' last bits) of the first kernel; warps, stages and channels per step
-    of the solve kernel. ``dot_precision``: the kernels' fp32 products ("tf32" or "ieee")."""
+    of the solve kernel. Sequence parallelism (``docs/sequence-parallel.md``): ``segment_chunks`` (0: off) cuts every
+sequence, from its first token, into segments of that many chunks; the transition kernel runs each segment from
+a zero state over the V value columns and K identity columns in slices of ``transition_width``, the scan
+(``scan_warps``) composes them into each segment's entry state, and the recurrence reruns every segment from its
+entry state in ``v_slices`` slices. ``dot_precision``: the kernels' fp32 products ("tf32" or "ieee")."""
 
     seq_len: int
     num_seqs: int
@@ -79,6 +96,9 @@ class PrefillPlan:
     solve_warps: int
     solve_stages: int
     solve_channels: int
+    segment_chunks: int = 0
+    transition_width: int = 0
+    scan_warps: int = 4
     dot_precision: str = "tf32"
     reason: str = dataclasses.field(default="", compare=False)
 
@@ -111,6 +131,14 @@ class PrefillPlan:
                f"prepare_token_run must divide the chunk ({self.chunk}), got {self.prepare_token_run}")
         _check(self.solve_channels in (16, 32, 64, 128),
                f"solve_channels must be 16, 32, 64 or 128, got {self.solve_channels}")
+        _check(self.segment_chunks >= 0, f"segment_chunks must be >= 0, got {self.segment_chunks}")
+        if self.segment_chunks:
+            narrow = min(self.key_dim, self.value_dim)
+            _check(self.transition_width in (16, 32, 64, 128) and self.transition_width <= narrow,
+                   f"transition_width must be 16, 32, 64 or 128 and at most min(K, V)={narrow}, got "
+                   f"{self.transition_width}")
+            _check(self.scan_warps in WARP_CHOICES, f"scan_warps must be one of {WARP_CHOICES}, got "
+                                                    f"{self.scan_warps}")
         _check(self.dot_precision in ("tf32", "ieee"), f"dot_precision must be 'tf32' or 'ieee', got "
                                                        f"{self.dot_precision!r}")
 
@@ -144,9 +172,56 @@ class PrefillPlan:
         return (self.chunk_slots, self.heads, 1)
 
     @property
+    def sequence_parallel(self) -> bool:
+        """Whether sequences are cut into segments (``segment_chunks``)."""
+        return self.segment_chunks > 0
+
+    @property
+    def segment_tokens(self) -> int:
+        """Tokens per segment (0: sequence parallelism off)."""
+        return self.chunk * self.segment_chunks
+
+    @property
+    def segment_slots(self) -> int:
+        """Segment slots, laid out as the chunk slots are with segments in place of chunks: sequence n owns
+        ``ceil(len_n / segment_tokens)`` slots from ``n·ceil(seq_len / segment_tokens)`` (fixed length) or
+        ``cu_seqlens[n] // segment_tokens + n`` (varlen), whatever the lengths (0 when off)."""
+        if not self.segment_chunks:
+            return 0
+        if self.varlen:
+            return self.seq_len // self.segment_tokens + self.num_seqs + 1
+        return self.batch * -(-self.seq_len // self.segment_tokens)
+
+    @property
+    def transition_rows_v(self) -> bool:
+        """Whether the transition kernel holds its slices' state transposed (:func:`state_rows_v`)."""
+        return state_rows_v(self.transition_width)
+
+    @property
+    def transition_warps(self) -> int:
+        """Warps per transition program (:func:`recurrence_warps`)."""
+        return recurrence_warps(self.transition_width)
+
+    @property
+    def transition_grid(self) -> tuple:
+        """Grid of the transition kernel: one program per (slice of the V + K columns, head, segment slot)."""
+        return ((self.value_dim + self.key_dim) // max(self.transition_width, 1), self.heads, self.segment_slots)
+
+    @property
+    def scan_width(self) -> int:
+        """State columns per program of the segment scan (:data:`SCAN_WIDTH`, whatever the slices)."""
+        return SCAN_WIDTH
+
+    @property
+    def scan_grid(self) -> tuple:
+        """Grid of the segment scan: one program per (slice of ``scan_width`` columns, head, sequence)."""
+        return (self.value_dim // self.scan_width, self.heads, self.num_seqs)
+
+    @property
     def recurrence_grid(self) -> tuple:
-        """Grid of the recurrence: one program per (V-slice, head, sequence)."""
-        return (self.v_slices, self.heads, self.num_seqs)
+        """Grid of the recurrence: one program per (V-slice, head, sequence), or per (V-slice, head, segment
+        slot) under sequence parallelism."""
+        return (self.v_slices, self.heads, self.segment_slots if self.segment_chunks else self.num_seqs)
 
     def replace(self, **changes) -> "PrefillPlan":
         """This plan with some numbers changed (validated), its reason saying which."""
@@ -183,6 +258,11 @@ class PrefillPlan:
             f"{self.recurrence_stages} stages, state held as "
             + ("Sᵀ (rows = V)" if self.state_rows_v else "S (rows = K)")
             + (", forming w and u each step" if self.w_u_in_recurrence else ""),
+            ("sequence parallelism: off" if not self.segment_chunks else
+             f"sequence parallelism: segments of {self.segment_chunks} chunks ({self.segment_tokens} tokens) from "
+             f"each sequence's first token, {self.segment_slots} segment slots; transitions over V+K="
+             f"{self.value_dim + self.key_dim} columns in slices of {self.transition_width}, a scan over each "
+             f"sequence's segments, then the recurrence over every segment from its entry state"),
             f"why: {self.reason}",
             f"CPU path: chunks of {self.cpu_chunk} tokens",
         ])
@@ -267,20 +347,123 @@ def prepare_token_run(chunk: int, key_dim: int, warps: int) -> int:
     return max(min(chunk * key_dim // (warps * 256), chunk), 1)
 
 
+def parse_sequence_parallel(value, source: str):
+    """``"auto"``, ``False`` (off) or tokens per segment, a positive multiple of :data:`CHUNK`; anything else
+    raises ``ValueError`` naming ``source``."""
+    if isinstance(value, str):
+        text = value.strip().lower()
+        if text == "auto":
+            return "auto"
+        if text in ("0", "off", "false"):
+            return False
+        if text.isdigit():
+            value = int(text)
+    if value is False:
+        return False
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0 or value % CHUNK:
+        raise ValueError(f"{source} must be 'auto', False or a positive multiple of {CHUNK} (tokens per segment), "
+                         f"got {value!r}")
+    return value
+
+
+def requested_sequence_parallel(argument="auto"):
+    """The caller's choice: the argument unless it is ``"auto"``, then ``$FASTKDA_SEQUENCE_PARALLEL``, then auto."""
+    choice = parse_sequence_parallel(argument, "sequence_parallel")
+    if choice == "auto" and os.environ.get(ENV_SEQUENCE_PARALLEL):
+        choice = parse_sequence_parallel(os.environ[ENV_SEQUENCE_PARALLEL], ENV_SEQUENCE_PARALLEL)
+    return choice
+
+
+def phase_us(programs: int, steps: int, width: int, sms: int, share: float = 1.0) -> float:
+    """Modelled time of a phase of ``programs`` equal programs of ``steps`` chunk steps on ``width``-column
+    slices: the busiest SM runs ``ceil(programs / sms)`` of them, two at a time up to 64 columns (4 warps) and one
+    at a time beyond; each step takes the longer of one program's latency and the SM's throughput for the programs
+    it runs together (``share``: a transition-only step's fraction of a full one)."""
+    if not programs or not steps:
+        return 0.0
+    per_sm = -(-programs // sms)
+    together = 1 if width >= 128 else 2
+    step = max(STEP_LATENCY_US[width], min(per_sm, together) * width / 32 * STEP_THROUGHPUT_US) * share
+    return -(-per_sm // together) * steps * step
+
+
+def segmented_us(sequences: int, chunks: int, segment_chunks: int, heads: int, key_dim: int, value_dim: int,
+                 transition_width: int, v_slices: int, sms: int) -> float:
+    """Modelled time of the sequence-parallel form for ``sequences`` sequences of ``chunks`` chunks each: the
+    transitions of all but each sequence's last segment (the first over the value columns alone), the scan, and
+    the rerun of every segment, with the gaps between the three kernels."""
+    segments = -(-chunks // segment_chunks)
+    transitions = sequences * heads * (value_dim // transition_width * (segments - 1)
+                                       + key_dim // transition_width * max(segments - 2, 0))
+    rerun = sequences * heads * v_slices * segments
+    return (phase_us(transitions, segment_chunks, transition_width, sms, TRANSITION_SHARE)
+            + (segments - 1) * SCAN_STEP_US + 2 * LAUNCH_GAP_US
+            + phase_us(rerun, segment_chunks, value_dim // v_slices, sms))
+
+
+def _segmentation(num_seqs, heads, seq_len, key_dim, value_dim, sms, varlen, serial_slices, requested, choice):
+    """``(segment_chunks, transition_width, v_slices, reason)`` for sequence parallelism, or None for the serial
+    recurrence. Reads the batch at its worst (varlen: one sequence may hold every token, so a long chunk beside
+    many short sequences is not hidden by the mean) and keeps a balanced batch on one segment per sequence where
+    the model says segments would not pay there."""
+    chunks = -(-seq_len // CHUNK)
+    worst = 1 if varlen else num_seqs
+    widths = [w for w in (128, 64) if w <= min(key_dim, value_dim)]
+    slices = [requested] if requested != "auto" else [s for s in V_SLICE_CHOICES if value_dim // s >= NARROW_SLICE_WIDTH]
+    serial = phase_us(worst * heads * serial_slices, chunks, value_dim // serial_slices, sms)
+
+    def best(segment_chunks, sequences, chunk_count):
+        return min((segmented_us(sequences, chunk_count, segment_chunks, heads, key_dim, value_dim, w, s, sms), w, s)
+                   for w in widths for s in slices)
+
+    if choice != "auto":
+        segment_chunks = choice // CHUNK
+        predicted, width, v_slices = best(segment_chunks, worst, chunks)
+        return segment_chunks, width, v_slices, (f"sequence_parallel={choice} requested: segments of "
+                                                 f"{segment_chunks} chunks, predicted {predicted:.0f} µs against "
+                                                 f"{serial:.0f} µs serial for the longest sequence possible")
+    candidates = []
+    for segments in range(2, MAX_SEGMENTS + 1):
+        segment_chunks = -(-chunks // segments)
+        if segment_chunks < MIN_SEGMENT_CHUNKS:
+            break
+        candidates.append((*best(segment_chunks, worst, chunks), segment_chunks))
+    if not candidates:
+        return None
+    predicted, width, v_slices, segment_chunks = min(candidates)
+    balanced = -(-seq_len // max(num_seqs, 1) // CHUNK) if varlen else chunks
+    if varlen and num_seqs > 1 and balanced > segment_chunks:
+        balanced_serial = phase_us(num_seqs * heads * serial_slices, balanced, value_dim // serial_slices, sms)
+        if best(segment_chunks, num_seqs, balanced)[0] > 1.02 * balanced_serial:
+            segment_chunks = balanced  # a balanced batch keeps one segment per sequence
+            predicted, width, v_slices = best(segment_chunks, worst, chunks)
+    if predicted > SP_GAIN * serial:
+        return None
+    return segment_chunks, width, v_slices, (
+        f"sequence parallelism: segments of {segment_chunks} chunks, predicted {predicted:.0f} µs against "
+        f"{serial:.0f} µs serial for the longest sequence possible ({'one sequence of all ' if varlen else ''}"
+        f"{chunks} chunks)")
+
+
 def choose_plan(num_seqs: int, heads: int, seq_len: int, key_dim: int, value_dim: int, sms: int, *,
-                varlen: bool = True, lower_bound_gate: bool = True, v_slices="auto") -> PrefillPlan:
+                varlen: bool = True, lower_bound_gate: bool = True, v_slices="auto",
+                sequence_parallel="auto") -> PrefillPlan:
     """The prefill plan for ``num_seqs`` sequences of ``heads`` heads on ``sms`` SMs: varlen, one row of
     ``seq_len`` tokens holding them all (``cu_seqlens``); else ``num_seqs`` rows of ``seq_len`` tokens each.
 
     ``v_slices``: ``"auto"`` (then ``$FASTKDA_V_SLICES`` if set) takes the most slices, at least
     :data:`NARROW_SLICE_WIDTH` columns wide, whose ``s·N·H`` programs fit one per SM, else one slice; or one of
-    :data:`V_SLICE_CHOICES`. Raises ``ValueError`` for shapes the kernels do not take."""
+    :data:`V_SLICE_CHOICES`. ``sequence_parallel``: ``"auto"`` (then ``$FASTKDA_SEQUENCE_PARALLEL`` if set) cuts
+    sequences into segments where the step model predicts at least 10% off the serial recurrence for the longest
+    sequence the facts allow; ``False`` keeps the serial recurrence; an int forces segments of that many tokens.
+    Raises ``ValueError`` for shapes the kernels do not take."""
     return _choose_plan(num_seqs, heads, seq_len, key_dim, value_dim, sms, bool(varlen), bool(lower_bound_gate),
-                        requested_v_slices(v_slices))
+                        requested_v_slices(v_slices), requested_sequence_parallel(sequence_parallel))
 
 
 @functools.lru_cache(maxsize=4096)  # an eager call's host time counts: a repeated shape reuses its plan
-def _choose_plan(num_seqs, heads, seq_len, key_dim, value_dim, sms, varlen, lower_bound_gate, choice):
+def _choose_plan(num_seqs, heads, seq_len, key_dim, value_dim, sms, varlen, lower_bound_gate, choice,
+                 sp_choice="auto"):
     for name, value in (("num_seqs", num_seqs), ("heads", heads), ("seq_len", seq_len), ("sms", sms)):
         _check(isinstance(value, int) and not isinstance(value, bool), f"{name} must be an integer, got {value!r}")
     pairs = max(num_seqs * heads, 1)
@@ -304,12 +487,28 @@ def _choose_plan(num_seqs, heads, seq_len, key_dim, value_dim, sms, varlen, lowe
             reason = f"{pairs} (sequence, head) pairs"
             reason += (f" fill the GPU: V stays whole ({min(splits)} slices would put {min(splits) * pairs} programs "
                        f"on {sms} SMs, two on some)" if splits else " and no narrower slices are allowed")
+    segmentation = None
+    if sp_choice is not False and num_seqs:
+        segmentation = _segmentation(num_seqs, heads, seq_len, key_dim, value_dim, sms, varlen, slices, choice,
+                                     sp_choice)
+    segment_chunks, transition_width = 0, 0
+    if segmentation:
+        segment_chunks, transition_width, slices, sp_reason = segmentation
+        reason += f"; {sp_reason}, reruns in {slices} slice(s)"
+    elif sp_choice is False:
+        reason += "; sequence parallelism off (requested)"
+    else:
+        reason += "; the serial recurrence (segments are not predicted to gain 10%)"
     width = value_dim // slices
-    in_recurrence = w_u_in_recurrence(width, pairs)
-    reason += (f"; {pairs} pairs for {width}-column slices: "
-               + ("enough to share the saving, so each recurrence step forms w and u itself" if in_recurrence
-                  else "the solve kernel forms w and u (each recurrence step would, from 64-column slices and "
-                       "one pair per two columns)"))
+    if segment_chunks:  # the chains are what the segments shorten: no step of theirs forms w and u
+        in_recurrence = False
+        reason += "; the solve kernel forms w and u (the segments' steps stay short)"
+    else:
+        in_recurrence = w_u_in_recurrence(width, pairs)
+        reason += (f"; {pairs} pairs for {width}-column slices: "
+                   + ("enough to share the saving, so each recurrence step forms w and u itself" if in_recurrence
+                      else "the solve kernel forms w and u (each recurrence step would, from 64-column slices "
+                           "and one pair per two columns)"))
     prepare_warps = 4
     return PrefillPlan(
         seq_len=seq_len, num_seqs=num_seqs, varlen=varlen, heads=heads, key_dim=key_dim, value_dim=value_dim,
@@ -318,7 +517,8 @@ def _choose_plan(num_seqs, heads, seq_len, key_dim, value_dim, sms, varlen, lowe
         recurrence_warps=recurrence_warps(width), recurrence_stages=3,
         prepare_warps=prepare_warps, prepare_stages=3, prepare_channels=prepare_channels(key_dim, lower_bound_gate),
         prepare_token_run=prepare_token_run(CHUNK, key_dim, prepare_warps),
-        solve_warps=4, solve_stages=3, solve_channels=max(key_dim, value_dim), reason=reason)
+        solve_warps=4, solve_stages=3, solve_channels=max(key_dim, value_dim), segment_chunks=segment_chunks,
+        transition_width=transition_width, scan_warps=8 if key_dim >= 128 else 4, reason=reason)
 
 
 @dataclass(frozen=True)

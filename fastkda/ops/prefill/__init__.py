@@ -8,6 +8,10 @@ Spec §2 in the WY form, over chunks of ``C`` tokens (the plan's ``chunk``, two 
    alone, for the recurrence to form them), token-parallel;
 3. ``recurrence.py``: the serial recurrence over chunks, one program per (sequence, head, V-slice).
 
+Under sequence parallelism (the plan's ``segment_chunks``) the third stage is three launches: the segments'
+transitions (``recurrence.py`` over V + K columns from zero and identity states), the scan over each sequence's
+segments (``scan.py``), and the recurrence over every segment from its entry state.
+
 ``layout.py`` defines where chunks and the workspace between the stages live. Every launch number comes from the
 :class:`fastkda.plan.PrefillPlan` the caller passes; nothing here decides one.
 """
@@ -17,6 +21,7 @@ from ..common import interpreting
 from .layout import Workspace
 from .prepare import launch_prepare
 from .recurrence import launch_recurrence
+from .scan import launch_scan
 from .solve import launch_solve
 
 
@@ -34,5 +39,9 @@ def chunk_kda_forward(q, k, v, g, beta, *, plan, A_log, dt_bias, lower_bound, sc
                        emulate)
         launch_solve(plan, ws, v, beta, use_beta_sigmoid, emulate)
     if plan.num_seqs:
-        launch_recurrence(plan, ws, out, initial_state, final_state, checkpoint_offsets, checkpoint_states,
-                          counters(q.device) if errors is None else errors, emulate)
+        errors = counters(q.device) if errors is None else errors
+        if plan.sequence_parallel:
+            launch_recurrence(plan, ws, out, initial_state, None, None, None, errors, emulate, transition=True)
+            launch_scan(plan, ws, initial_state, errors)
+        launch_recurrence(plan, ws, out, initial_state, final_state, checkpoint_offsets, checkpoint_states, errors,
+                          emulate)

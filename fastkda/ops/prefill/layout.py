@@ -28,6 +28,10 @@ section    dtype  per row         holds
 =========  =====  ==============  ======================================================================
 
 and per (chunk slot, head), the fp32 chunk decay ``decay = exp(G_C)`` (K values) at the start of the fp32 buffer.
+Under sequence parallelism the fp32 buffer ends with two sections per (segment slot, head), rows of K values
+laid out as a state ``[v, k]``: ``transitions`` (V + K rows: the segment's exit state from a zero state, then the
+exit of the K identity columns, i.e. its transition matrix) and ``entries`` (V rows: the segment's entry state).
+Segment slots are laid out as the chunk slots are, with segments in place of chunks.
 Kernels receive the two buffers and each section's element offset (:class:`Workspace` fields); they address
 rows from their chunk's first token.
 """
@@ -61,30 +65,37 @@ def sequence_span(cu_seqlens, n, seq_len, num_seqs, IS_VARLEN: tl.constexpr):
 
 
 @triton.jit
-def first_slot(n, bos, seq_len, C: tl.constexpr, IS_VARLEN: tl.constexpr):
-    """Slot of sequence ``n``'s first chunk (see the module docstring)."""
+def first_slot(n, bos, seq_len, TOKENS: tl.constexpr, IS_VARLEN: tl.constexpr):
+    """Slot of sequence ``n``'s first chunk, or first segment, for slots of ``TOKENS`` tokens (a chunk or a
+    segment; see the module docstring)."""
     if IS_VARLEN:
-        return bos // C + n
+        return bos // TOKENS + n
     else:
-        return n * tl.cdiv(seq_len, C)
+        return n * tl.cdiv(seq_len, TOKENS)
+
+
+@triton.jit
+def sequence_of_slot(slot, cu_seqlens, seq_len, num_seqs, TOKENS: tl.constexpr, IS_VARLEN: tl.constexpr):
+    """The sequence a slot of ``TOKENS`` tokens belongs to: varlen, the last whose first slot is <= slot."""
+    if IS_VARLEN:
+        lo = 0
+        hi = num_seqs - 1
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if tl.load(cu_seqlens + mid).to(tl.int32) // TOKENS + mid <= slot:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+    else:
+        return slot // tl.cdiv(seq_len, TOKENS)
 
 
 @triton.jit
 def chunk_of_slot(slot, cu_seqlens, seq_len, num_seqs, C: tl.constexpr, IS_VARLEN: tl.constexpr):
     """First token of chunk ``slot`` and one past its sequence's last token (a slot past the end of its
     sequence gives an empty chunk)."""
-    if IS_VARLEN:  # the last sequence whose first slot is <= slot
-        lo = 0
-        hi = num_seqs - 1
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            if tl.load(cu_seqlens + mid).to(tl.int32) // C + mid <= slot:
-                lo = mid
-            else:
-                hi = mid - 1
-        n = lo
-    else:
-        n = slot // tl.cdiv(seq_len, C)
+    n = sequence_of_slot(slot, cu_seqlens, seq_len, num_seqs, C, IS_VARLEN)
     bos, eos, _ = sequence_span(cu_seqlens, n, seq_len, num_seqs, IS_VARLEN)
     first = first_slot(n, bos, seq_len, C, IS_VARLEN)
     chunk_start = bos + (slot - first) * C
@@ -100,20 +111,27 @@ class WorkspaceLayout:
     u: int
     A: int
     scratch: int
+    transitions: int
+    entries: int
     bf16_elements: int
     fp32_elements: int
 
 
 @functools.lru_cache(maxsize=4096)
-def workspace_layout(rows: int, slots: int, heads: int, key_dim: int, value_dim: int, chunk: int) -> WorkspaceLayout:
-    """The layout for ``rows`` (token, head) rows and ``slots`` chunk slots (``w`` and ``decay`` at offset 0)."""
+def workspace_layout(rows: int, slots: int, heads: int, key_dim: int, value_dim: int, chunk: int,
+                     segment_slots: int = 0) -> WorkspaceLayout:
+    """The layout for ``rows`` (token, head) rows, ``slots`` chunk slots and ``segment_slots`` segment slots
+    (``w`` and ``decay`` at offset 0)."""
     qg = rows * key_dim
     kg = qg + rows * key_dim
     u = kg + rows * key_dim
     A = u + rows * value_dim
     scratch = slots * heads * key_dim
-    return WorkspaceLayout(qg=qg, kg=kg, u=u, A=A, scratch=scratch, bf16_elements=A + rows * chunk,
-                           fp32_elements=scratch + rows * chunk)
+    transitions = scratch + rows * chunk
+    entries = transitions + segment_slots * heads * (value_dim + key_dim) * key_dim
+    return WorkspaceLayout(qg=qg, kg=kg, u=u, A=A, scratch=scratch, transitions=transitions, entries=entries,
+                           bf16_elements=A + rows * chunk,
+                           fp32_elements=entries + segment_slots * heads * value_dim * key_dim)
 
 
 @dataclass
@@ -130,7 +148,7 @@ class Workspace:
     @staticmethod
     def allocate(plan, v, cu_seqlens) -> "Workspace":
         layout = workspace_layout(plan.batch * plan.seq_len * plan.heads, plan.chunk_slots, plan.heads,
-                                  plan.key_dim, plan.value_dim, plan.chunk)
+                                  plan.key_dim, plan.value_dim, plan.chunk, plan.segment_slots)
         return Workspace(bf16=torch.empty(layout.bf16_elements, dtype=torch.bfloat16, device=v.device),
                          fp32=torch.empty(layout.fp32_elements, dtype=torch.float32, device=v.device),
                          layout=layout, cu_seqlens=cu_seqlens, v=v)

@@ -23,7 +23,7 @@ import triton.language as tl
 
 from ..common import bf16_operand, launch, store_as
 from ..tiles import load_tile, load_tile_t, store_tile, store_tile_t, tile_offsets
-from .layout import first_slot, sequence_span
+from .layout import first_slot, sequence_of_slot, sequence_span
 
 
 @triton.jit
@@ -41,16 +41,18 @@ def store_checkpoint(ckpt_offsets, ckpt_states, n, j, stride_n, stride_j, done, 
 
 @triton.jit
 def recurrence_kernel(
-    ws_bf16, ws_fp32, qg_at, kg_at, u_at, A_at, scratch_at, out, initial_state, final_state, cu_seqlens, errors,
-    ckpt_offsets, ckpt_states, stride_out, seq_len, stride_ckpt_n, stride_ckpt_j, v, stride_v,
+    ws_bf16, ws_fp32, qg_at, kg_at, u_at, A_at, scratch_at, transitions_at, entries_at, out, initial_state,
+    final_state, cu_seqlens, errors, ckpt_offsets, ckpt_states, stride_out, seq_len, num_seqs, stride_ckpt_n, stride_ckpt_j,
+    v, stride_v,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
     IS_VARLEN: tl.constexpr, HAS_INITIAL: tl.constexpr, HAS_FINAL: tl.constexpr, NUM_CKPT: tl.constexpr,
     STATE_ROWS_V: tl.constexpr, W_U_FORMED: tl.constexpr, DOT_PRECISION: tl.constexpr, EMULATE: tl.constexpr,
+    SEGMENT_CHUNKS: tl.constexpr, TRANSITION: tl.constexpr,
 ):
-    """One (V-slice, head, sequence): the chunks in order (module docstring)."""
+    """One (V-slice, head, sequence), or under sequence parallelism one (slice, head, segment slot): the chunks
+    in order (module docstring)."""
     vs = tl.program_id(0)
     h = tl.program_id(1)
-    n = tl.program_id(2)
     w_ws = ws_bf16 + h * K  # each section's rows from head h's first column
     qg_ws = ws_bf16 + qg_at + h * K
     kg_ws = ws_bf16 + kg_at + h * K
@@ -59,99 +61,149 @@ def recurrence_kernel(
     T_ws = ws_fp32 + scratch_at + h * C
     v_h = v + h * V
     out_h = out + h * V
-    bos, eos, in_order = sequence_span(cu_seqlens, n, seq_len, tl.num_programs(2), IS_VARLEN)
+    if SEGMENT_CHUNKS:  # segment slot -> (sequence, segment j), chunks [c0, c1) of the sequence
+        slot = tl.program_id(2)
+        n = sequence_of_slot(slot, cu_seqlens, seq_len, num_seqs, C * SEGMENT_CHUNKS, IS_VARLEN)
+    else:
+        n = tl.program_id(2)
+    bos, eos, in_order = sequence_span(cu_seqlens, n, seq_len, num_seqs, IS_VARLEN)
     slot0 = first_slot(n, bos, seq_len, C, IS_VARLEN)
+    num_chunks = tl.cdiv(eos - bos, C)
     kk = tl.arange(0, K)
-    vv = vs * BV + tl.arange(0, BV)
+    vv = vs * BV + tl.arange(0, BV)  # TRANSITION: columns V.. are the identity columns
     r = tl.arange(0, C)
     cc = tl.arange(0, C)
-    base = ((n * H + h) * V).to(tl.int64) * K
-    if STATE_ROWS_V:
-        state_offsets = base + tile_offsets(vv, kk, K, 1)  # Sᵀ[v, k] = state[v, k]
+    if SEGMENT_CHUNKS:
+        j = slot - first_slot(n, bos, seq_len, C * SEGMENT_CHUNKS, IS_VARLEN)
+        c0 = j * SEGMENT_CHUNKS
+        c1 = tl.minimum(c0 + SEGMENT_CHUNKS, num_chunks)
+        if TRANSITION:  # every segment but the last; the identity columns from the second
+            active = (j >= 0) & (c1 < num_chunks) & ((vs * BV < V) | (j > 0))
+        else:  # every segment; the first also for an empty sequence (its final state and checkpoint 0)
+            active = (j == 0) | ((j > 0) & (c0 < num_chunks))
     else:
-        state_offsets = base + tile_offsets(kk, vv, 1, K)  # S[k, v] = state[v, k]
-    if HAS_INITIAL:
-        S = tl.load(initial_state + state_offsets).to(tl.float32)
-    elif STATE_ROWS_V:
-        S = tl.zeros((BV, K), dtype=tl.float32)
-    else:
-        S = tl.zeros((K, BV), dtype=tl.float32)
-    num_chunks = tl.cdiv(eos - bos, C)
-    decay_h = ws_fp32 + h * K  # the chunk decays [slots, H, K]
-    if STATE_ROWS_V:  # the first chunk's uᵀ and decay; each step then loads the next chunk's (below)
-        if W_U_FORMED:
-            first = (bos + r).to(tl.int64)
-            u_T = load_tile_t(u_ws, first, first < eos, vv, V, H * V)
-        decay = tl.load(decay_h + slot0 * (H * K) + kk, mask=(kk < K) & (num_chunks > 0), other=1.0)
-    for c in range(num_chunks):
-        for j in tl.static_range(NUM_CKPT):  # prefix-cache checkpoint: the state after c*C tokens
-            store_checkpoint(ckpt_offsets, ckpt_states, n, j, stride_ckpt_n, stride_ckpt_j, c * C, eos - bos, S,
-                             state_offsets, H, V, K, EMULATE)
-        tok = (bos + c * C + r).to(tl.int64)
-        valid = tok < eos
-        if W_U_FORMED:
-            w = bf16_operand(load_tile(w_ws, tok, valid, kk, K, H * K), EMULATE)
-        else:  # w = T·β·kd and u = T·β·v, rounded to bf16 as the workspace would hold them
-            T_beta = load_tile(T_ws, tok, valid, cc, C, H * C)
-            kd = load_tile(w_ws, tok, valid, kk, K, H * K).to(tl.float32)
-            w = bf16_operand(tl.dot(T_beta, kd, input_precision=DOT_PRECISION), EMULATE)
-            v_c = load_tile(v_h, tok, valid, vv, V, stride_v).to(tl.float32)
-            u = bf16_operand(tl.dot(T_beta, v_c, input_precision=DOT_PRECISION), EMULATE).to(tl.float32)
-        qg = bf16_operand(load_tile(qg_ws, tok, valid, kk, K, H * K), EMULATE)
-        kg = bf16_operand(load_tile(kg_ws, tok, valid, kk, K, H * K), EMULATE)
-        A = bf16_operand(load_tile(A_ws, tok, valid, cc, C, H * C), EMULATE)
-        S_op = bf16_operand(S, EMULATE)
-        if STATE_ROWS_V:  # v_newᵀ = uᵀ - Sᵀwᵀ, oᵀ = Sᵀqgᵀ + v_newᵀAᵀ, Sᵀ = Sᵀ·diag(decay) + v_newᵀ·kg
-            S_decayed = S * decay[None, :]
-            decay = tl.load(decay_h + (slot0 + tl.minimum(c + 1, num_chunks - 1)) * (H * K) + kk)
-            if W_U_FORMED:
-                v_new = u_T.to(tl.float32) - tl.dot(S_op, tl.trans(w))
-                u_T = load_tile_t(u_ws, tok + C, tok + C < eos, vv, V, H * V)
+        j = 0
+        c0 = 0
+        c1 = num_chunks
+        active = True
+    if active:
+        base = ((n * H + h) * V).to(tl.int64) * K
+        if STATE_ROWS_V:
+            state_offsets = base + tile_offsets(vv, kk, K, 1)  # Sᵀ[v, k] = state[v, k]
+            local = tile_offsets(vv, kk, K, 1)
+        else:
+            state_offsets = base + tile_offsets(kk, vv, 1, K)  # S[k, v] = state[v, k]
+            local = tile_offsets(kk, vv, 1, K)
+        if TRANSITION:  # identity columns: the state of column V + p starts as the unit vector e_p
+            if STATE_ROWS_V:
+                S = tl.where(vv[:, None] - V == kk[None, :], 1.0, 0.0)
             else:
-                v_new = tl.trans(u) - tl.dot(S_op, tl.trans(w))
-            v_op = bf16_operand(v_new, EMULATE)
-            o = tl.dot(S_op, tl.trans(qg)) + tl.dot(v_op, tl.trans(A))
-            store_tile_t(out_h, tok, valid, vv, V, stride_out, o, EMULATE)
-            S = S_decayed + tl.dot(v_op, kg)
-        else:  # v_new = u - w·S, o = qg·S + A·v_new, S = diag(decay)·S + kgᵀ·v_new
-            chunk_decay = tl.load(decay_h + (slot0 + c) * (H * K) + kk)
+                S = tl.where(vv[None, :] - V == kk[:, None], 1.0, 0.0)
+            if HAS_INITIAL:
+                if j == 0:
+                    S += tl.load(initial_state + state_offsets).to(tl.float32)
+        elif SEGMENT_CHUNKS:  # the scan's entry state (the initial state for the first segment: it may be the
+            # final state's buffer, which the last segment writes while the first runs)
+            S = tl.load(ws_fp32 + entries_at + ((slot * H + h) * V).to(tl.int64) * K + local)
+        elif HAS_INITIAL:
+            S = tl.load(initial_state + state_offsets).to(tl.float32)
+        elif STATE_ROWS_V:
+            S = tl.zeros((BV, K), dtype=tl.float32)
+        else:
+            S = tl.zeros((K, BV), dtype=tl.float32)
+        decay_h = ws_fp32 + h * K  # the chunk decays [slots, H, K]
+        if STATE_ROWS_V:  # the first chunk's uᵀ and decay; each step then loads the next chunk's (below)
             if W_U_FORMED:
-                u = load_tile(u_ws, tok, valid, vv, V, H * V).to(tl.float32)
-            v_new = u - tl.dot(w, S_op)
-            v_op = bf16_operand(v_new, EMULATE)
-            o = tl.dot(qg, S_op) + tl.dot(A, v_op)
-            store_tile(out_h, tok, valid, vv, V, stride_out, o, EMULATE)
-            S = S * chunk_decay[:, None] + tl.dot(tl.trans(kg), v_op)
-    for j in tl.static_range(NUM_CKPT):
-        store_checkpoint(ckpt_offsets, ckpt_states, n, j, stride_ckpt_n, stride_ckpt_j, num_chunks * C, eos - bos,
-                         S, state_offsets, H, V, K, EMULATE)
-    if HAS_FINAL:
-        store_as(final_state + state_offsets, S, None, EMULATE)
-    if IS_VARLEN:  # fastkda.errors: "cu_seqlens", counted last, once per sequence
+                first = (bos + c0 * C + r).to(tl.int64)
+                u_T = load_tile_t(u_ws, first, first < eos, vv, V, H * V)
+            decay = tl.load(decay_h + (slot0 + c0) * (H * K) + kk, mask=(kk < K) & (c1 > c0), other=1.0)
+        for c in range(c0, c1):
+            if not TRANSITION:
+                for i in tl.static_range(NUM_CKPT):  # prefix-cache checkpoint: the state after c*C tokens
+                    store_checkpoint(ckpt_offsets, ckpt_states, n, i, stride_ckpt_n, stride_ckpt_j, c * C,
+                                     eos - bos, S, state_offsets, H, V, K, EMULATE)
+            tok = (bos + c * C + r).to(tl.int64)
+            valid = tok < eos
+            if W_U_FORMED:
+                w = bf16_operand(load_tile(w_ws, tok, valid, kk, K, H * K), EMULATE)
+            else:  # w = T·β·kd and u = T·β·v, rounded to bf16 as the workspace would hold them
+                T_beta = load_tile(T_ws, tok, valid, cc, C, H * C)
+                kd = load_tile(w_ws, tok, valid, kk, K, H * K).to(tl.float32)
+                w = bf16_operand(tl.dot(T_beta, kd, input_precision=DOT_PRECISION), EMULATE)
+                v_c = load_tile(v_h, tok, valid, vv, V, stride_v).to(tl.float32)
+                u = bf16_operand(tl.dot(T_beta, v_c, input_precision=DOT_PRECISION), EMULATE).to(tl.float32)
+            if not TRANSITION:
+                qg = bf16_operand(load_tile(qg_ws, tok, valid, kk, K, H * K), EMULATE)
+                A = bf16_operand(load_tile(A_ws, tok, valid, cc, C, H * C), EMULATE)
+            kg = bf16_operand(load_tile(kg_ws, tok, valid, kk, K, H * K), EMULATE)
+            S_op = bf16_operand(S, EMULATE)
+            if STATE_ROWS_V:  # v_newᵀ = uᵀ - Sᵀwᵀ, oᵀ = Sᵀqgᵀ + v_newᵀAᵀ, Sᵀ = Sᵀ·diag(decay) + v_newᵀ·kg
+                S_decayed = S * decay[None, :]
+                decay = tl.load(decay_h + (slot0 + tl.minimum(c + 1, c1 - 1)) * (H * K) + kk)
+                if W_U_FORMED:
+                    v_new = u_T.to(tl.float32) - tl.dot(S_op, tl.trans(w))
+                    u_T = load_tile_t(u_ws, tok + C, tok + C < eos, vv, V, H * V)
+                else:
+                    v_new = tl.trans(u) - tl.dot(S_op, tl.trans(w))
+                v_op = bf16_operand(v_new, EMULATE)
+                if not TRANSITION:
+                    o = tl.dot(S_op, tl.trans(qg)) + tl.dot(v_op, tl.trans(A))
+                    store_tile_t(out_h, tok, valid, vv, V, stride_out, o, EMULATE)
+                S = S_decayed + tl.dot(v_op, kg)
+            else:  # v_new = u - w·S, o = qg·S + A·v_new, S = diag(decay)·S + kgᵀ·v_new
+                chunk_decay = tl.load(decay_h + (slot0 + c) * (H * K) + kk)
+                if W_U_FORMED:
+                    u = load_tile(u_ws, tok, valid, vv, V, H * V).to(tl.float32)
+                v_new = u - tl.dot(w, S_op)
+                v_op = bf16_operand(v_new, EMULATE)
+                if not TRANSITION:
+                    o = tl.dot(qg, S_op) + tl.dot(A, v_op)
+                    store_tile(out_h, tok, valid, vv, V, stride_out, o, EMULATE)
+                S = S * chunk_decay[:, None] + tl.dot(tl.trans(kg), v_op)
+        if TRANSITION:  # the segment's exit: [exit state from zero | transition], rows of the V + K columns
+            exits = ws_fp32 + transitions_at + ((slot * H + h) * (V + K)).to(tl.int64) * K
+            tl.store(exits + local, S)
+        elif c1 == num_chunks:  # the sequence's last segment (or its whole chain)
+            for i in tl.static_range(NUM_CKPT):
+                store_checkpoint(ckpt_offsets, ckpt_states, n, i, stride_ckpt_n, stride_ckpt_j, num_chunks * C,
+                                 eos - bos, S, state_offsets, H, V, K, EMULATE)
+            if HAS_FINAL:
+                store_as(final_state + state_offsets, S, None, EMULATE)
+    if IS_VARLEN and not SEGMENT_CHUNKS:  # fastkda.errors: "cu_seqlens", counted last, once per sequence
         tl.atomic_add(errors + 2, 1, mask=(vs == 0) & (h == 0) & ~in_order, sem="relaxed")
 
 
 def launch_recurrence(plan, ws, out, initial_state, final_state, checkpoint_offsets, checkpoint_states, errors,
-                      emulate):
+                      emulate, transition=False):
     """Launch :func:`recurrence_kernel` over the plan's grid: ``out [B, T, H, V]`` (contiguous), ``final_state
     [N, H, V, K]`` and the checkpoints ``checkpoint_states [N, 2, H, V, K]`` at ``checkpoint_offsets [N]`` or
-    ``[N, 2]`` (if given), in place; malformed ``cu_seqlens`` counted in ``errors``."""
+    ``[N, 2]`` (if given), in place; malformed ``cu_seqlens`` counted in ``errors``. Under sequence parallelism,
+    ``transition=True`` launches the segments' transitions (``plan.transition_grid``) into the workspace instead,
+    and otherwise the rerun of every segment from the entry states the scan wrote."""
     absent = ws.fp32  # stands for absent optional tensors; never dereferenced
-    checkpoints = 0 if checkpoint_offsets is None else (1 if checkpoint_offsets.dim() == 1 else
-                                                        checkpoint_offsets.shape[1])
+    checkpoints = 0 if checkpoint_offsets is None or transition else (1 if checkpoint_offsets.dim() == 1 else
+                                                                      checkpoint_offsets.shape[1])
     layout = ws.layout
+    if transition:
+        grid, width, rows_v, warps = (plan.transition_grid, plan.transition_width, plan.transition_rows_v,
+                                      plan.transition_warps)
+    else:
+        grid, width, rows_v, warps = (plan.recurrence_grid, plan.slice_width, plan.state_rows_v,
+                                      plan.recurrence_warps)
     launch(
-        recurrence_kernel, plan.recurrence_grid,
-        ws.bf16, ws.fp32, layout.qg, layout.kg, layout.u, layout.A, layout.scratch, out,
+        recurrence_kernel, grid,
+        ws.bf16, ws.fp32, layout.qg, layout.kg, layout.u, layout.A, layout.scratch, layout.transitions,
+        layout.entries, out,
         initial_state if initial_state is not None else absent,
-        final_state if final_state is not None else absent,
+        final_state if final_state is not None and not transition else absent,
         ws.cu_seqlens if plan.varlen else absent, errors,
         checkpoint_offsets if checkpoints else absent, checkpoint_states if checkpoints else absent,
-        out.stride(1), plan.seq_len,
+        out.stride(1), plan.seq_len, plan.num_seqs,
         checkpoint_offsets.stride(0) if checkpoints else 0, checkpoint_offsets.stride(-1) if checkpoints else 0,
-        ws.v, ws.v.stride(1), H=plan.heads, K=plan.key_dim, V=plan.value_dim, BV=plan.slice_width, C=plan.chunk,
-        IS_VARLEN=plan.varlen, HAS_INITIAL=initial_state is not None, HAS_FINAL=final_state is not None,
-        NUM_CKPT=checkpoints, STATE_ROWS_V=plan.state_rows_v, W_U_FORMED=not plan.w_u_in_recurrence,
-        DOT_PRECISION=plan.dot_precision, EMULATE=emulate, num_warps=plan.recurrence_warps,
+        ws.v, ws.v.stride(1), H=plan.heads, K=plan.key_dim, V=plan.value_dim, BV=width, C=plan.chunk,
+        IS_VARLEN=plan.varlen, HAS_INITIAL=initial_state is not None,
+        HAS_FINAL=final_state is not None and not transition, NUM_CKPT=checkpoints, STATE_ROWS_V=rows_v,
+        W_U_FORMED=not plan.w_u_in_recurrence, DOT_PRECISION=plan.dot_precision, EMULATE=emulate,
+        SEGMENT_CHUNKS=plan.segment_chunks, TRANSITION=transition, num_warps=warps,
         num_stages=plan.recurrence_stages,
     )
