@@ -92,7 +92,8 @@ def _prefill_impl(
         return
     o, state = _cpu_path(lambda: kda_chunked(
         q, k, v, g, beta, **gate, scale=scale, initial_state=initial_state, cu_seqlens=cu_seqlens,
-        use_qk_l2norm=use_qk_l2norm, use_beta_sigmoid=use_beta_sigmoid, chunk=plan.cpu_chunk, **checkpoints),
+        use_qk_l2norm=use_qk_l2norm, use_beta_sigmoid=use_beta_sigmoid, chunk=plan.cpu_chunk, **checkpoints,
+        segment_tokens=plan.segment_tokens),
         "q", q.shape)
     out.copy_(o)
     if final_state is not None:
@@ -114,6 +115,7 @@ def kda_prefill(
     q, k, v, g, beta, *, A_log=None, dt_bias=None, lower_bound=None, scale=None, initial_state=None,
     final_state=None, output_final_state=False, cu_seqlens=None, use_qk_l2norm=True, use_beta_sigmoid=True,
     out=None, v_slices="auto", checkpoint_offsets=None, checkpoint_states=None, plan=None, checks=None, errors=None,
+    sequence_parallel="auto",
 ):
     """Kimi Delta Attention prefill (spec §1, §3). Returns ``(o, final_state)``.
 
@@ -135,6 +137,14 @@ def kda_prefill(
         out: optional preallocated output, shape and dtype of v, contiguous, sharing no memory with an input.
         v_slices: ``"auto"`` (the launch plan, :mod:`fastkda.plan`), or 1, 2, 4; ``$FASTKDA_V_SLICES``
             applies when this is ``"auto"``. Results are bitwise identical for every choice.
+        sequence_parallel: ``"auto"`` (default; then ``$FASTKDA_SEQUENCE_PARALLEL``), ``False``, or tokens per
+            segment (a multiple of 32). Cuts each sequence, from its first token, into segments that run on
+            separate SMs and are joined by a scan over their transitions (``docs/sequence-parallel.md``): the auto
+            plan does so where it predicts at least 10% off the serial recurrence for the longest sequence the
+            call's shape allows. Results then depend on the segment length (deterministic, bitwise identical
+            across ``v_slices``, within the same accuracy bound); ``False`` keeps the serial recurrence and its
+            bits. Checkpoints equal a prefix run's final state bit for bit when both runs use the same segment
+            length (``False``, or the same int).
         checkpoint_offsets, checkpoint_states: prefix-cache checkpoints. Offsets ``[N]`` or ``[N, 2]`` (the
             dtype of ``cu_seqlens``) from each sequence's start, multiples of the chunk, 32 (CPU tensors are
             checked; on the GPU another value never matches); the fp32 state after that many tokens is written to
@@ -163,9 +173,10 @@ def kda_prefill(
     facts = (num_seqs, heads, length, key_dim, value_dim)
     varlen, lower_bound_gate = cu_seqlens is not None, lower_bound is not None
     if plan is None:
-        plan = choose_plan(*facts, _sms_of(q), varlen=varlen, lower_bound_gate=lower_bound_gate, v_slices=v_slices)
+        plan = choose_plan(*facts, _sms_of(q), varlen=varlen, lower_bound_gate=lower_bound_gate, v_slices=v_slices,
+                           sequence_parallel=sequence_parallel)
     else:
-        _check_plan_fits(plan, facts, varlen, lower_bound_gate, v_slices)
+        _check_plan_fits(plan, facts, varlen, lower_bound_gate, v_slices, sequence_parallel)
     errors = _error_counters(errors, q)
     if out is None:
         out = torch.empty_like(v, memory_format=torch.contiguous_format)
@@ -178,12 +189,15 @@ def kda_prefill(
     return out, final_state
 
 
-def _check_plan_fits(plan, facts, varlen, lower_bound_gate, v_slices):
-    """A caller's plan must be a :class:`PrefillPlan` made for this call's shape and gate, without ``v_slices``."""
+def _check_plan_fits(plan, facts, varlen, lower_bound_gate, v_slices, sequence_parallel):
+    """A caller's plan must be a :class:`PrefillPlan` made for this call's shape and gate, without ``v_slices``
+    or ``sequence_parallel``."""
     if not isinstance(plan, PrefillPlan):
         fail("plan", "a fastkda.PrefillPlan", type(plan).__name__)
     if v_slices != "auto":
         fail("v_slices", "'auto' when a plan is given (the plan holds v_slices)", v_slices)
+    if not (isinstance(sequence_parallel, str) and sequence_parallel == "auto"):
+        fail("sequence_parallel", "'auto' when a plan is given (the plan holds the segments)", sequence_parallel)
     made_for = (plan.num_seqs, plan.heads, plan.seq_len, plan.key_dim, plan.value_dim, plan.varlen,
                 plan.lower_bound_gate)
     needed = (*facts, varlen, lower_bound_gate)

@@ -466,6 +466,10 @@ def _choose_plan(num_seqs, heads, seq_len, key_dim, value_dim, sms, varlen, lowe
                  sp_choice="auto"):
     for name, value in (("num_seqs", num_seqs), ("heads", heads), ("seq_len", seq_len), ("sms", sms)):
         _check(isinstance(value, int) and not isinstance(value, bool), f"{name} must be an integer, got {value!r}")
+        least = 1 if name in ("heads", "sms") else 0  # the facts' ranges, before the step model reads them
+        _check(value >= least, f"{name} must be >= {least}, got {value}")
+    for name, value in (("key_dim", key_dim), ("value_dim", value_dim)):
+        _check(value in SUPPORTED_DIMS, f"{name} must be one of {SUPPORTED_DIMS}, got {value}")
     pairs = max(num_seqs * heads, 1)
     if choice != "auto":
         slices = choice

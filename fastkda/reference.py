@@ -257,17 +257,53 @@ def kda_chunked_span(q, k, v, g, beta, S, out, start, end, *, A_log=None, dt_bia
         target.copy_(S.transpose(-1, -2))
 
 
+def kda_segmented_span(q, k, v, g, beta, S, out, start, end, segment_tokens, *, checkpoints=None, **prep):
+    """:func:`kda_chunked_span` in the sequence-parallel form (``docs/sequence-parallel.md``), the GPU's
+    segmentation on the CPU: the tokens ``[start, end)`` cut into segments of ``segment_tokens`` from ``start``;
+    each segment but the last run from a zero state over the value columns and K identity columns (the first from
+    ``S`` over the value columns alone), giving its exit ``ℬ_j`` and transition ``𝒜_j``; the entry states composed
+    in order, ``S_{j+1} = 𝒜_j·S_j + ℬ_j``; then every segment rerun from its entry state, writing ``out``, the
+    checkpoints (offsets from ``start``, as :func:`kda_chunked_span` takes them) and, into ``S``, the exit
+    state."""
+    checkpoints = checkpoints or {}
+    heads, key_dim, value_dim = q.shape[1], q.shape[2], v.shape[2]
+    firsts = list(range(start, end, segment_tokens))
+    entries = [S.clone()]
+    for j, first in enumerate(firsts[:-1]):
+        span = slice(first, first + segment_tokens)
+        identity = j > 0  # the first segment starts from the true entry state: its exit needs no transition
+        state = torch.zeros(heads, key_dim, value_dim + (key_dim if identity else 0), dtype=S.dtype)
+        if identity:
+            state[:, :, value_dim:] = torch.eye(key_dim, dtype=S.dtype)
+            columns = torch.cat((v[span], v.new_zeros(segment_tokens, heads, key_dim)), -1)
+        else:
+            state.copy_(entries[0])
+            columns = v[span]
+        discard = torch.empty(segment_tokens, heads, state.shape[-1], dtype=S.dtype)
+        kda_chunked_span(q[span], k[span], columns, g[span], beta[span], state, discard, 0, segment_tokens, **prep)
+        exit_state = state[:, :, :value_dim]
+        entries.append(exit_state if not identity else torch.baddbmm(exit_state, state[:, :, value_dim:], entries[-1]))
+    for first, entry in zip(firsts, entries):
+        last = min(first + segment_tokens, end)
+        offset = first - start
+        mine = {o - offset: targets for o, targets in checkpoints.items()
+                if offset <= o < last - start or (last == end and o == end - start)}
+        S.copy_(entry)
+        kda_chunked_span(q, k, v, g, beta, S, out, first, last, **prep, checkpoints=mine)
+
+
 def kda_chunked(
     q, k, v, g, beta, *, A_log=None, dt_bias=None, lower_bound=None, scale=None, initial_state=None,
     cu_seqlens=None, use_qk_l2norm=True, use_beta_sigmoid=True, dtype=torch.float32, chunk=CPU_CHUNK,
-    checkpoint_offsets=None, checkpoint_states=None,
+    checkpoint_offsets=None, checkpoint_states=None, segment_tokens=0,
 ):
     """Vectorised chunked KDA (the CPU path); same arguments and results as :func:`kda_reference`, plus
     prefix-cache checkpoints: the state after ``checkpoint_offsets[n, j]`` tokens (a multiple of ``chunk``;
     beyond the sequence: ignored) is written to ``checkpoint_states[n, j]`` (``[N, 2, H, V, K]``).
 
     Each sequence runs through :func:`kda_chunked_span` in blocks of chunks, so besides the output the working
-    memory is bounded (``CPU_BLOCK_PAIRS``), whatever the length."""
+    memory is bounded (``CPU_BLOCK_PAIRS``), whatever the length. ``segment_tokens`` (a multiple of ``chunk``;
+    0: off) runs sequences longer than that in the sequence-parallel form (:func:`kda_segmented_span`)."""
     bounds = sequence_bounds(q.shape[0], q.shape[1], cu_seqlens)
     out, final = _zero_outputs(q, v, bounds, initial_state, dtype)
     offsets = [] if checkpoint_offsets is None else checkpoint_offsets.reshape(len(bounds), -1).tolist()
@@ -278,7 +314,10 @@ def kda_chunked(
         for j, offset in enumerate(offsets[n] if offsets else []):
             if 0 <= offset <= end - start and offset % chunk == 0:
                 checkpoints.setdefault(offset, []).append(checkpoint_states[n, j])
-        if end > start:
+        if segment_tokens and end - start > segment_tokens:
+            kda_segmented_span(q[b], k[b], v[b], g[b], beta[b], final[n], out[b], start, end, segment_tokens,
+                               **prep, checkpoints=checkpoints)
+        elif end > start:
             kda_chunked_span(q[b], k[b], v[b], g[b], beta[b], final[n], out[b], start, end, **prep,
                              checkpoints=checkpoints)
         else:

@@ -13,8 +13,9 @@ needs_interpreter = pytest.mark.skipif(
 
 def make_inputs(lengths, heads=2, key_dim=64, value_dim=None, varlen=True, gate="lower_bound", seed=0,
                 device="cpu", state_dtype=torch.float32, with_initial=True, cu_dtype=torch.int32):
-    """Fresh randn inputs (bf16 like the operator's callers). ``gate``: "lower_bound" or "precomputed"
-    (log-decay in (-3, 0] with 5% of entries at -1e4)."""
+    """Fresh randn inputs (bf16 like the operator's callers). ``gate``: "lower_bound", "precomputed" (log-decay in
+    (-3, 0] with 5% of entries at -1e4) or "weak" (precomputed log-decay in (-0.02, 0]: a state that outlives
+    many chunks, so that sequence parallelism's transitions matter)."""
     value_dim = value_dim or key_dim
     gen = torch.Generator().manual_seed(seed)
     batch, length = (1, sum(lengths)) if varlen else (len(lengths), lengths[0])
@@ -27,6 +28,9 @@ def make_inputs(lengths, heads=2, key_dim=64, value_dim=None, varlen=True, gate=
     if gate == "lower_bound":
         inp.update(g=randn(batch, length, heads, key_dim), A_log=torch.rand(heads, generator=gen).to(device),
                    dt_bias=torch.rand(heads, key_dim, generator=gen).to(device), lower_bound=LOWER_BOUND)
+    elif gate == "weak":
+        g = -0.02 * torch.rand(batch, length, heads, key_dim, generator=gen)
+        inp.update(g=g.to(device), A_log=None, dt_bias=None, lower_bound=None)
     else:
         g = -3 * torch.rand(batch, length, heads, key_dim, generator=gen)
         g[torch.rand(g.shape, generator=gen) < 0.05] = -1e4
@@ -51,10 +55,10 @@ def rel_err(x, ref):
     return ((x - ref.double()).norm() / ref.double().norm().clamp_min(1e-30)).item()
 
 
-def run_prefill(inp, state_in, state_out, v_slices="auto", plan=None):
+def run_prefill(inp, state_in, state_out, v_slices="auto", plan=None, sequence_parallel="auto"):
     """``kda_prefill`` into NaN-poisoned buffers; ``state_in``/``state_out``: dtype of the initial/final state,
-    or None for none; ``plan``: a plan for ``inp`` (:func:`plan_for`) instead of ``v_slices``. Returns ``(out,
-    final, initial_state)``."""
+    or None for none; ``plan``: a plan for ``inp`` (:func:`plan_for`) instead of ``v_slices`` and
+    ``sequence_parallel``. Returns ``(out, final, initial_state)``."""
     import fastkda
 
     device = inp["q"].device
@@ -66,16 +70,18 @@ def run_prefill(inp, state_in, state_out, v_slices="auto", plan=None):
     h0 = inp["initial_state"].to(state_in) if state_in else None
     fastkda.kda_prefill(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], A_log=inp["A_log"],
                         dt_bias=inp["dt_bias"], lower_bound=inp["lower_bound"], initial_state=h0, final_state=final,
-                        cu_seqlens=inp["cu_seqlens"], out=out, v_slices=v_slices, plan=plan)
+                        cu_seqlens=inp["cu_seqlens"], out=out, v_slices=v_slices, plan=plan,
+                        sequence_parallel=sequence_parallel)
     return out, final, h0
 
 
-def plan_for(inp, v_slices="auto", sms=132, **changes):
-    """The prefill plan of ``inp`` (from :func:`make_inputs`) on ``sms`` SMs, with ``changes`` to its numbers."""
+def plan_for(inp, v_slices="auto", sms=132, sequence_parallel=False, **changes):
+    """The prefill plan of ``inp`` (from :func:`make_inputs`) on ``sms`` SMs, with ``changes`` to its numbers;
+    serial unless ``sequence_parallel`` says otherwise (as :func:`fastkda.choose_plan` takes it)."""
     from fastkda.plan import choose_plan
 
     q, cu = inp["q"], inp["cu_seqlens"]
     plan = choose_plan(cu.numel() - 1 if cu is not None else q.shape[0], q.shape[2], q.shape[1], q.shape[3],
                        inp["v"].shape[3], sms, varlen=cu is not None, lower_bound_gate=inp["lower_bound"] is not None,
-                       v_slices=v_slices)
+                       v_slices=v_slices, sequence_parallel=sequence_parallel)
     return plan.replace(**changes) if changes else plan

@@ -9,6 +9,8 @@ from fastkda.plan import (V_SLICE_CHOICES, DecodePlan, PrefillPlan, choose_decod
 
 
 def plan(num_seqs, heads, value_dim=128, sms=132, **kw):
+    """The plan of ``num_seqs`` 8192-token sequences; serial (the V-split's rule) unless ``kw`` says otherwise."""
+    kw.setdefault("sequence_parallel", False)
     return choose_plan(num_seqs, heads, 8192 * num_seqs, 128, value_dim, sms, **kw)
 
 
@@ -129,3 +131,67 @@ def test_decode_plan_uses_narrow_slices_and_honours_overrides(monkeypatch):
         choose_decode_plan(1, 12, 96, 132)
     with pytest.raises(ValueError, match="narrower"):
         dataclasses.replace(choose_decode_plan(1, 12, 64, 132), v_slices=8)
+
+
+def test_sequence_parallelism_where_the_chain_leaves_sms_idle():
+    """Few long chains on many SMs get segments; a GPU full of chains, a one-SM CPU and short inputs do not."""
+    one = choose_plan(1, 12, 8192, 128, 128, 132)
+    assert one.sequence_parallel and 4 <= one.segment_chunks < 8192 // 32
+    assert one.transition_grid[0] == 256 // one.transition_width and one.scan_grid == (4, 12, 1)
+    assert one.recurrence_grid == (one.v_slices, 12, one.segment_slots)
+    assert not one.w_u_in_recurrence and "sequence parallelism: segments of" in one.describe()
+    for facts in ((8, 96, 8 * 8192, 132), (1, 12, 8192, 1), (1, 12, 200, 132)):
+        num_seqs, heads, tokens, sms = facts
+        assert choose_plan(num_seqs, heads, tokens, 128, 128, sms).segment_chunks == 0, facts
+    assert choose_plan(1, 12, 8192, 128, 128, 132, sequence_parallel=False).segment_chunks == 0
+    forced = choose_plan(1, 12, 8192, 128, 128, 132, sequence_parallel=1024)
+    assert forced.segment_chunks == 32 and forced.segment_tokens == 1024 and "requested" in forced.reason
+
+
+def test_the_mean_length_does_not_hide_a_long_sequence():
+    """A chunked-prefill batch (one 6144-token chunk beside 12 short sequences) plans for one sequence holding
+    every token; a balanced batch of the same T and N keeps one segment per sequence where segments would not pay
+    there."""
+    mix = [6144, 1024, 512, 256, 128, 64, 32, 16, 8, 4, 2, 1, 1]
+    plan = choose_plan(len(mix), 12, sum(mix), 128, 128, 132)
+    assert plan.sequence_parallel and -(-6144 // plan.segment_tokens) >= 4
+    balanced = choose_plan(8, 12, 8 * 8192, 128, 128, 132)
+    assert balanced.segment_chunks == 0 or balanced.segment_chunks >= 8192 // 32
+
+
+def test_segment_slots_cover_any_lengths():
+    """The segment slots of random ``cu_seqlens`` (varlen) and of fixed rows: every segment of every sequence gets
+    its own slot below ``segment_slots`` (the layout of ``fastkda/ops/prefill/layout.py``, mirrored here)."""
+    import random
+
+    rng = random.Random(5)
+    for _ in range(200):
+        lengths = [rng.choice([0, 1, rng.randint(1, 3000)]) for _ in range(rng.randint(1, 9))]
+        plan = choose_plan(len(lengths), 2, sum(lengths), 64, 64, 132, sequence_parallel=rng.choice([32, 64, 96, 512]))
+        tokens, used, start = plan.segment_tokens, set(), 0
+        for n, length in enumerate(lengths):
+            first = start // tokens + n
+            slots = {first + j for j in range(max(-(-length // tokens), 1))}
+            assert not slots & used and max(slots) < plan.segment_slots
+            used |= slots
+            start += length
+    fixed = choose_plan(3, 2, 1000, 64, 64, 132, varlen=False, sequence_parallel=256)
+    assert fixed.segment_slots == 3 * 4
+
+
+def test_sequence_parallel_values_and_environment(monkeypatch):
+    from fastkda.plan import parse_sequence_parallel, requested_sequence_parallel
+
+    assert parse_sequence_parallel(" Auto ", "x") == "auto" and parse_sequence_parallel("off", "x") is False
+    assert parse_sequence_parallel(False, "x") is False and parse_sequence_parallel("2048", "x") == 2048
+    for bad in (0, 48, -32, True, 1.5, None, "some"):
+        with pytest.raises(ValueError, match="sequence_parallel"):
+            parse_sequence_parallel(bad, "sequence_parallel")
+    monkeypatch.setenv("FASTKDA_SEQUENCE_PARALLEL", "0")
+    assert requested_sequence_parallel("auto") is False and requested_sequence_parallel(64) == 64
+    assert choose_plan(1, 12, 8192, 128, 128, 132).segment_chunks == 0
+    monkeypatch.setenv("FASTKDA_SEQUENCE_PARALLEL", "33")
+    with pytest.raises(ValueError, match="FASTKDA_SEQUENCE_PARALLEL"):
+        requested_sequence_parallel("auto")
+    with pytest.raises(ValueError, match="transition_width"):
+        choose_plan(1, 12, 8192, 64, 64, 132, sequence_parallel=1024).replace(transition_width=128)

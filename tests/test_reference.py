@@ -157,3 +157,46 @@ def test_cpu_path_is_fast_enough():
     kda_chunked(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], **gate_args(inp),
                 initial_state=inp["initial_state"], cu_seqlens=inp["cu_seqlens"])
     assert time.perf_counter() - start < 10.0
+
+
+@pytest.mark.parametrize("case", [
+    dict(lengths=[0, 1, 31, 32, 33, 63, 64, 65, 197], gate="weak"),
+    dict(lengths=[200, 200], varlen=False, gate="weak", state_dtype=torch.bfloat16),
+    dict(lengths=[150, 9], gate="lower_bound", key_dim=64, value_dim=128),
+    dict(lengths=[130], gate="weak", key_dim=128, value_dim=64, with_initial=False),
+])
+def test_segmented_cpu_path_matches_the_serial_one(case):
+    """The sequence-parallel form on the CPU (segments of 64 tokens): the serial chunked path's results to fp32
+    rounding, and float64's; checkpoints at 0, inside a segment, at a segment boundary and at the end."""
+    inp = make_inputs(seed=17, **case)
+    n = len(case["lengths"])
+    heads, key_dim, value_dim = inp["q"].shape[2], inp["q"].shape[3], inp["v"].shape[3]
+    kw = dict(**gate_args(inp), initial_state=inp["initial_state"], cu_seqlens=inp["cu_seqlens"])
+    offsets = torch.tensor([[96, 128]] * (n - 1) + [[0, 192]], dtype=torch.int32)
+    states = {s: torch.full((n, 2, heads, value_dim, key_dim), float("nan")) for s in (0, 64)}
+    results = {s: kda_chunked(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], **kw, checkpoint_offsets=offsets,
+                              checkpoint_states=states[s], segment_tokens=s) for s in (0, 64)}
+    ref_o, ref_s = kda_reference(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], **kw)
+    (o, s), (serial_o, serial_s) = results[64], results[0]
+    assert rel_err(o, serial_o) < 2e-6 and rel_err(s, serial_s) < 2e-6
+    assert rel_err(o, ref_o) < 2e-6 and rel_err(s, ref_s) < 2e-6
+    torch.testing.assert_close(states[64], states[0], rtol=1e-5, atol=1e-5, equal_nan=True)
+    lengths = case["lengths"] if case.get("varlen", True) else [case["lengths"][0]] * n
+    for m, length in enumerate(lengths):
+        for j, offset in enumerate(offsets[m].tolist()):
+            assert torch.isnan(states[64][m, j]).all() == (offset > length)
+
+
+def test_segmented_cpu_path_through_the_api():
+    import fastkda
+
+    inp = make_inputs([300, 0, 70], gate="weak", seed=18)
+    args = [inp[x] for x in ("q", "k", "v", "g", "beta")]
+    out, final = fastkda.kda_prefill(*args, initial_state=inp["initial_state"], cu_seqlens=inp["cu_seqlens"],
+                                     output_final_state=True, sequence_parallel=64)
+    expected_o, expected_s = kda_chunked(*args, initial_state=inp["initial_state"], cu_seqlens=inp["cu_seqlens"],
+                                         segment_tokens=64)
+    assert torch.equal(out, expected_o.to(out.dtype)) and torch.equal(final, expected_s)
+    serial_o, _ = fastkda.kda_prefill(*args, initial_state=inp["initial_state"], cu_seqlens=inp["cu_seqlens"],
+                                      sequence_parallel=False)
+    assert rel_err(out, serial_o.float()) < 1e-2  # bf16 outputs of two fp32 paths

@@ -7,10 +7,11 @@ from __future__ import annotations
 
 from .workloads import DIM, state_dtype
 
-KERNELS = ("prepare", "solve", "recurrence")  # fastkda's prefill kernels in launch order, ``<name>_kernel``
+KERNELS = ("prepare", "solve", "transition", "scan", "recurrence")  # fastkda's prefill kernels in launch order
+# (``<name>_kernel``; transition and scan under sequence parallelism only)
 
 
-def plan_for_inputs(inp, sms=None, v_slices="auto"):
+def plan_for_inputs(inp, sms=None, v_slices="auto", sequence_parallel="auto"):
     """The :class:`fastkda.PrefillPlan` ``fastkda.kda_prefill`` makes for the bench's inputs ``inp`` (same facts:
     sequences, heads, ``seq_len = q.shape[1]``, K, V, the device's SM count unless ``sms`` is given, varlen when
     there are ``cu_seqlens``, the lower-bound gate)."""
@@ -21,7 +22,7 @@ def plan_for_inputs(inp, sms=None, v_slices="auto"):
     num_seqs = cu.numel() - 1 if cu is not None else q.shape[0]
     return choose_plan(num_seqs, q.shape[2], q.shape[1], q.shape[3], inp["v"].shape[3],
                        _sms_of(q) if sms is None else sms, varlen=cu is not None, lower_bound_gate=True,
-                       v_slices=v_slices)
+                       v_slices=v_slices, sequence_parallel=sequence_parallel)
 
 
 def kernel_work(workload, plan):
@@ -52,7 +53,20 @@ def kernel_work(workload, plan):
                  chunks * block_pairs * 2 * plan.block * plan.block * (K + V))
         recurrence = (rows * (s * (3 * K * 2 + C * 2) + V * 2 + V * 2) + chunks * s * K * 4 + 2 * state,
                       recurrence_flops)
-    return dict(prepare=prepare, solve=solve, recurrence=recurrence)
+    work = dict(prepare=prepare, solve=solve)
+    if plan.sequence_parallel:  # every segment but each sequence's last runs once more, over V + K columns
+        L = plan.segment_tokens
+        segments = heads * sum(-(-n // L) for n in lengths)
+        moved = heads * sum(n - (n - 1) // L * L for n in lengths if n)  # the tokens of the last segments
+        rows_t, chunks_t = rows - moved, chunks - heads * sum(-(-(n - (n - 1) // L * L) // C) for n in lengths if n)
+        columns = V + K
+        work["transition"] = (rows_t * (columns // plan.transition_width * (2 * K * 2) + V * 2)
+                              + chunks_t * columns // plan.transition_width * K * 4 + segments * columns * K * 4,
+                              chunks_t * 2 * 2 * C * K * columns)
+        work["scan"] = (segments * (columns * K * 4 + 2 * V * K * 4), segments * 2 * K * K * V)
+        recurrence = (recurrence[0] + segments * V * K * 4, recurrence[1])
+    work["recurrence"] = recurrence
+    return work
 
 
 def decode_state_bytes(workload):

@@ -14,11 +14,13 @@ pytestmark = needs_interpreter
 OUT_BOUND, STATE_BOUND = 4e-3, 3e-3  # issue 2's accuracy bar
 
 
-def run_triton(inp, v_slices=1, final_dtype=torch.float32, use_final=True, **plan_changes):
-    """The kernels as the plan for ``inp`` at ``v_slices`` says, with ``plan_changes``, into NaN-poisoned buffers."""
+def run_triton(inp, v_slices=1, final_dtype=torch.float32, use_final=True, sequence_parallel=False,
+               **plan_changes):
+    """The kernels as the plan for ``inp`` at ``v_slices`` and ``sequence_parallel`` says, with ``plan_changes``,
+    into NaN-poisoned buffers."""
     from fastkda.ops.prefill import chunk_kda_forward
 
-    plan = plan_for(inp, v_slices, **plan_changes)
+    plan = plan_for(inp, v_slices, sequence_parallel=sequence_parallel, **plan_changes)
     key_dim = inp["q"].shape[3]
     out = torch.full_like(inp["v"], float("nan"))
     final = (torch.full((plan.num_seqs, plan.heads, plan.value_dim, key_dim), float("nan"), dtype=final_dtype)
@@ -150,3 +152,61 @@ def test_no_module_level_launch_constants_in_ops():
         for attr, value in vars(module).items():
             number = type(value) in (int, float) or type(getattr(value, "value", None)) in (int, float)
             assert not number or attr in allowed, f"{name}.{attr} = {value!r}"
+
+
+SP_CASES = [  # (inputs, segment chunks): many short segments, so every role of every kernel runs
+    (dict(lengths=[0, 200, 1, 130, 33], varlen=True, gate="weak"), 2),
+    (dict(lengths=[150, 150], varlen=False, gate="weak", state_dtype=torch.bfloat16), 1),
+    (dict(lengths=[190, 40], varlen=True, key_dim=128, value_dim=64, gate="weak"), 2),
+    (dict(lengths=[100, 97], varlen=True, key_dim=64, value_dim=128, gate="lower_bound", with_initial=False), 1),
+]
+
+
+@pytest.mark.parametrize("case,segment_chunks", SP_CASES)
+def test_sequence_parallel_kernels_match_float64(case, segment_chunks):
+    """Transitions, scan and rerun against float64, with the state outliving the segments (weak gate): within the
+    bar, or (where the weak gate's long-lived state takes the serial path past it) within 10% of the serial
+    error."""
+    inp = make_inputs(seed=sum(case["lengths"]) + 1, **case)
+    out, final = run_triton(inp, 1, sequence_parallel=segment_chunks * 32)
+    serial_o, serial_s = run_triton(inp, 1)
+    ref_o, ref_s = reference(inp)
+    assert rel_err(out, ref_o) < max(OUT_BOUND, 1.1 * rel_err(serial_o, ref_o))
+    assert rel_err(final, ref_s) < max(STATE_BOUND, 1.1 * rel_err(serial_s, ref_s))
+
+
+def test_sequence_parallel_bits_across_slices_and_widths():
+    """One segmentation, any V-slices and transition width: the same bits; the first segment's tokens and a
+    sequence of one segment: the serial bits; later segments: their own."""
+    inp = make_inputs([0, 200, 1, 45], heads=2, key_dim=64, value_dim=128, gate="weak", seed=6)
+    base_o, base_s = run_triton(inp, 1, sequence_parallel=64)
+    for v_slices, width in ((2, 32), (4, 64), (4, 16)):
+        out, final = run_triton(inp, v_slices, sequence_parallel=64, transition_width=width)
+        assert torch.equal(out, base_o) and torch.equal(final, base_s), (v_slices, width)
+    serial_o, serial_s = run_triton(inp, 1)
+    assert torch.equal(base_o[:, :64], serial_o[:, :64]) and torch.equal(base_o[:, 200:], serial_o[:, 200:])
+    assert torch.equal(base_s[2:], serial_s[2:]) and not torch.equal(base_o[:, 64:200], serial_o[:, 64:200])
+
+
+def test_sequence_parallel_launches_follow_the_plan(monkeypatch):
+    from fastkda.ops.prefill import chunk_kda_forward, prepare, recurrence, scan, solve
+
+    launched = []
+    for module in (prepare, solve, recurrence, scan):
+        monkeypatch.setattr(module, "launch", lambda kernel, grid, *args, **meta: launched.append(
+            (kernel.__name__, grid, meta)))
+    inp = make_inputs([40, 290], heads=3, key_dim=64, value_dim=128, gate="weak", seed=5)
+    plan = plan_for(inp, 2, sequence_parallel=96, transition_width=32, scan_warps=2)
+    chunk_kda_forward(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], plan=plan, A_log=None, dt_bias=None,
+                      lower_bound=None, scale=0.125, initial_state=None, cu_seqlens=inp["cu_seqlens"],
+                      use_qk_l2norm=True, use_beta_sigmoid=True, out=torch.empty_like(inp["v"]), final_state=None)
+    names = [name for name, _, _ in launched]
+    assert names == ["prepare_kernel", "solve_kernel", "transition_kernel", "segment_scan_kernel",
+                     "recurrence_kernel"]
+    _, grid, meta = launched[2]
+    assert grid == plan.transition_grid == (6, 3, 330 // 96 + 3) and meta["BV"] == 32
+    assert meta["num_warps"] == plan.transition_warps
+    _, grid, meta = launched[3]
+    assert grid == plan.scan_grid == (4, 3, 2) and meta["num_warps"] == 2 and meta["SW"] == plan.scan_width
+    _, grid, meta = launched[4]
+    assert grid == plan.recurrence_grid == (2, 3, plan.segment_slots) and meta["SEGMENTED"]

@@ -31,7 +31,7 @@ from tools.plan_changes import add_set_argument, combined  # noqa: E402
 
 BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"  # ptxas, nvdisasm
 BF16, F32, I32 = "*bf16", "*fp32", "*i32"
-PREFILL_KERNELS = ("prepare", "solve", "recurrence")
+PREFILL_KERNELS = ("prepare", "solve", "recurrence", "transition", "scan")  # the last two: sequence parallelism
 KERNELS = PREFILL_KERNELS + ("decode",)
 DEFAULT_WORKLOAD = "H12_N1_T8192"
 
@@ -70,11 +70,11 @@ def prefill_launches(plan, checkpoints=0, l2norm=True, beta_sigmoid=True):
     """``{kernel: (fn, args, num_warps, num_stages)}`` of the three prefill kernels as ``chunk_kda_forward``
     launches them under ``plan`` on contiguous inputs (bf16 q, k, v, β and, under the lower-bound gate, g; an fp32
     log-decay g otherwise; fp32 states; int32 ``cu_seqlens``), with ``checkpoints`` (0, 1 or 2) per sequence."""
-    from fastkda.ops.prefill import prepare, recurrence, solve
+    from fastkda.ops.prefill import prepare, recurrence, scan, solve
     from fastkda.ops.prefill.layout import workspace_layout
 
     H, K, V, gate = plan.heads, plan.key_dim, plan.value_dim, plan.lower_bound_gate
-    at = workspace_layout(plan.batch * plan.seq_len * H, plan.chunk_slots, H, K, V, plan.chunk)
+    at = workspace_layout(plan.batch * plan.seq_len * H, plan.chunk_slots, H, K, V, plan.chunk, plan.segment_slots)
     cu = I32 if plan.varlen else F32  # an absent tensor is the fp32 workspace
     shared = dict(ws_bf16=BF16, ws_fp32=F32, seq_len=plan.seq_len, C=plan.chunk, IS_VARLEN=plan.varlen,
                   DOT_PRECISION=plan.dot_precision, EMULATE=False)
@@ -89,16 +89,31 @@ def prefill_launches(plan, checkpoints=0, l2norm=True, beta_sigmoid=True):
         num_seqs=plan.num_seqs, H=H, K=K, V=V, BC=plan.block, BK=plan.solve_channels,
         FORM_W_U=not plan.w_u_in_recurrence)
     recurrence_args = dict(
-        shared, qg_at=at.qg, kg_at=at.kg, u_at=at.u, A_at=at.A, scratch_at=at.scratch, out=BF16, initial_state=F32,
-        final_state=F32, cu_seqlens=cu, errors=I32, ckpt_offsets=I32 if checkpoints else F32, ckpt_states=F32,
-        stride_out=H * V, stride_ckpt_n=checkpoints if checkpoints > 1 else int(checkpoints == 1),
+        shared, qg_at=at.qg, kg_at=at.kg, u_at=at.u, A_at=at.A, scratch_at=at.scratch, entries_at=at.entries,
+        out=BF16, initial_state=F32, final_state=F32, cu_seqlens=cu, errors=I32,
+        ckpt_offsets=I32 if checkpoints else F32, ckpt_states=F32, stride_out=H * V, num_seqs=plan.num_seqs,
+        stride_ckpt_n=checkpoints if checkpoints > 1 else int(checkpoints == 1),
         stride_ckpt_j=int(checkpoints > 0), v=BF16, stride_v=H * V, H=H, K=K, V=V, BV=plan.slice_width,
         HAS_INITIAL=True, HAS_FINAL=True, NUM_CKPT=checkpoints, STATE_ROWS_V=plan.state_rows_v,
-        W_U_FORMED=not plan.w_u_in_recurrence)
-    return dict(prepare=(prepare.prepare_kernel, prepare_args, plan.prepare_warps, plan.prepare_stages),
-                solve=(solve.solve_kernel, solve_args, plan.solve_warps, plan.solve_stages),
-                recurrence=(recurrence.recurrence_kernel, recurrence_args, plan.recurrence_warps,
-                            plan.recurrence_stages))
+        W_U_FORMED=not plan.w_u_in_recurrence, segment_chunks=plan.segment_chunks, SEGMENTED=plan.sequence_parallel)
+    found = dict(prepare=(prepare.prepare_kernel, prepare_args, plan.prepare_warps, plan.prepare_stages),
+                 solve=(solve.solve_kernel, solve_args, plan.solve_warps, plan.solve_stages),
+                 recurrence=(recurrence.recurrence_kernel, recurrence_args, plan.recurrence_warps,
+                             plan.recurrence_stages))
+    if plan.sequence_parallel:
+        transition_args = dict(
+            shared, kg_at=at.kg, u_at=at.u, scratch_at=at.scratch, transitions_at=at.transitions, initial_state=F32,
+            cu_seqlens=cu, num_seqs=plan.num_seqs, v=BF16, stride_v=H * V, H=H, K=K, V=V, BV=plan.transition_width,
+            HAS_INITIAL=True, STATE_ROWS_V=plan.transition_rows_v, W_U_FORMED=not plan.w_u_in_recurrence,
+            segment_chunks=plan.segment_chunks)
+        scan_args = dict(ws_fp32=F32, transitions_at=at.transitions, entries_at=at.entries, initial_state=F32,
+                         cu_seqlens=cu, errors=I32, seq_len=plan.seq_len, segment_chunks=plan.segment_chunks, H=H,
+                         K=K, V=V, SW=plan.scan_width, C=plan.chunk, IS_VARLEN=plan.varlen, HAS_INITIAL=True,
+                         DOT_PRECISION=plan.dot_precision)
+        found.update(transition=(recurrence.transition_kernel, transition_args, plan.transition_warps,
+                                 plan.recurrence_stages),
+                     scan=(scan.segment_scan_kernel, scan_args, plan.scan_warps, 1))
+    return found
 
 
 def decode_launch(plan, tokens=1, key_dim=DIM, per_token_slots=False, accepted=False, pool=F32):
@@ -162,7 +177,7 @@ def launches(plan, decode_plan, kernels=KERNELS, checkpoints=0):
     found = prefill_launches(plan, checkpoints) if set(kernels) & set(PREFILL_KERNELS) else {}
     if "decode" in kernels:
         found["decode"] = decode_launch(decode_plan, key_dim=plan.key_dim)
-    return {name: found[name] for name in kernels}
+    return {name: found[name] for name in kernels if name in found}  # the SP kernels only under an SP plan
 
 
 def ptxas_report(kernel):

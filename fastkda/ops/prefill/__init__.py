@@ -20,7 +20,7 @@ from ...errors import counters
 from ..common import interpreting
 from .layout import Workspace
 from .prepare import launch_prepare
-from .recurrence import launch_recurrence
+from .recurrence import launch_recurrence, launch_transitions
 from .scan import launch_scan
 from .solve import launch_solve
 
@@ -41,7 +41,7 @@ def chunk_kda_forward(q, k, v, g, beta, *, plan, A_log, dt_bias, lower_bound, sc
     if plan.num_seqs:
         errors = counters(q.device) if errors is None else errors
         if plan.sequence_parallel:
-            launch_recurrence(plan, ws, out, initial_state, None, None, None, errors, emulate, transition=True)
+            launch_transitions(plan, ws, initial_state, emulate)
             launch_scan(plan, ws, initial_state, errors)
         launch_recurrence(plan, ws, out, initial_state, final_state, checkpoint_offsets, checkpoint_states, errors,
                           emulate)

@@ -65,30 +65,30 @@ def sequence_span(cu_seqlens, n, seq_len, num_seqs, IS_VARLEN: tl.constexpr):
 
 
 @triton.jit
-def first_slot(n, bos, seq_len, TOKENS: tl.constexpr, IS_VARLEN: tl.constexpr):
-    """Slot of sequence ``n``'s first chunk, or first segment, for slots of ``TOKENS`` tokens (a chunk or a
+def first_slot(n, bos, seq_len, tokens, IS_VARLEN: tl.constexpr):
+    """Slot of sequence ``n``'s first chunk, or first segment, for slots of ``tokens`` tokens (a chunk or a
     segment; see the module docstring)."""
     if IS_VARLEN:
-        return bos // TOKENS + n
+        return bos // tokens + n
     else:
-        return n * tl.cdiv(seq_len, TOKENS)
+        return n * tl.cdiv(seq_len, tokens)
 
 
 @triton.jit
-def sequence_of_slot(slot, cu_seqlens, seq_len, num_seqs, TOKENS: tl.constexpr, IS_VARLEN: tl.constexpr):
-    """The sequence a slot of ``TOKENS`` tokens belongs to: varlen, the last whose first slot is <= slot."""
+def sequence_of_slot(slot, cu_seqlens, seq_len, num_seqs, tokens, IS_VARLEN: tl.constexpr):
+    """The sequence a slot of ``tokens`` tokens belongs to: varlen, the last whose first slot is <= slot."""
     if IS_VARLEN:
         lo = 0
         hi = num_seqs - 1
         while lo < hi:
             mid = (lo + hi + 1) // 2
-            if tl.load(cu_seqlens + mid).to(tl.int32) // TOKENS + mid <= slot:
+            if tl.load(cu_seqlens + mid).to(tl.int32) // tokens + mid <= slot:
                 lo = mid
             else:
                 hi = mid - 1
         return lo
     else:
-        return slot // tl.cdiv(seq_len, TOKENS)
+        return slot // tl.cdiv(seq_len, tokens)
 
 
 @triton.jit

@@ -40,17 +40,16 @@ def store_checkpoint(ckpt_offsets, ckpt_states, n, j, stride_n, stride_j, done, 
 
 
 @triton.jit
-def recurrence_kernel(
+def walk_chunks(
     ws_bf16, ws_fp32, qg_at, kg_at, u_at, A_at, scratch_at, transitions_at, entries_at, out, initial_state,
-    final_state, cu_seqlens, errors, ckpt_offsets, ckpt_states, stride_out, seq_len, num_seqs, stride_ckpt_n, stride_ckpt_j,
-    v, stride_v,
-    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
+    final_state, cu_seqlens, errors, ckpt_offsets, ckpt_states, stride_out, seq_len, num_seqs, stride_ckpt_n,
+    stride_ckpt_j, v, stride_v, segment_chunks, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
     IS_VARLEN: tl.constexpr, HAS_INITIAL: tl.constexpr, HAS_FINAL: tl.constexpr, NUM_CKPT: tl.constexpr,
     STATE_ROWS_V: tl.constexpr, W_U_FORMED: tl.constexpr, DOT_PRECISION: tl.constexpr, EMULATE: tl.constexpr,
-    SEGMENT_CHUNKS: tl.constexpr, TRANSITION: tl.constexpr,
+    SEGMENTED: tl.constexpr, TRANSITION: tl.constexpr,
 ):
     """One (V-slice, head, sequence), or under sequence parallelism one (slice, head, segment slot): the chunks
-    in order (module docstring)."""
+    in order (module docstring); ``TRANSITION``: the segment's transition instead (:func:`transition_kernel`)."""
     vs = tl.program_id(0)
     h = tl.program_id(1)
     w_ws = ws_bf16 + h * K  # each section's rows from head h's first column
@@ -61,9 +60,9 @@ def recurrence_kernel(
     T_ws = ws_fp32 + scratch_at + h * C
     v_h = v + h * V
     out_h = out + h * V
-    if SEGMENT_CHUNKS:  # segment slot -> (sequence, segment j), chunks [c0, c1) of the sequence
+    if SEGMENTED:  # segment slot -> (sequence, segment j), chunks [c0, c1) of the sequence
         slot = tl.program_id(2)
-        n = sequence_of_slot(slot, cu_seqlens, seq_len, num_seqs, C * SEGMENT_CHUNKS, IS_VARLEN)
+        n = sequence_of_slot(slot, cu_seqlens, seq_len, num_seqs, C * segment_chunks, IS_VARLEN)
     else:
         n = tl.program_id(2)
     bos, eos, in_order = sequence_span(cu_seqlens, n, seq_len, num_seqs, IS_VARLEN)
@@ -73,10 +72,10 @@ def recurrence_kernel(
     vv = vs * BV + tl.arange(0, BV)  # TRANSITION: columns V.. are the identity columns
     r = tl.arange(0, C)
     cc = tl.arange(0, C)
-    if SEGMENT_CHUNKS:
-        j = slot - first_slot(n, bos, seq_len, C * SEGMENT_CHUNKS, IS_VARLEN)
-        c0 = j * SEGMENT_CHUNKS
-        c1 = tl.minimum(c0 + SEGMENT_CHUNKS, num_chunks)
+    if SEGMENTED:
+        j = slot - first_slot(n, bos, seq_len, C * segment_chunks, IS_VARLEN)
+        c0 = j * segment_chunks
+        c1 = tl.minimum(c0 + segment_chunks, num_chunks)
         if TRANSITION:  # every segment but the last; the identity columns from the second
             active = (j >= 0) & (c1 < num_chunks) & ((vs * BV < V) | (j > 0))
         else:  # every segment; the first also for an empty sequence (its final state and checkpoint 0)
@@ -102,7 +101,7 @@ def recurrence_kernel(
             if HAS_INITIAL:
                 if j == 0:
                     S += tl.load(initial_state + state_offsets).to(tl.float32)
-        elif SEGMENT_CHUNKS:  # the scan's entry state (the initial state for the first segment: it may be the
+        elif SEGMENTED:  # the scan's entry state (the initial state for the first segment: it may be the
             # final state's buffer, which the last segment writes while the first runs)
             S = tl.load(ws_fp32 + entries_at + ((slot * H + h) * V).to(tl.int64) * K + local)
         elif HAS_INITIAL:
@@ -169,41 +168,80 @@ def recurrence_kernel(
                                  eos - bos, S, state_offsets, H, V, K, EMULATE)
             if HAS_FINAL:
                 store_as(final_state + state_offsets, S, None, EMULATE)
-    if IS_VARLEN and not SEGMENT_CHUNKS:  # fastkda.errors: "cu_seqlens", counted last, once per sequence
+    if IS_VARLEN and not SEGMENTED:  # fastkda.errors: "cu_seqlens", counted last, once per sequence
         tl.atomic_add(errors + 2, 1, mask=(vs == 0) & (h == 0) & ~in_order, sem="relaxed")
 
 
+@triton.jit
+def recurrence_kernel(
+    ws_bf16, ws_fp32, qg_at, kg_at, u_at, A_at, scratch_at, entries_at, out, initial_state, final_state, cu_seqlens,
+    errors, ckpt_offsets, ckpt_states, stride_out, seq_len, num_seqs, stride_ckpt_n, stride_ckpt_j, v, stride_v,
+    segment_chunks, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
+    IS_VARLEN: tl.constexpr, HAS_INITIAL: tl.constexpr, HAS_FINAL: tl.constexpr, NUM_CKPT: tl.constexpr,
+    STATE_ROWS_V: tl.constexpr, W_U_FORMED: tl.constexpr, DOT_PRECISION: tl.constexpr, EMULATE: tl.constexpr,
+    SEGMENTED: tl.constexpr,
+):
+    """The recurrence: one (V-slice, head, sequence) over its chunks, or under sequence parallelism one (V-slice,
+    head, segment slot) from the segment's entry state; outputs, checkpoints and final states."""
+    walk_chunks(ws_bf16, ws_fp32, qg_at, kg_at, u_at, A_at, scratch_at, 0, entries_at, out, initial_state,
+                final_state, cu_seqlens, errors, ckpt_offsets, ckpt_states, stride_out, seq_len, num_seqs,
+                stride_ckpt_n, stride_ckpt_j, v, stride_v, segment_chunks, H, K, V, BV, C, IS_VARLEN, HAS_INITIAL,
+                HAS_FINAL, NUM_CKPT, STATE_ROWS_V, W_U_FORMED, DOT_PRECISION, EMULATE, SEGMENTED, False)
+
+
+@triton.jit
+def transition_kernel(
+    ws_bf16, ws_fp32, kg_at, u_at, scratch_at, transitions_at, initial_state, cu_seqlens, seq_len, num_seqs, v,
+    stride_v, segment_chunks, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
+    IS_VARLEN: tl.constexpr, HAS_INITIAL: tl.constexpr, STATE_ROWS_V: tl.constexpr, W_U_FORMED: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, EMULATE: tl.constexpr,
+):
+    """Sequence parallelism's first phase: one (slice of the V + K columns, head, segment slot), every segment but
+    its sequence's last, from a zero state (the first segment from the initial state) and identity columns,
+    steps without outputs; writes the segment's exit and transition (``scan.py``)."""
+    walk_chunks(ws_bf16, ws_fp32, 0, kg_at, u_at, 0, scratch_at, transitions_at, 0, ws_fp32, initial_state, ws_fp32,
+                cu_seqlens, ws_fp32, ws_fp32, ws_fp32, 0, seq_len, num_seqs, 0, 0, v, stride_v, segment_chunks, H, K,
+                V, BV, C, IS_VARLEN, HAS_INITIAL, False, 0, STATE_ROWS_V, W_U_FORMED, DOT_PRECISION, EMULATE, True,
+                True)
+
+
 def launch_recurrence(plan, ws, out, initial_state, final_state, checkpoint_offsets, checkpoint_states, errors,
-                      emulate, transition=False):
+                      emulate):
     """Launch :func:`recurrence_kernel` over the plan's grid: ``out [B, T, H, V]`` (contiguous), ``final_state
     [N, H, V, K]`` and the checkpoints ``checkpoint_states [N, 2, H, V, K]`` at ``checkpoint_offsets [N]`` or
-    ``[N, 2]`` (if given), in place; malformed ``cu_seqlens`` counted in ``errors``. Under sequence parallelism,
-    ``transition=True`` launches the segments' transitions (``plan.transition_grid``) into the workspace instead,
-    and otherwise the rerun of every segment from the entry states the scan wrote."""
+    ``[N, 2]`` (if given), in place; malformed ``cu_seqlens`` counted in ``errors`` (by the scan instead, under
+    sequence parallelism, where this reruns every segment from the entry state the scan wrote)."""
     absent = ws.fp32  # stands for absent optional tensors; never dereferenced
-    checkpoints = 0 if checkpoint_offsets is None or transition else (1 if checkpoint_offsets.dim() == 1 else
-                                                                      checkpoint_offsets.shape[1])
+    checkpoints = 0 if checkpoint_offsets is None else (1 if checkpoint_offsets.dim() == 1 else
+                                                        checkpoint_offsets.shape[1])
     layout = ws.layout
-    if transition:
-        grid, width, rows_v, warps = (plan.transition_grid, plan.transition_width, plan.transition_rows_v,
-                                      plan.transition_warps)
-    else:
-        grid, width, rows_v, warps = (plan.recurrence_grid, plan.slice_width, plan.state_rows_v,
-                                      plan.recurrence_warps)
     launch(
-        recurrence_kernel, grid,
-        ws.bf16, ws.fp32, layout.qg, layout.kg, layout.u, layout.A, layout.scratch, layout.transitions,
-        layout.entries, out,
+        recurrence_kernel, plan.recurrence_grid,
+        ws.bf16, ws.fp32, layout.qg, layout.kg, layout.u, layout.A, layout.scratch, layout.entries, out,
         initial_state if initial_state is not None else absent,
-        final_state if final_state is not None and not transition else absent,
+        final_state if final_state is not None else absent,
         ws.cu_seqlens if plan.varlen else absent, errors,
         checkpoint_offsets if checkpoints else absent, checkpoint_states if checkpoints else absent,
         out.stride(1), plan.seq_len, plan.num_seqs,
         checkpoint_offsets.stride(0) if checkpoints else 0, checkpoint_offsets.stride(-1) if checkpoints else 0,
-        ws.v, ws.v.stride(1), H=plan.heads, K=plan.key_dim, V=plan.value_dim, BV=width, C=plan.chunk,
-        IS_VARLEN=plan.varlen, HAS_INITIAL=initial_state is not None,
-        HAS_FINAL=final_state is not None and not transition, NUM_CKPT=checkpoints, STATE_ROWS_V=rows_v,
+        ws.v, ws.v.stride(1), plan.segment_chunks, H=plan.heads, K=plan.key_dim, V=plan.value_dim,
+        BV=plan.slice_width, C=plan.chunk, IS_VARLEN=plan.varlen, HAS_INITIAL=initial_state is not None,
+        HAS_FINAL=final_state is not None, NUM_CKPT=checkpoints, STATE_ROWS_V=plan.state_rows_v,
         W_U_FORMED=not plan.w_u_in_recurrence, DOT_PRECISION=plan.dot_precision, EMULATE=emulate,
-        SEGMENT_CHUNKS=plan.segment_chunks, TRANSITION=transition, num_warps=warps,
-        num_stages=plan.recurrence_stages,
+        SEGMENTED=plan.sequence_parallel,
+        num_warps=plan.recurrence_warps, num_stages=plan.recurrence_stages,
+    )
+
+
+def launch_transitions(plan, ws, initial_state, emulate):
+    """Launch :func:`transition_kernel` over ``plan.transition_grid`` (sequence parallelism's first phase)."""
+    launch(
+        transition_kernel, plan.transition_grid,
+        ws.bf16, ws.fp32, ws.layout.kg, ws.layout.u, ws.layout.scratch, ws.layout.transitions,
+        initial_state if initial_state is not None else ws.fp32, ws.cu_seqlens if plan.varlen else ws.fp32,
+        plan.seq_len, plan.num_seqs, ws.v, ws.v.stride(1), plan.segment_chunks, H=plan.heads, K=plan.key_dim,
+        V=plan.value_dim, BV=plan.transition_width, C=plan.chunk, IS_VARLEN=plan.varlen,
+        HAS_INITIAL=initial_state is not None, STATE_ROWS_V=plan.transition_rows_v,
+        W_U_FORMED=not plan.w_u_in_recurrence, DOT_PRECISION=plan.dot_precision, EMULATE=emulate,
+        num_warps=plan.transition_warps, num_stages=plan.recurrence_stages,
     )

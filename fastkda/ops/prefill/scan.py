@@ -23,16 +23,16 @@ from .layout import first_slot, sequence_span
 
 @triton.jit
 def segment_scan_kernel(ws_fp32, transitions_at, entries_at, initial_state, cu_seqlens, errors, seq_len,
-                        H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, SW: tl.constexpr, C: tl.constexpr,
-                        SEGMENT_CHUNKS: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_INITIAL: tl.constexpr,
+                        segment_chunks, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, SW: tl.constexpr,
+                        C: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_INITIAL: tl.constexpr,
                         DOT_PRECISION: tl.constexpr):
     """One (column slice, head, sequence): the entry state of each of the sequence's segments after the first."""
     vs = tl.program_id(0)
     h = tl.program_id(1)
     n = tl.program_id(2)
     bos, eos, in_order = sequence_span(cu_seqlens, n, seq_len, tl.num_programs(2), IS_VARLEN)
-    segments = tl.cdiv(tl.cdiv(eos - bos, C), SEGMENT_CHUNKS)
-    first = first_slot(n, bos, seq_len, C * SEGMENT_CHUNKS, IS_VARLEN)
+    segments = tl.cdiv(tl.cdiv(eos - bos, C), segment_chunks)
+    first = first_slot(n, bos, seq_len, C * segment_chunks, IS_VARLEN)
     rows = tile_offsets(vs * SW + tl.arange(0, SW), tl.arange(0, K), K, 1)  # [SW, K] of a state's [v, k]
     matrix = tile_offsets(V + tl.arange(0, K), tl.arange(0, K), K, 1)  # the transition's rows, 𝒜ᵀ [K, K]
     if HAS_INITIAL:  # the first segment's entry, for every sequence (the rerun never reads the initial state)
@@ -57,6 +57,6 @@ def launch_scan(plan, ws, initial_state, errors):
     layout = ws.layout
     launch(segment_scan_kernel, plan.scan_grid, ws.fp32, layout.transitions, layout.entries,
            initial_state if initial_state is not None else ws.fp32, ws.cu_seqlens if plan.varlen else ws.fp32,
-           errors, plan.seq_len, H=plan.heads, K=plan.key_dim, V=plan.value_dim, SW=plan.scan_width, C=plan.chunk,
-           SEGMENT_CHUNKS=plan.segment_chunks, IS_VARLEN=plan.varlen, HAS_INITIAL=initial_state is not None,
+           errors, plan.seq_len, plan.segment_chunks, H=plan.heads, K=plan.key_dim, V=plan.value_dim,
+           SW=plan.scan_width, C=plan.chunk, IS_VARLEN=plan.varlen, HAS_INITIAL=initial_state is not None,
            DOT_PRECISION=plan.dot_precision, num_warps=plan.scan_warps)
