@@ -42,11 +42,16 @@ SP_GAIN = 0.9  # the sequence-parallel form only where the model predicts at lea
 # The step model behind the choice of segment length (docs/sequence-parallel.md §3.1; perf-notes "Recurrence"):
 # the latency of one step of one program alone by slice width (µs), what a step costs per SM at full occupancy
 # per 32 columns, the transition-only steps' share of a full step, a scan step, and the gap per kernel boundary.
-STEP_LATENCY_US = {16: 1.1, 32: 1.1, 64: 1.3, 128: 1.3}
+# Fitted to the segment sweep of 2026-12-01 (docs/perf-notes.md, "Sequence parallelism").
+STEP_LATENCY_US = {16: 1.1, 32: 1.1, 64: 1.1, 128: 1.3}
 STEP_THROUGHPUT_US = 0.42
-TRANSITION_SHARE = 0.65
-SCAN_STEP_US = 1.5
+TRANSITION_SHARE = 0.55
+SCAN_STEP_US = 3.0
 LAUNCH_GAP_US = 2.5
+PREPARE_US_PER_KTH = 1.4  # the preparation's time per 1000 (token, head) pairs (perf-notes, 5b8fe9c)
+EMPTY_LAUNCHES_US = 3.0  # what the transition and scan launches add to a batch of one segment per sequence
+TRANSITION_WIDTHS = (64,)  # the sweep's winner everywhere (128 columns: 1-6% slower)
+RERUN_SLICE_CHOICES = (1, 2)  # slices of the rerun the auto plan weighs (64 columns and up)
 
 
 def _check(condition, message):
@@ -254,7 +259,9 @@ entry state in ``v_slices`` slices. ``dot_precision``: the kernels' fp32 product
             f"step, " + ("T·diag(β) only (the recurrence forms w and u)" if self.w_u_in_recurrence
                          else "forming w and u"),
             f"recurrence: v_slices={self.v_slices} (V cut into {self.v_slices} slice(s) of {self.slice_width} "
-            f"columns): {self.programs} programs on {self.sms} SMs, {self.recurrence_warps} warps, "
+            f"columns): {self.programs} programs "
+            + ("per segment of each sequence" if self.segment_chunks else f"on {self.sms} SMs")
+            + f", {self.recurrence_warps} warps, "
             f"{self.recurrence_stages} stages, state held as "
             + ("Sᵀ (rows = V)" if self.state_rows_v else "S (rows = K)")
             + (", forming w and u each step" if self.w_u_in_recurrence else ""),
@@ -402,26 +409,28 @@ def segmented_us(sequences: int, chunks: int, segment_chunks: int, heads: int, k
 
 
 def _segmentation(num_seqs, heads, seq_len, key_dim, value_dim, sms, varlen, serial_slices, requested, choice):
-    """``(segment_chunks, transition_width, v_slices, reason)`` for sequence parallelism, or None for the serial
-    recurrence. Reads the batch at its worst (varlen: one sequence may hold every token, so a long chunk beside
-    many short sequences is not hidden by the mean) and keeps a balanced batch on one segment per sequence where
-    the model says segments would not pay there."""
+    """``(segment_chunks, transition_width, v_slices, serial_steps, reason)`` for sequence parallelism, or None for
+    the serial recurrence. Reads the batch at its worst (varlen: one sequence may hold every token, so a long chunk
+    beside many short sequences is not hidden by the mean), then at its most balanced (N sequences of T/N tokens):
+    where segments would not pay there, a balanced batch keeps one segment per sequence, and its rerun the serial
+    plan's slices and steps (``serial_steps``), so that it differs from the serial recurrence by two near-empty
+    launches only; where those launches would cost a balanced batch over 2% of its call, the serial recurrence."""
     chunks = -(-seq_len // CHUNK)
     worst = 1 if varlen else num_seqs
-    widths = [w for w in (128, 64) if w <= min(key_dim, value_dim)]
-    slices = [requested] if requested != "auto" else [s for s in V_SLICE_CHOICES if value_dim // s >= NARROW_SLICE_WIDTH]
+    widths = [w for w in TRANSITION_WIDTHS if w <= min(key_dim, value_dim)] or [min(key_dim, value_dim)]
+    slices = [requested] if requested != "auto" else [s for s in RERUN_SLICE_CHOICES if value_dim // s >= 64]
     serial = phase_us(worst * heads * serial_slices, chunks, value_dim // serial_slices, sms)
 
-    def best(segment_chunks, sequences, chunk_count):
+    def best(segment_chunks, sequences, chunk_count, choices=slices):
         return min((segmented_us(sequences, chunk_count, segment_chunks, heads, key_dim, value_dim, w, s, sms), w, s)
-                   for w in widths for s in slices)
+                   for w in widths for s in choices)
 
     if choice != "auto":
         segment_chunks = choice // CHUNK
         predicted, width, v_slices = best(segment_chunks, worst, chunks)
-        return segment_chunks, width, v_slices, (f"sequence_parallel={choice} requested: segments of "
-                                                 f"{segment_chunks} chunks, predicted {predicted:.0f} µs against "
-                                                 f"{serial:.0f} µs serial for the longest sequence possible")
+        return segment_chunks, width, v_slices, False, (
+            f"sequence_parallel={choice} requested: segments of {segment_chunks} chunks, predicted {predicted:.0f} µs "
+            f"against {serial:.0f} µs serial for the longest sequence possible")
     candidates = []
     for segments in range(2, MAX_SEGMENTS + 1):
         segment_chunks = -(-chunks // segments)
@@ -431,18 +440,24 @@ def _segmentation(num_seqs, heads, seq_len, key_dim, value_dim, sms, varlen, ser
     if not candidates:
         return None
     predicted, width, v_slices, segment_chunks = min(candidates)
-    balanced = -(-seq_len // max(num_seqs, 1) // CHUNK) if varlen else chunks
-    if varlen and num_seqs > 1 and balanced > segment_chunks:
+    serial_steps = False
+    if varlen and num_seqs > 1:
+        balanced = -(-seq_len // num_seqs // CHUNK)
         balanced_serial = phase_us(num_seqs * heads * serial_slices, balanced, value_dim // serial_slices, sms)
-        if best(segment_chunks, num_seqs, balanced)[0] > 1.02 * balanced_serial:
-            segment_chunks = balanced  # a balanced batch keeps one segment per sequence
-            predicted, width, v_slices = best(segment_chunks, worst, chunks)
+        if balanced > segment_chunks and best(segment_chunks, num_seqs, balanced)[0] > 1.02 * balanced_serial:
+            segment_chunks = balanced
+        if balanced <= segment_chunks:  # a balanced batch: one segment per sequence, the serial programs
+            serial_steps = True
+            predicted, width, v_slices = best(segment_chunks, worst, chunks, [serial_slices])
+            balanced_call = PREPARE_US_PER_KTH * heads * seq_len / 1000 + balanced_serial
+            if EMPTY_LAUNCHES_US > 0.02 * balanced_call:
+                return None
     if predicted > SP_GAIN * serial:
         return None
-    return segment_chunks, width, v_slices, (
+    return segment_chunks, width, v_slices, serial_steps, (
         f"sequence parallelism: segments of {segment_chunks} chunks, predicted {predicted:.0f} µs against "
         f"{serial:.0f} µs serial for the longest sequence possible ({'one sequence of all ' if varlen else ''}"
-        f"{chunks} chunks)")
+        f"{chunks} chunks)" + ("; a balanced batch keeps one segment per sequence" if serial_steps else ""))
 
 
 def choose_plan(num_seqs: int, heads: int, seq_len: int, key_dim: int, value_dim: int, sms: int, *,
@@ -495,16 +510,16 @@ def _choose_plan(num_seqs, heads, seq_len, key_dim, value_dim, sms, varlen, lowe
     if sp_choice is not False and num_seqs:
         segmentation = _segmentation(num_seqs, heads, seq_len, key_dim, value_dim, sms, varlen, slices, choice,
                                      sp_choice)
-    segment_chunks, transition_width = 0, 0
+    segment_chunks, transition_width, serial_steps = 0, 0, False
     if segmentation:
-        segment_chunks, transition_width, slices, sp_reason = segmentation
+        segment_chunks, transition_width, slices, serial_steps, sp_reason = segmentation
         reason += f"; {sp_reason}, reruns in {slices} slice(s)"
     elif sp_choice is False:
         reason += "; sequence parallelism off (requested)"
     else:
         reason += "; the serial recurrence (segments are not predicted to gain 10%)"
     width = value_dim // slices
-    if segment_chunks:  # the chains are what the segments shorten: no step of theirs forms w and u
+    if segment_chunks and not serial_steps:  # the chains the segments shorten: no step of theirs forms w and u
         in_recurrence = False
         reason += "; the solve kernel forms w and u (the segments' steps stay short)"
     else:

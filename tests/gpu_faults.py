@@ -69,14 +69,15 @@ def decode_cases():
         print(f"decode accepted {accepted}: null rows, counted", flush=True)
 
 
-def prefill_case(offsets, lengths):
+def prefill_case(offsets, lengths, sequence_parallel=False):
     inp = make_inputs(lengths, heads=4, key_dim=128, device="cuda", seed=62)
     out, out_whole = guarded(inp["v"].shape, torch.zeros_like(inp["v"]), inp["v"].dtype)
     final, final_whole = guarded(inp["initial_state"].shape, torch.zeros_like(inp["initial_state"]), torch.float32)
     fastkda.reset_error_counts()
     fastkda.kda_prefill(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], A_log=inp["A_log"],
                         dt_bias=inp["dt_bias"], lower_bound=inp["lower_bound"], initial_state=inp["initial_state"],
-                        final_state=final, out=out, cu_seqlens=torch.tensor(offsets, dtype=torch.int32, device="cuda"))
+                        final_state=final, out=out, cu_seqlens=torch.tensor(offsets, dtype=torch.int32, device="cuda"),
+                        sequence_parallel=sequence_parallel)
     torch.cuda.synchronize()
     assert guards_intact(out_whole) and guards_intact(final_whole), "output guards changed"
     assert torch.isfinite(out).all() and torch.isfinite(final).all()
@@ -84,10 +85,12 @@ def prefill_case(offsets, lengths):
 
 
 def prefill_cases():
-    for offsets in ([0, 300, 5000], [0, 700, 300, 1000], [-4000, 500, 1000], [0, 2 ** 30, 1000], [0, 400, 900]):
-        errors = prefill_case(offsets, [500, 500] if len(offsets) == 3 else [300, 300, 400])
-        assert errors["cu_seqlens"] >= 1 and errors["slot"] == errors["accepted"] == 0, (offsets, errors)
-        print(f"prefill cu_seqlens {offsets}: clamped, counted {errors['cu_seqlens']}", flush=True)
+    for segments in (False, 64):  # the serial recurrence, and segments of 64 tokens (transitions, scan, rerun)
+        for offsets in ([0, 300, 5000], [0, 700, 300, 1000], [-4000, 500, 1000], [0, 2 ** 30, 1000], [0, 400, 900]):
+            errors = prefill_case(offsets, [500, 500] if len(offsets) == 3 else [300, 300, 400], segments)
+            assert errors["cu_seqlens"] >= 1 and errors["slot"] == errors["accepted"] == 0, (offsets, errors)
+            print(f"prefill cu_seqlens {offsets}, sequence_parallel={segments}: clamped, counted "
+                  f"{errors['cu_seqlens']}", flush=True)
     inp = make_inputs([200], heads=4, key_dim=128, device="cuda", seed=63, gate="precomputed")
     inp["g"][0, 50:60] = 5.0  # above 0: outside the contract, counts as 0
     o, s = fastkda.kda_prefill(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], output_final_state=True,

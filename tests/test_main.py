@@ -17,11 +17,19 @@ def test_demo_runs_and_checks_on_cpu():
 
 
 def test_plan_command_prints_the_whole_plan():
-    done = fastkda("plan", "--heads", "12", "--seqs", "1", "--tokens", "8192", "--sms", "132")
+    done = fastkda("plan", "--heads", "12", "--seqs", "1", "--tokens", "8192", "--sms", "132",
+                   "--sequence-parallel", "off")
     assert done.returncode == 0, done.stderr
     for words in ("v_slices=4", "V cut into 4 slice(s) of 32 columns", "48 programs on 132 SMs", "leave SMs idle",
-                  "solve kernel 4 warps", "256 chunk(s)", "CPU path"):
+                  "solve kernel 4 warps", "256 chunk(s)", "CPU path", "sequence parallelism: off"):
         assert words in done.stdout, words
+    done = fastkda("plan", "--heads", "12", "--seqs", "1", "--tokens", "8192", "--sms", "132")
+    for words in ("sequence parallelism: segments of", "predicted", "transitions over V+K=256 columns",
+                  "programs per segment"):
+        assert words in done.stdout, words
+    done = fastkda("plan", "--heads", "12", "--seqs", "1", "--tokens", "8192", "--sms", "132",
+                   "--sequence-parallel", "48")
+    assert done.returncode == 2 and "sequence_parallel" in done.stderr
 
 
 @pytest.mark.parametrize("args, word", [

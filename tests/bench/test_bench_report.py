@@ -91,10 +91,10 @@ def test_kernel_table_and_merge_of_kernel_rows(tmp_path):
     assert "where fastkda's time goes" in md and "4000.0 GB/s, 600.0 TFLOP/s" in md
     # runs are numbered in order of first appearance (the timing rows first): the solve row came from the earlier
     # run, the graph time is the one measured in the run of the line's first kernel
-    assert "| w | 2 | 0.400 (10%, 20%) | 0.100 (10%, 20%) [2] | 0.300 (10%, 20%) | 0.800 | 0.900 | new | 1 |" in md
+    assert "| w | 2 | 0.400 (10%, 20%) | 0.100 (10%, 20%) [2] | — | — | 0.300 (10%, 20%) | 0.800 | 0.900 | new | 1 |" in md
     assert "- [1] r2, commit new" in md and "- [2] r1, commit old" in md
     one_run = [kernel(k, 0.2, "new", "r2") for k in ("prepare", "solve", "recurrence")]
-    assert "| w | 2 | 0.200 (10%, 20%) | 0.200 (10%, 20%) | 0.200 (10%, 20%) | 0.600 | 0.900 | new |" in kernel_table(
+    assert "| w | 2 | 0.200 (10%, 20%) | 0.200 (10%, 20%) | — | — | 0.200 (10%, 20%) | 0.600 | 0.900 | new |" in kernel_table(
         one_run, rows)
 
 

@@ -72,13 +72,14 @@ def test_accepted_counts_out_of_range_make_null_rows(counts):
 
 @pytest.mark.parametrize("offsets", [[0, 40, 200], [0, 60, 30, 100], [-7, 50, 100], [0, 30, 100, 100, 90]],
                          ids=["last past T", "decreasing", "negative first", "short of T"])
-def test_malformed_cu_seqlens_stay_inside_the_buffers(offsets):
+@pytest.mark.parametrize("segments", [False, 32], ids=["serial", "segments"])
+def test_malformed_cu_seqlens_stay_inside_the_buffers(offsets, segments):
     from fastkda.ops.prefill import chunk_kda_forward
 
     lengths = [100 // (len(offsets) - 1)] * (len(offsets) - 2)
     lengths.append(100 - sum(lengths))
     inp = make_inputs(lengths, heads=2, key_dim=64, seed=52)
-    plan = plan_for(inp, 1)
+    plan = plan_for(inp, 1, sequence_parallel=segments)
     out, out_whole = guarded(inp["v"].shape, torch.zeros(inp["v"].shape), torch.bfloat16)
     final, final_whole = guarded(inp["initial_state"].shape, torch.zeros(inp["initial_state"].shape))
     errors = torch.zeros(3, dtype=torch.int32)

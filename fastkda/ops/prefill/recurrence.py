@@ -101,9 +101,18 @@ def walk_chunks(
             if HAS_INITIAL:
                 if j == 0:
                     S += tl.load(initial_state + state_offsets).to(tl.float32)
-        elif SEGMENTED:  # the scan's entry state (the initial state for the first segment: it may be the
-            # final state's buffer, which the last segment writes while the first runs)
-            S = tl.load(ws_fp32 + entries_at + ((slot * H + h) * V).to(tl.int64) * K + local)
+        elif SEGMENTED:
+            if c1 < num_chunks:  # the scan's entry state (the first segment's initial state too: it may be the
+                # final state's buffer, which the last segment writes while the first runs)
+                S = tl.load(ws_fp32 + entries_at + ((slot * H + h) * V).to(tl.int64) * K + local)
+            elif j > 0:
+                S = tl.load(ws_fp32 + entries_at + ((slot * H + h) * V).to(tl.int64) * K + local)
+            elif HAS_INITIAL:  # a sequence of one segment: the serial program
+                S = tl.load(initial_state + state_offsets).to(tl.float32)
+            elif STATE_ROWS_V:
+                S = tl.zeros((BV, K), dtype=tl.float32)
+            else:
+                S = tl.zeros((K, BV), dtype=tl.float32)
         elif HAS_INITIAL:
             S = tl.load(initial_state + state_offsets).to(tl.float32)
         elif STATE_ROWS_V:

@@ -3,7 +3,8 @@
 The transition kernel (``recurrence.py`` with ``TRANSITION``) leaves, for every segment j but a sequence's last,
 its exit from a zero state ``ℬ_j`` and its transition ``𝒜_j`` (the exit of the identity columns), the first
 segment's exit from the sequence's initial state (its true exit). The first segment's entry is the initial state
-itself, copied here so that the rerun never reads ``initial_state`` (which may be the final state's buffer). Segments compose as affine maps, so the entry
+itself, copied here for a sequence of several segments, so that their rerun never reads ``initial_state`` (which
+may be the final state's buffer, written by the last segment). Segments compose as affine maps, so the entry
 state of segment j + 1 is ``S_{j+1} = 𝒜_j·S_j + ℬ_j``, walked here in segment order: one program per (slice of
 ``SCAN_WIDTH`` state columns, head, sequence). In the state's ``[v, k]`` layout the step is
 ``S_{j+1}[v, :] = S_j[v, :]·𝒜_jᵀ + ℬ_j[v, :]``, and the stored transition rows are ``𝒜_jᵀ`` already. The state
@@ -35,12 +36,12 @@ def segment_scan_kernel(ws_fp32, transitions_at, entries_at, initial_state, cu_s
     first = first_slot(n, bos, seq_len, C * segment_chunks, IS_VARLEN)
     rows = tile_offsets(vs * SW + tl.arange(0, SW), tl.arange(0, K), K, 1)  # [SW, K] of a state's [v, k]
     matrix = tile_offsets(V + tl.arange(0, K), tl.arange(0, K), K, 1)  # the transition's rows, 𝒜ᵀ [K, K]
-    if HAS_INITIAL:  # the first segment's entry, for every sequence (the rerun never reads the initial state)
-        S = tl.load(initial_state + ((n * H + h) * V).to(tl.int64) * K + rows).to(tl.float32)
-    else:
-        S = tl.zeros((SW, K), dtype=tl.float32)
-    tl.store(ws_fp32 + entries_at + ((first * H + h) * V).to(tl.int64) * K + rows, S)
-    if segments > 1:
+    if segments > 1:  # the first segment's entry (the rerun of a sequence of one reads the initial state itself)
+        if HAS_INITIAL:
+            S = tl.load(initial_state + ((n * H + h) * V).to(tl.int64) * K + rows).to(tl.float32)
+        else:
+            S = tl.zeros((SW, K), dtype=tl.float32)
+        tl.store(ws_fp32 + entries_at + ((first * H + h) * V).to(tl.int64) * K + rows, S)
         S = tl.load(ws_fp32 + transitions_at + ((first * H + h) * (V + K)).to(tl.int64) * K + rows)
         for j in range(1, segments):
             slot = first + j
