@@ -38,6 +38,8 @@ ENV_SEQUENCE_PARALLEL = "FASTKDA_SEQUENCE_PARALLEL"
 SCAN_WIDTH = 32  # state columns per program of the segment scan: fixed, so the scan's bits never depend on the plan
 MAX_SEGMENTS = 32  # segments of one sequence at most (each adds a step to the scan, and rounding to the state)
 MIN_SEGMENT_CHUNKS = 4  # chunks per segment at least (shorter ones pay two launches for too little)
+MIN_SP_CHAIN = 64  # chunks the longest possible sequence must have for the auto plan to cut it (measured: at 32
+# or 64 chunks the segments gained 0-12% or lost 5%, within the step model's error)
 SP_GAIN = 0.9  # the sequence-parallel form only where the model predicts at least 10% off the serial recurrence
 # The step model behind the choice of segment length (docs/sequence-parallel.md §3.1; perf-notes "Recurrence"):
 # the latency of one step of one program alone by slice width (µs), what a step costs per SM at full occupancy
@@ -208,9 +210,16 @@ entry state in ``v_slices`` slices. ``dot_precision``: the kernels' fp32 product
         return recurrence_warps(self.transition_width)
 
     @property
+    def segment_programs(self) -> int:
+        """Programs per (slice, head) of the segmented kernels: each sequence's first segment, then one per segment
+        slot for the later segments (a slot holding a first segment then exits), so that the first segments come
+        first in the grid (0 when off)."""
+        return self.num_seqs + self.segment_slots if self.segment_chunks else 0
+
+    @property
     def transition_grid(self) -> tuple:
-        """Grid of the transition kernel: one program per (slice of the V + K columns, head, segment slot)."""
-        return ((self.value_dim + self.key_dim) // max(self.transition_width, 1), self.heads, self.segment_slots)
+        """Grid of the transition kernel: one program per (slice of the V + K columns, head, segment program)."""
+        return ((self.value_dim + self.key_dim) // max(self.transition_width, 1), self.heads, self.segment_programs)
 
     @property
     def scan_width(self) -> int:
@@ -225,8 +234,8 @@ entry state in ``v_slices`` slices. ``dot_precision``: the kernels' fp32 product
     @property
     def recurrence_grid(self) -> tuple:
         """Grid of the recurrence: one program per (V-slice, head, sequence), or per (V-slice, head, segment
-        slot) under sequence parallelism."""
-        return (self.v_slices, self.heads, self.segment_slots if self.segment_chunks else self.num_seqs)
+        program) under sequence parallelism."""
+        return (self.v_slices, self.heads, self.segment_programs if self.segment_chunks else self.num_seqs)
 
     def replace(self, **changes) -> "PrefillPlan":
         """This plan with some numbers changed (validated), its reason saying which."""
@@ -431,6 +440,8 @@ def _segmentation(num_seqs, heads, seq_len, key_dim, value_dim, sms, varlen, ser
         return segment_chunks, width, v_slices, False, (
             f"sequence_parallel={choice} requested: segments of {segment_chunks} chunks, predicted {predicted:.0f} µs "
             f"against {serial:.0f} µs serial for the longest sequence possible")
+    if chunks < MIN_SP_CHAIN:
+        return None
     candidates = []
     for segments in range(2, MAX_SEGMENTS + 1):
         segment_chunks = -(-chunks // segments)

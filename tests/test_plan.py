@@ -138,9 +138,9 @@ def test_sequence_parallelism_where_the_chain_leaves_sms_idle():
     one = choose_plan(1, 12, 8192, 128, 128, 132)
     assert one.sequence_parallel and 4 <= one.segment_chunks < 8192 // 32
     assert one.transition_grid[0] == 256 // one.transition_width and one.scan_grid == (4, 12, 1)
-    assert one.recurrence_grid == (one.v_slices, 12, one.segment_slots)
+    assert one.recurrence_grid == (one.v_slices, 12, 1 + one.segment_slots) == (one.v_slices, 12, one.segment_programs)
     assert not one.w_u_in_recurrence and "sequence parallelism: segments of" in one.describe()
-    for facts in ((8, 96, 8 * 8192, 132), (1, 12, 8192, 1), (1, 12, 200, 132)):
+    for facts in ((8, 96, 8 * 8192, 132), (1, 12, 8192, 1), (1, 12, 200, 132), (1, 12, 1024, 132)):
         num_seqs, heads, tokens, sms = facts
         assert choose_plan(num_seqs, heads, tokens, 128, 128, sms).segment_chunks == 0, facts
     assert choose_plan(1, 12, 8192, 128, 128, 132, sequence_parallel=False).segment_chunks == 0

@@ -60,9 +60,11 @@ def walk_chunks(
     T_ws = ws_fp32 + scratch_at + h * C
     v_h = v + h * V
     out_h = out + h * V
-    if SEGMENTED:  # segment slot -> (sequence, segment j), chunks [c0, c1) of the sequence
-        slot = tl.program_id(2)
-        n = sequence_of_slot(slot, cu_seqlens, seq_len, num_seqs, C * segment_chunks, IS_VARLEN)
+    if SEGMENTED:  # programs 0..N-1: each sequence's first segment; then one per segment slot, for the others
+        first_segment = tl.program_id(2) < num_seqs
+        slot = tl.maximum(tl.program_id(2) - num_seqs, 0)
+        n = tl.where(first_segment, tl.program_id(2),
+                     sequence_of_slot(slot, cu_seqlens, seq_len, num_seqs, C * segment_chunks, IS_VARLEN))
     else:
         n = tl.program_id(2)
     bos, eos, in_order = sequence_span(cu_seqlens, n, seq_len, num_seqs, IS_VARLEN)
@@ -72,14 +74,18 @@ def walk_chunks(
     vv = vs * BV + tl.arange(0, BV)  # TRANSITION: columns V.. are the identity columns
     r = tl.arange(0, C)
     cc = tl.arange(0, C)
-    if SEGMENTED:
-        j = slot - first_slot(n, bos, seq_len, C * segment_chunks, IS_VARLEN)
+    if SEGMENTED:  # the first segments come first in the grid, so that a batch of one segment per sequence runs
+        # its programs in the first wave, one per SM, as the serial recurrence does
+        own_slot = first_slot(n, bos, seq_len, C * segment_chunks, IS_VARLEN)  # the sequence's first segment slot
+        slot = tl.where(first_segment, own_slot, slot)
+        j = slot - own_slot
         c0 = j * segment_chunks
         c1 = tl.minimum(c0 + segment_chunks, num_chunks)
+        later = ~first_segment & (j > 0)  # a slot program of a later segment (j <= 0 there: the first's, or none)
         if TRANSITION:  # every segment but the last; the identity columns from the second
-            active = (j >= 0) & (c1 < num_chunks) & ((vs * BV < V) | (j > 0))
+            active = (first_segment | later) & (c1 < num_chunks) & ((vs * BV < V) | (j > 0))
         else:  # every segment; the first also for an empty sequence (its final state and checkpoint 0)
-            active = (j == 0) | ((j > 0) & (c0 < num_chunks))
+            active = first_segment | (later & (c0 < num_chunks))
     else:
         j = 0
         c0 = 0
