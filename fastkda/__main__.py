@@ -81,7 +81,8 @@ def plan_command(args):
         varlen = args.layout == "varlen"
         plan = choose_plan(args.seqs, args.heads, args.tokens * args.seqs if varlen else args.tokens, args.key_dim,
                            args.value_dim, sms, varlen=varlen, lower_bound_gate=args.gate == "lower-bound",
-                           v_slices=args.v_slices, sequence_parallel=args.sequence_parallel)
+                           v_slices=args.v_slices, sequence_parallel=args.sequence_parallel,
+                           max_seqlen=args.max_seqlen)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -107,6 +108,7 @@ def main(argv=None):
     p.add_argument("--v-slices", default="auto", help="auto (default) or 1, 2, 4")
     p.add_argument("--sequence-parallel", default="auto",
                    help="auto (default), off, or tokens per segment (a multiple of 32)")
+    p.add_argument("--max-seqlen", type=int, help="varlen: the longest sequence's length, if known (a hint)")
     args = parser.parse_args(argv)
     return demo(args) if args.command == "demo" else plan_command(args)
 

@@ -115,7 +115,7 @@ def kda_prefill(
     q, k, v, g, beta, *, A_log=None, dt_bias=None, lower_bound=None, scale=None, initial_state=None,
     final_state=None, output_final_state=False, cu_seqlens=None, use_qk_l2norm=True, use_beta_sigmoid=True,
     out=None, v_slices="auto", checkpoint_offsets=None, checkpoint_states=None, plan=None, checks=None, errors=None,
-    sequence_parallel="auto",
+    sequence_parallel="auto", max_seqlen=None,
 ):
     """Kimi Delta Attention prefill (spec §1, §3). Returns ``(o, final_state)``.
 
@@ -145,6 +145,10 @@ def kda_prefill(
             across ``v_slices``, within the same accuracy bound); ``False`` keeps the serial recurrence and its
             bits. Checkpoints equal a prefix run's final state bit for bit when both runs use the same segment
             length (``False``, or the same int).
+        max_seqlen: with ``cu_seqlens``, the longest sequence's length if the caller knows it on the host (as
+            flash-attn takes it; serving engines keep it in their batch metadata): the automatic plan then cuts
+            sequences of that length. A hint only: a wrong value costs time, never correctness. Without it the plan
+            assumes one sequence may hold every token, and cuts only where a balanced batch gains too.
         checkpoint_offsets, checkpoint_states: prefix-cache checkpoints. Offsets ``[N]`` or ``[N, 2]`` (the
             dtype of ``cu_seqlens``) from each sequence's start, multiples of the chunk, 32 (CPU tensors are
             checked; on the GPU another value never matches); the fp32 state after that many tokens is written to
@@ -173,8 +177,11 @@ def kda_prefill(
     facts = (num_seqs, heads, length, key_dim, value_dim)
     varlen, lower_bound_gate = cu_seqlens is not None, lower_bound is not None
     if plan is None:
+        if max_seqlen is not None and (isinstance(max_seqlen, bool) or not isinstance(max_seqlen, int)
+                                       or max_seqlen < 0):
+            fail("max_seqlen", "None or an integer >= 0", max_seqlen)
         plan = choose_plan(*facts, _sms_of(q), varlen=varlen, lower_bound_gate=lower_bound_gate, v_slices=v_slices,
-                           sequence_parallel=sequence_parallel)
+                           sequence_parallel=sequence_parallel, max_seqlen=max_seqlen)
     else:
         _check_plan_fits(plan, facts, varlen, lower_bound_gate, v_slices, sequence_parallel)
     errors = _error_counters(errors, q)

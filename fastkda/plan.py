@@ -38,8 +38,8 @@ ENV_SEQUENCE_PARALLEL = "FASTKDA_SEQUENCE_PARALLEL"
 SCAN_WIDTH = 32  # state columns per program of the segment scan: fixed, so the scan's bits never depend on the plan
 MAX_SEGMENTS = 32  # segments of one sequence at most (each adds a step to the scan, and rounding to the state)
 MIN_SEGMENT_CHUNKS = 4  # chunks per segment at least (shorter ones pay two launches for too little)
-MIN_SP_CHAIN = 64  # chunks the longest possible sequence must have for the auto plan to cut it (measured: at 32
-# or 64 chunks the segments gained 0-12% or lost 5%, within the step model's error)
+MIN_SP_CHAIN = 128  # chunks the longest possible sequence must have for the auto plan to cut it (measured: at 32
+# and 64 chunks the segments gained 0-12% or lost 5-10%, within the step model's error)
 SP_GAIN = 0.9  # the sequence-parallel form only where the model predicts at least 10% off the serial recurrence
 # The step model behind the choice of segment length (docs/sequence-parallel.md §3.1; perf-notes "Recurrence"):
 # the latency of one step of one program alone by slice width (µs), what a step costs per SM at full occupancy
@@ -50,8 +50,6 @@ STEP_THROUGHPUT_US = 0.42
 TRANSITION_SHARE = 0.55
 SCAN_STEP_US = 3.0
 LAUNCH_GAP_US = 2.5
-PREPARE_US_PER_KTH = 1.4  # the preparation's time per 1000 (token, head) pairs (perf-notes, 5b8fe9c)
-EMPTY_LAUNCHES_US = 3.0  # what the transition and scan launches add to a batch of one segment per sequence
 TRANSITION_WIDTHS = (64,)  # the sweep's winner everywhere (128 columns: 1-6% slower)
 RERUN_SLICE_CHOICES = (1, 2)  # slices of the rerun the auto plan weighs (64 columns and up)
 
@@ -77,7 +75,8 @@ class PrefillPlan:
     of the solve kernel. Sequence parallelism (``docs/sequence-parallel.md``): ``segment_chunks`` (0: off) cuts every
 sequence, from its first token, into segments of that many chunks; the transition kernel runs each segment from
 a zero state over the V value columns and K identity columns in slices of ``transition_width``, the scan
-(``scan_warps``) composes them into each segment's entry state, and the recurrence reruns every segment from its
+(``scan_warps``, ``scan_stages``: the next segment's transition is loaded while the current one is applied)
+composes them into each segment's entry state, and the recurrence reruns every segment from its
 entry state in ``v_slices`` slices. ``dot_precision``: the kernels' fp32 products ("tf32" or "ieee")."""
 
     seq_len: int
@@ -106,6 +105,7 @@ entry state in ``v_slices`` slices. ``dot_precision``: the kernels' fp32 product
     segment_chunks: int = 0
     transition_width: int = 0
     scan_warps: int = 4
+    scan_stages: int = 2
     dot_precision: str = "tf32"
     reason: str = dataclasses.field(default="", compare=False)
 
@@ -146,6 +146,7 @@ entry state in ``v_slices`` slices. ``dot_precision``: the kernels' fp32 product
                    f"{self.transition_width}")
             _check(self.scan_warps in WARP_CHOICES, f"scan_warps must be one of {WARP_CHOICES}, got "
                                                     f"{self.scan_warps}")
+            _check(self.scan_stages >= 1, f"scan_stages must be >= 1, got {self.scan_stages}")
         _check(self.dot_precision in ("tf32", "ieee"), f"dot_precision must be 'tf32' or 'ieee', got "
                                                        f"{self.dot_precision!r}")
 
@@ -417,29 +418,36 @@ def segmented_us(sequences: int, chunks: int, segment_chunks: int, heads: int, k
             + phase_us(rerun, segment_chunks, value_dim // v_slices, sms))
 
 
-def _segmentation(num_seqs, heads, seq_len, key_dim, value_dim, sms, varlen, serial_slices, requested, choice):
-    """``(segment_chunks, transition_width, v_slices, serial_steps, reason)`` for sequence parallelism, or None for
-    the serial recurrence. Reads the batch at its worst (varlen: one sequence may hold every token, so a long chunk
-    beside many short sequences is not hidden by the mean), then at its most balanced (N sequences of T/N tokens):
-    where segments would not pay there, a balanced batch keeps one segment per sequence, and its rerun the serial
-    plan's slices and steps (``serial_steps``), so that it differs from the serial recurrence by two near-empty
-    launches only; where those launches would cost a balanced batch over 2% of its call, the serial recurrence."""
-    chunks = -(-seq_len // CHUNK)
-    worst = 1 if varlen else num_seqs
+def _segmentation(num_seqs, heads, seq_len, key_dim, value_dim, sms, varlen, serial_slices, requested, choice,
+                  max_seqlen):
+    """``(segment_chunks, transition_width, v_slices, reason)`` for sequence parallelism, or None for the serial
+    recurrence. Plans for the longest sequence the facts allow, never for the mean: fixed-length rows are exact;
+    varlen, with the caller's ``max_seqlen`` hint, for as many sequences of that length as the tokens allow; with no
+    hint, for one sequence holding every token, and then only where the most balanced reading (N sequences of T/N
+    tokens) gains too: a balanced batch whose sequences would each fit one segment pays the two extra launches and
+    gains nothing."""
+    if varlen and max_seqlen:
+        longest = min(max_seqlen, seq_len)
+        worst = max(1, min(num_seqs, seq_len // max(longest, 1)))
+    else:
+        longest, worst = seq_len, 1 if varlen else num_seqs
+    chunks = -(-longest // CHUNK)
     widths = [w for w in TRANSITION_WIDTHS if w <= min(key_dim, value_dim)] or [min(key_dim, value_dim)]
     slices = [requested] if requested != "auto" else [s for s in RERUN_SLICE_CHOICES if value_dim // s >= 64]
     serial = phase_us(worst * heads * serial_slices, chunks, value_dim // serial_slices, sms)
 
-    def best(segment_chunks, sequences, chunk_count, choices=slices):
+    def best(segment_chunks, sequences, chunk_count):
         return min((segmented_us(sequences, chunk_count, segment_chunks, heads, key_dim, value_dim, w, s, sms), w, s)
-                   for w in widths for s in choices)
+                   for w in widths for s in slices)
 
+    reading = (f"{worst} sequence(s) of {chunks} chunks" + (f" (max_seqlen={max_seqlen})" if varlen and max_seqlen
+                                                            else " (one sequence of every token)" if varlen else ""))
     if choice != "auto":
         segment_chunks = choice // CHUNK
         predicted, width, v_slices = best(segment_chunks, worst, chunks)
-        return segment_chunks, width, v_slices, False, (
+        return segment_chunks, width, v_slices, (
             f"sequence_parallel={choice} requested: segments of {segment_chunks} chunks, predicted {predicted:.0f} µs "
-            f"against {serial:.0f} µs serial for the longest sequence possible")
+            f"against {serial:.0f} µs serial for {reading}")
     if chunks < MIN_SP_CHAIN:
         return None
     candidates = []
@@ -448,32 +456,22 @@ def _segmentation(num_seqs, heads, seq_len, key_dim, value_dim, sms, varlen, ser
         if segment_chunks < MIN_SEGMENT_CHUNKS:
             break
         candidates.append((*best(segment_chunks, worst, chunks), segment_chunks))
-    if not candidates:
-        return None
     predicted, width, v_slices, segment_chunks = min(candidates)
-    serial_steps = False
-    if varlen and num_seqs > 1:
-        balanced = -(-seq_len // num_seqs // CHUNK)
-        balanced_serial = phase_us(num_seqs * heads * serial_slices, balanced, value_dim // serial_slices, sms)
-        if balanced > segment_chunks and best(segment_chunks, num_seqs, balanced)[0] > 1.02 * balanced_serial:
-            segment_chunks = balanced
-        if balanced <= segment_chunks:  # a balanced batch: one segment per sequence, the serial programs
-            serial_steps = True
-            predicted, width, v_slices = best(segment_chunks, worst, chunks, [serial_slices])
-            balanced_call = PREPARE_US_PER_KTH * heads * seq_len / 1000 + balanced_serial
-            if EMPTY_LAUNCHES_US > 0.02 * balanced_call:
-                return None
     if predicted > SP_GAIN * serial:
         return None
-    return segment_chunks, width, v_slices, serial_steps, (
+    if varlen and not max_seqlen and num_seqs > 1:
+        balanced = -(-seq_len // num_seqs // CHUNK)
+        balanced_serial = phase_us(num_seqs * heads * serial_slices, balanced, value_dim // serial_slices, sms)
+        if balanced <= segment_chunks or best(segment_chunks, num_seqs, balanced)[0] > 1.02 * balanced_serial:
+            return None
+    return segment_chunks, width, v_slices, (
         f"sequence parallelism: segments of {segment_chunks} chunks, predicted {predicted:.0f} µs against "
-        f"{serial:.0f} µs serial for the longest sequence possible ({'one sequence of all ' if varlen else ''}"
-        f"{chunks} chunks)" + ("; a balanced batch keeps one segment per sequence" if serial_steps else ""))
+        f"{serial:.0f} µs serial for {reading}")
 
 
 def choose_plan(num_seqs: int, heads: int, seq_len: int, key_dim: int, value_dim: int, sms: int, *,
                 varlen: bool = True, lower_bound_gate: bool = True, v_slices="auto",
-                sequence_parallel="auto") -> PrefillPlan:
+                sequence_parallel="auto", max_seqlen=None) -> PrefillPlan:
     """The prefill plan for ``num_seqs`` sequences of ``heads`` heads on ``sms`` SMs: varlen, one row of
     ``seq_len`` tokens holding them all (``cu_seqlens``); else ``num_seqs`` rows of ``seq_len`` tokens each.
 
@@ -482,14 +480,20 @@ def choose_plan(num_seqs: int, heads: int, seq_len: int, key_dim: int, value_dim
     :data:`V_SLICE_CHOICES`. ``sequence_parallel``: ``"auto"`` (then ``$FASTKDA_SEQUENCE_PARALLEL`` if set) cuts
     sequences into segments where the step model predicts at least 10% off the serial recurrence for the longest
     sequence the facts allow; ``False`` keeps the serial recurrence; an int forces segments of that many tokens.
-    Raises ``ValueError`` for shapes the kernels do not take."""
+    ``max_seqlen`` (varlen): the longest sequence's length if the caller knows it (as flash-attn takes it), a hint
+    for the segment length only (a wrong one costs time, never correctness); without it the plan assumes one
+    sequence may hold every token. Raises ``ValueError`` for shapes the kernels do not take."""
+    if max_seqlen is not None:
+        _check(isinstance(max_seqlen, int) and not isinstance(max_seqlen, bool) and max_seqlen >= 0,
+               f"max_seqlen must be None or an integer >= 0, got {max_seqlen!r}")
     return _choose_plan(num_seqs, heads, seq_len, key_dim, value_dim, sms, bool(varlen), bool(lower_bound_gate),
-                        requested_v_slices(v_slices), requested_sequence_parallel(sequence_parallel))
+                        requested_v_slices(v_slices), requested_sequence_parallel(sequence_parallel),
+                        max_seqlen or 0)
 
 
 @functools.lru_cache(maxsize=4096)  # an eager call's host time counts: a repeated shape reuses its plan
 def _choose_plan(num_seqs, heads, seq_len, key_dim, value_dim, sms, varlen, lower_bound_gate, choice,
-                 sp_choice="auto"):
+                 sp_choice="auto", max_seqlen=0):
     for name, value in (("num_seqs", num_seqs), ("heads", heads), ("seq_len", seq_len), ("sms", sms)):
         _check(isinstance(value, int) and not isinstance(value, bool), f"{name} must be an integer, got {value!r}")
         least = 1 if name in ("heads", "sms") else 0  # the facts' ranges, before the step model reads them
@@ -520,17 +524,17 @@ def _choose_plan(num_seqs, heads, seq_len, key_dim, value_dim, sms, varlen, lowe
     segmentation = None
     if sp_choice is not False and num_seqs:
         segmentation = _segmentation(num_seqs, heads, seq_len, key_dim, value_dim, sms, varlen, slices, choice,
-                                     sp_choice)
-    segment_chunks, transition_width, serial_steps = 0, 0, False
+                                     sp_choice, max_seqlen)
+    segment_chunks, transition_width = 0, 0
     if segmentation:
-        segment_chunks, transition_width, slices, serial_steps, sp_reason = segmentation
+        segment_chunks, transition_width, slices, sp_reason = segmentation
         reason += f"; {sp_reason}, reruns in {slices} slice(s)"
     elif sp_choice is False:
         reason += "; sequence parallelism off (requested)"
     else:
         reason += "; the serial recurrence (segments are not predicted to gain 10%)"
     width = value_dim // slices
-    if segment_chunks and not serial_steps:  # the chains the segments shorten: no step of theirs forms w and u
+    if segment_chunks:  # the chains the segments shorten: no step of theirs forms w and u
         in_recurrence = False
         reason += "; the solve kernel forms w and u (the segments' steps stay short)"
     else:

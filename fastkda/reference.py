@@ -286,8 +286,8 @@ def kda_segmented_span(q, k, v, g, beta, S, out, start, end, segment_tokens, *, 
     for first, entry in zip(firsts, entries):
         last = min(first + segment_tokens, end)
         offset = first - start
-        mine = {o - offset: targets for o, targets in checkpoints.items()
-                if offset <= o < last - start or (last == end and o == end - start)}
+        mine = {o - offset: targets for o, targets in checkpoints.items()  # a boundary: the segment ending there
+                if (offset < o or first == start) and o <= last - start}
         S.copy_(entry)
         kda_chunked_span(q, k, v, g, beta, S, out, first, last, **prep, checkpoints=mine)
 

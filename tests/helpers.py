@@ -55,10 +55,10 @@ def rel_err(x, ref):
     return ((x - ref.double()).norm() / ref.double().norm().clamp_min(1e-30)).item()
 
 
-def run_prefill(inp, state_in, state_out, v_slices="auto", plan=None, sequence_parallel="auto"):
+def run_prefill(inp, state_in, state_out, v_slices="auto", plan=None, sequence_parallel="auto", max_seqlen=None):
     """``kda_prefill`` into NaN-poisoned buffers; ``state_in``/``state_out``: dtype of the initial/final state,
     or None for none; ``plan``: a plan for ``inp`` (:func:`plan_for`) instead of ``v_slices`` and
-    ``sequence_parallel``. Returns ``(out, final, initial_state)``."""
+    ``sequence_parallel`` (and its ``max_seqlen`` hint). Returns ``(out, final, initial_state)``."""
     import fastkda
 
     device = inp["q"].device
@@ -71,11 +71,11 @@ def run_prefill(inp, state_in, state_out, v_slices="auto", plan=None, sequence_p
     fastkda.kda_prefill(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], A_log=inp["A_log"],
                         dt_bias=inp["dt_bias"], lower_bound=inp["lower_bound"], initial_state=h0, final_state=final,
                         cu_seqlens=inp["cu_seqlens"], out=out, v_slices=v_slices, plan=plan,
-                        sequence_parallel=sequence_parallel)
+                        sequence_parallel=sequence_parallel, max_seqlen=max_seqlen)
     return out, final, h0
 
 
-def plan_for(inp, v_slices="auto", sms=132, sequence_parallel=False, **changes):
+def plan_for(inp, v_slices="auto", sms=132, sequence_parallel=False, max_seqlen=None, **changes):
     """The prefill plan of ``inp`` (from :func:`make_inputs`) on ``sms`` SMs, with ``changes`` to its numbers;
     serial unless ``sequence_parallel`` says otherwise (as :func:`fastkda.choose_plan` takes it)."""
     from fastkda.plan import choose_plan
@@ -83,5 +83,5 @@ def plan_for(inp, v_slices="auto", sms=132, sequence_parallel=False, **changes):
     q, cu = inp["q"], inp["cu_seqlens"]
     plan = choose_plan(cu.numel() - 1 if cu is not None else q.shape[0], q.shape[2], q.shape[1], q.shape[3],
                        inp["v"].shape[3], sms, varlen=cu is not None, lower_bound_gate=inp["lower_bound"] is not None,
-                       v_slices=v_slices, sequence_parallel=sequence_parallel)
+                       v_slices=v_slices, sequence_parallel=sequence_parallel, max_seqlen=max_seqlen)
     return plan.replace(**changes) if changes else plan

@@ -9,21 +9,23 @@ import interpreter
 from helpers import make_inputs, plan_for
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-BACKENDS = ["api"] + (["triton"] if interpreter.active() else [])
+# "-sp": segments of 64 tokens (sequence parallelism), the prefix runs with the same segments
+BACKENDS = ["api", "api-sp"] + (["triton", "triton-sp"] if interpreter.active() else [])
 
 
 def prefill(backend, inp, final, checkpoint_offsets=None, checkpoint_states=None):
     args = [inp[x] for x in ("q", "k", "v", "g", "beta")]
     gate = dict(A_log=inp["A_log"], dt_bias=inp["dt_bias"], lower_bound=inp["lower_bound"])
     out = torch.full_like(inp["v"], float("nan"))
-    if backend == "api":
+    segments = 64 if backend.endswith("-sp") else False
+    if backend.startswith("api"):
         fastkda.kda_prefill(*args, **gate, initial_state=inp["initial_state"], final_state=final,
                             cu_seqlens=inp["cu_seqlens"], out=out, checkpoint_offsets=checkpoint_offsets,
-                            checkpoint_states=checkpoint_states)
+                            checkpoint_states=checkpoint_states, sequence_parallel=segments)
     else:
         from fastkda.ops.prefill import chunk_kda_forward
 
-        chunk_kda_forward(*args, plan=plan_for(inp, 2), **gate, scale=inp["q"].shape[-1] ** -0.5,
+        chunk_kda_forward(*args, plan=plan_for(inp, 2, sequence_parallel=segments), **gate, scale=inp["q"].shape[-1] ** -0.5,
                           initial_state=inp["initial_state"], cu_seqlens=inp["cu_seqlens"], use_qk_l2norm=True,
                           use_beta_sigmoid=True, out=out, final_state=final, checkpoint_offsets=checkpoint_offsets,
                           checkpoint_states=checkpoint_states)
@@ -66,7 +68,7 @@ def test_checkpoints_equal_prefix_runs(backend, case):
                 continue
             prefix_final = torch.empty_like(final[:1])
             prefill(backend, prefix_of(inp, lengths, n, offset, varlen), prefix_final)
-            if backend == "triton" or DEVICE == "cuda":
+            if backend.startswith("triton") or DEVICE == "cuda":
                 assert torch.equal(states[n, j], prefix_final[0]), (n, j)
             else:
                 torch.testing.assert_close(states[n, j], prefix_final[0], rtol=1e-5, atol=1e-5)

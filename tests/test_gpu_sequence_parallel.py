@@ -161,11 +161,12 @@ def test_cuda_graph_replays_redistributed_cu_seqlens():
 
 
 def test_auto_plan_splits_the_long_chunk_of_a_chunked_prefill_batch():
-    """The serving mix of one long chunk beside many short sequences: the auto plan cuts it (the mean length
-    does not hide it) and stays within the bar."""
+    """The serving mix of one long chunk beside many short sequences, with the engine's ``max_seqlen``: the auto
+    plan cuts the long one into at least 4 segments (the mean length does not hide it) and stays within the
+    bar."""
     lengths = [6144, 1024, 512, 256, 128, 64, 32, 16, 8, 4, 2, 1, 1]
     inp = make_inputs(lengths, heads=12, key_dim=128, device="cuda", seed=27, gate="weak")
-    assert 0 < plan_for(inp, sms=SMS, sequence_parallel="auto").segment_tokens < 6144
-    out, final, h0 = run_prefill(inp, torch.float32, torch.float32)
+    assert 0 < plan_for(inp, sms=SMS, sequence_parallel="auto", max_seqlen=6144).segment_tokens <= 6144 // 4
+    out, final, h0 = run_prefill(inp, torch.float32, torch.float32, max_seqlen=6144)
     ref_o, ref_s = reference(inp, h0)
     assert rel_err(out, ref_o) <= OUT_BOUND and rel_err(final, ref_s) <= STATE_BOUND

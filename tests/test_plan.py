@@ -153,10 +153,15 @@ def test_the_mean_length_does_not_hide_a_long_sequence():
     every token; a balanced batch of the same T and N keeps one segment per sequence where segments would not pay
     there."""
     mix = [6144, 1024, 512, 256, 128, 64, 32, 16, 8, 4, 2, 1, 1]
-    plan = choose_plan(len(mix), 12, sum(mix), 128, 128, 132)
-    assert plan.sequence_parallel and -(-6144 // plan.segment_tokens) >= 4
-    balanced = choose_plan(8, 12, 8 * 8192, 128, 128, 132)
-    assert balanced.segment_chunks == 0 or balanced.segment_chunks >= 8192 // 32
+    hinted = choose_plan(len(mix), 12, sum(mix), 128, 128, 132, max_seqlen=6144)
+    assert hinted.sequence_parallel and -(-6144 // hinted.segment_tokens) >= 4 and "max_seqlen=6144" in hinted.reason
+    unhinted = choose_plan(len(mix), 12, sum(mix), 128, 128, 132)  # it cannot tell this batch from a balanced one
+    assert not unhinted.sequence_parallel or -(-6144 // unhinted.segment_tokens) >= 4
+    for hint in (None, 8192):  # a balanced batch of 8 sequences of 8192 tokens: the serial recurrence
+        assert choose_plan(8, 12, 8 * 8192, 128, 128, 132, max_seqlen=hint).segment_chunks == 0
+    assert choose_plan(2, 12, 2 * 8192, 128, 128, 132, max_seqlen=8192).segment_chunks == 64  # two long ones
+    with pytest.raises(ValueError, match="max_seqlen"):
+        choose_plan(2, 12, 100, 128, 128, 132, max_seqlen=-1)
 
 
 def test_segment_slots_cover_any_lengths():

@@ -32,7 +32,8 @@ def fastkda_runner(inp, v_slices="auto", plan=None):
     def run():
         kda_prefill(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], A_log=inp["A_log"], dt_bias=inp["dt_bias"],
                     lower_bound=LOWER_BOUND, scale=inp["scale"], initial_state=inp["initial_state"], final_state=final,
-                    cu_seqlens=inp["cu_seqlens"], out=out, v_slices=v_slices, plan=plan)
+                    cu_seqlens=inp["cu_seqlens"], out=out, v_slices=v_slices, plan=plan,
+                    max_seqlen=None if plan is not None else inp.get("max_seqlen"))
         return out, final
     return run
 

@@ -14,7 +14,7 @@ KERNELS = ("prepare", "solve", "transition", "scan", "recurrence")  # fastkda's 
 def plan_for_inputs(inp, sms=None, v_slices="auto", sequence_parallel="auto"):
     """The :class:`fastkda.PrefillPlan` ``fastkda.kda_prefill`` makes for the bench's inputs ``inp`` (same facts:
     sequences, heads, ``seq_len = q.shape[1]``, K, V, the device's SM count unless ``sms`` is given, varlen when
-    there are ``cu_seqlens``, the lower-bound gate)."""
+    there are ``cu_seqlens`` with the inputs' ``max_seqlen`` hint, the lower-bound gate)."""
     from ..api import _sms_of
     from ..plan import choose_plan
 
@@ -22,7 +22,7 @@ def plan_for_inputs(inp, sms=None, v_slices="auto", sequence_parallel="auto"):
     num_seqs = cu.numel() - 1 if cu is not None else q.shape[0]
     return choose_plan(num_seqs, q.shape[2], q.shape[1], q.shape[3], inp["v"].shape[3],
                        _sms_of(q) if sms is None else sms, varlen=cu is not None, lower_bound_gate=True,
-                       v_slices=v_slices, sequence_parallel=sequence_parallel)
+                       v_slices=v_slices, sequence_parallel=sequence_parallel, max_seqlen=inp.get("max_seqlen"))
 
 
 def kernel_work(workload, plan):

@@ -77,7 +77,8 @@ def _gate(heads, gen, device):
 
 def make_prefill_inputs(workload, device, seed=0):
     """Inputs as the workloads file describes them: randn bf16 q, k, v, g and β logits, the gate's parameters, an
-    fp32 initial state per sequence, int32 ``cu_seqlens`` for varlen (else None)."""
+    fp32 initial state per sequence, int32 ``cu_seqlens`` and the longest length ``max_seqlen`` for varlen (else
+    None)."""
     randn, gen = _random(device, seed)
     heads, lengths = workload["H"], workload["lengths"]
     varlen = is_varlen(workload)
@@ -90,6 +91,7 @@ def make_prefill_inputs(workload, device, seed=0):
         g=randn(batch, length, heads, DIM), beta=randn(batch, length, heads), **_gate(heads, gen, device),
         initial_state=torch.randn(len(lengths), heads, DIM, DIM, generator=gen, device=device),
         cu_seqlens=torch.tensor(offsets, dtype=torch.int32, device=device) if varlen else None,
+        max_seqlen=max(lengths) if varlen else None,  # host-known, as a serving engine's batch metadata has it
     )
 
 

@@ -4,10 +4,11 @@ from ..api import kda_prefill
 
 
 def fwd(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state=None, final_state=None,
-        cu_seqlens=None, sequence_parallel="auto"):
+        cu_seqlens=None, sequence_parallel="auto", max_seqlen=None):
     """Write KDA's output into ``out`` (FlashKDA semantics): beta are logits, g is the raw gate fused with
     ``A_log``, ``dt_bias`` and ``lower_bound``; states ``[N, H, V, K]``, bf16 or fp32, one dtype when both
-    are given; ``final_state`` is filled in place; ``sequence_parallel`` as in :func:`fastkda.kda_prefill`.
+    are given; ``final_state`` is filled in place; ``sequence_parallel`` and ``max_seqlen`` as in
+    :func:`fastkda.kda_prefill`.
     Returns None."""
     if initial_state is not None and final_state is not None and initial_state.dtype != final_state.dtype:
         raise ValueError(f"flash_kda.fwd: initial_state and final_state must share a dtype, got "
@@ -16,4 +17,4 @@ def fwd(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state
         raise ValueError("flash_kda.fwd: out must be a preallocated tensor shaped like v, got None")
     kda_prefill(q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, scale=scale,
                 initial_state=initial_state, final_state=final_state, cu_seqlens=cu_seqlens, out=out,
-                sequence_parallel=sequence_parallel)
+                sequence_parallel=sequence_parallel, max_seqlen=max_seqlen)

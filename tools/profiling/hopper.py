@@ -112,7 +112,7 @@ def prefill_launches(plan, checkpoints=0, l2norm=True, beta_sigmoid=True):
                          DOT_PRECISION=plan.dot_precision)
         found.update(transition=(recurrence.transition_kernel, transition_args, plan.transition_warps,
                                  plan.recurrence_stages),
-                     scan=(scan.segment_scan_kernel, scan_args, plan.scan_warps, 1))
+                     scan=(scan.segment_scan_kernel, scan_args, plan.scan_warps, plan.scan_stages))
     return found
 
 

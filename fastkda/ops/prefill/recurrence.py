@@ -86,102 +86,110 @@ def walk_chunks(
             active = (first_segment | later) & (c1 < num_chunks) & ((vs * BV < V) | (j > 0))
         else:  # every segment; the first also for an empty sequence (its final state and checkpoint 0)
             active = first_segment | (later & (c0 < num_chunks))
+        c0 = tl.where(active, c0, 0)  # an idle program walks no chunk (no branch around the loop, which would
+        c_end = tl.where(active, c1, 0)  # keep Triton from pipelining its loads), prefetches in range, stores nothing
     else:
         j = 0
         c0 = 0
         c1 = num_chunks
+        c_end = c1
         active = True
-    if active:
-        base = ((n * H + h) * V).to(tl.int64) * K
+    base = ((n * H + h) * V).to(tl.int64) * K
+    if STATE_ROWS_V:
+        state_offsets = base + tile_offsets(vv, kk, K, 1)  # Sᵀ[v, k] = state[v, k]
+        local = tile_offsets(vv, kk, K, 1)
+    else:
+        state_offsets = base + tile_offsets(kk, vv, 1, K)  # S[k, v] = state[v, k]
+        local = tile_offsets(kk, vv, 1, K)
+    if TRANSITION:  # identity columns: the state of column V + p starts as the unit vector e_p
         if STATE_ROWS_V:
-            state_offsets = base + tile_offsets(vv, kk, K, 1)  # Sᵀ[v, k] = state[v, k]
-            local = tile_offsets(vv, kk, K, 1)
+            S = tl.where(vv[:, None] - V == kk[None, :], 1.0, 0.0)
         else:
-            state_offsets = base + tile_offsets(kk, vv, 1, K)  # S[k, v] = state[v, k]
-            local = tile_offsets(kk, vv, 1, K)
-        if TRANSITION:  # identity columns: the state of column V + p starts as the unit vector e_p
-            if STATE_ROWS_V:
-                S = tl.where(vv[:, None] - V == kk[None, :], 1.0, 0.0)
-            else:
-                S = tl.where(vv[None, :] - V == kk[:, None], 1.0, 0.0)
-            if HAS_INITIAL:
-                if j == 0:
-                    S += tl.load(initial_state + state_offsets).to(tl.float32)
-        elif SEGMENTED:
-            if c1 < num_chunks:  # the scan's entry state (the first segment's initial state too: it may be the
-                # final state's buffer, which the last segment writes while the first runs)
-                S = tl.load(ws_fp32 + entries_at + ((slot * H + h) * V).to(tl.int64) * K + local)
-            elif j > 0:
-                S = tl.load(ws_fp32 + entries_at + ((slot * H + h) * V).to(tl.int64) * K + local)
-            elif HAS_INITIAL:  # a sequence of one segment: the serial program
-                S = tl.load(initial_state + state_offsets).to(tl.float32)
-            elif STATE_ROWS_V:
-                S = tl.zeros((BV, K), dtype=tl.float32)
-            else:
-                S = tl.zeros((K, BV), dtype=tl.float32)
-        elif HAS_INITIAL:
+            S = tl.where(vv[None, :] - V == kk[:, None], 1.0, 0.0)
+        if HAS_INITIAL:
+            if j == 0:
+                S += tl.load(initial_state + state_offsets).to(tl.float32)
+    elif SEGMENTED:
+        if c1 < num_chunks:  # the scan's entry state (the first segment's initial state too: it may be the
+            # final state's buffer, which the last segment writes while the first runs)
+            S = tl.load(ws_fp32 + entries_at + ((slot * H + h) * V).to(tl.int64) * K + local)
+        elif j > 0:
+            S = tl.load(ws_fp32 + entries_at + ((slot * H + h) * V).to(tl.int64) * K + local)
+        elif HAS_INITIAL:  # a sequence of one segment: the serial program
             S = tl.load(initial_state + state_offsets).to(tl.float32)
         elif STATE_ROWS_V:
             S = tl.zeros((BV, K), dtype=tl.float32)
         else:
             S = tl.zeros((K, BV), dtype=tl.float32)
-        decay_h = ws_fp32 + h * K  # the chunk decays [slots, H, K]
-        if STATE_ROWS_V:  # the first chunk's uᵀ and decay; each step then loads the next chunk's (below)
+    elif HAS_INITIAL:
+        S = tl.load(initial_state + state_offsets).to(tl.float32)
+    elif STATE_ROWS_V:
+        S = tl.zeros((BV, K), dtype=tl.float32)
+    else:
+        S = tl.zeros((K, BV), dtype=tl.float32)
+    decay_h = ws_fp32 + h * K  # the chunk decays [slots, H, K]
+    if STATE_ROWS_V:  # the first chunk's uᵀ and decay; each step then loads the next chunk's (below)
+        if W_U_FORMED:
+            first = (bos + c0 * C + r).to(tl.int64)
+            u_T = load_tile_t(u_ws, first, first < eos, vv, V, H * V)
+        decay = tl.load(decay_h + (slot0 + c0) * (H * K) + kk, mask=(kk < K) & (c_end > c0), other=1.0)
+    for c in range(c0, c_end):
+        if not TRANSITION:
+            done = c * C
+            if SEGMENTED:  # a later segment's start is its predecessor's end, which that one writes
+                done = tl.where((c == c0) & (j > 0), -1, done)
+            for i in tl.static_range(NUM_CKPT):  # prefix-cache checkpoint: the state after c*C tokens
+                store_checkpoint(ckpt_offsets, ckpt_states, n, i, stride_ckpt_n, stride_ckpt_j, done,
+                                 eos - bos, S, state_offsets, H, V, K, EMULATE)
+        tok = (bos + c * C + r).to(tl.int64)
+        valid = tok < eos
+        if W_U_FORMED:
+            w = bf16_operand(load_tile(w_ws, tok, valid, kk, K, H * K), EMULATE)
+        else:  # w = T·β·kd and u = T·β·v, rounded to bf16 as the workspace would hold them
+            T_beta = load_tile(T_ws, tok, valid, cc, C, H * C)
+            kd = load_tile(w_ws, tok, valid, kk, K, H * K).to(tl.float32)
+            w = bf16_operand(tl.dot(T_beta, kd, input_precision=DOT_PRECISION), EMULATE)
+            v_c = load_tile(v_h, tok, valid, vv, V, stride_v).to(tl.float32)
+            u = bf16_operand(tl.dot(T_beta, v_c, input_precision=DOT_PRECISION), EMULATE).to(tl.float32)
+        if not TRANSITION:
+            qg = bf16_operand(load_tile(qg_ws, tok, valid, kk, K, H * K), EMULATE)
+            A = bf16_operand(load_tile(A_ws, tok, valid, cc, C, H * C), EMULATE)
+        kg = bf16_operand(load_tile(kg_ws, tok, valid, kk, K, H * K), EMULATE)
+        S_op = bf16_operand(S, EMULATE)
+        if STATE_ROWS_V:  # v_newᵀ = uᵀ - Sᵀwᵀ, oᵀ = Sᵀqgᵀ + v_newᵀAᵀ, Sᵀ = Sᵀ·diag(decay) + v_newᵀ·kg
+            S_decayed = S * decay[None, :]
+            decay = tl.load(decay_h + (slot0 + tl.minimum(c + 1, c1 - 1)) * (H * K) + kk)
             if W_U_FORMED:
-                first = (bos + c0 * C + r).to(tl.int64)
-                u_T = load_tile_t(u_ws, first, first < eos, vv, V, H * V)
-            decay = tl.load(decay_h + (slot0 + c0) * (H * K) + kk, mask=(kk < K) & (c1 > c0), other=1.0)
-        for c in range(c0, c1):
+                v_new = u_T.to(tl.float32) - tl.dot(S_op, tl.trans(w))
+                u_T = load_tile_t(u_ws, tok + C, tok + C < eos, vv, V, H * V)
+            else:
+                v_new = tl.trans(u) - tl.dot(S_op, tl.trans(w))
+            v_op = bf16_operand(v_new, EMULATE)
             if not TRANSITION:
-                for i in tl.static_range(NUM_CKPT):  # prefix-cache checkpoint: the state after c*C tokens
-                    store_checkpoint(ckpt_offsets, ckpt_states, n, i, stride_ckpt_n, stride_ckpt_j, c * C,
-                                     eos - bos, S, state_offsets, H, V, K, EMULATE)
-            tok = (bos + c * C + r).to(tl.int64)
-            valid = tok < eos
+                o = tl.dot(S_op, tl.trans(qg)) + tl.dot(v_op, tl.trans(A))
+                store_tile_t(out_h, tok, valid, vv, V, stride_out, o, EMULATE)
+            S = S_decayed + tl.dot(v_op, kg)
+        else:  # v_new = u - w·S, o = qg·S + A·v_new, S = diag(decay)·S + kgᵀ·v_new
+            chunk_decay = tl.load(decay_h + (slot0 + c) * (H * K) + kk)
             if W_U_FORMED:
-                w = bf16_operand(load_tile(w_ws, tok, valid, kk, K, H * K), EMULATE)
-            else:  # w = T·β·kd and u = T·β·v, rounded to bf16 as the workspace would hold them
-                T_beta = load_tile(T_ws, tok, valid, cc, C, H * C)
-                kd = load_tile(w_ws, tok, valid, kk, K, H * K).to(tl.float32)
-                w = bf16_operand(tl.dot(T_beta, kd, input_precision=DOT_PRECISION), EMULATE)
-                v_c = load_tile(v_h, tok, valid, vv, V, stride_v).to(tl.float32)
-                u = bf16_operand(tl.dot(T_beta, v_c, input_precision=DOT_PRECISION), EMULATE).to(tl.float32)
+                u = load_tile(u_ws, tok, valid, vv, V, H * V).to(tl.float32)
+            v_new = u - tl.dot(w, S_op)
+            v_op = bf16_operand(v_new, EMULATE)
             if not TRANSITION:
-                qg = bf16_operand(load_tile(qg_ws, tok, valid, kk, K, H * K), EMULATE)
-                A = bf16_operand(load_tile(A_ws, tok, valid, cc, C, H * C), EMULATE)
-            kg = bf16_operand(load_tile(kg_ws, tok, valid, kk, K, H * K), EMULATE)
-            S_op = bf16_operand(S, EMULATE)
-            if STATE_ROWS_V:  # v_newᵀ = uᵀ - Sᵀwᵀ, oᵀ = Sᵀqgᵀ + v_newᵀAᵀ, Sᵀ = Sᵀ·diag(decay) + v_newᵀ·kg
-                S_decayed = S * decay[None, :]
-                decay = tl.load(decay_h + (slot0 + tl.minimum(c + 1, c1 - 1)) * (H * K) + kk)
-                if W_U_FORMED:
-                    v_new = u_T.to(tl.float32) - tl.dot(S_op, tl.trans(w))
-                    u_T = load_tile_t(u_ws, tok + C, tok + C < eos, vv, V, H * V)
-                else:
-                    v_new = tl.trans(u) - tl.dot(S_op, tl.trans(w))
-                v_op = bf16_operand(v_new, EMULATE)
-                if not TRANSITION:
-                    o = tl.dot(S_op, tl.trans(qg)) + tl.dot(v_op, tl.trans(A))
-                    store_tile_t(out_h, tok, valid, vv, V, stride_out, o, EMULATE)
-                S = S_decayed + tl.dot(v_op, kg)
-            else:  # v_new = u - w·S, o = qg·S + A·v_new, S = diag(decay)·S + kgᵀ·v_new
-                chunk_decay = tl.load(decay_h + (slot0 + c) * (H * K) + kk)
-                if W_U_FORMED:
-                    u = load_tile(u_ws, tok, valid, vv, V, H * V).to(tl.float32)
-                v_new = u - tl.dot(w, S_op)
-                v_op = bf16_operand(v_new, EMULATE)
-                if not TRANSITION:
-                    o = tl.dot(qg, S_op) + tl.dot(A, v_op)
-                    store_tile(out_h, tok, valid, vv, V, stride_out, o, EMULATE)
-                S = S * chunk_decay[:, None] + tl.dot(tl.trans(kg), v_op)
-        if TRANSITION:  # the segment's exit: [exit state from zero | transition], rows of the V + K columns
+                o = tl.dot(qg, S_op) + tl.dot(A, v_op)
+                store_tile(out_h, tok, valid, vv, V, stride_out, o, EMULATE)
+            S = S * chunk_decay[:, None] + tl.dot(tl.trans(kg), v_op)
+    if TRANSITION:  # the segment's exit: [exit state from zero | transition], rows of the V + K columns
+        if active:
             exits = ws_fp32 + transitions_at + ((slot * H + h) * (V + K)).to(tl.int64) * K
             tl.store(exits + local, S)
-        elif c1 == num_chunks:  # the sequence's last segment (or its whole chain)
-            for i in tl.static_range(NUM_CKPT):
-                store_checkpoint(ckpt_offsets, ckpt_states, n, i, stride_ckpt_n, stride_ckpt_j, num_chunks * C,
-                                 eos - bos, S, state_offsets, H, V, K, EMULATE)
-            if HAS_FINAL:
+    elif active:  # the checkpoint at the segment's end (so that it is the final state of a run of that prefix with
+        # the same segments, whose last segment ends there), and after the last segment the final state
+        for i in tl.static_range(NUM_CKPT):
+            store_checkpoint(ckpt_offsets, ckpt_states, n, i, stride_ckpt_n, stride_ckpt_j, c1 * C, eos - bos, S,
+                             state_offsets, H, V, K, EMULATE)
+        if HAS_FINAL:
+            if c1 == num_chunks:
                 store_as(final_state + state_offsets, S, None, EMULATE)
     if IS_VARLEN and not SEGMENTED:  # fastkda.errors: "cu_seqlens", counted last, once per sequence
         tl.atomic_add(errors + 2, 1, mask=(vs == 0) & (h == 0) & ~in_order, sem="relaxed")

@@ -43,12 +43,12 @@ def segment_scan_kernel(ws_fp32, transitions_at, entries_at, initial_state, cu_s
             S = tl.zeros((SW, K), dtype=tl.float32)
         tl.store(ws_fp32 + entries_at + ((first * H + h) * V).to(tl.int64) * K + rows, S)
         S = tl.load(ws_fp32 + transitions_at + ((first * H + h) * (V + K)).to(tl.int64) * K + rows)
-        for j in range(1, segments):
+        for j in range(1, segments):  # no branch in the loop, so that Triton prefetches the next transition
             slot = first + j
             tl.store(ws_fp32 + entries_at + ((slot * H + h) * V).to(tl.int64) * K + rows, S)
-            if j < segments - 1:
-                exits = ws_fp32 + transitions_at + ((slot * H + h) * (V + K)).to(tl.int64) * K
-                S = tl.dot(S, tl.load(exits + matrix), input_precision=DOT_PRECISION) + tl.load(exits + rows)
+            exits = ws_fp32 + transitions_at + ((slot * H + h) * (V + K)).to(tl.int64) * K
+            # after the last segment's entry this reads its slot's unwritten transition: in the buffer, unused
+            S = tl.dot(S, tl.load(exits + matrix), input_precision=DOT_PRECISION) + tl.load(exits + rows)
     if IS_VARLEN:  # fastkda.errors: "cu_seqlens", once per sequence
         tl.atomic_add(errors + 2, 1, mask=(vs == 0) & (h == 0) & ~in_order, sem="relaxed")
 
@@ -60,4 +60,5 @@ def launch_scan(plan, ws, initial_state, errors):
            initial_state if initial_state is not None else ws.fp32, ws.cu_seqlens if plan.varlen else ws.fp32,
            errors, plan.seq_len, plan.segment_chunks, H=plan.heads, K=plan.key_dim, V=plan.value_dim,
            SW=plan.scan_width, C=plan.chunk, IS_VARLEN=plan.varlen, HAS_INITIAL=initial_state is not None,
-           DOT_PRECISION=plan.dot_precision, num_warps=plan.scan_warps)
+           DOT_PRECISION=plan.dot_precision, num_warps=plan.scan_warps,
+           num_stages=plan.scan_stages)
