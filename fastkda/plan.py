@@ -320,12 +320,18 @@ def parse_v_slices(value, source: str):
     return value
 
 
+def _requested(argument, parse, name, env):
+    """The caller's choice of ``name``: the argument unless it is ``"auto"``, then ``$env``, then auto; each read
+    with ``parse``, which names its source in the ``ValueError`` it raises."""
+    choice = parse(argument, name)
+    if isinstance(choice, str) and choice == "auto" and os.environ.get(env):
+        choice = parse(os.environ[env], env)
+    return choice
+
+
 def requested_v_slices(argument="auto"):
     """The caller's choice: the argument unless it is ``"auto"``, then ``$FASTKDA_V_SLICES``, then auto."""
-    choice = parse_v_slices(argument, "v_slices")
-    if choice == "auto" and os.environ.get(ENV_V_SLICES):
-        choice = parse_v_slices(os.environ[ENV_V_SLICES], ENV_V_SLICES)
-    return choice
+    return _requested(argument, parse_v_slices, "v_slices", ENV_V_SLICES)
 
 
 def w_u_in_recurrence(slice_width: int, pairs: int) -> bool:
@@ -385,10 +391,7 @@ def parse_sequence_parallel(value, source: str):
 
 def requested_sequence_parallel(argument="auto"):
     """The caller's choice: the argument unless it is ``"auto"``, then ``$FASTKDA_SEQUENCE_PARALLEL``, then auto."""
-    choice = parse_sequence_parallel(argument, "sequence_parallel")
-    if choice == "auto" and os.environ.get(ENV_SEQUENCE_PARALLEL):
-        choice = parse_sequence_parallel(os.environ[ENV_SEQUENCE_PARALLEL], ENV_SEQUENCE_PARALLEL)
-    return choice
+    return _requested(argument, parse_sequence_parallel, "sequence_parallel", ENV_SEQUENCE_PARALLEL)
 
 
 def phase_us(programs: int, steps: int, width: int, sms: int, share: float = 1.0) -> float:

@@ -85,3 +85,16 @@ def plan_for(inp, v_slices="auto", sms=132, sequence_parallel=False, max_seqlen=
                        inp["v"].shape[3], sms, varlen=cu is not None, lower_bound_gate=inp["lower_bound"] is not None,
                        v_slices=v_slices, sequence_parallel=sequence_parallel, max_seqlen=max_seqlen)
     return plan.replace(**changes) if changes else plan
+
+
+def replay_with(graph, inp, fresh, names, buffers):
+    """Copy ``fresh``'s tensors ``names`` into ``inp``'s (the ones a captured graph reads), NaN-poison the graph's
+    output ``buffers`` and replay it."""
+    import torch
+
+    for x in names:
+        inp[x].copy_(fresh[x])
+    for buffer in buffers:
+        buffer.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()

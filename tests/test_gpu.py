@@ -10,7 +10,7 @@ import torch
 import fastkda
 from fastkda.bench.timing import capture_graph
 from fastkda.reference import kda_reference
-from helpers import make_inputs, rel_err, run_prefill
+from helpers import make_inputs, rel_err, replay_with, run_prefill
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -100,12 +100,7 @@ def test_cuda_graph_replay_with_new_inputs(lengths, varlen, v_slices):
 
     graph = capture_graph(step)
     fresh = make_inputs(lengths, heads=12, key_dim=128, varlen=varlen, device="cuda", seed=4)
-    for x in names:
-        inp[x].copy_(fresh[x])
-    out.fill_(float("nan"))
-    final.fill_(float("nan"))
-    graph.replay()
-    torch.cuda.synchronize()
+    replay_with(graph, inp, fresh, names, (out, final))
     eager_o, eager_s, _ = run_prefill(fresh, torch.float32, torch.float32, v_slices=v_slices)
     assert torch.equal(out, eager_o) and torch.equal(final, eager_s)
 

@@ -13,7 +13,7 @@ import torch
 import fastkda
 from fastkda.bench.timing import capture_graph
 from fastkda.reference import kda_reference
-from helpers import make_inputs, plan_for, rel_err, run_prefill
+from helpers import make_inputs, plan_for, rel_err, replay_with, run_prefill
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -148,12 +148,7 @@ def test_cuda_graph_replays_redistributed_cu_seqlens():
         torch.cuda.set_sync_debug_mode("default")
     graph = capture_graph(step)
     fresh = make_inputs(skewed, heads=12, key_dim=128, device="cuda", seed=26)
-    for x in names + ("initial_state", "cu_seqlens"):
-        inp[x].copy_(fresh[x])
-    out.fill_(float("nan"))
-    final.fill_(float("nan"))
-    graph.replay()
-    torch.cuda.synchronize()
+    replay_with(graph, inp, fresh, names + ("initial_state", "A_log", "dt_bias", "cu_seqlens"), (out, final))
     eager_o, eager_s, h0 = run_prefill(fresh, torch.float32, torch.float32, plan=plan)
     assert torch.equal(out, eager_o) and torch.equal(final, eager_s)
     ref_o, _ = reference(fresh, h0)
