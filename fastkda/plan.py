@@ -40,6 +40,7 @@ MAX_SEGMENTS = 32  # segments of one sequence at most (each adds a step to the s
 MIN_SEGMENT_CHUNKS = 4  # chunks per segment at least (shorter ones pay two launches for too little)
 MIN_SP_CHAIN = 128  # chunks the longest possible sequence must have for the auto plan to cut it (measured: at 32
 # and 64 chunks the segments gained 0-12% or lost 5-10%, within the step model's error)
+MAX_GRID_Z = 65535  # CUDA's limit on a grid's third axis (sequences, or segment programs)
 SP_GAIN = 0.9  # the sequence-parallel form only where the model predicts at least 10% off the serial recurrence
 # The step model behind the choice of segment length (docs/sequence-parallel.md §3.1; perf-notes "Recurrence"):
 # the latency of one step of one program alone by slice width (µs), what a step costs per SM at full occupancy
@@ -445,6 +446,8 @@ def _segmentation(num_seqs, heads, seq_len, key_dim, value_dim, sms, varlen, ser
 
     reading = (f"{worst} sequence(s) of {chunks} chunks" + (f" (max_seqlen={max_seqlen})" if varlen and max_seqlen
                                                             else " (one sequence of every token)" if varlen else ""))
+    if not chunks:
+        return None
     if choice != "auto":
         segment_chunks = choice // CHUNK
         predicted, width, v_slices = best(segment_chunks, worst, chunks)
@@ -530,11 +533,19 @@ def _choose_plan(num_seqs, heads, seq_len, key_dim, value_dim, sms, varlen, lowe
                                      sp_choice, max_seqlen)
     segment_chunks, transition_width = 0, 0
     if segmentation:
+        tokens = CHUNK * segmentation[0]
+        slots = seq_len // tokens + num_seqs + 1 if varlen else num_seqs * -(-seq_len // tokens)
+        if num_seqs + slots > MAX_GRID_Z:  # the segmented kernels' grid would not launch
+            _check(sp_choice == "auto", f"sequence_parallel={sp_choice} needs {num_seqs + slots} programs on the "
+                                        f"grid's third axis, more than CUDA's {MAX_GRID_Z}")
+            segmentation = None
+            reason += f"; the serial recurrence (segments would need over {MAX_GRID_Z} grid rows)"
+    if segmentation:
         segment_chunks, transition_width, slices, sp_reason = segmentation
         reason += f"; {sp_reason}, reruns in {slices} slice(s)"
     elif sp_choice is False:
         reason += "; sequence parallelism off (requested)"
-    else:
+    elif "grid rows" not in reason:
         reason += "; the serial recurrence (segments are not predicted to gain 10%)"
     width = value_dim // slices
     if segment_chunks:  # the chains the segments shorten: no step of theirs forms w and u

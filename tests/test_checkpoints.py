@@ -25,7 +25,8 @@ def prefill(backend, inp, final, checkpoint_offsets=None, checkpoint_states=None
     else:
         from fastkda.ops.prefill import chunk_kda_forward
 
-        chunk_kda_forward(*args, plan=plan_for(inp, 2, sequence_parallel=segments), **gate, scale=inp["q"].shape[-1] ** -0.5,
+        chunk_kda_forward(*args, plan=plan_for(inp, 2, sequence_parallel=segments), **gate,
+                          scale=inp["q"].shape[-1] ** -0.5,
                           initial_state=inp["initial_state"], cu_seqlens=inp["cu_seqlens"], use_qk_l2norm=True,
                           use_beta_sigmoid=True, out=out, final_state=final, checkpoint_offsets=checkpoint_offsets,
                           checkpoint_states=checkpoint_states)

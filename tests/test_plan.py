@@ -172,6 +172,7 @@ def test_segment_slots_cover_any_lengths():
     rng = random.Random(5)
     for _ in range(200):
         lengths = [rng.choice([0, 1, rng.randint(1, 3000)]) for _ in range(rng.randint(1, 9))]
+        lengths[0] += 1  # at least one token (an empty batch has no segments)
         plan = choose_plan(len(lengths), 2, sum(lengths), 64, 64, 132, sequence_parallel=rng.choice([32, 64, 96, 512]))
         tokens, used, start = plan.segment_tokens, set(), 0
         for n, length in enumerate(lengths):
@@ -200,3 +201,13 @@ def test_sequence_parallel_values_and_environment(monkeypatch):
         requested_sequence_parallel("auto")
     with pytest.raises(ValueError, match="transition_width"):
         choose_plan(1, 12, 8192, 64, 64, 132, sequence_parallel=1024).replace(transition_width=128)
+
+
+def test_segments_stay_within_the_grid_and_need_tokens():
+    """Segment programs past CUDA's grid limit fall back to the serial recurrence (or, forced, raise); an empty
+    batch has no segments."""
+    many = choose_plan(33000, 16, 98536, 128, 128, 132, max_seqlen=65536)
+    assert many.segment_chunks == 0 and "grid rows" in many.reason
+    with pytest.raises(ValueError, match="grid"):
+        choose_plan(33000, 16, 98536, 128, 128, 132, sequence_parallel=64)
+    assert choose_plan(2, 4, 0, 64, 64, 132, varlen=False, sequence_parallel=64).segment_chunks == 0

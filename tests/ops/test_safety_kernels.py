@@ -70,8 +70,9 @@ def test_accepted_counts_out_of_range_make_null_rows(counts):
     assert errors == [0, len(bad), 0]
 
 
-@pytest.mark.parametrize("offsets", [[0, 40, 200], [0, 60, 30, 100], [-7, 50, 100], [0, 30, 100, 100, 90]],
-                         ids=["last past T", "decreasing", "negative first", "short of T"])
+@pytest.mark.parametrize("offsets", [[0, 40, 200], [0, 60, 30, 100], [-7, 50, 100], [0, 30, 100, 100, 90],
+                                     [0, 100, 0, 0, 100]],
+                         ids=["last past T", "decreasing", "negative first", "short of T", "back to 0"])
 @pytest.mark.parametrize("segments", [False, 32], ids=["serial", "segments"])
 def test_malformed_cu_seqlens_stay_inside_the_buffers(offsets, segments):
     from fastkda.ops.prefill import chunk_kda_forward
@@ -81,7 +82,7 @@ def test_malformed_cu_seqlens_stay_inside_the_buffers(offsets, segments):
     inp = make_inputs(lengths, heads=2, key_dim=64, seed=52)
     plan = plan_for(inp, 1, sequence_parallel=segments)
     out, out_whole = guarded(inp["v"].shape, torch.zeros(inp["v"].shape), torch.bfloat16)
-    final, final_whole = guarded(inp["initial_state"].shape, torch.zeros(inp["initial_state"].shape))
+    final, final_whole = guarded(inp["initial_state"].shape, torch.full(inp["initial_state"].shape, float("nan")))
     errors = torch.zeros(3, dtype=torch.int32)
     chunk_kda_forward(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], plan=plan, A_log=inp["A_log"],
                       dt_bias=inp["dt_bias"], lower_bound=inp["lower_bound"], scale=0.125,
@@ -90,3 +91,22 @@ def test_malformed_cu_seqlens_stay_inside_the_buffers(offsets, segments):
     assert guards_intact(out_whole) and guards_intact(final_whole)
     assert torch.isfinite(out).all() and torch.isfinite(final).all()
     assert errors[2] >= 1 and errors[:2].tolist() == [0, 0]
+
+
+@pytest.mark.parametrize("segments", [False, 32], ids=["serial", "segments"])
+def test_checkpoint_offsets_that_never_match(segments):
+    """Offsets the contract excludes (-1, and an int64 offset that truncates to 64) are never written, also where a
+    later segment starts (no two programs write one checkpoint)."""
+    from fastkda.ops.prefill import chunk_kda_forward
+
+    inp = make_inputs([130, 90], heads=2, key_dim=64, seed=53, cu_dtype=torch.int64)
+    states = torch.full((2, 2, 2, 64, 64), float("nan"))
+    offsets = torch.tensor([[-1, 2 ** 32 + 64], [-1, 64]], dtype=torch.int64)
+    plan = plan_for(inp, 1, sequence_parallel=segments)
+    chunk_kda_forward(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], plan=plan, A_log=inp["A_log"],
+                      dt_bias=inp["dt_bias"], lower_bound=inp["lower_bound"], scale=0.125,
+                      initial_state=inp["initial_state"], cu_seqlens=inp["cu_seqlens"], use_qk_l2norm=True,
+                      use_beta_sigmoid=True, out=torch.empty_like(inp["v"]), final_state=None,
+                      checkpoint_offsets=offsets, checkpoint_states=states)
+    assert torch.isnan(states[0]).all() and torch.isnan(states[1, 0]).all()
+    assert torch.isfinite(states[1, 1]).all()

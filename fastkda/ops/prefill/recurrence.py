@@ -27,13 +27,14 @@ from .layout import first_slot, sequence_of_slot, sequence_span
 
 
 @triton.jit
-def store_checkpoint(ckpt_offsets, ckpt_states, n, j, stride_n, stride_j, done, length, S, state_offsets,
+def store_checkpoint(ckpt_offsets, ckpt_states, n, j, stride_n, stride_j, done, skip, length, S, state_offsets,
                      H: tl.constexpr, V: tl.constexpr, K: tl.constexpr, EMULATE: tl.constexpr):
     """Write ``S`` (the state after ``done`` tokens) to checkpoint ``j`` of sequence ``n`` if its offset is
-    ``done`` and inside the sequence. ``state_offsets`` address ``[n, h, v, k]`` of an ``[N, H, V, K]``
-    tensor; checkpoints are ``[N, 2, H, V, K]``."""
-    offset = tl.load(ckpt_offsets + n * stride_n + j * stride_j).to(tl.int32)
-    if (offset == done) & (offset <= length):
+    ``done`` and inside the sequence, unless ``skip``. ``state_offsets`` address ``[n, h, v, k]`` of an
+    ``[N, H, V, K]`` tensor; checkpoints are ``[N, 2, H, V, K]``. The offset is compared in its own dtype (an int64
+    offset is never truncated into a match)."""
+    offset = tl.load(ckpt_offsets + n * stride_n + j * stride_j)
+    if (offset == done) & (offset <= length) & ~skip:
         per_seq = H * V * K
         target = n.to(tl.int64) * (2 * per_seq) + j * per_seq + (state_offsets - n.to(tl.int64) * per_seq)
         store_as(ckpt_states + target, S, None, EMULATE)
@@ -43,7 +44,8 @@ def store_checkpoint(ckpt_offsets, ckpt_states, n, j, stride_n, stride_j, done, 
 def walk_chunks(
     ws_bf16, ws_fp32, qg_at, kg_at, u_at, A_at, scratch_at, transitions_at, entries_at, out, initial_state,
     final_state, cu_seqlens, errors, ckpt_offsets, ckpt_states, stride_out, seq_len, num_seqs, stride_ckpt_n,
-    stride_ckpt_j, v, stride_v, segment_chunks, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
+    stride_ckpt_j, v, stride_v, segment_chunks,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
     IS_VARLEN: tl.constexpr, HAS_INITIAL: tl.constexpr, HAS_FINAL: tl.constexpr, NUM_CKPT: tl.constexpr,
     STATE_ROWS_V: tl.constexpr, W_U_FORMED: tl.constexpr, DOT_PRECISION: tl.constexpr, EMULATE: tl.constexpr,
     SEGMENTED: tl.constexpr, TRANSITION: tl.constexpr,
@@ -107,8 +109,11 @@ def walk_chunks(
         else:
             S = tl.where(vv[None, :] - V == kk[:, None], 1.0, 0.0)
         if HAS_INITIAL:
-            if j == 0:
-                S += tl.load(initial_state + state_offsets).to(tl.float32)
+            if j == 0:  # the value columns only (an identity slice's rows lie past the state's V)
+                if STATE_ROWS_V:
+                    S += tl.load(initial_state + state_offsets, mask=vv[:, None] < V, other=0.0).to(tl.float32)
+                else:
+                    S += tl.load(initial_state + state_offsets, mask=vv[None, :] < V, other=0.0).to(tl.float32)
     elif SEGMENTED:
         if c1 < num_chunks:  # the scan's entry state (the first segment's initial state too: it may be the
             # final state's buffer, which the last segment writes while the first runs)
@@ -135,11 +140,10 @@ def walk_chunks(
         decay = tl.load(decay_h + (slot0 + c0) * (H * K) + kk, mask=(kk < K) & (c_end > c0), other=1.0)
     for c in range(c0, c_end):
         if not TRANSITION:
-            done = c * C
-            if SEGMENTED:  # a later segment's start is its predecessor's end, which that one writes
-                done = tl.where((c == c0) & (j > 0), -1, done)
+            # under SEGMENTED a later segment's start is its predecessor's end, which that one writes
+            skip = (c == c0) & (j > 0) if SEGMENTED else False
             for i in tl.static_range(NUM_CKPT):  # prefix-cache checkpoint: the state after c*C tokens
-                store_checkpoint(ckpt_offsets, ckpt_states, n, i, stride_ckpt_n, stride_ckpt_j, done,
+                store_checkpoint(ckpt_offsets, ckpt_states, n, i, stride_ckpt_n, stride_ckpt_j, c * C, skip,
                                  eos - bos, S, state_offsets, H, V, K, EMULATE)
         tok = (bos + c * C + r).to(tl.int64)
         valid = tok < eos
@@ -186,10 +190,16 @@ def walk_chunks(
     elif active:  # the checkpoint at the segment's end (so that it is the final state of a run of that prefix with
         # the same segments, whose last segment ends there), and after the last segment the final state
         for i in tl.static_range(NUM_CKPT):
-            store_checkpoint(ckpt_offsets, ckpt_states, n, i, stride_ckpt_n, stride_ckpt_j, c1 * C, eos - bos, S,
-                             state_offsets, H, V, K, EMULATE)
+            store_checkpoint(ckpt_offsets, ckpt_states, n, i, stride_ckpt_n, stride_ckpt_j, c1 * C, False, eos - bos,
+                             S, state_offsets, H, V, K, EMULATE)
         if HAS_FINAL:
-            if c1 == num_chunks:
+            last = c1 == num_chunks
+            if SEGMENTED and IS_VARLEN:  # malformed cu_seqlens can hand a sequence's last slot to another sequence:
+                # then its first segment writes a final state (unspecified, but written), as no other program does
+                last_slot = own_slot + tl.cdiv(num_chunks, segment_chunks) - 1
+                owner = sequence_of_slot(last_slot, cu_seqlens, seq_len, num_seqs, C * segment_chunks, IS_VARLEN)
+                last = last | (first_segment & (owner != n))
+            if last:
                 store_as(final_state + state_offsets, S, None, EMULATE)
     if IS_VARLEN and not SEGMENTED:  # fastkda.errors: "cu_seqlens", counted last, once per sequence
         tl.atomic_add(errors + 2, 1, mask=(vs == 0) & (h == 0) & ~in_order, sem="relaxed")
