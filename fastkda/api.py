@@ -177,9 +177,6 @@ def kda_prefill(
     facts = (num_seqs, heads, length, key_dim, value_dim)
     varlen, lower_bound_gate = cu_seqlens is not None, lower_bound is not None
     if plan is None:
-        if max_seqlen is not None and (isinstance(max_seqlen, bool) or not isinstance(max_seqlen, int)
-                                       or max_seqlen < 0):
-            fail("max_seqlen", "None or an integer >= 0", max_seqlen)
         plan = choose_plan(*facts, _sms_of(q), varlen=varlen, lower_bound_gate=lower_bound_gate, v_slices=v_slices,
                            sequence_parallel=sequence_parallel, max_seqlen=max_seqlen)
     else:

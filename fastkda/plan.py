@@ -55,6 +55,15 @@ TRANSITION_WIDTHS = (64,)  # the sweep's winner everywhere (128 columns: 1-6% sl
 RERUN_SLICE_CHOICES = (1, 2)  # slices of the rerun the auto plan weighs (64 columns and up)
 
 
+def segment_slot_count(seq_len: int, num_seqs: int, segment_tokens: int, varlen: bool) -> int:
+    """Segment slots for segments of ``segment_tokens`` (0: none; :attr:`PrefillPlan.segment_slots`)."""
+    if not segment_tokens:
+        return 0
+    if varlen:
+        return seq_len // segment_tokens + num_seqs + 1
+    return num_seqs * -(-seq_len // segment_tokens)
+
+
 def _check(condition, message):
     if not condition:
         raise ValueError(f"fastkda plan: {message}")
@@ -195,11 +204,7 @@ entry state in ``v_slices`` slices. ``dot_precision``: the kernels' fp32 product
         """Segment slots, laid out as the chunk slots are with segments in place of chunks: sequence n owns
         ``ceil(len_n / segment_tokens)`` slots from ``n·ceil(seq_len / segment_tokens)`` (fixed length) or
         ``cu_seqlens[n] // segment_tokens + n`` (varlen), whatever the lengths (0 when off)."""
-        if not self.segment_chunks:
-            return 0
-        if self.varlen:
-            return self.seq_len // self.segment_tokens + self.num_seqs + 1
-        return self.batch * -(-self.seq_len // self.segment_tokens)
+        return segment_slot_count(self.seq_len, self.num_seqs, self.segment_tokens, self.varlen)
 
     @property
     def transition_rows_v(self) -> bool:
@@ -532,21 +537,20 @@ def _choose_plan(num_seqs, heads, seq_len, key_dim, value_dim, sms, varlen, lowe
         segmentation = _segmentation(num_seqs, heads, seq_len, key_dim, value_dim, sms, varlen, slices, choice,
                                      sp_choice, max_seqlen)
     segment_chunks, transition_width = 0, 0
+    serial_reason = ("sequence parallelism off (requested)" if sp_choice is False
+                     else "the serial recurrence (segments are not predicted to gain 10%)")
     if segmentation:
-        tokens = CHUNK * segmentation[0]
-        slots = seq_len // tokens + num_seqs + 1 if varlen else num_seqs * -(-seq_len // tokens)
-        if num_seqs + slots > MAX_GRID_Z:  # the segmented kernels' grid would not launch
-            _check(sp_choice == "auto", f"sequence_parallel={sp_choice} needs {num_seqs + slots} programs on the "
-                                        f"grid's third axis, more than CUDA's {MAX_GRID_Z}")
+        programs = num_seqs + segment_slot_count(seq_len, num_seqs, CHUNK * segmentation[0], varlen)
+        if programs > MAX_GRID_Z:  # the segmented kernels' grid would not launch
+            _check(sp_choice == "auto", f"sequence_parallel={sp_choice} needs {programs} programs on the grid's "
+                                        f"third axis, more than CUDA's {MAX_GRID_Z}")
             segmentation = None
-            reason += f"; the serial recurrence (segments would need over {MAX_GRID_Z} grid rows)"
+            serial_reason = f"the serial recurrence (segments would need over {MAX_GRID_Z} grid rows)"
     if segmentation:
         segment_chunks, transition_width, slices, sp_reason = segmentation
         reason += f"; {sp_reason}, reruns in {slices} slice(s)"
-    elif sp_choice is False:
-        reason += "; sequence parallelism off (requested)"
-    elif "grid rows" not in reason:
-        reason += "; the serial recurrence (segments are not predicted to gain 10%)"
+    else:
+        reason += f"; {serial_reason}"
     width = value_dim // slices
     if segment_chunks:  # the chains the segments shorten: no step of theirs forms w and u
         in_recurrence = False

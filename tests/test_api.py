@@ -179,3 +179,19 @@ def test_eager_calls_skip_the_dispatcher_and_compiled_ones_use_the_op(monkeypatc
         raise AssertionError("eager call went through the dispatcher")
     monkeypatch.setattr(api, "_prefill_op", dispatched)
     assert torch.equal(fastkda.kda_prefill(*args, **kw)[0], expected)
+
+
+def test_bad_sequence_parallel_arguments_are_rejected():
+    """``sequence_parallel`` and its ``max_seqlen`` hint: bad values raise naming them; with a plan given, only
+    ``"auto"`` (the plan holds the segments)."""
+    from helpers import plan_for
+
+    inp = make_inputs([40, 30], seed=61)
+    args = [inp[x] for x in ("q", "k", "v", "g", "beta")]
+    kw = dict(A_log=inp["A_log"], dt_bias=inp["dt_bias"], lower_bound=inp["lower_bound"], cu_seqlens=inp["cu_seqlens"])
+    for name, bad in (("sequence_parallel", 48), ("sequence_parallel", True), ("max_seqlen", -1),
+                      ("max_seqlen", 2.5)):
+        with pytest.raises(ValueError, match=name):
+            fastkda.kda_prefill(*args, **kw, **{name: bad})
+    with pytest.raises(ValueError, match="sequence_parallel"):
+        fastkda.kda_prefill(*args, **kw, plan=plan_for(inp, sms=1), sequence_parallel=64)

@@ -102,6 +102,19 @@ def chunk_of_slot(slot, cu_seqlens, seq_len, num_seqs, C: tl.constexpr, IS_VARLE
     return chunk_start, tl.where(slot >= first, eos, chunk_start)  # a slot before its sequence's: an empty chunk
 
 
+@triton.jit
+def entry_state(ws_fp32, entries_at, slot, h, H: tl.constexpr, V: tl.constexpr, K: tl.constexpr):
+    """Pointer to the ``entries`` rows (``[V, K]``, fp32) of segment slot ``slot``, head ``h``."""
+    return ws_fp32 + entries_at + ((slot * H + h) * V).to(tl.int64) * K
+
+
+@triton.jit
+def segment_exit(ws_fp32, transitions_at, slot, h, H: tl.constexpr, V: tl.constexpr, K: tl.constexpr):
+    """Pointer to the ``transitions`` rows (``[V + K, K]``, fp32: exit from zero, then the transition) of segment
+    slot ``slot``, head ``h``."""
+    return ws_fp32 + transitions_at + ((slot * H + h) * (V + K)).to(tl.int64) * K
+
+
 @dataclass(frozen=True)
 class WorkspaceLayout:
     """Element offsets of the workspace's sections (module docstring) and the two buffers' sizes."""

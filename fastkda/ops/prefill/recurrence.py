@@ -23,7 +23,7 @@ import triton.language as tl
 
 from ..common import bf16_operand, launch, store_as
 from ..tiles import load_tile, load_tile_t, store_tile, store_tile_t, tile_offsets
-from .layout import first_slot, sequence_of_slot, sequence_span
+from .layout import entry_state, first_slot, segment_exit, sequence_of_slot, sequence_span
 
 
 @triton.jit
@@ -38,6 +38,18 @@ def store_checkpoint(ckpt_offsets, ckpt_states, n, j, stride_n, stride_j, done, 
         per_seq = H * V * K
         target = n.to(tl.int64) * (2 * per_seq) + j * per_seq + (state_offsets - n.to(tl.int64) * per_seq)
         store_as(ckpt_states + target, S, None, EMULATE)
+
+
+@triton.jit
+def initial_or_zero(initial_state, state_offsets, HAS_INITIAL: tl.constexpr, STATE_ROWS_V: tl.constexpr,
+                    BV: tl.constexpr, K: tl.constexpr):
+    """A slice's starting state from ``initial_state`` (fp32), or zeros, in the slice's form."""
+    if HAS_INITIAL:
+        return tl.load(initial_state + state_offsets).to(tl.float32)
+    elif STATE_ROWS_V:
+        return tl.zeros((BV, K), dtype=tl.float32)
+    else:
+        return tl.zeros((K, BV), dtype=tl.float32)
 
 
 @triton.jit
@@ -115,23 +127,14 @@ def walk_chunks(
                 else:
                     S += tl.load(initial_state + state_offsets, mask=vv[None, :] < V, other=0.0).to(tl.float32)
     elif SEGMENTED:
-        if c1 < num_chunks:  # the scan's entry state (the first segment's initial state too: it may be the
-            # final state's buffer, which the last segment writes while the first runs)
-            S = tl.load(ws_fp32 + entries_at + ((slot * H + h) * V).to(tl.int64) * K + local)
-        elif j > 0:
-            S = tl.load(ws_fp32 + entries_at + ((slot * H + h) * V).to(tl.int64) * K + local)
-        elif HAS_INITIAL:  # a sequence of one segment: the serial program
-            S = tl.load(initial_state + state_offsets).to(tl.float32)
-        elif STATE_ROWS_V:
-            S = tl.zeros((BV, K), dtype=tl.float32)
+        # a sequence of several segments: the scan's entry state (the first segment's initial state too: it may be
+        # the final state's buffer, which the last segment writes while the first runs); of one: the serial start
+        if (c1 < num_chunks) | (j > 0):
+            S = tl.load(entry_state(ws_fp32, entries_at, slot, h, H, V, K) + local)
         else:
-            S = tl.zeros((K, BV), dtype=tl.float32)
-    elif HAS_INITIAL:
-        S = tl.load(initial_state + state_offsets).to(tl.float32)
-    elif STATE_ROWS_V:
-        S = tl.zeros((BV, K), dtype=tl.float32)
+            S = initial_or_zero(initial_state, state_offsets, HAS_INITIAL, STATE_ROWS_V, BV, K)
     else:
-        S = tl.zeros((K, BV), dtype=tl.float32)
+        S = initial_or_zero(initial_state, state_offsets, HAS_INITIAL, STATE_ROWS_V, BV, K)
     decay_h = ws_fp32 + h * K  # the chunk decays [slots, H, K]
     if STATE_ROWS_V:  # the first chunk's uᵀ and decay; each step then loads the next chunk's (below)
         if W_U_FORMED:
@@ -185,8 +188,7 @@ def walk_chunks(
             S = S * chunk_decay[:, None] + tl.dot(tl.trans(kg), v_op)
     if TRANSITION:  # the segment's exit: [exit state from zero | transition], rows of the V + K columns
         if active:
-            exits = ws_fp32 + transitions_at + ((slot * H + h) * (V + K)).to(tl.int64) * K
-            tl.store(exits + local, S)
+            tl.store(segment_exit(ws_fp32, transitions_at, slot, h, H, V, K) + local, S)
     elif active:  # the checkpoint at the segment's end (so that it is the final state of a run of that prefix with
         # the same segments, whose last segment ends there), and after the last segment the final state
         for i in tl.static_range(NUM_CKPT):
@@ -196,9 +198,10 @@ def walk_chunks(
             last = c1 == num_chunks
             if SEGMENTED and IS_VARLEN:  # malformed cu_seqlens can hand a sequence's last slot to another sequence:
                 # then its first segment writes a final state (unspecified, but written), as no other program does
-                last_slot = own_slot + tl.cdiv(num_chunks, segment_chunks) - 1
-                owner = sequence_of_slot(last_slot, cu_seqlens, seq_len, num_seqs, C * segment_chunks, IS_VARLEN)
-                last = last | (first_segment & (owner != n))
+                if first_segment & ~last:
+                    last_slot = own_slot + tl.cdiv(num_chunks, segment_chunks) - 1
+                    last = sequence_of_slot(last_slot, cu_seqlens, seq_len, num_seqs, C * segment_chunks,
+                                            IS_VARLEN) != n
             if last:
                 store_as(final_state + state_offsets, S, None, EMULATE)
     if IS_VARLEN and not SEGMENTED:  # fastkda.errors: "cu_seqlens", counted last, once per sequence

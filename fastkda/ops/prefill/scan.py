@@ -19,7 +19,7 @@ import triton.language as tl
 
 from ..common import launch
 from ..tiles import tile_offsets
-from .layout import first_slot, sequence_span
+from .layout import entry_state, first_slot, segment_exit, sequence_span
 
 
 @triton.jit
@@ -41,12 +41,12 @@ def segment_scan_kernel(ws_fp32, transitions_at, entries_at, initial_state, cu_s
             S = tl.load(initial_state + ((n * H + h) * V).to(tl.int64) * K + rows).to(tl.float32)
         else:
             S = tl.zeros((SW, K), dtype=tl.float32)
-        tl.store(ws_fp32 + entries_at + ((first * H + h) * V).to(tl.int64) * K + rows, S)
-        S = tl.load(ws_fp32 + transitions_at + ((first * H + h) * (V + K)).to(tl.int64) * K + rows)
+        tl.store(entry_state(ws_fp32, entries_at, first, h, H, V, K) + rows, S)
+        S = tl.load(segment_exit(ws_fp32, transitions_at, first, h, H, V, K) + rows)
         for j in range(1, segments):  # no branch in the loop, so that Triton prefetches the next transition
             slot = first + j
-            tl.store(ws_fp32 + entries_at + ((slot * H + h) * V).to(tl.int64) * K + rows, S)
-            exits = ws_fp32 + transitions_at + ((slot * H + h) * (V + K)).to(tl.int64) * K
+            tl.store(entry_state(ws_fp32, entries_at, slot, h, H, V, K) + rows, S)
+            exits = segment_exit(ws_fp32, transitions_at, slot, h, H, V, K)
             # after the last segment's entry this reads its slot's unwritten transition: in the buffer, unused
             S = tl.dot(S, tl.load(exits + matrix), input_precision=DOT_PRECISION) + tl.load(exits + rows)
     if IS_VARLEN:  # fastkda.errors: "cu_seqlens", once per sequence
