@@ -17,8 +17,8 @@ from . import checks as value_checks
 from .errors import KINDS, counters
 from .plan import CHUNK, DecodePlan, PrefillPlan, choose_decode_plan, choose_plan, sm_count
 from .reference import kda_chunked, kda_decode_reference
-from .validation import (check_disjoint, check_tensor, fail, remembered, scalar_defaults, validate_decode,
-                         validate_prefill)
+from .validation import (addressable, check_disjoint, check_tensor, fail, remembered, scalar_defaults,
+                         validate_decode, validate_prefill)
 
 
 def _sms_of(q):
@@ -164,6 +164,8 @@ def kda_prefill(
             device's own (:mod:`fastkda.errors`).
     """
     scale, lower_bound = scalar_defaults(q, scale, lower_bound)
+    q, k, v, g = (addressable(x, 4) for x in (q, k, v, g))  # engines' views: no copy where strides allow
+    beta = addressable(beta, 3)
     num_seqs, extents = remembered(validate_prefill, q, k, v, g, beta, A_log, dt_bias, lower_bound, scale,
                                    initial_state, final_state, cu_seqlens, out, checkpoint_offsets, checkpoint_states,
                                    CHUNK)
@@ -273,6 +275,8 @@ def kda_decode(
             the automatic one; ``v_slices`` must then stay ``"auto"``.
     """
     scale, lower_bound = scalar_defaults(q, scale, lower_bound)
+    q, k, v, g = (addressable(x, 4) for x in (q, k, v, g))  # engines' views: no copy where strides allow
+    beta = addressable(beta, 3)
     extents = remembered(validate_decode, q, k, v, g, beta, state_pool, slots, A_log, dt_bias, lower_bound, scale,
                          num_accepted_tokens, out)
     if out is not None:
@@ -291,4 +295,249 @@ def kda_decode(
     _opaque_when_compiling(_decode_op, _decode_impl)(
         q, k, v, g, beta, state_pool, slots, A_log, dt_bias, lower_bound, float(scale), num_accepted_tokens,
         use_qk_l2norm, use_beta_sigmoid, plan.launch_numbers(), value_checks.requested(checks), out, errors)
+    return out
+
+
+# The KDA layer around the operator (spec §9): its short causal conv (step 2) and output norm (step 6).
+
+import math  # noqa: E402
+
+from .reference import causal_conv1d_reference, gated_rmsnorm_reference  # noqa: E402
+from .validation import FLOAT_DTYPES, INDEX_DTYPES, _describe, byte_extent, check_contiguous  # noqa: E402
+
+CONV_WIDTHS = range(2, 9)  # kernel sizes W the conv takes (Kimi-Linear: 4)
+MAX_NORM_DIM = 16384  # the norm holds each row of D values in registers
+
+
+def _check_operand(name, x, shape, dtypes, device, anchor):
+    """:func:`check_tensor`, a device mismatch reported against the tensor that set the device, ``anchor``."""
+    if isinstance(x, torch.Tensor) and x.device != device:
+        fail(name, f"on {device} (where {anchor} is)", x.device)
+    check_tensor(name, x, shape, dtypes, device)
+
+
+def _check_activation(activation, allowed):
+    if not (activation is None or isinstance(activation, str)) or activation not in allowed:
+        fail("activation", " or ".join(repr(a) for a in allowed), repr(activation))
+
+
+def _validate_conv(x, weight, bias, conv_states, slots, has_initial_state, cu_seqlens, activation):
+    """Raise ``ValueError`` naming the first argument of a conv call that breaks its contract; return the byte
+    extents of x, weight, bias and conv_states (:func:`check_disjoint`)."""
+    if not isinstance(x, torch.Tensor) or x.dim() not in (2, 3):
+        fail("x", "a 2-D tensor [T, C] (packed tokens) or a 3-D tensor [B, T, C]", _describe(x))
+    device, channels = x.device, x.shape[-1]
+    check_tensor("x", x, x.shape, FLOAT_DTYPES, device)
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or weight.shape[1] not in CONV_WIDTHS:
+        fail("weight", f"a 2-D tensor [C, W] with a kernel size W in [{CONV_WIDTHS[0]}, {CONV_WIDTHS[-1]}]",
+             _describe(weight))
+    width = weight.shape[1]
+    _check_operand("weight", weight, (channels, width), FLOAT_DTYPES, device, "x")
+    if bias is not None:
+        _check_operand("bias", bias, (channels,), FLOAT_DTYPES, device, "x")
+    _check_activation(activation, ("silu", None))
+    if cu_seqlens is None:
+        num_seqs = x.shape[0] if x.dim() == 3 else 1
+    else:
+        if x.dim() != 2:
+            fail("x", "packed tokens [T, C] when cu_seqlens is given", list(x.shape))
+        if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 1 + (
+                x.shape[0] > 0):
+            fail("cu_seqlens", f"a 1-D tensor [N+1] of offsets from 0 to T={x.shape[0]} (two entries at least, [0] "
+                 "for no tokens)", _describe(cu_seqlens))
+        _check_operand("cu_seqlens", cu_seqlens, cu_seqlens.shape, INDEX_DTYPES, device, "x")
+        check_contiguous("cu_seqlens", cu_seqlens)
+        num_seqs = cu_seqlens.numel() - 1
+    if conv_states is None:
+        for name, given in (("slots", slots), ("has_initial_state", has_initial_state)):
+            if given is not None:
+                fail(name, "None when conv_states is None (no pool to index)", _describe(given))
+    else:
+        if not isinstance(conv_states, torch.Tensor) or conv_states.dim() != 3:
+            fail("conv_states", f"a 3-D tensor [P, C, W-1] = [P, {channels}, {width - 1}]", _describe(conv_states))
+        _check_operand("conv_states", conv_states, (conv_states.shape[0], channels, width - 1),
+                       (x.dtype, torch.float32), device, "x")
+        if slots is None and conv_states.shape[0] != num_seqs:
+            fail("conv_states", f"of {num_seqs} rows (one per sequence) when slots is None", list(conv_states.shape))
+        if slots is not None:
+            _check_operand("slots", slots, (num_seqs,), INDEX_DTYPES, device, "x")
+        if has_initial_state is not None:
+            _check_operand("has_initial_state", has_initial_state, (num_seqs,), (torch.bool,), device, "x")
+    return tuple(byte_extent(t) for t in (x, weight, bias, conv_states))
+
+
+def _conv_impl(
+    x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], conv_states: Optional[torch.Tensor],
+    slots: Optional[torch.Tensor], has_initial_state: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor],
+    silu: bool, out: torch.Tensor,
+) -> None:
+    """One opaque op: the Triton kernel on CUDA, the reference on the CPU (after checking ``cu_seqlens``' values,
+    free there)."""
+    if x.is_cuda:
+        from .ops.conv import causal_conv1d_forward
+
+        causal_conv1d_forward(x, weight, bias, conv_states, slots, has_initial_state, cu_seqlens, silu, out)
+        return
+    if cu_seqlens is not None:
+        value_checks.cu_seqlens_values(cu_seqlens, x.shape[0])
+    out.copy_(_cpu_path(lambda: causal_conv1d_reference(
+        x, weight, bias, conv_states=conv_states, slots=slots, has_initial_state=has_initial_state,
+        cu_seqlens=cu_seqlens, activation="silu" if silu else None), "x", x.shape))
+
+
+_conv_op = torch.library.custom_op("fastkda::causal_conv1d", mutates_args=("conv_states", "out"))(_conv_impl)
+
+
+@_conv_op.register_fake
+def _conv_fake(x, weight, bias, conv_states, slots, has_initial_state, cu_seqlens, silu, out):
+    return None
+
+
+def _run_conv(x, weight, bias, conv_states, slots, has_initial_state, cu_seqlens, activation, extents):
+    """The conv op on validated inputs into a fresh contiguous output, the pool checked not to overlap an input
+    (eagerly: torch.compile traces without addresses)."""
+    if conv_states is not None and not torch.compiler.is_compiling():
+        check_disjoint("conv_states", conv_states, extents[3], zip(("x", "weight", "bias"), (x, weight, bias), extents))
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    _opaque_when_compiling(_conv_op, _conv_impl)(x, weight, bias, conv_states, slots, has_initial_state, cu_seqlens,
+                                                 activation == "silu", out)
+    return out
+
+
+def causal_conv1d(x, weight, bias=None, *, conv_states=None, slots=None, has_initial_state=None, cu_seqlens=None,
+                  activation="silu"):
+    """The KDA layer's depthwise causal conv over a prefill batch (spec §9 step 2). Returns the output: x's shape and
+    dtype, contiguous, computed in fp32.
+
+    ``out[t, c] = act(bias[c] + Σ_j weight[c, j]·u[t − (W−1) + j, c])``, u being a sequence's inputs preceded by
+    W−1 earlier ones: its conv state, or zeros (``torch.nn.functional.conv1d`` with ``groups=C`` and W−1 left
+    padding, when the state is zeros).
+
+    Args:
+        x: ``[T, C]`` packed tokens, the sequences given by ``cu_seqlens`` (one sequence without), as serving
+            engines batch them; or ``[B, T, C]``, B sequences of T tokens, as transformers does. Any strides (views
+            of a wider projection, channel-major layouts); contiguous channels within a token is the fast case.
+            bf16, fp16 or fp32.
+        weight: ``[C, W]`` (transformers' ``conv1d.weight [C, 1, W]`` squeezed), kernel size W in [2, 8];
+            bias: ``[C]`` or None; any float dtype.
+        conv_states: the pool ``[P, C, W−1]`` (x's dtype or fp32, any strides), a row per cached sequence: its
+            last W−1 inputs per channel, oldest first. Sequence n reads row ``slots[n]`` as its earlier inputs
+            (unless ``has_initial_state[n]`` is False: zeros) and, after the call, the row holds its last W−1
+            inputs (for a sequence shorter than W−1 tokens, the old row's tail followed by its tokens, as a
+            token-by-token update leaves it; a row read as zeros is written too). It must share no memory with
+            x, weight or bias (checked on eager calls).
+        slots: ``[N]`` int32/int64 pool rows; None: sequence n uses row n (then P must be N). A negative slot is a
+            null row: zeros before the first token, nothing written. A slot at or past P is treated the same way, so
+            no slot value makes an access outside the pool. Two sequences must not share a live slot.
+        has_initial_state: ``[N]`` bool, False where a sequence starts from zeros (a new prompt); None: every
+            sequence with a live slot reads it (a continued prefill).
+        cu_seqlens: ``[N+1]`` int32/int64 token offsets for packed x, nondecreasing from 0 to T, empty sequences
+            allowed. CPU tensors are checked; on the GPU other values are clamped into ``[0, T]`` (results
+            unspecified, all accesses inside the buffers).
+        activation: ``"silu"`` (the KDA layer's) or None.
+
+    Runs the PyTorch reference on CPU tensors and one Triton kernel on CUDA ones, with no host-device
+    synchronisation on the GPU (CUDA-graph capturable).
+    """
+    extents = remembered(_validate_conv, x, weight, bias, conv_states, slots, has_initial_state, cu_seqlens,
+                         activation)
+    return _run_conv(x, weight, bias, conv_states, slots, has_initial_state, cu_seqlens, activation, extents)
+
+
+def _validate_conv_update(x, conv_states, weight, bias, slots, activation):
+    """:func:`_validate_conv` for a decode step: x ``[N, C]`` or ``[N, T, C]`` with T >= 1, a pool and slots."""
+    if not isinstance(x, torch.Tensor) or x.dim() not in (2, 3) or (x.dim() == 3 and x.shape[1] < 1):
+        fail("x", "a tensor [N, C] (a token per sequence) or [N, T, C] with T >= 1", _describe(x))
+    for name, given in (("conv_states", conv_states), ("slots", slots)):
+        if not isinstance(given, torch.Tensor):
+            fail(name, "a tensor (the update reads and writes the pool rows slots names)", _describe(given))
+    rows = x.unsqueeze(1) if x.dim() == 2 else x
+    return _validate_conv(rows, weight, bias, conv_states, slots, None, None, activation)
+
+
+def causal_conv1d_update(x, conv_states, weight, bias=None, *, slots, activation="silu"):
+    """A decode step of the causal conv (spec §9 step 2): each sequence's pool row read, shifted by its new tokens
+    and written back. Returns the output, x's shape and dtype, contiguous.
+
+    ``x``: ``[N, C]`` (one token per sequence) or ``[N, T, C]`` (T >= 1 tokens, e.g. speculative), any strides;
+    ``conv_states [P, C, W−1]`` and ``slots [N]`` as in :func:`causal_conv1d` (every live row is read; negative or
+    out-of-range slots are null rows: zeros before the first token, nothing written); ``weight``, ``bias`` and
+    ``activation`` as there. Equal to :func:`causal_conv1d` over the same tokens as ``[N, T, C]``.
+    """
+    extents = remembered(_validate_conv_update, x, conv_states, weight, bias, slots, activation)
+    rows = x.unsqueeze(1) if x.dim() == 2 else x
+    out = _run_conv(rows, weight, bias, conv_states, slots, None, None, activation, extents)
+    return out.view(x.shape)
+
+
+def _row_levels(x, gate):
+    """The leading dimensions of x and gate (one shape) as three ``(size, x stride, gate stride)`` levels,
+    outermost first: size-1 dimensions dropped, neighbours merged where both tensors allow it, size-1 levels
+    prepended to make three."""
+    levels = []
+    for size, stride_x, stride_g in zip(x.shape[:-1], x.stride()[:-1], gate.stride()[:-1]):
+        if size == 1:
+            continue
+        if levels and levels[-1][1] == stride_x * size and levels[-1][2] == stride_g * size:
+            levels[-1] = (levels[-1][0] * size, stride_x, stride_g)
+        else:
+            levels.append((size, stride_x, stride_g))
+    if len(levels) > 3:
+        fail("x and gate", "views whose leading dimensions merge into at most three strided levels (the norm "
+             "kernel's addressing; make one of them contiguous)", f"strides {x.stride()} and {gate.stride()}")
+    return [(1, 0, 0)] * (3 - len(levels)) + levels
+
+
+def _validate_norm(x, gate, weight, eps, activation):
+    """Raise ``ValueError`` naming the first argument of a norm call that breaks its contract; return the row
+    levels (:func:`_row_levels`), flattened."""
+    if not isinstance(x, torch.Tensor) or x.dim() < 1 or not 1 <= x.shape[-1] <= MAX_NORM_DIM:
+        fail("x", f"a tensor [..., D] with D in [1, {MAX_NORM_DIM}]", _describe(x))
+    device = x.device
+    check_tensor("x", x, x.shape, FLOAT_DTYPES, device)
+    _check_operand("gate", gate, x.shape, FLOAT_DTYPES, device, "x")
+    _check_operand("weight", weight, x.shape[-1:], FLOAT_DTYPES, device, "x")
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 <= eps < math.inf:
+        fail("eps", "a finite number >= 0", repr(eps))
+    _check_activation(activation, ("sigmoid", "silu"))
+    return [number for level in _row_levels(x, gate) for number in level]
+
+
+def _norm_impl(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float, silu: bool,
+               levels: List[int], out: torch.Tensor) -> None:
+    """One opaque op: the Triton kernel on CUDA (rows addressed through ``levels``), the reference on the CPU."""
+    if x.is_cuda:
+        from .ops.norm import gated_rmsnorm_forward
+
+        gated_rmsnorm_forward(x, gate, weight, eps, silu, (levels[0:3], levels[3:6], levels[6:9]), out)
+        return
+    out.copy_(_cpu_path(lambda: gated_rmsnorm_reference(x, gate, weight, eps, activation="silu" if silu else "sigmoid"),
+                        "x", x.shape))
+
+
+_norm_op = torch.library.custom_op("fastkda::gated_rmsnorm", mutates_args=("out",))(_norm_impl)
+
+
+@_norm_op.register_fake
+def _norm_fake(x, gate, weight, eps, silu, levels, out):
+    return None
+
+
+def gated_rmsnorm(x, gate, weight, eps=1e-6, *, activation="sigmoid"):
+    """The KDA layer's gated RMSNorm over the last dimension D (spec §9 step 6):
+    ``x·rsqrt(mean(x²) + eps)·weight ⊙ act(gate)`` in fp32. Returns x's shape and dtype, contiguous.
+
+    Args:
+        x, gate: ``[..., D]`` (one shape; any float dtypes), D in [1, 16384], any strides (the leading
+            dimensions of both must merge into at most three strided levels: any view of a contiguous tensor
+            with up to three leading dimensions, or of a wider projection, does).
+        weight: ``[D]``, any float dtype. eps: a number >= 0.
+        activation: the gate's, ``"sigmoid"`` (transformers' Kimi-Linear) or ``"silu"``.
+
+    Runs the PyTorch reference on CPU tensors and one Triton kernel on CUDA ones, with no host-device
+    synchronisation on the GPU (CUDA-graph capturable).
+    """
+    levels = remembered(_validate_norm, x, gate, weight, eps, activation)
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    _opaque_when_compiling(_norm_op, _norm_impl)(x, gate, weight, float(eps), activation == "silu", levels, out)
     return out

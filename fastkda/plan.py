@@ -636,3 +636,27 @@ def _choose_decode_plan(num_seqs, heads, value_dim, sms, choice):
         slices = choice
         reason = f"v_slices={choice} requested"
     return DecodePlan(num_seqs, heads, value_dim, slices, decode_warps(value_dim // slices), reason)
+
+
+CONV_TOKENS = 32  # tokens per conv program in prefill (fewer for decode's few tokens per sequence)
+CONV_CHANNELS = 128  # channels per conv program
+NORM_ELEMENTS = 4096  # elements (rows × padded D) per gated-norm program
+
+
+def _next_power_of_2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def conv_launch(tokens: int, channels: int, width: int) -> tuple:
+    """``(token block, channel block, warps)`` of the short conv (``fastkda/ops/conv.py``). The token block is at
+    least W−1, so that only a sequence's first block reaches back into its conv state."""
+    block_t = max(_next_power_of_2(width - 1), min(CONV_TOKENS, _next_power_of_2(max(tokens, 1))))
+    return block_t, min(CONV_CHANNELS, _next_power_of_2(channels)), 4
+
+
+def norm_launch(rows: int, dim: int) -> tuple:
+    """``(row block, padded D, warps)`` of the gated RMSNorm (``fastkda/ops/norm.py``): whole rows in registers,
+    about :data:`NORM_ELEMENTS` elements per program."""
+    block_d = _next_power_of_2(dim)
+    block_r = max(1, min(_next_power_of_2(rows), NORM_ELEMENTS // block_d))
+    return block_r, block_d, 4 if block_d <= 4096 else 8

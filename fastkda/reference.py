@@ -427,3 +427,46 @@ def kda_decode_reference(
     else:
         out = torch.zeros(num_seqs, 0, heads, value_dim, dtype=dtype, device=v.device)
     return out if all_live else torch.where(live.view(-1, 1, 1, 1), out, 0)
+
+
+def causal_conv1d_reference(x, weight, bias=None, *, conv_states=None, slots=None, has_initial_state=None,
+                            cu_seqlens=None, activation="silu", dtype=torch.float32):
+    """Depthwise causal conv of the KDA layer (spec §9 step 2), sequence by sequence in ``dtype``; the truth for
+    the conv kernel and its CPU path. Returns the output, shape of ``x``, in ``dtype``.
+
+    ``x``: ``[T, C]`` packed tokens (``cu_seqlens [N+1]`` offsets, or one sequence without) or ``[B, T, C]`` (B
+    sequences of T tokens); ``weight [C, W]``; ``bias [C]`` or None. A sequence's inputs are preceded by W−1
+    earlier ones (its pool row ``conv_states[slots[n]]``, ``[C, W−1]`` oldest first, when that row exists and
+    ``has_initial_state[n]`` is not False; zeros otherwise), and
+    ``out[t, c] = act(bias[c] + Σ_j weight[c, j]·u[t − (W−1) + j, c])``, act being SiLU or none. The row (a
+    ``slots`` entry outside ``[0, P)`` names none; ``slots`` None: sequence n's row is n) then takes the last W−1 of
+    those inputs, in place: the old row's tail shifted by the sequence's tokens."""
+    width = weight.shape[1]
+    rows = x if x.dim() == 3 else x.unsqueeze(0)
+    out = torch.zeros(rows.shape, dtype=dtype, device=x.device)
+    bounds = sequence_bounds(rows.shape[0], rows.shape[1], cu_seqlens)
+    taps = weight.to(dtype)
+    shift = torch.zeros(rows.shape[-1], dtype=dtype, device=x.device) if bias is None else bias.to(dtype)
+    rows_of = slots.tolist() if slots is not None else range(len(bounds))
+    reads = has_initial_state.tolist() if has_initial_state is not None else [True] * len(bounds)
+    for n, (b, start, end) in enumerate(bounds):
+        slot = rows_of[n]
+        live = conv_states is not None and 0 <= slot < conv_states.shape[0]
+        earlier = torch.zeros(width - 1, rows.shape[-1], dtype=dtype, device=x.device)
+        if live and reads[n]:
+            earlier = conv_states[slot].to(dtype).t()
+        inputs = torch.cat((earlier, rows[b, start:end].to(dtype)))
+        if end > start:
+            y = (inputs.unfold(0, width, 1) * taps).sum(-1) + shift  # windows [L, C, W] of W consecutive inputs
+            out[b, start:end] = torch.nn.functional.silu(y) if activation == "silu" else y
+        if live:
+            conv_states[slot] = inputs[-(width - 1):].t().to(conv_states.dtype)
+    return out.view(x.shape)
+
+
+def gated_rmsnorm_reference(x, gate, weight, eps=1e-6, *, activation="sigmoid", dtype=torch.float32):
+    """The KDA layer's output norm (spec §9 step 6) over the last dimension, in ``dtype``:
+    ``x·rsqrt(mean(x²) + eps)·weight ⊙ act(gate)``, act being sigmoid or SiLU."""
+    x, gate = x.to(dtype), gate.to(dtype)
+    y = x * torch.rsqrt(x.square().mean(-1, keepdim=True) + eps) * weight.to(dtype)
+    return y * (torch.sigmoid(gate) if activation == "sigmoid" else torch.nn.functional.silu(gate))

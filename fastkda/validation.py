@@ -49,6 +49,26 @@ def _check_token_rows(name, x):
         fail(name, "contiguous within each token ([H, D] rows) with batch rows back to back", f"strides {stride}")
 
 
+def addressable(x, dim):
+    """``x`` (``[B, T, H, D]`` when ``dim`` is 4, ``[B, T, H]`` when 3) as the kernels address it, without a copy
+    where its strides allow: token t of batch b at ``(b·T + t)·stride(1)``, each token's ``[H, D]`` contiguous
+    (``[H]`` may be strided). A size-1 batch or token dimension gets the stride that makes this hold (a view of
+    the same memory); any other layout (a channel-major conv output, batch rows with gaps) is copied. Anything
+    but a tensor of that rank is returned as it is, for validation to report."""
+    if not isinstance(x, torch.Tensor) or x.dim() != dim or not x.numel():
+        return x
+    batch, length = x.shape[:2]
+    stride = list(x.stride())
+    if length == 1:
+        stride[1] = stride[0]
+    elif batch == 1:
+        stride[0] = length * stride[1]
+    rows_ok = dim == 3 or (stride[3] == 1 and stride[2] == x.shape[3])
+    if rows_ok and stride[0] == length * stride[1]:
+        return x if stride == list(x.stride()) else x.as_strided(x.shape, stride)
+    return x.contiguous()
+
+
 def scalar_defaults(q, scale, lower_bound):
     """``scale`` defaulting to K^-1/2 (when q is a 4-D tensor to read K from; validation reports anything else), a
     0-d CPU tensor ``scale`` as its number, and an integer ``lower_bound`` as a float."""

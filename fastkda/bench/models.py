@@ -1,0 +1,144 @@
+"""``python -m fastkda.bench.models``: transformers' tiny Kimi-Linear and GLM-5.3-Flash models run three ways in one
+process: transformers' PyTorch path, FLA's kernels where transformers found FLA at import (CUDA only), and fastkda
+(:mod:`fastkda.integrations.transformers`). Times the forward over a prompt and each generated token (greedy,
+with the model's cache), median of repeats, eager; writes ``OUT/<date>-<device>-models.{json,md}``.
+
+transformers binds FLA or its PyTorch fallback when the modeling module is imported; the fallback stays reachable
+as the bound function's ``__wrapped__``, which is how the PyTorch path is timed beside FLA here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import statistics
+import time
+from datetime import date
+from pathlib import Path
+
+import torch
+
+from ..integrations import transformers as fastkda_transformers
+from ..integrations.tiny_models import MODEL_KINDS, tiny_model
+from .report import git_commit, run_id
+
+CASES = [(1, 64), (2, 64), (1, 2048), (2, 2048)]  # (batch, prompt length)
+NEW_TOKENS = 16
+KDA_FUNCTIONS = ("chunk_kimi_delta_attention", "recurrent_kimi_delta_attention", "causal_conv1d_fn",
+                 "causal_conv1d_update")
+
+
+def _module_of(kind):
+    return importlib.import_module(next(name for name in fastkda_transformers.MODELS if kind in name))
+
+
+def _uses_fla(module):
+    """Whether transformers bound FLA's KDA at import (else its PyTorch fallback): the implementation its wrapper
+    closes over."""
+    bound = module.chunk_kimi_delta_attention
+    cells = dict(zip(bound.__code__.co_freevars, (cell.cell_contents for cell in bound.__closure__ or ())))
+    return getattr(cells.get("implementation"), "__module__", "").startswith("fla")
+
+
+def _set_path(module, path, bound):
+    """Point the module's KDA functions at ``path``: "fastkda", "fla" (as bound at import), or "pytorch" (the
+    fallbacks behind the bound functions)."""
+    fastkda_transformers.disable()
+    for name in KDA_FUNCTIONS:
+        setattr(module, name, bound[name] if path != "pytorch" else bound[name].__wrapped__)
+    if path == "fastkda":
+        fastkda_transformers.enable()
+
+
+def _median_seconds(run, device, repeats):
+    times = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        run()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def measure(kind, path, model, module, bound, batch, length, device, repeats):
+    _set_path(module, path, bound)
+    ids = torch.randint(3, 128, (batch, length), generator=torch.Generator().manual_seed(0)).to(device)
+    with torch.no_grad():
+        model(ids)  # warm-up: compiles and autotunes
+        forward = _median_seconds(lambda: model(ids), device, repeats)
+        generate = lambda tokens: model.generate(ids, max_new_tokens=tokens, min_new_tokens=tokens,  # noqa: E731
+                                                 do_sample=False, eos_token_id=None)
+        generate(2)
+        short = _median_seconds(lambda: generate(1), device, repeats)
+        long = _median_seconds(lambda: generate(1 + NEW_TOKENS), device, repeats)
+    return dict(model=kind, path=path, batch=batch, length=length, forward_ms=forward * 1e3,
+                per_token_ms=(long - short) / NEW_TOKENS * 1e3)
+
+
+def device_name(device):
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    import platform
+
+    return platform.processor() or platform.machine() or "cpu"
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog="python -m fastkda.bench.models", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--cases", nargs="*", default=[f"{b}x{t}" for b, t in CASES], metavar="BxT")
+    parser.add_argument("--out", default="fastkda-results")
+    args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    cases = [tuple(int(n) for n in case.split("x")) for case in args.cases]
+    rows, commit, run = [], git_commit(), run_id()
+    for kind in MODEL_KINDS:
+        module = _module_of(kind)
+        fastkda_transformers.disable()
+        bound = {name: getattr(module, name) for name in KDA_FUNCTIONS}
+        paths = ["pytorch", "fastkda"] + (["fla"] if device.type == "cuda" and _uses_fla(module) else [])
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+        model = tiny_model(kind, dtype=dtype, device=device)
+        for batch, length in cases:
+            for path in paths:
+                row = measure(kind, path, model, module, bound, batch, length, device, args.repeats)
+                row.update(commit=commit, run=run, device=device_name(device), dtype=str(dtype).replace("torch.", ""),
+                           date=date.today().isoformat())
+                rows.append(row)
+                print(f"[models] {kind:12s} {path:8s} B{batch} T{length:<5d} forward {row['forward_ms']:8.2f} ms  "
+                      f"per token {row['per_token_ms']:7.2f} ms", flush=True)
+        _set_path(module, "fla" if "fla" in paths else "pytorch", bound)
+        fastkda_transformers.disable()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = out / f"{date.today().isoformat()}-{device_name(device).replace(' ', '_')}-models"
+    stem.with_suffix(".json").write_text(json.dumps(dict(rows=rows), indent=1))
+    stem.with_suffix(".md").write_text(markdown(rows))
+    print(f"[models] wrote {stem}.json")
+
+
+def markdown(rows):
+    """One table: forward and per-token ms per (model, case), a column per path."""
+    paths = [p for p in ("fastkda", "fla", "pytorch") if any(r["path"] == p for r in rows)]
+    head = ["model", "B", "T"] + [f"{p} forward ms" for p in paths] + [f"{p} ms/token" for p in paths] + ["commit"]
+    lines = [f"# Tiny transformers models with KDA layers, {rows[0]['device']}, {rows[0]['date']}, {rows[0]['dtype']}",
+             "", "Eager, median; generation: greedy with the model's cache, time per token past the first.", "",
+             "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    keys = sorted({(r["model"], r["batch"], r["length"]) for r in rows}, key=lambda k: (k[0], k[2], k[1]))
+    for model, batch, length in keys:
+        by_path = {r["path"]: r for r in rows if (r["model"], r["batch"], r["length"]) == (model, batch, length)}
+        cells = [model, str(batch), str(length)]
+        cells += [f"{by_path[p]['forward_ms']:.2f}" if p in by_path else "" for p in paths]
+        cells += [f"{by_path[p]['per_token_ms']:.2f}" if p in by_path else "" for p in paths]
+        cells.append(next(iter(by_path.values()))["commit"])
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,5 @@
+"""Per-request caches of KDA layers: recurrent-state and conv-state pools indexed by slot (spec §9)."""
+
+from .pools import NULL_SLOT, KDACache
+
+__all__ = ["KDACache", "NULL_SLOT"]

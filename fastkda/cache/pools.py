@@ -1,0 +1,92 @@
+"""Slot pools of the recurrent and conv states of a stack of KDA layers, as serving engines keep them.
+
+One :class:`KDACache` serves every KDA layer of a model: for each layer a recurrent-state pool
+``[P, H, V, K]`` (the layout :func:`fastkda.kda_decode` updates in place) and a conv-state pool ``[P, C, W−1]``
+(the layout of :func:`fastkda.causal_conv1d`), a row of each per live request. Slots are handed out on the host
+(:meth:`KDACache.allocate`, :meth:`KDACache.release`); the kernels read them from device tensors, where a
+negative slot (:data:`NULL_SLOT`) is a padding row that reads zeros and writes nothing. Each pool has one row more
+than it hands out, :attr:`KDACache.scratch_slot`: gathers and scatters written in plain PyTorch send a padding
+row's write there, so that no live row is written twice in one call and none is written for a padding row. Prefix-cache checkpoints
+(fp32 states a prefill wrote at a chunk multiple) go back into a fresh slot with :meth:`KDACache.restore`.
+"""
+
+import torch
+
+NULL_SLOT = -1
+
+
+class KDACache:
+    """Recurrent and conv state pools for ``num_layers`` KDA layers with ``num_slots`` rows each.
+
+    Args:
+        num_slots: rows per pool (requests alive at once).
+        num_layers: KDA layers sharing the cache (a layer addresses its own pools by index).
+        heads, head_dim: the layer's local heads H and K = V.
+        conv_channels, conv_kernel: the conv's channels (``3·H·D`` for q, k, v) and kernel size W.
+        state_dtype: fp32 (default) or bf16 recurrent states; conv_dtype: fp32 (default: exact, and small
+            beside the recurrent states) or the activations' dtype.
+    """
+
+    def __init__(self, num_slots, num_layers, heads, head_dim, conv_channels, conv_kernel, *,
+                 state_dtype=torch.float32, conv_dtype=torch.float32, device=None):
+        if num_slots < 1 or num_layers < 1:
+            raise ValueError(f"KDACache: num_slots and num_layers must be >= 1, got {num_slots}, {num_layers}")
+        if state_dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"KDACache: state_dtype must be torch.float32 or torch.bfloat16, got {state_dtype}")
+        if conv_kernel < 2:
+            raise ValueError(f"KDACache: conv_kernel must be >= 2, got {conv_kernel}")
+        rows = num_slots + 1  # the last is the scratch row
+        self.recurrent = torch.zeros(num_layers, rows, heads, head_dim, head_dim, dtype=state_dtype, device=device)
+        self.conv = torch.zeros(num_layers, rows, conv_channels, conv_kernel - 1, dtype=conv_dtype, device=device)
+        self._free = list(range(num_slots - 1, -1, -1))  # popped from the end: slot 0 first
+
+    @property
+    def num_slots(self):
+        """Slots that :meth:`allocate` hands out (the pools hold one more, the scratch row)."""
+        return self.recurrent.shape[1] - 1
+
+    @property
+    def scratch_slot(self):
+        """The pools' last row: never handed out, the target of padding rows' writes."""
+        return self.recurrent.shape[1] - 1
+
+    @property
+    def free_slots(self):
+        return len(self._free)
+
+    def allocate(self, count=1):
+        """``count`` free slots as an int32 device tensor; their rows are zeroed. Raises when too few are free."""
+        if count > len(self._free):
+            raise RuntimeError(f"KDACache: {count} slot(s) requested, {len(self._free)} of {self.num_slots} free")
+        taken = [self._free.pop() for _ in range(count)]
+        slots = torch.tensor(taken, dtype=torch.int32, device=self.recurrent.device)
+        self.recurrent[:, slots.long()] = 0
+        self.conv[:, slots.long()] = 0
+        return slots
+
+    def release(self, slots):
+        """Give slots back (host ints or a tensor; null slots are ignored). Releasing a free slot raises."""
+        values = slots.tolist() if isinstance(slots, torch.Tensor) else list(slots)
+        free = set(self._free)
+        for slot in values:
+            if slot < 0:
+                continue
+            if slot >= self.num_slots or slot in free:
+                raise ValueError(f"KDACache.release: slot {slot} is not allocated")
+            free.add(slot)
+            self._free.append(slot)
+
+    def layer(self, index):
+        """Layer ``index``'s ``(recurrent pool [P + 1, H, V, K], conv pool [P + 1, C, W−1])``, views into the
+        cache (row P the scratch row)."""
+        return self.recurrent[index], self.conv[index]
+
+    def restore(self, slot, recurrent_states, conv_states):
+        """Put a prefix's states into ``slot`` (e.g. a fresh one from :meth:`allocate`): ``recurrent_states
+        [layers, H, V, K]`` (a prefill's checkpoint, any float dtype) and ``conv_states [layers, C, W−1]`` (the
+        W−1 inputs before the prefix's end). ``slot``: an int or a one-element tensor."""
+        slot = int(slot)
+        if not 0 <= slot < self.num_slots:
+            raise ValueError(f"KDACache.restore: slot must be in [0, {self.num_slots}), got {slot}")
+        self.recurrent[:, slot].copy_(recurrent_states)
+        self.conv[:, slot].copy_(conv_states)

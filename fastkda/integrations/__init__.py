@@ -1,0 +1,1 @@
+"""fastkda inside other libraries' models (``fastkda.integrations.transformers``)."""

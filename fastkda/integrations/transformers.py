@@ -1,0 +1,130 @@
+"""fastkda inside transformers' own KDA models: Kimi-Linear (``kimi_linear``) and GLM-5.3-Flash (``glm5_next``).
+
+``enable()`` makes every such model, built before or after the call, run its KDA prefill and decode, its short
+causal conv (prefill and decode update) and its gated RMSNorm through fastkda; ``disable()`` puts transformers' own
+functions back. transformers looks these up at call time as module globals of each modeling module
+(``chunk_kimi_delta_attention``, ``recurrent_kimi_delta_attention``, ``causal_conv1d_fn``, ``causal_conv1d_update``)
+and as the gated norm class's ``forward``, so those are what is replaced. Their conventions are handled here:
+recurrent states K-first ``[B, H, K, V]`` (fastkda keeps ``[B, H, V, K]``), β already passed through the sigmoid,
+conv inputs ``[B, C, T]`` (channel-last views) with a conv state ``[B, C, W]`` of the last W inputs, and extra
+keyword arguments that GLM-5.3-Flash forwards (ignored).
+
+    import fastkda.integrations.transformers as fastkda_transformers
+    fastkda_transformers.enable()
+    model = KimiLinearForCausalLM(config)  # or a model built earlier
+    model.generate(...)
+"""
+
+import importlib
+
+import torch
+
+from ..api import causal_conv1d, causal_conv1d_update, gated_rmsnorm, kda_decode, kda_prefill
+
+MODELS = {  # modeling module -> its gated norm class
+    "transformers.models.kimi_linear.modeling_kimi_linear": "KimiLinearRMSNormGated",
+    "transformers.models.glm5_next.modeling_glm5_next": "Glm5NextTextRMSNormGated",
+}
+
+_replaced = {}  # (module name, attribute) -> transformers' original, while enabled
+
+
+def _v_first(state):
+    return None if state is None else state.transpose(-1, -2).contiguous()
+
+
+def chunk_kimi_delta_attention(q, k, v, *, g, beta, initial_state=None, output_final_state=False,
+                               use_qk_l2norm_in_kernel=False, cu_seqlens=None, **unused):
+    """transformers' prefill KDA call on :func:`fastkda.kda_prefill`: q, k, v ``[B, T, H, D]`` (views), g the
+    log-decay, β after its sigmoid, states ``[B, H, K, V]``. Returns ``(o, final state [B, H, K, V] fp32 or
+    None)``."""
+    o, final = kda_prefill(q, k, v, g, beta, initial_state=_v_first(initial_state),
+                           output_final_state=output_final_state, cu_seqlens=cu_seqlens,
+                           use_qk_l2norm=use_qk_l2norm_in_kernel, use_beta_sigmoid=False)
+    return o, None if final is None else final.transpose(-1, -2)
+
+
+def recurrent_kimi_delta_attention(q, k, v, *, g, beta, initial_state=None, output_final_state=False,
+                                   use_qk_l2norm_in_kernel=False, **unused):
+    """transformers' decode KDA call (one token per sequence from its state) on :func:`fastkda.kda_decode`, the
+    states as a pool of one row per sequence; arguments and result as :func:`chunk_kimi_delta_attention`."""
+    if initial_state is None:
+        return chunk_kimi_delta_attention(q, k, v, g=g, beta=beta, output_final_state=output_final_state,
+                                          use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+    pool = _v_first(initial_state).float()
+    slots = torch.arange(q.shape[0], dtype=torch.int32, device=q.device)
+    o = kda_decode(q, k, v, g, beta, pool, slots, use_qk_l2norm=use_qk_l2norm_in_kernel, use_beta_sigmoid=False)
+    return o, pool.transpose(-1, -2) if output_final_state else None
+
+
+def causal_conv1d_fn(x, weight, bias=None, activation=None, **unused):
+    """transformers' prefill conv: x ``[B, C, T]``, weight ``[C, W]``; returns ``[B, C, T]`` (a view of a
+    token-major output, so the q/k/v split after it needs no copy)."""
+    return causal_conv1d(x.transpose(1, 2), weight, bias, activation=activation).transpose(1, 2)
+
+
+def causal_conv1d_update_fn(x, conv_state, weight, bias=None, activation=None, **unused):
+    """transformers' decode conv: x ``[B, C, T]``, its conv state ``[B, C, S]`` (S >= W − 1, the last S inputs,
+    oldest first) updated in place; returns ``[B, C, T]``. fastkda's update shifts the last W − 1 columns, the
+    columns before them shift here."""
+    keep = weight.shape[-1] - 1
+    extra = conv_state.shape[-1] - keep
+    tokens = x.shape[-1]
+    if extra > 0:  # columns older than the conv reads: shifted by the new tokens, as transformers' own update
+        conv_state[..., :extra].copy_(torch.cat([conv_state, x.to(conv_state.dtype)], -1)[..., tokens:tokens + extra])
+    slots = torch.arange(x.shape[0], dtype=torch.int32, device=x.device)
+    out = causal_conv1d_update(x.transpose(1, 2), conv_state[..., extra:], weight, bias, slots=slots,
+                               activation=activation)
+    return out.transpose(1, 2)
+
+
+def gated_norm_forward(self, hidden_states, gate=None):
+    """The gated RMSNorm classes' ``forward`` on :func:`fastkda.gated_rmsnorm` (without a gate: transformers'
+    own)."""
+    if gate is None:
+        return _replaced[(type(self).__module__, type(self).__name__ + ".forward")](self, hidden_states)
+    return gated_rmsnorm(hidden_states, gate, self.weight, self.variance_epsilon, activation=self.activation)
+
+
+REPLACEMENTS = {
+    "chunk_kimi_delta_attention": chunk_kimi_delta_attention,
+    "recurrent_kimi_delta_attention": recurrent_kimi_delta_attention,
+    "causal_conv1d_fn": causal_conv1d_fn,
+    "causal_conv1d_update": causal_conv1d_update_fn,
+}
+
+
+def enable():
+    """Route transformers' Kimi-Linear and GLM-5.3-Flash KDA layers through fastkda. Returns the model modules
+    patched (those this transformers ships). Calling it again changes nothing."""
+    patched = []
+    for name, norm in MODELS.items():
+        try:
+            module = importlib.import_module(name)
+        except ImportError:
+            continue
+        for attribute, replacement in REPLACEMENTS.items():
+            _replaced.setdefault((name, attribute), getattr(module, attribute))
+            setattr(module, attribute, replacement)
+        norm_class = getattr(module, norm)
+        _replaced.setdefault((name, norm + ".forward"), norm_class.forward)
+        norm_class.forward = gated_norm_forward
+        patched.append(name)
+    return patched
+
+
+def disable():
+    """Put transformers' own functions back."""
+    for (name, attribute), original in list(_replaced.items()):
+        module = importlib.import_module(name)
+        owner, _, method = attribute.partition(".")
+        if method:
+            setattr(getattr(module, owner), method, original)
+        else:
+            setattr(module, owner, original)
+        del _replaced[(name, attribute)]
+
+
+def enabled():
+    """Whether :func:`enable` is in effect."""
+    return bool(_replaced)

@@ -1,0 +1,254 @@
+"""The KDA layer of Kimi-Linear, GLM-5.3-Flash and Kimi-K3 (spec §9) on fastkda's kernels, with slot caches.
+
+Parameter names are those of transformers' ``KimiLinearDeltaAttention`` and ``Glm5NextTextLinearAttention``, so a
+state dict of either loads as it is (:meth:`KimiDeltaAttention.from_transformers` builds the layer from one); the
+only difference, Kimi-Linear's ``A_log`` of shape ``[1, 1, H, 1]``, is reshaped to ``[H]`` on load.
+
+A call is a prefill (any number of tokens per sequence, packed with ``cu_seqlens`` or ``[B, T]``) or a decode step
+(``decode=True``: T >= 1 tokens per sequence, speculative ones with accepted counts). With a
+:class:`fastkda.cache.KDACache` each sequence reads and writes its slot's conv and recurrent state; without one,
+every sequence starts from zeros and nothing is kept.
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..api import causal_conv1d, causal_conv1d_update, gated_rmsnorm, kda_decode, kda_prefill
+
+
+class ForgetGate(nn.Module):
+    """The gate's projections and parameters (spec §9 step 3): ``f_b_proj(f_a_proj(x)) + dt_bias``, then
+    ``λ·sigmoid(exp(A_log)·…)`` with a lower bound λ (GLM-5.3-Flash, Kimi-K3; fused into the kernels) or
+    ``-exp(A_log)·softplus(…)`` without (Kimi-Linear; computed here in fp32, passed as the log-decay)."""
+
+    def __init__(self, hidden_size, num_heads, head_dim, lower_bound, device=None, dtype=None):
+        super().__init__()
+        self.num_heads, self.head_dim, self.lower_bound = num_heads, head_dim, lower_bound
+        self.f_a_proj = nn.Linear(hidden_size, head_dim, bias=False, device=device, dtype=dtype)
+        self.f_b_proj = nn.Linear(head_dim, num_heads * head_dim, bias=False, device=device, dtype=dtype)
+        self.dt_bias = nn.Parameter(torch.zeros(num_heads * head_dim, dtype=torch.float32, device=device))
+        self.A_log = nn.Parameter(torch.zeros(num_heads, dtype=torch.float32, device=device))
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        key = prefix + "A_log"
+        if key in state_dict and state_dict[key].numel() == self.num_heads:  # Kimi-Linear keeps [1, 1, H, 1]
+            state_dict[key] = state_dict[key].reshape(self.num_heads)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+    def kernel_arguments(self, x):
+        """``(g, gate keywords)`` for :func:`fastkda.kda_prefill` / :func:`fastkda.kda_decode` from hidden states
+        ``x [..., hidden]``; g is ``[..., H, D]``."""
+        raw = self.f_b_proj(self.f_a_proj(x)).unflatten(-1, (self.num_heads, self.head_dim))
+        if self.lower_bound is not None:
+            return raw, dict(A_log=self.A_log, dt_bias=self.dt_bias, lower_bound=self.lower_bound)
+        shifted = raw.float() + self.dt_bias.float().view(self.num_heads, self.head_dim)
+        return -self.A_log.float().exp()[:, None] * F.softplus(shifted), {}
+
+
+class GatedRMSNorm(nn.Module):
+    """``rmsnorm(o)·weight ⊙ sigmoid(gate)`` over each head's D outputs, in fp32 (spec §9 step 6)."""
+
+    def __init__(self, head_dim, eps, device=None):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(head_dim, device=device))
+        self.variance_epsilon = eps
+
+    def forward(self, x, gate):
+        return gated_rmsnorm(x, gate, self.weight, self.variance_epsilon, activation="sigmoid")
+
+
+class KimiDeltaAttention(nn.Module):
+    """One KDA layer (spec §9): projections, short causal conv + SiLU, gate, β, KDA, gated RMSNorm, output
+    projection.
+
+    Args:
+        hidden_size, num_heads, head_dim: the model's width, the layer's (local) heads H and K = V = D (64, 128).
+        conv_kernel: the short conv's kernel size W (``linear_conv_kernel_dim``, 4).
+        lower_bound: λ in [-5, 0) for the lower-bound gate (GLM-5.3-Flash's ``linear_lower_bound``, Kimi-K3), or
+            None for Kimi-Linear's softplus gate.
+        norm_eps: the gated norm's epsilon (``rms_norm_eps``).
+        layer_idx: which layer of a :class:`fastkda.cache.KDACache` this one uses.
+    """
+
+    def __init__(self, hidden_size, num_heads, head_dim, *, conv_kernel=4, lower_bound=None, norm_eps=1e-5,
+                 layer_idx=0, device=None, dtype=None):
+        super().__init__()
+        self.hidden_size, self.num_heads, self.head_dim = hidden_size, num_heads, head_dim
+        self.layer_idx = layer_idx
+        width = num_heads * head_dim
+        self.q_proj = nn.Linear(hidden_size, width, bias=False, device=device, dtype=dtype)
+        self.k_proj = nn.Linear(hidden_size, width, bias=False, device=device, dtype=dtype)
+        self.v_proj = nn.Linear(hidden_size, width, bias=False, device=device, dtype=dtype)
+        self.conv1d = nn.Conv1d(3 * width, 3 * width, conv_kernel, groups=3 * width, padding=conv_kernel - 1,
+                                bias=False, device=device, dtype=dtype)
+        self.forget_gate = ForgetGate(hidden_size, num_heads, head_dim, lower_bound, device=device, dtype=dtype)
+        self.b_proj = nn.Linear(hidden_size, num_heads, bias=False, device=device, dtype=dtype)
+        self.g_a_proj = nn.Linear(hidden_size, head_dim, bias=False, device=device, dtype=dtype)
+        self.g_b_proj = nn.Linear(head_dim, width, bias=False, device=device, dtype=dtype)
+        self.o_norm = GatedRMSNorm(head_dim, norm_eps, device=device)
+        self.o_proj = nn.Linear(width, hidden_size, bias=False, device=device, dtype=dtype)
+
+    @property
+    def conv_channels(self):
+        return 3 * self.num_heads * self.head_dim
+
+    @property
+    def conv_kernel(self):
+        return self.conv1d.kernel_size[0]
+
+    @classmethod
+    def from_transformers(cls, layer):
+        """A copy of a transformers ``KimiLinearDeltaAttention`` or ``Glm5NextTextLinearAttention`` (its config
+        read from the module, its weights loaded), on the same device."""
+        gate = layer.forget_gate
+        weight = layer.q_proj.weight
+        ours = cls(layer.hidden_size, layer.num_heads, layer.head_dim, conv_kernel=layer.conv_kernel_size,
+                   lower_bound=getattr(gate, "safe_gate_lower_bound", None), norm_eps=layer.o_norm.variance_epsilon,
+                   layer_idx=layer.layer_idx, device=weight.device, dtype=weight.dtype)
+        ours.load_state_dict(layer.state_dict())
+        if layer.conv1d.weight.dtype != weight.dtype:  # GLM-5.3-Flash keeps its conv in fp32
+            ours.conv1d.to(layer.conv1d.weight.dtype)
+        return ours
+
+    def _projections(self, x):
+        """``(mixed q|k|v [..., 3HD] before the conv, g, gate keywords, raw β [..., H], output gate [..., H, D])``."""
+        mixed = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
+        g, gate = self.forget_gate.kernel_arguments(x)
+        output_gate = self.g_b_proj(self.g_a_proj(x)).unflatten(-1, (self.num_heads, self.head_dim))
+        return mixed, g, gate, self.b_proj(x), output_gate
+
+    def _split_heads(self, mixed):
+        """q, k, v ``[..., H, D]`` views of the conv output (no copy: the kernels read token-strided rows)."""
+        return [part.unflatten(-1, (self.num_heads, self.head_dim)) for part in mixed.chunk(3, dim=-1)]
+
+    def forward(self, hidden_states, cache=None, *, slots=None, cu_seqlens=None, has_initial_state=None,
+                max_seqlen=None, decode=False, num_accepted_tokens=None, checkpoint_offsets=None):
+        """Returns the layer's output, hidden_states' shape (with ``checkpoint_offsets``: ``(output, checkpoint)``,
+        see below).
+
+        Args:
+            hidden_states: prefill ``[T, hidden]`` packed by ``cu_seqlens`` (``[N+1]``, empty sequences allowed;
+                one sequence without) or ``[B, T, hidden]``; decode ``[N, T, hidden]``, T >= 1 tokens each.
+            cache: a :class:`fastkda.cache.KDACache` (this layer's pools at ``layer_idx``), or None (each
+                sequence from zeros, nothing kept; not with ``decode``).
+            slots: with a cache, ``[N]`` device ints, each sequence's slot (negative: a padding row, zero output
+                for decode, nothing read or written). Decode with speculative tokens: ``[N, T]``, the states after
+                token t go to ``slots[n, t]`` and the step starts from ``slots[n, num_accepted_tokens[n] - 1]``
+                (``[N]``, each in [1, T]) as :func:`fastkda.kda_decode` takes them.
+            has_initial_state: prefill, ``[N]`` bool: False where a sequence starts from zeros whatever its slot
+                holds; None reads every slot (a freshly allocated slot holds zeros).
+            max_seqlen: prefill, the longest sequence's length if known on the host (a planning hint).
+            checkpoint_offsets: prefill with a cache, ``[N]`` token offsets (multiples of 32, each within its
+                sequence) at which to keep a prefix-cache checkpoint: then returns ``(output, (recurrent [N, H,
+                V, K] fp32, conv [N, C, W−1]))``, the states after that many tokens, for
+                :meth:`fastkda.cache.KDACache.restore`.
+        """
+        if decode:
+            if cache is None or slots is None:
+                raise ValueError("KimiDeltaAttention: decode=True needs a cache and slots")
+            if hidden_states.dim() != 3:
+                raise ValueError(f"KimiDeltaAttention: decode takes hidden_states [N, T, hidden], got "
+                                 f"{list(hidden_states.shape)}")
+            return self._decode(hidden_states, cache, slots, num_accepted_tokens)
+        if (cache is None) != (slots is None):
+            raise ValueError("KimiDeltaAttention: a cache and slots go together")
+        if checkpoint_offsets is not None and cache is None:
+            raise ValueError("KimiDeltaAttention: checkpoint_offsets needs a cache")
+        packed = hidden_states.dim() == 2
+        if not packed and cu_seqlens is not None:
+            raise ValueError("KimiDeltaAttention: cu_seqlens takes packed hidden_states [T, hidden]")
+        x = hidden_states[None] if packed else hidden_states  # [B, T, hidden]
+        mixed, g, gate, beta, output_gate = self._projections(x)
+        conv_pool, state_pool = (cache.conv[self.layer_idx], cache.recurrent[self.layer_idx]) if cache else (None,
+                                                                                                           None)
+        weight = self.conv1d.weight.squeeze(1)
+        conv_checkpoint = None
+        if checkpoint_offsets is not None:  # before the conv, which overwrites the pool rows
+            conv_checkpoint = self._conv_checkpoint(mixed[0] if packed else mixed, cache, slots, has_initial_state,
+                                                    cu_seqlens, checkpoint_offsets)
+        if packed:
+            mixed_conv = causal_conv1d(mixed[0], weight, self.conv1d.bias, conv_states=conv_pool, slots=slots,
+                                       has_initial_state=has_initial_state, cu_seqlens=cu_seqlens)[None]
+        else:
+            mixed_conv = causal_conv1d(mixed, weight, self.conv1d.bias, conv_states=conv_pool, slots=slots,
+                                       has_initial_state=has_initial_state)
+        q, k, v = self._split_heads(mixed_conv)
+        read, write, states = None, None, None
+        if cache is not None:
+            read, write = _rows(slots, cache, has_initial_state)
+            states = torch.where(read[:, None, None, None], state_pool[write], 0).to(state_pool.dtype)
+        checkpoint_states = None
+        if checkpoint_offsets is not None:
+            num = slots.shape[0]
+            checkpoint_states = torch.empty(num, 2, self.num_heads, self.head_dim, self.head_dim,
+                                            dtype=torch.float32, device=x.device)
+            checkpoint_offsets = checkpoint_offsets.to(cu_seqlens.dtype if cu_seqlens is not None else torch.int32)
+        o, _ = kda_prefill(q, k, v, g, beta, **gate, initial_state=states, final_state=states, cu_seqlens=cu_seqlens,
+                           max_seqlen=max_seqlen, checkpoint_offsets=checkpoint_offsets,
+                           checkpoint_states=checkpoint_states)
+        if cache is not None:
+            state_pool.index_copy_(0, write, states)
+        out = self.o_proj(self.o_norm(o, output_gate).flatten(-2))
+        out = out[0] if packed else out
+        if checkpoint_offsets is None:
+            return out
+        return out, (checkpoint_states[:, 0], conv_checkpoint)
+
+    def _conv_checkpoint(self, mixed, cache, slots, has_initial_state, cu_seqlens, offsets):
+        """The conv state ``[N, C, W−1]`` after ``offsets[n]`` tokens of each sequence: the W−1 inputs before that
+        point, from the call's inputs ``mixed`` (``[T, C]`` packed, ``[B, T, C]``) or, near a sequence's start,
+        from the state it started with."""
+        width = self.conv_kernel - 1
+        rows = mixed.reshape(-1, mixed.shape[-1])
+        num = slots.shape[0]
+        if cu_seqlens is not None:
+            starts = cu_seqlens[:-1].long()
+        else:
+            starts = torch.arange(num, device=rows.device) * mixed.shape[1]
+        position = offsets.reshape(num).long()[:, None] - width + torch.arange(width, device=rows.device)  # [N, W−1]
+        from_inputs = rows[(starts[:, None] + position).clamp(0, max(rows.shape[0] - 1, 0))]  # [N, W−1, C]
+        read, row = _rows(slots, cache, has_initial_state)
+        earlier = torch.where(read[:, None, None], cache.conv[self.layer_idx][row], 0)  # [N, C, W−1]
+        from_state = earlier.gather(2, (position + width).clamp(0, width - 1)[:, None, :].expand_as(earlier))
+        return torch.where((position >= 0)[:, None, :], from_inputs.transpose(1, 2).to(earlier.dtype), from_state)
+
+    def _decode(self, hidden_states, cache, slots, num_accepted_tokens):
+        mixed, g, gate, beta, output_gate = self._projections(hidden_states)
+        conv_pool, state_pool = cache.conv[self.layer_idx], cache.recurrent[self.layer_idx]
+        weight = self.conv1d.weight.squeeze(1)
+        if slots.dim() == 1:
+            mixed_conv = causal_conv1d_update(mixed, conv_pool, weight, self.conv1d.bias, slots=slots)
+        else:
+            mixed_conv = self._speculative_conv(mixed, conv_pool, weight, slots, num_accepted_tokens, cache)
+        q, k, v = self._split_heads(mixed_conv)
+        o = kda_decode(q, k, v, g, beta, state_pool, slots, **gate, num_accepted_tokens=num_accepted_tokens)
+        return self.o_proj(self.o_norm(o, output_gate).flatten(-2))
+
+    def _speculative_conv(self, mixed, conv_pool, weight, slots, num_accepted_tokens, cache):
+        """The conv of T draft tokens per sequence from the state at its accepted token, the state after each
+        token t written to ``slots[n, t]`` (as :func:`fastkda.kda_decode` keeps the recurrent states)."""
+        if num_accepted_tokens is None:
+            first = slots[:, 0]
+        else:
+            first = slots.gather(1, (num_accepted_tokens.long() - 1).clamp(0, slots.shape[1] - 1)[:, None])[:, 0]
+        read, row = _rows(first, cache, None)
+        start = torch.where(read[:, None, None], conv_pool[row], 0)  # [N, C, W−1]
+        window = torch.cat([start, mixed.transpose(1, 2).to(start.dtype)], dim=2)  # [N, C, W−1+T]
+        out = causal_conv1d(mixed, weight, self.conv1d.bias, conv_states=start.clone(),
+                            slots=torch.arange(mixed.shape[0], device=mixed.device, dtype=torch.int32))
+        width, tokens = self.conv_kernel - 1, mixed.shape[1]
+        after = window.unfold(2, width, 1)[:, :, 1:tokens + 1].permute(0, 2, 1, 3)  # [N, T, C, W−1]
+        _, targets = _rows(slots.reshape(-1), cache, None)
+        conv_pool.index_copy_(0, targets, after.reshape(-1, *after.shape[2:]))
+        return out
+
+
+def _rows(slots, cache, has_initial_state):
+    """``(read [N] bool, row [N])`` for slots of ``cache``: a live slot's row, where it is read (not padding, not
+    out of range, ``has_initial_state``); padding rows and out-of-range slots map to the scratch row, so a
+    scatter through ``row`` never writes a live row for them."""
+    live = (slots >= 0) & (slots < cache.num_slots)
+    row = torch.where(live, slots.long(), cache.scratch_slot)
+    read = live if has_initial_state is None else live & has_initial_state.bool()
+    return read, row

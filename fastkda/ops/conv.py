@@ -1,0 +1,123 @@
+"""The KDA layer's depthwise causal conv (spec §9 step 2) on the GPU: varlen prefill and decode, one kernel.
+
+One program per (token block, channel block). A token block is up to ``BT`` consecutive tokens of one sequence,
+laid out as the prefill's chunk slots (:mod:`fastkda.ops.prefill.layout`, with ``BT`` for the chunk): every
+program finds its sequence from ``cu_seqlens`` alone, with no host-device synchronisation, and every sequence,
+an empty one too, owns a first block. Each output is ``act(bias + Σ_j w_j·u_{t−(W−1)+j})`` in fp32, from W loads
+of shifted token rows (they overlap in cache) read through x's strides.
+
+The conv state. A sequence's W−1 inputs before its first token come from its pool row ``conv_states[slot]``
+(``[C, W−1]`` through its strides, oldest first) when the slot is live (in ``[0, P)``) and its
+``has_initial_state`` flag is set, else are zeros. Only the first block's tokens reach back that far
+(``BT ≥ W−1``), so the first block's program is the only one that reads the row, and it also writes it: after a
+barrier (its threads' reads of the old row come first), the last W−1 inputs, which for a sequence shorter than
+W−1 tokens include the old row's tail. A negative slot or one at or past the pool's size reads and writes
+nothing, so whatever ``slots`` holds no access leaves the pool; ``cu_seqlens`` spans are clamped into
+``[0, T]`` as the prefill's are. Two live sequences must not share a slot (their programs would race).
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from .common import interpreting, launch, load_f32, store_as
+from .prefill.layout import first_slot, sequence_of_slot, sequence_span
+from ..plan import conv_launch, segment_slot_count
+
+
+@triton.jit
+def conv_kernel(
+    x, weight, bias, states, slots, has_initial, cu_seqlens, out,
+    stride_xb, stride_xt, stride_xc, stride_wc, stride_wj, stride_bias, stride_sp, stride_sc, stride_sj,
+    stride_slot, stride_initial, seq_len, num_seqs, channels, pool_rows,
+    W: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, WP: tl.constexpr, IS_VARLEN: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_STATES: tl.constexpr, HAS_SLOTS: tl.constexpr, HAS_INITIAL_FLAGS: tl.constexpr,
+    SILU: tl.constexpr, EMULATE: tl.constexpr,
+):
+    block = tl.program_id(0)
+    cc = tl.program_id(1) * BC + tl.arange(0, BC)
+    c_ok = cc < channels
+    n = sequence_of_slot(block, cu_seqlens, seq_len, num_seqs, BT, IS_VARLEN)
+    bos, eos, _ = sequence_span(cu_seqlens, n, seq_len, num_seqs, IS_VARLEN)
+    first = first_slot(n, bos, seq_len, BT, IS_VARLEN)
+    length = eos - bos
+    pos = (block - first) * BT + tl.arange(0, BT)  # the block's tokens, as positions in their sequence
+    t_ok = (pos < length) & (block >= first)
+    if IS_VARLEN:  # packed [T, C]: token rows from the sequence's first
+        x_seq = x + bos.to(tl.int64) * stride_xt
+    else:  # [B, T, C]
+        x_seq = x + n.to(tl.int64) * stride_xb
+    x_cols = cc.to(tl.int64) * stride_xc
+    if HAS_STATES:
+        if HAS_SLOTS:
+            slot = tl.load(slots + n * stride_slot).to(tl.int64)
+        else:
+            slot = n.to(tl.int64)
+        live = (slot >= 0) & (slot < pool_rows)
+        reads = live
+        if HAS_INITIAL_FLAGS:
+            reads = reads & (tl.load(has_initial + n * stride_initial) != 0)
+        row = states + tl.where(live, slot, 0) * stride_sp + cc.to(tl.int64) * stride_sc  # [BC] pointers
+    if HAS_BIAS:
+        acc = tl.zeros((BT, BC), dtype=tl.float32) + load_f32(bias + cc * stride_bias, c_ok)[None, :]
+    else:
+        acc = tl.zeros((BT, BC), dtype=tl.float32)
+    for j in tl.static_range(W):
+        src = pos - (W - 1 - j)  # the input tap j multiplies: a token of the sequence, or (< 0) of its state
+        u = load_f32(x_seq + src.to(tl.int64)[:, None] * stride_xt + x_cols[None, :],
+                     (t_ok & (src >= 0))[:, None] & c_ok[None, :])
+        if HAS_STATES:
+            u += load_f32(row[None, :] + (W - 1 + src)[:, None] * stride_sj,
+                          (t_ok & (src < 0) & reads)[:, None] & c_ok[None, :])
+        acc += u * load_f32(weight + cc * stride_wc + j * stride_wj, c_ok)[None, :]
+    if SILU:
+        acc = acc * tl.sigmoid(acc)
+    out_rows = (bos + pos).to(tl.int64) * channels  # out is contiguous, token rows in x's order
+    store_as(out + out_rows[:, None] + cc[None, :], acc, t_ok[:, None] & c_ok[None, :], EMULATE)
+    if HAS_STATES:
+        if block == first:
+            # the new row's column i is input length − (W−1) + i: a token, or (< 0) column i + length of the old row
+            ii = tl.arange(0, WP)
+            src = length - (W - 1) + ii
+            cols = (ii < W - 1)[None, :] & c_ok[:, None]
+            new = load_f32(x_seq + src.to(tl.int64)[None, :] * stride_xt + x_cols[:, None], cols & (src >= 0)[None, :])
+            new += load_f32(row[:, None] + (W - 1 + src)[None, :] * stride_sj, cols & ((src < 0) & reads)[None, :])
+            tl.debug_barrier()  # every read of the old row, by any thread of this program, before the writes
+            store_as(row[:, None] + ii[None, :] * stride_sj, new, cols & live, EMULATE)
+
+
+def causal_conv1d_forward(x, weight, bias, conv_states, slots, has_initial_state, cu_seqlens, silu, out):
+    """Launch the conv on validated inputs: ``x [T, C]`` (``cu_seqlens [N+1]``, or None for one sequence) or
+    ``[B, T, C]``, any strides; ``out`` contiguous, x's shape, written; the pool rows of live slots updated in place
+    (module docstring)."""
+    if x.dim() == 2 and cu_seqlens is None:  # one sequence of every token
+        x = x.unsqueeze(0)
+    varlen = x.dim() == 2
+    channels, width = weight.shape
+    if varlen:
+        tokens, num_seqs = x.shape[0], cu_seqlens.numel() - 1
+        stride_b, stride_t = 0, x.stride(0)
+    else:
+        num_seqs, tokens = x.shape[0], x.shape[1]
+        stride_b, stride_t = x.stride(0), x.stride(1)
+        if tokens == 0:  # no token rows to address, but states to write: a varlen batch of empty sequences
+            varlen, cu_seqlens = True, torch.zeros(num_seqs + 1, dtype=torch.int32, device=x.device)
+    if num_seqs == 0 or channels == 0:
+        return
+    block_t, block_c, warps = conv_launch(tokens, channels, width)
+    has_states = conv_states is not None
+    absent = weight  # stands for absent optional tensors; never dereferenced
+    launch(
+        conv_kernel,  # token blocks laid out as the prefill's chunk slots, counted by the same function
+        (segment_slot_count(tokens, num_seqs, block_t, varlen), triton.cdiv(channels, block_c), 1),
+        x, weight, bias if bias is not None else absent, conv_states if has_states else absent,
+        slots if slots is not None else absent, has_initial_state if has_initial_state is not None else absent,
+        cu_seqlens if varlen else absent, out,
+        stride_b, stride_t, x.stride(-1), weight.stride(0), weight.stride(1), bias.stride(0) if bias is not None else 0,
+        *(conv_states.stride() if has_states else (0, 0, 0)), slots.stride(0) if slots is not None else 0,
+        has_initial_state.stride(0) if has_initial_state is not None else 0, tokens, num_seqs, channels,
+        conv_states.shape[0] if has_states else 0,
+        W=width, BT=block_t, BC=block_c, WP=triton.next_power_of_2(width - 1), IS_VARLEN=varlen,
+        HAS_BIAS=bias is not None, HAS_STATES=has_states, HAS_SLOTS=slots is not None,
+        HAS_INITIAL_FLAGS=has_initial_state is not None, SILU=silu, EMULATE=interpreting(), num_warps=warps,
+    )

@@ -1,0 +1,225 @@
+"""FLA's KDA entry points on fastkda (:mod:`fastkda.compat.fla`, fla-core 0.6.0 semantics) against the float64
+token-by-token reference, on the CPU path."""
+
+import pytest
+import torch
+
+from fastkda.compat import fla
+from fastkda.reference import kda_reference
+from helpers import make_inputs, rel_err
+
+OUT_ERR, STATE_ERR = 4e-3, 1e-5  # bf16 outputs; fp32 states (as in tests/test_api.py)
+H_ERR = 1e-2  # intermediate states are stored in k's dtype (bf16)
+
+
+def kv(state):
+    """A V-first state ``[..., V, K]`` in FLA's default K-first layout, or back."""
+    return state.transpose(-1, -2).contiguous()
+
+
+def lower_bound_gate(inp):
+    """FLA's arguments for ``inp``'s lower-bound gate (raw g, beta logits, q/k normalised in the kernel)."""
+    return dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
+                lower_bound=inp["lower_bound"], A_log=inp["A_log"], dt_bias=inp["dt_bias"].reshape(-1))
+
+
+def truth(inp, **overrides):
+    """``kda_reference`` (float64) of ``inp`` with ``overrides``; returns ``(o, final_state [N, H, V, K])``."""
+    args = {x: overrides.pop(x, inp[x]) for x in ("q", "k", "v", "g", "beta")}
+    kw = dict(A_log=inp["A_log"], dt_bias=inp["dt_bias"], lower_bound=inp["lower_bound"],
+              initial_state=inp["initial_state"], cu_seqlens=inp["cu_seqlens"])
+    kw.update(overrides)
+    return kda_reference(*args.values(), **kw)
+
+
+def test_lower_bound_is_ignored_without_gate_in_kernel():
+    """FLA reads lower_bound only to fuse the gate (fla/ops/kda/chunk_fwd.py); g is the log-decay otherwise."""
+    inp = make_inputs([50, 70], gate="precomputed", seed=41)
+    ref_o, ref_s = truth(inp)
+    o, s = fla.chunk_kda(inp["q"], inp["k"], inp["v"], inp["g"], torch.sigmoid(inp["beta"].float()),
+                         initial_state=kv(inp["initial_state"]), output_final_state=True,
+                         use_qk_l2norm_in_kernel=True, safe_gate=True, lower_bound=-5.0,
+                         cu_seqlens=inp["cu_seqlens"], A_log=torch.rand(2), dt_bias=torch.rand(2 * 64))
+    assert rel_err(o, ref_o) < OUT_ERR and rel_err(kv(s), ref_s) < STATE_ERR
+
+
+def test_lower_bound_below_the_fused_range():
+    """FLA fuses any λ < 0 without ``safe_gate`` (fastkda's fused gate takes [-5, 0): below, the gate is computed
+    here); with ``safe_gate`` it requires [-5, 0)."""
+    inp = make_inputs([45, 80], seed=51)
+    ref_o, ref_s = truth(inp, lower_bound=-8.0)
+    args = [inp[x] for x in ("q", "k", "v", "g", "beta")]
+    kw = dict(lower_bound_gate(inp), lower_bound=-8.0, initial_state=kv(inp["initial_state"]),
+              output_final_state=True, cu_seqlens=inp["cu_seqlens"])
+    o, s = fla.chunk_kda(*args, **kw)
+    assert rel_err(o, ref_o) < OUT_ERR and rel_err(kv(s), ref_s) < STATE_ERR
+    with pytest.raises(ValueError, match="lower_bound"):
+        fla.chunk_kda(*args, **kw, safe_gate=True)
+
+
+@pytest.mark.parametrize("entry", ["chunk_kda", "fused_recurrent_kda"])
+def test_transpose_state_layout_is_state_v_first(entry):
+    inp = make_inputs([40, 25], seed=42)
+    ref_o, ref_s = truth(inp)
+    call = getattr(fla, entry)
+    args = [inp[x] for x in ("q", "k", "v", "g", "beta")]
+    kw = dict(lower_bound_gate(inp), initial_state=inp["initial_state"], output_final_state=True,
+              cu_seqlens=inp["cu_seqlens"])
+    with pytest.warns(DeprecationWarning, match="transpose_state_layout"):
+        o, s = call(*args, **kw, transpose_state_layout=True)
+    assert rel_err(o, ref_o) < OUT_ERR and rel_err(s, ref_s) < STATE_ERR  # V-first in and out
+    with pytest.raises(ValueError, match="transpose_state_layout"):
+        call(*args, **kw, state_v_first=True, transpose_state_layout=True)
+
+
+def test_chunk_size_32_or_64_only():
+    inp = make_inputs([100], seed=43)
+    args = [inp[x] for x in ("q", "k", "v", "g", "beta")]
+    kw = dict(lower_bound_gate(inp), initial_state=kv(inp["initial_state"]), output_final_state=True,
+              cu_seqlens=inp["cu_seqlens"])
+    with pytest.raises(ValueError, match=r"`chunk_size` must be either 32 or 64"):
+        fla.chunk_kda(*args, **kw, chunk_size=16)
+    o, s = fla.chunk_kda(*args, **kw, chunk_size=32)  # chunking does not change the math
+    o64, s64 = fla.chunk_kda(*args, **kw)
+    assert torch.equal(o, o64) and torch.equal(s, s64)
+
+
+@pytest.mark.parametrize("entry", ["chunk_kda", "fused_recurrent_kda"])
+def test_grouped_value_heads(entry):
+    """HV = 4 value heads on H = 2 q/k heads: value head i reads q/k head i // (HV // H) (FLA's ``i_h``)."""
+    inp = make_inputs([30, 90], heads=4, seed=44)
+    q, k = inp["q"][:, :, ::2].contiguous(), inp["k"][:, :, 1::2].contiguous()  # H = 2
+    owner = torch.arange(4) // 2
+    ref_o, ref_s = truth(inp, q=q[:, :, owner], k=k[:, :, owner])
+    o, s = getattr(fla, entry)(q, k, inp["v"], inp["g"], inp["beta"], **lower_bound_gate(inp),
+                               initial_state=kv(inp["initial_state"]), output_final_state=True,
+                               cu_seqlens=inp["cu_seqlens"])
+    assert rel_err(o, ref_o) < OUT_ERR and rel_err(kv(s), ref_s) < STATE_ERR
+    with pytest.raises(ValueError, match="v must be of a head count"):
+        fla.chunk_kda(inp["q"][:, :, :3].contiguous(), inp["k"][:, :, :3].contiguous(), inp["v"], inp["g"],
+                      inp["beta"], **lower_bound_gate(inp), cu_seqlens=inp["cu_seqlens"])
+
+
+@pytest.mark.parametrize("entry", ["chunk_kda", "fused_recurrent_kda"])
+def test_allow_neg_eigval_doubles_beta(entry):
+    inp = make_inputs([60, 20], seed=45)
+    ref_o, ref_s = truth(inp, beta=2 * torch.sigmoid(inp["beta"].double()), use_beta_sigmoid=False)
+    args = [inp[x] for x in ("q", "k", "v", "g", "beta")]
+    kw = dict(lower_bound_gate(inp), initial_state=kv(inp["initial_state"]), output_final_state=True,
+              cu_seqlens=inp["cu_seqlens"])
+    o, s = getattr(fla, entry)(*args, **kw, allow_neg_eigval=True)
+    assert rel_err(o, ref_o) < OUT_ERR and rel_err(kv(s), ref_s) < STATE_ERR
+    with pytest.raises(ValueError, match="allow_neg_eigval"):
+        getattr(fla, entry)(*args, **dict(kw, use_beta_sigmoid_in_kernel=False), allow_neg_eigval=True)
+
+
+def chunk_states_truth(inp, lengths, chunk, varlen):
+    """Float64 states at the start of every ``chunk`` tokens of each sequence (FLA's ``h`` rows, V-first), chained
+    through ``kda_reference`` chunk by chunk."""
+    rows = []
+    for n, length in enumerate(lengths):
+        start, b = (sum(lengths[:n]), 0) if varlen else (0, n)
+        state = inp["initial_state"][n:n + 1].double()
+        for t in range(0, length, chunk):
+            rows.append(state[0])
+            piece = {x: inp[x][b:b + 1, start + t:start + min(t + chunk, length)] for x in ("q", "k", "v", "g", "beta")}
+            _, state = truth(inp, **piece, initial_state=state, cu_seqlens=None)
+    return torch.stack(rows)
+
+
+@pytest.mark.parametrize("lengths,varlen,chunk,state_v_first", [
+    ([0, 70, 200, 64, 130], True, 64, False),
+    ([100, 100], False, 32, True),
+])
+def test_return_intermediate_states(lengths, varlen, chunk, state_v_first):
+    inp = make_inputs(lengths, varlen=varlen, seed=46)
+    ref_o, ref_s = truth(inp)
+    ref_h = chunk_states_truth(inp, lengths, chunk, varlen)
+    layout = (lambda x: x) if state_v_first else kv
+    o, s, h = fla.chunk_kda(*(inp[x] for x in ("q", "k", "v", "g", "beta")), **lower_bound_gate(inp),
+                            initial_state=layout(inp["initial_state"]), output_final_state=True,
+                            return_intermediate_states=True, state_v_first=state_v_first,
+                            cu_seqlens=inp["cu_seqlens"], chunk_size=chunk)
+    rows = sum(-(-n // chunk) for n in lengths)
+    assert h.shape == ((1, rows) if varlen else (len(lengths), rows // len(lengths))) + (2, 64, 64)
+    assert h.dtype == inp["k"].dtype
+    assert rel_err(layout(h.reshape(rows, 2, 64, 64).float()), ref_h) < H_ERR
+    assert rel_err(o, ref_o) < OUT_ERR and rel_err(layout(s), ref_s) < STATE_ERR
+    _, none, _ = fla.chunk_kda(*(inp[x] for x in ("q", "k", "v", "g", "beta")), **lower_bound_gate(inp),
+                               return_intermediate_states=True, cu_seqlens=inp["cu_seqlens"])
+    assert none is None
+
+
+def test_fused_recurrent_softplus_gate_and_refused_pool_arguments():
+    """``use_gate_in_kernel`` without ``lower_bound``: Kimi-Linear's ``-exp(A_log)·softplus(g + dt_bias)``."""
+    inp = make_inputs([3, 0, 5], seed=47)
+    a = -inp["A_log"].double().exp()[:, None] * torch.nn.functional.softplus(inp["g"].double() + inp["dt_bias"])
+    ref_o, ref_s = truth(inp, g=a, A_log=None, dt_bias=None, lower_bound=None)
+    args = [inp[x] for x in ("q", "k", "v", "g", "beta")]
+    kw = dict(A_log=inp["A_log"], dt_bias=inp["dt_bias"].reshape(-1), initial_state=kv(inp["initial_state"]),
+              output_final_state=True, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+              use_beta_sigmoid_in_kernel=True, cu_seqlens=inp["cu_seqlens"])
+    o, s = fla.fused_recurrent_kda(*args, **kw)
+    assert rel_err(o, ref_o) < OUT_ERR and rel_err(kv(s), ref_s) < STATE_ERR
+    with pytest.raises(ValueError, match="ssm_state_indices"):
+        fla.fused_recurrent_kda(*args, **kw, ssm_state_indices=torch.arange(3, dtype=torch.int32))
+
+
+def pool_inputs(num_seqs, tokens, seed, pool_size=8):
+    """``num_seqs`` sequences of ``tokens`` each (varlen layout), a V-first pool of ``pool_size`` random states."""
+    inp = make_inputs([tokens] * num_seqs, seed=seed, with_initial=False)
+    pool = torch.randn(pool_size, 2, 64, 64, generator=torch.Generator().manual_seed(seed))
+    return inp, pool
+
+
+@pytest.mark.parametrize("state_v_first", [False, True])
+def test_fused_recurrent_fwd_decodes_over_a_pool(state_v_first):
+    """vLLM's decode: one token per sequence, a slot each, a zero-length tail sequence (graph padding) that reads
+    and writes nothing; the other slots are untouched."""
+    inp, pool = pool_inputs(3, 1, seed=48)
+    cu = torch.tensor([0, 1, 2, 3, 3], dtype=torch.int32)
+    slots = torch.tensor([5, 0, 2, 7], dtype=torch.int32)
+    ref_o, ref_s = truth(inp, initial_state=pool[slots[:3].long()])
+    layout = (lambda x: x) if state_v_first else kv
+    states = layout(pool)
+    o, returned = fla.fused_recurrent_kda_fwd(*(inp[x] for x in ("q", "k", "v", "g", "beta")),
+                                              **lower_bound_gate(inp), initial_state=states, cu_seqlens=cu,
+                                              ssm_state_indices=slots, state_v_first=state_v_first)
+    assert returned is states and rel_err(o, ref_o) < OUT_ERR
+    after = layout(states)
+    assert rel_err(after[slots[:3].long()], ref_s) < STATE_ERR
+    untouched = [1, 3, 4, 6, 7]
+    assert torch.equal(after[untouched], pool[untouched])
+
+
+def test_fused_recurrent_fwd_speculative_decoding():
+    """[N, S] slots: the state after token t goes to slot [n, t]; the initial state is read from slot
+    [n, num_accepted_tokens[n] - 1]."""
+    inp, pool = pool_inputs(2, 3, seed=49)
+    slots = torch.tensor([[0, 1, 2], [3, 4, 5]], dtype=torch.int32)
+    accepted = torch.tensor([2, 1], dtype=torch.int32)
+    read = slots[torch.arange(2), accepted.long() - 1].long()
+    ref_o, _ = truth(inp, initial_state=pool[read])
+    states = kv(pool)
+    o, _ = fla.fused_recurrent_kda_fwd(*(inp[x] for x in ("q", "k", "v", "g", "beta")), **lower_bound_gate(inp),
+                                       initial_state=states, cu_seqlens=inp["cu_seqlens"], ssm_state_indices=slots,
+                                       num_accepted_tokens=accepted)
+    assert rel_err(o, ref_o) < OUT_ERR
+    for n in range(2):
+        for t in range(3):
+            prefix = {x: inp[x][:, 3 * n:3 * n + t + 1] for x in ("q", "k", "v", "g", "beta")}
+            _, ref_s = truth(inp, **prefix, initial_state=pool[read[n]][None], cu_seqlens=None)
+            assert rel_err(kv(states[slots[n, t]]), ref_s[0]) < STATE_ERR, (n, t)
+
+
+def test_fused_recurrent_fwd_in_place_final_state():
+    """Without indices, ``inplace_final_state`` (the default) writes each final state into ``initial_state``."""
+    inp = make_inputs([7, 2], seed=50)
+    ref_o, ref_s = truth(inp)
+    states = kv(inp["initial_state"])
+    out = torch.full_like(inp["v"], float("nan"))
+    o, returned = fla.fused_recurrent_kda_fwd(*(inp[x] for x in ("q", "k", "v", "g", "beta")),
+                                              **lower_bound_gate(inp), initial_state=states,
+                                              cu_seqlens=inp["cu_seqlens"], out=out)
+    assert o is out and returned is states
+    assert rel_err(o, ref_o) < OUT_ERR and rel_err(kv(states), ref_s) < STATE_ERR

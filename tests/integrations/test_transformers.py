@@ -1,0 +1,82 @@
+"""fastkda.integrations.transformers on the CPU: transformers' tiny Kimi-Linear and GLM-5.3-Flash models give the
+same logits (fp32, 1e-5 relative L2) and greedy tokens with and without fastkda, left padding included; in bf16 the
+logits stay as close to the fp32 ones as transformers' own bf16 path keeps them."""
+
+import pytest
+import torch
+
+from helpers import rel_err
+
+pytest.importorskip("transformers")
+
+import fastkda.integrations.transformers as fastkda_transformers  # noqa: E402
+from fastkda.integrations.tiny_models import MODEL_KINDS, tiny_model  # noqa: E402
+
+
+@pytest.fixture
+def routed():
+    """Runs a test body with ``fastkda_transformers`` off; the body turns it on; off again afterwards."""
+    fastkda_transformers.disable()
+    yield fastkda_transformers
+    fastkda_transformers.disable()
+
+
+def prompts(batch, length, seed=0):
+    ids = torch.randint(3, 128, (batch, length), generator=torch.Generator().manual_seed(seed))
+    mask = torch.ones_like(ids)
+    if batch > 1:
+        mask[1, :7] = 0  # left padding
+    return ids, mask
+
+
+@pytest.mark.parametrize("kind", MODEL_KINDS)
+@pytest.mark.parametrize("batch,length", [(1, 64), (2, 64), (2, 2048)])
+def test_fp32_logits_and_greedy_tokens_match(routed, kind, batch, length):
+    model = tiny_model(kind)
+    ids, mask = prompts(batch, length)
+    with torch.no_grad():
+        want = model(ids, attention_mask=mask).logits
+        want_tokens = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, eos_token_id=None)
+        assert any(kind in name for name in routed.enable())
+        got = model(ids, attention_mask=mask).logits
+        got_tokens = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, eos_token_id=None)
+    assert rel_err(got, want) < 1e-5
+    assert torch.equal(got_tokens, want_tokens)
+
+
+@pytest.mark.parametrize("kind", MODEL_KINDS)
+def test_bf16_logits_no_farther_from_fp32(routed, kind):
+    """Dense MLPs: with the tiny MoE, one expert choice flipped by rounding moves the logits more than any kernel."""
+    ids, mask = prompts(2, 256, seed=1)
+    with torch.no_grad():
+        exact = tiny_model(kind, moe=False)(ids, attention_mask=mask).logits
+        model = tiny_model(kind, moe=False, dtype=torch.bfloat16)
+        theirs = rel_err(model(ids, attention_mask=mask).logits, exact)
+        routed.enable()
+        ours = rel_err(model(ids, attention_mask=mask).logits, exact)
+    assert ours <= theirs * 1.05, (ours, theirs)
+
+
+def test_disable_restores_transformers_functions(routed):
+    from transformers.models.kimi_linear import modeling_kimi_linear as module
+
+    original = module.chunk_kimi_delta_attention, module.KimiLinearRMSNormGated.forward
+    routed.enable()
+    routed.enable()  # twice: still one set of originals
+    assert module.chunk_kimi_delta_attention is fastkda_transformers.chunk_kimi_delta_attention
+    routed.disable()
+    assert (module.chunk_kimi_delta_attention, module.KimiLinearRMSNormGated.forward) == original
+    assert not routed.enabled()
+
+
+def test_conv_update_keeps_transformers_state_layout():
+    """transformers keeps the last W inputs as the conv state, fastkda's update the last W − 1: the whole state
+    shifts by the new token, and the output is the conv over the last W inputs."""
+    gen = torch.Generator().manual_seed(0)
+    x, state, weight = (torch.randn(2, 6, 1, generator=gen), torch.randn(2, 6, 4, generator=gen),
+                        torch.randn(6, 4, generator=gen))
+    window = torch.cat([state, x], -1)[..., 1:]
+    want = torch.nn.functional.silu((window * weight).sum(-1, keepdim=True))
+    got = fastkda_transformers.causal_conv1d_update_fn(x, state, weight, None, "silu")
+    assert torch.allclose(got, want, atol=1e-6)
+    assert torch.equal(state, window)

@@ -1,0 +1,200 @@
+"""fastkda.layers.KimiDeltaAttention on the CPU path: against transformers' own layers on the same weights, and
+its cache semantics (decode continuing a prefill, packed batches, speculative steps, checkpoints, null slots)."""
+
+import pytest
+import torch
+
+from fastkda.cache import KDACache
+from fastkda.layers import KimiDeltaAttention
+from helpers import rel_err
+
+HIDDEN, HEADS, DIM = 64, 2, 64
+
+
+def make_layer(lower_bound=None, seed=0, dtype=torch.float32):
+    torch.manual_seed(seed)
+    layer = KimiDeltaAttention(HIDDEN, HEADS, DIM, lower_bound=lower_bound, dtype=dtype)
+    with torch.no_grad():
+        layer.forget_gate.A_log.uniform_(-1, 1)
+        layer.forget_gate.dt_bias.uniform_(-1, 1)
+        layer.o_norm.weight.uniform_(0.5, 1.5)
+    return layer
+
+
+def cache_for(layer, slots=8, state_dtype=torch.float32):
+    return KDACache(slots, 1, HEADS, DIM, layer.conv_channels, layer.conv_kernel, state_dtype=state_dtype)
+
+
+def hidden(*shape, seed=1):
+    return torch.randn(*shape, HIDDEN, generator=torch.Generator().manual_seed(seed))
+
+
+def transformers_layer(lower_bound):
+    transformers = pytest.importorskip("transformers")
+    if lower_bound is None:
+        config = transformers.KimiLinearConfig(
+            hidden_size=HIDDEN, linear_num_heads=HEADS, linear_head_dim=DIM, linear_conv_kernel_dim=4,
+            num_hidden_layers=1, layer_types=["linear_attention"], rms_norm_eps=1e-5)
+        from transformers.models.kimi_linear.modeling_kimi_linear import KimiLinearDeltaAttention as Layer
+    else:
+        config = transformers.Glm5NextTextConfig(
+            hidden_size=HIDDEN, linear_num_heads=HEADS, linear_head_dim=DIM, linear_conv_kernel_dim=4,
+            num_hidden_layers=1, layer_types=["linear_attention"], linear_lower_bound=lower_bound,
+            num_attention_heads=2, num_key_value_heads=2)
+        from transformers.models.glm5_next.modeling_glm5_next import Glm5NextTextLinearAttention as Layer
+    torch.manual_seed(3)
+    theirs = Layer(config, 0).eval()
+    with torch.no_grad():
+        for p in theirs.parameters():
+            p.uniform_(-0.5, 0.5)
+        theirs.o_norm.weight.uniform_(0.5, 1.5)
+    return theirs
+
+
+@pytest.mark.parametrize("lower_bound", [None, -5.0], ids=["softplus", "lower_bound"])
+def test_matches_transformers_layer(lower_bound):
+    theirs = transformers_layer(lower_bound)
+    ours = KimiDeltaAttention.from_transformers(theirs)
+    x = hidden(2, 70)
+    with torch.no_grad():
+        want = theirs(x)
+        got = ours(x)
+    assert rel_err(got, want) < 1e-5
+
+
+@pytest.mark.parametrize("lower_bound", [None, -5.0], ids=["softplus", "lower_bound"])
+def test_decode_continues_prefill(lower_bound):
+    """Prefill of T tokens, then M decode steps of one token (and one step of three), equals a prefill of T + M."""
+    layer = make_layer(lower_bound)
+    x = hidden(2, 45)
+    cache = cache_for(layer)
+    slots = cache.allocate(2)
+    with torch.no_grad():
+        whole = layer(x)
+        parts = [layer(x[:, :40], cache, slots=slots)]
+        for t in range(40, 42):
+            parts.append(layer(x[:, t:t + 1], cache, slots=slots, decode=True))
+        parts.append(layer(x[:, 42:], cache, slots=slots, decode=True))
+    assert rel_err(torch.cat(parts, 1), whole) < 1e-5
+
+
+def test_packed_batch_equals_separate_calls():
+    layer = make_layer(-5.0)
+    lengths = [5, 0, 70, 33]
+    x = hidden(sum(lengths))
+    cu = torch.tensor([0, 5, 5, 75, 108], dtype=torch.int32)
+    cache = cache_for(layer)
+    slots = cache.allocate(4)
+    with torch.no_grad():
+        packed = layer(x, cache, slots=slots, cu_seqlens=cu)
+        alone_cache = cache_for(layer)
+        alone = []
+        for n, length in enumerate(lengths):
+            one = alone_cache.allocate(1)
+            alone.append(layer(x[cu[n]:cu[n + 1]][None], alone_cache, slots=one)[0])
+            assert torch.allclose(alone_cache.recurrent[0, one.long()], cache.recurrent[0, slots[n:n + 1].long()],
+                                  rtol=1e-5, atol=1e-5)
+            assert torch.allclose(alone_cache.conv[0, one.long()], cache.conv[0, slots[n:n + 1].long()])
+    assert rel_err(packed, torch.cat(alone)) < 1e-5
+
+
+def test_null_slots_touch_no_row():
+    """A padding slot reads zeros and writes nothing: every row but the live sequence's stays bitwise as it was."""
+    layer = make_layer(-5.0)
+    cache = cache_for(layer, slots=4)
+    cache.recurrent.normal_()
+    cache.conv.normal_()
+    before = cache.recurrent.clone(), cache.conv.clone()
+    slots = torch.tensor([-1, 2], dtype=torch.int32)
+    others = [0, 1, 3]
+    with torch.no_grad():
+        out = layer(hidden(2, 40), cache, slots=slots, has_initial_state=torch.tensor([True, False]))
+        assert rel_err(out[:1], layer(hidden(2, 40)[:1])) < 1e-6  # the padding row ran from zeros
+        step = layer(hidden(2, 1, seed=2), cache, slots=slots, decode=True)
+    assert torch.isfinite(out).all()
+    assert torch.equal(cache.recurrent[:, others], before[0][:, others])
+    assert torch.equal(cache.conv[:, others], before[1][:, others])
+    assert not torch.equal(cache.recurrent[:, 2], before[0][:, 2])
+    assert torch.equal(step[0], torch.zeros_like(step[0]))  # a decode padding row gives zeros
+
+
+def test_out_of_range_slot_is_refused_on_the_cpu():
+    layer = make_layer()
+    cache = cache_for(layer, slots=4)
+    with pytest.raises(ValueError, match="slots must be below"):
+        with torch.no_grad():
+            layer(hidden(2, 1), cache, slots=torch.tensor([0, 7], dtype=torch.int32), decode=True)
+
+
+def test_has_initial_state_false_starts_from_zeros():
+    layer = make_layer()
+    cache = cache_for(layer)
+    slots = cache.allocate(2)
+    cache.recurrent.normal_()
+    cache.conv.normal_()
+    x = hidden(2, 37)
+    with torch.no_grad():
+        got = layer(x, cache, slots=slots, has_initial_state=torch.tensor([False, False]))
+        want = layer(x)
+    assert rel_err(got, want) < 1e-6
+
+
+def test_speculative_decode_keeps_the_accepted_state():
+    """Three draft tokens whose first is accepted, then a step from there, equal plain decode of those tokens."""
+    layer = make_layer(-5.0)
+    x = hidden(1, 36)
+    drafts = hidden(1, 3, seed=5)
+    follow = hidden(1, 2, seed=6)
+    with torch.no_grad():
+        plain = cache_for(layer)
+        slot = plain.allocate(1)
+        layer(x, plain, slots=slot)
+        want = [layer(drafts[:, :1], plain, slots=slot, decode=True),
+                layer(follow, plain, slots=slot, decode=True)]
+        spec = cache_for(layer)
+        rows = spec.allocate(3)
+        layer(x, spec, slots=rows[:1])
+        first = layer(drafts, spec, slots=rows[None], decode=True,
+                      num_accepted_tokens=torch.tensor([1], dtype=torch.int32))
+        later = torch.stack([rows[0], rows[0]])[None]  # accepted 1: the state after token 0 is in rows[0]
+        got = layer(follow, spec, slots=later, decode=True, num_accepted_tokens=torch.tensor([1], dtype=torch.int32))
+    assert rel_err(first[:, :1], want[0]) < 1e-5
+    assert rel_err(got, want[1]) < 1e-5
+
+
+def test_checkpoint_restored_into_a_new_slot():
+    layer = make_layer(-5.0)
+    x = hidden(2, 90)
+    cache = cache_for(layer)
+    slots = cache.allocate(2)
+    offsets = torch.tensor([64, 32], dtype=torch.int32)
+    with torch.no_grad():
+        whole = layer(x)
+        _, (recurrent, conv) = layer(x, cache, slots=slots, checkpoint_offsets=offsets)
+        for n, offset in enumerate(offsets.tolist()):
+            fresh = cache.allocate(1)
+            cache.restore(fresh, recurrent[n:n + 1], conv[n:n + 1])
+            rest = layer(x[n:n + 1, offset:], cache, slots=fresh)
+            assert rel_err(rest, whole[n:n + 1, offset:]) < 1e-5
+
+
+def test_bf16_state_pool():
+    layer = make_layer(-5.0)
+    x = hidden(2, 50)
+    cache = cache_for(layer, state_dtype=torch.bfloat16)
+    slots = cache.allocate(2)
+    with torch.no_grad():
+        whole = layer(x)
+        parts = torch.cat([layer(x[:, :48], cache, slots=slots), layer(x[:, 48:], cache, slots=slots, decode=True)],
+                          1)
+    assert rel_err(parts, whole) < 1e-2
+
+
+def test_errors_name_the_argument():
+    layer = make_layer()
+    with pytest.raises(ValueError, match="decode=True needs a cache"):
+        layer(hidden(1, 1), decode=True)
+    with pytest.raises(ValueError, match="cache and slots"):
+        layer(hidden(1, 4), cache_for(layer))
+    with pytest.raises(ValueError, match="cu_seqlens takes packed"):
+        layer(hidden(1, 4), cu_seqlens=torch.tensor([0, 4], dtype=torch.int32))

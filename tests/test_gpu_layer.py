@@ -1,0 +1,114 @@
+"""GPU tests of the layer's kernels and of the layer (run on the H200; skipped without CUDA): the conv and the gated
+norm against their references in bf16 and fp32, CUDA-graph replay, the layer against transformers' own layer, its
+decode continuing its prefill, and transformers' tiny models through ``fastkda.integrations.transformers``."""
+
+import pytest
+import torch
+
+import fastkda
+from fastkda.bench.timing import capture_graph
+from fastkda.cache import KDACache
+from fastkda.layers import KimiDeltaAttention
+from helpers import rel_err
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+
+def randn(*shape, dtype=torch.bfloat16, seed=0):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(device="cuda", dtype=dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_conv_prefill_and_update_match_the_reference(dtype):
+    lengths = [0, 1, 2, 3, 40, 300]
+    cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
+    channels, width = 3 * 2 * 128, 4
+    wide = randn(int(cu[-1]), 2 * channels, dtype=dtype)
+    x = wide[:, channels // 2:channels // 2 + channels]  # a strided view, as engines pass it
+    weight, bias = randn(channels, width, seed=1), randn(channels, seed=2)
+    pool = randn(8, channels, width - 1, dtype=torch.float32, seed=3)
+    slots = torch.tensor([5, -1, 2, 7, 0, 3], dtype=torch.int32, device="cuda")
+    flags = torch.tensor([True, True, False, True, True, True], device="cuda")
+    want_pool = pool.clone()
+    want = fastkda.causal_conv1d_reference(x.cpu(), weight.cpu(), bias.cpu(), conv_states=want_pool.cpu(),
+                                           slots=slots.cpu(), has_initial_state=flags.cpu(), cu_seqlens=cu.cpu())
+    got = fastkda.causal_conv1d(x, weight, bias, conv_states=pool, slots=slots, has_initial_state=flags,
+                                cu_seqlens=cu)
+    tolerance = 1e-2 if dtype == torch.bfloat16 else 1e-5
+    assert rel_err(got.cpu(), want) < tolerance
+    step = randn(6, channels, dtype=dtype, seed=4)
+    reference_pool = pool.cpu().clone()
+    want = fastkda.causal_conv1d_reference(step.cpu()[:, None], weight.cpu(), bias.cpu(),
+                                           conv_states=reference_pool, slots=slots.cpu())[:, 0]
+    got = fastkda.causal_conv1d_update(step, pool, weight, bias, slots=slots)
+    assert rel_err(got.cpu(), want) < tolerance
+    assert torch.equal(pool.cpu(), reference_pool)
+
+
+def test_gated_rmsnorm_matches_the_reference():
+    x, gate, weight = randn(3, 77, 4, 128), randn(3, 77, 4, 128, seed=1), randn(128, dtype=torch.float32, seed=2)
+    want = fastkda.gated_rmsnorm_reference(x.cpu(), gate.cpu(), weight.cpu(), 1e-5)
+    assert rel_err(fastkda.gated_rmsnorm(x, gate, weight, 1e-5).cpu(), want) < 8e-3
+
+
+def test_conv_and_norm_replay_in_a_cuda_graph():
+    channels = 768
+    x, weight = randn(1, 64, channels), randn(channels, 4, seed=1)
+    pool = torch.zeros(2, channels, 3, device="cuda")
+    slots = torch.tensor([1], dtype=torch.int32, device="cuda")
+    gate, norm_weight = randn(64, 6, 128, seed=2), randn(128, seed=3)
+    results = {}
+
+    def step():
+        results["conv"] = fastkda.causal_conv1d_update(x, pool, weight, slots=slots)
+        results["norm"] = fastkda.gated_rmsnorm(results["conv"].view(64, 6, 128), gate, norm_weight)
+
+    graph = capture_graph(step)
+    pool.zero_()
+    graph.replay()
+    replayed = results["conv"].clone(), results["norm"].clone()
+    pool.zero_()
+    step()
+    assert torch.equal(replayed[0], results["conv"]) and torch.equal(replayed[1], results["norm"])
+
+
+def test_layer_decode_continues_prefill_on_the_gpu():
+    torch.manual_seed(0)
+    layer = KimiDeltaAttention(256, 2, 128, lower_bound=-5.0, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        layer.forget_gate.A_log.uniform_(-1, 1)
+        layer.forget_gate.dt_bias.uniform_(-1, 1)
+    x = randn(3, 300, 256)
+    cache = KDACache(4, 1, 2, 128, layer.conv_channels, layer.conv_kernel, device="cuda")
+    slots = cache.allocate(3)
+    with torch.no_grad():
+        whole = layer(x)
+        parts = [layer(x[:, :296], cache, slots=slots)]
+        parts += [layer(x[:, t:t + 1], cache, slots=slots, decode=True) for t in range(296, 300)]
+    assert rel_err(torch.cat(parts, 1), whole) < 1e-2
+
+
+@pytest.mark.parametrize("kind", ["kimi_linear", "glm5_next"])
+def test_transformers_tiny_models_on_the_gpu(kind):
+    pytest.importorskip("transformers")
+    import fastkda.integrations.transformers as fastkda_transformers
+    from fastkda.integrations.tiny_models import tiny_model
+
+    fastkda_transformers.disable()
+    model = tiny_model(kind, device="cuda")
+    ids = torch.randint(3, 128, (2, 2048), generator=torch.Generator().manual_seed(0)).cuda()
+    mask = torch.ones_like(ids)
+    mask[1, :7] = 0
+    try:
+        with torch.no_grad():
+            want = model(ids, attention_mask=mask).logits
+            want_tokens = model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False,
+                                         eos_token_id=None)
+            fastkda_transformers.enable()
+            got = model(ids, attention_mask=mask).logits
+            got_tokens = model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False, eos_token_id=None)
+    finally:
+        fastkda_transformers.disable()
+    print(f"\n{kind}: fp32 logits rel err {rel_err(got, want):.2e}")
+    assert rel_err(got, want) < 1e-5
+    assert torch.equal(got_tokens, want_tokens)
