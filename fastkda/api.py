@@ -50,9 +50,11 @@ def _checked_mode_may_sync(q):
 
 
 def _cpu_path(run, name, shape):
-    """Run the CPU path, turning an allocation that cannot succeed into a ``ValueError`` naming the input."""
+    """Run the CPU path, turning an allocation that cannot succeed into a ``ValueError`` naming the input. It runs
+    without autograd, as the GPU's custom ops do (fastkda is inference-only: outputs never require grad)."""
     try:
-        return run()
+        with torch.no_grad():
+            return run()
     except RuntimeError as exc:
         if "DefaultCPUAllocator" not in str(exc):
             raise

@@ -89,26 +89,36 @@ def test_layer_decode_continues_prefill_on_the_gpu():
 
 
 @pytest.mark.parametrize("kind", ["kimi_linear", "glm5_next"])
-def test_transformers_tiny_models_on_the_gpu(kind):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_transformers_tiny_models_on_the_gpu(kind, dtype):
+    """Against transformers' own PyTorch path (its fallback, also where it bound FLA at import): fp32 logits to
+    1e-5 and the same greedy tokens; bf16 logits no farther from the fp32 ones than its own bf16 path's."""
     pytest.importorskip("transformers")
-    import fastkda.integrations.transformers as fastkda_transformers
+    from fastkda.bench.models import bound_functions, modeling_module, use_path
     from fastkda.integrations.tiny_models import tiny_model
 
-    fastkda_transformers.disable()
-    model = tiny_model(kind, device="cuda")
+    module = modeling_module(kind)
+    bound = bound_functions(module)
     ids = torch.randint(3, 128, (2, 2048), generator=torch.Generator().manual_seed(0)).cuda()
     mask = torch.ones_like(ids)
     mask[1, :7] = 0
+    generate = dict(attention_mask=mask, max_new_tokens=8, do_sample=False, eos_token_id=None)
     try:
         with torch.no_grad():
+            use_path(module, "pytorch", bound)
+            exact = tiny_model(kind, moe=False, device="cuda")(ids, attention_mask=mask).logits
+            model = tiny_model(kind, moe=dtype == torch.float32, dtype=dtype, device="cuda")
             want = model(ids, attention_mask=mask).logits
-            want_tokens = model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False,
-                                         eos_token_id=None)
-            fastkda_transformers.enable()
+            want_tokens = model.generate(ids, **generate)
+            use_path(module, "fastkda", bound)
             got = model(ids, attention_mask=mask).logits
-            got_tokens = model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False, eos_token_id=None)
+            got_tokens = model.generate(ids, **generate)
     finally:
-        fastkda_transformers.disable()
-    print(f"\n{kind}: fp32 logits rel err {rel_err(got, want):.2e}")
-    assert rel_err(got, want) < 1e-5
-    assert torch.equal(got_tokens, want_tokens)
+        use_path(module, "fla", bound)  # as transformers bound it
+    if dtype == torch.float32:
+        print(f"\n{kind} fp32: logits rel err {rel_err(got, want):.2e}")
+        assert rel_err(got, want) < 1e-5
+        assert torch.equal(got_tokens, want_tokens)
+    else:
+        print(f"\n{kind} bf16: from fp32, fastkda {rel_err(got, exact):.2e}, transformers {rel_err(want, exact):.2e}")
+        assert rel_err(got, exact) <= rel_err(want, exact) * 1.05

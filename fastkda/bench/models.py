@@ -29,7 +29,7 @@ KDA_FUNCTIONS = ("chunk_kimi_delta_attention", "recurrent_kimi_delta_attention",
                  "causal_conv1d_update")
 
 
-def _module_of(kind):
+def modeling_module(kind):
     return importlib.import_module(next(name for name in fastkda_transformers.MODELS if kind in name))
 
 
@@ -41,7 +41,13 @@ def _uses_fla(module):
     return getattr(cells.get("implementation"), "__module__", "").startswith("fla")
 
 
-def _set_path(module, path, bound):
+def bound_functions(module):
+    """The KDA functions transformers bound in ``module`` at import (fastkda's routing turned off first)."""
+    fastkda_transformers.disable()
+    return {name: getattr(module, name) for name in KDA_FUNCTIONS}
+
+
+def use_path(module, path, bound):
     """Point the module's KDA functions at ``path``: "fastkda", "fla" (as bound at import), or "pytorch" (the
     fallbacks behind the bound functions)."""
     fastkda_transformers.disable()
@@ -65,7 +71,7 @@ def _median_seconds(run, device, repeats):
 
 
 def measure(kind, path, model, module, bound, batch, length, device, repeats):
-    _set_path(module, path, bound)
+    use_path(module, path, bound)
     ids = torch.randint(3, 128, (batch, length), generator=torch.Generator().manual_seed(0)).to(device)
     with torch.no_grad():
         model(ids)  # warm-up: compiles and autotunes
@@ -98,9 +104,8 @@ def main(argv=None):
     cases = [tuple(int(n) for n in case.split("x")) for case in args.cases]
     rows, commit, run = [], git_commit(), run_id()
     for kind in MODEL_KINDS:
-        module = _module_of(kind)
-        fastkda_transformers.disable()
-        bound = {name: getattr(module, name) for name in KDA_FUNCTIONS}
+        module = modeling_module(kind)
+        bound = bound_functions(module)
         paths = ["pytorch", "fastkda"] + (["fla"] if device.type == "cuda" and _uses_fla(module) else [])
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
         model = tiny_model(kind, dtype=dtype, device=device)
@@ -112,7 +117,7 @@ def main(argv=None):
                 rows.append(row)
                 print(f"[models] {kind:12s} {path:8s} B{batch} T{length:<5d} forward {row['forward_ms']:8.2f} ms  "
                       f"per token {row['per_token_ms']:7.2f} ms", flush=True)
-        _set_path(module, "fla" if "fla" in paths else "pytorch", bound)
+        use_path(module, "fla" if "fla" in paths else "pytorch", bound)
         fastkda_transformers.disable()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -9,6 +9,11 @@ recurrent states K-first ``[B, H, K, V]`` (fastkda keeps ``[B, H, V, K]``), β a
 conv inputs ``[B, C, T]`` (channel-last views) with a conv state ``[B, C, W]`` of the last W inputs, and extra
 keyword arguments that GLM-5.3-Flash forwards (ignored).
 
+Precision follows the model's dtype: a bf16 (or fp16) model runs the KDA kernels, whose products take bf16
+operands; an fp32 model on a GPU runs fastkda's fp32 chunked path (:func:`fastkda.kda_chunked`, PyTorch on the
+GPU), so that its logits match transformers' own fp32 path to fp32 rounding, as they do on a CPU, where every
+call takes that path anyway.
+
     import fastkda.integrations.transformers as fastkda_transformers
     fastkda_transformers.enable()
     model = KimiLinearForCausalLM(config)  # or a model built earlier
@@ -20,6 +25,7 @@ import importlib
 import torch
 
 from ..api import causal_conv1d, causal_conv1d_update, gated_rmsnorm, kda_decode, kda_prefill
+from ..reference import kda_chunked
 
 MODELS = {  # modeling module -> its gated norm class
     "transformers.models.kimi_linear.modeling_kimi_linear": "KimiLinearRMSNormGated",
@@ -33,14 +39,22 @@ def _v_first(state):
     return None if state is None else state.transpose(-1, -2).contiguous()
 
 
+def _fp32_on_gpu(q):
+    return q.dtype == torch.float32 and q.is_cuda
+
+
 def chunk_kimi_delta_attention(q, k, v, *, g, beta, initial_state=None, output_final_state=False,
                                use_qk_l2norm_in_kernel=False, cu_seqlens=None, **unused):
-    """transformers' prefill KDA call on :func:`fastkda.kda_prefill`: q, k, v ``[B, T, H, D]`` (views), g the
-    log-decay, β after its sigmoid, states ``[B, H, K, V]``. Returns ``(o, final state [B, H, K, V] fp32 or
-    None)``."""
-    o, final = kda_prefill(q, k, v, g, beta, initial_state=_v_first(initial_state),
-                           output_final_state=output_final_state, cu_seqlens=cu_seqlens,
-                           use_qk_l2norm=use_qk_l2norm_in_kernel, use_beta_sigmoid=False)
+    """transformers' prefill KDA call on :func:`fastkda.kda_prefill` (fp32 on a GPU: :func:`fastkda.kda_chunked`,
+    the module docstring): q, k, v ``[B, T, H, D]`` (views), g the log-decay, β after its sigmoid, states
+    ``[B, H, K, V]``. Returns ``(o, final state [B, H, K, V] fp32 or None)``."""
+    options = dict(initial_state=_v_first(initial_state), cu_seqlens=cu_seqlens,
+                   use_qk_l2norm=use_qk_l2norm_in_kernel, use_beta_sigmoid=False)
+    if _fp32_on_gpu(q):
+        o, final = kda_chunked(q, k, v, g, beta, **options)
+        final = final if output_final_state else None
+    else:
+        o, final = kda_prefill(q, k, v, g, beta, output_final_state=output_final_state, **options)
     return o, None if final is None else final.transpose(-1, -2)
 
 
@@ -48,8 +62,9 @@ def recurrent_kimi_delta_attention(q, k, v, *, g, beta, initial_state=None, outp
                                    use_qk_l2norm_in_kernel=False, **unused):
     """transformers' decode KDA call (one token per sequence from its state) on :func:`fastkda.kda_decode`, the
     states as a pool of one row per sequence; arguments and result as :func:`chunk_kimi_delta_attention`."""
-    if initial_state is None:
-        return chunk_kimi_delta_attention(q, k, v, g=g, beta=beta, output_final_state=output_final_state,
+    if initial_state is None or _fp32_on_gpu(q):
+        return chunk_kimi_delta_attention(q, k, v, g=g, beta=beta, initial_state=initial_state,
+                                          output_final_state=output_final_state,
                                           use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
     pool = _v_first(initial_state).float()
     slots = torch.arange(q.shape[0], dtype=torch.int32, device=q.device)

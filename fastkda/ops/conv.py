@@ -78,10 +78,11 @@ def conv_kernel(
         if block == first:
             # the new row's column i is input length − (W−1) + i: a token, or (< 0) column i + length of the old row
             ii = tl.arange(0, WP)
-            src = length - (W - 1) + ii
+            kept = length - (W - 1) + ii
             cols = (ii < W - 1)[None, :] & c_ok[:, None]
-            new = load_f32(x_seq + src.to(tl.int64)[None, :] * stride_xt + x_cols[:, None], cols & (src >= 0)[None, :])
-            new += load_f32(row[:, None] + (W - 1 + src)[None, :] * stride_sj, cols & ((src < 0) & reads)[None, :])
+            new = load_f32(x_seq + kept.to(tl.int64)[None, :] * stride_xt + x_cols[:, None],
+                           cols & (kept >= 0)[None, :])
+            new += load_f32(row[:, None] + (W - 1 + kept)[None, :] * stride_sj, cols & ((kept < 0) & reads)[None, :])
             tl.debug_barrier()  # every read of the old row, by any thread of this program, before the writes
             store_as(row[:, None] + ii[None, :] * stride_sj, new, cols & live, EMULATE)
 
