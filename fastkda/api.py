@@ -286,7 +286,7 @@ def kda_decode(
                                                    (q, k, v, g, beta, state_pool), extents))
     num_seqs, _, heads, _ = q.shape
     if plan is None:
-        plan = choose_decode_plan(num_seqs, heads, v.shape[-1], _sms_of(q), v_slices)
+        plan = choose_decode_plan(num_seqs, heads, v.shape[-1], _sms_of(q), v_slices, tokens=q.shape[1])
     elif not isinstance(plan, DecodePlan) or v_slices != "auto" or (plan.num_seqs, plan.heads, plan.value_dim) != (
             num_seqs, heads, v.shape[-1]):
         fail("plan", f"a fastkda.DecodePlan for num_seqs={num_seqs}, heads={heads}, value_dim={v.shape[-1]}, with "

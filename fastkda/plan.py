@@ -619,15 +619,25 @@ def decode_warps(slice_width: int) -> int:
     return 2 if slice_width <= 16 else 4 if slice_width <= 32 else 8
 
 
-def choose_decode_plan(num_seqs: int, heads: int, value_dim: int, sms: int, v_slices="auto") -> DecodePlan:
+def choose_decode_plan(num_seqs: int, heads: int, value_dim: int, sms: int, v_slices="auto", *,
+                       tokens: int = 1) -> DecodePlan:
     """Decode's plan: slices of :data:`DECODE_SLICE_WIDTH` columns unless overridden. Decode is bound by the
     state's bytes, not by a serial chain, so the slice width is set by registers: a narrow slice leaves room for
-    several programs per SM to keep loads in flight."""
-    return _choose_decode_plan(num_seqs, heads, value_dim, sms, requested_v_slices(v_slices))
+    several programs per SM to keep loads in flight. One token per sequence (``tokens``) on at least one program
+    per SM: one warp per 16-column slice (:func:`single_warp_decode`)."""
+    return _choose_decode_plan(num_seqs, heads, value_dim, sms, requested_v_slices(v_slices), tokens)
+
+
+def single_warp_decode(programs: int, tokens: int, sms: int) -> bool:
+    """Whether 16-column decode slices run on one warp rather than two: where one token per sequence is walked and
+    the grid fills every SM, the step is bound by bytes in flight and half the warps keep more programs resident
+    (the decode sweep at dd98b4a: bf16 pools −12–14%, fp32 N64/N256 −3–4%); with one program per SM or less
+    (H12 N1) or several tokens (speculative) the chain is longer and two warps are 2–5% faster."""
+    return tokens == 1 and programs >= sms
 
 
 @functools.lru_cache(maxsize=4096)
-def _choose_decode_plan(num_seqs, heads, value_dim, sms, choice):
+def _choose_decode_plan(num_seqs, heads, value_dim, sms, choice, tokens):
     _check(value_dim in SUPPORTED_DIMS, f"V must be in {SUPPORTED_DIMS}, got {value_dim}")
     if choice == "auto":
         slices = max(value_dim // DECODE_SLICE_WIDTH, 1)
@@ -635,7 +645,11 @@ def _choose_decode_plan(num_seqs, heads, value_dim, sms, choice):
     else:
         slices = choice
         reason = f"v_slices={choice} requested"
-    return DecodePlan(num_seqs, heads, value_dim, slices, decode_warps(value_dim // slices), reason)
+    warps = decode_warps(value_dim // slices)
+    if value_dim // slices == DECODE_SLICE_WIDTH and single_warp_decode(num_seqs * heads * slices, tokens, sms):
+        warps = 1
+        reason += "; one warp a slice: one token per sequence on a grid that fills every SM"
+    return DecodePlan(num_seqs, heads, value_dim, slices, warps, reason)
 
 
 CONV_TOKENS = 32  # tokens per conv program in prefill (fewer for decode's few tokens per sequence)
