@@ -55,8 +55,8 @@ def addressable(x, dim):
     (``[H]`` may be strided). A size-1 batch or token dimension gets the stride that makes this hold (a view of
     the same memory); any other layout (a channel-major conv output, batch rows with gaps) is copied. Anything
     but a tensor of that rank is returned as it is, for validation to report."""
-    if not isinstance(x, torch.Tensor) or x.dim() != dim or not x.numel():
-        return x
+    if not isinstance(x, torch.Tensor) or x.is_contiguous() or x.dim() != dim or not x.numel():
+        return x  # the common case first: an eager decode step's host time counts
     batch, length = x.shape[:2]
     stride = list(x.stride())
     if length == 1:
