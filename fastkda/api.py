@@ -17,7 +17,7 @@ from . import checks as value_checks
 from .errors import KINDS, counters
 from .plan import CHUNK, DecodePlan, PrefillPlan, choose_decode_plan, choose_plan, sm_count
 from .reference import kda_chunked, kda_decode_reference
-from .validation import (addressable, check_disjoint, check_tensor, fail, remembered, scalar_defaults,
+from .validation import (addressable_inputs, check_disjoint, check_tensor, fail, remembered, scalar_defaults,
                          validate_decode, validate_prefill)
 
 
@@ -166,8 +166,7 @@ def kda_prefill(
             device's own (:mod:`fastkda.errors`).
     """
     scale, lower_bound = scalar_defaults(q, scale, lower_bound)
-    q, k, v, g = (addressable(x, 4) for x in (q, k, v, g))  # engines' views: no copy where strides allow
-    beta = addressable(beta, 3)
+    q, k, v, g, beta = addressable_inputs(q, k, v, g, beta)  # engines' views: no copy where strides allow
     num_seqs, extents = remembered(validate_prefill, q, k, v, g, beta, A_log, dt_bias, lower_bound, scale,
                                    initial_state, final_state, cu_seqlens, out, checkpoint_offsets, checkpoint_states,
                                    CHUNK)
@@ -277,8 +276,7 @@ def kda_decode(
             the automatic one; ``v_slices`` must then stay ``"auto"``.
     """
     scale, lower_bound = scalar_defaults(q, scale, lower_bound)
-    q, k, v, g = (addressable(x, 4) for x in (q, k, v, g))  # engines' views: no copy where strides allow
-    beta = addressable(beta, 3)
+    q, k, v, g, beta = addressable_inputs(q, k, v, g, beta)  # engines' views: no copy where strides allow
     extents = remembered(validate_decode, q, k, v, g, beta, state_pool, slots, A_log, dt_bias, lower_bound, scale,
                          num_accepted_tokens, out)
     if out is not None:
