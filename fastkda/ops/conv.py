@@ -66,10 +66,14 @@ def conv_kernel(
         src = pos - (W - 1 - j)  # the input tap j multiplies: a token of the sequence, or (< 0) of its state
         u = load_f32(x_seq + src.to(tl.int64)[:, None] * stride_xt + x_cols[None, :],
                      (t_ok & (src >= 0))[:, None] & c_ok[None, :])
-        if HAS_STATES:
-            u += load_f32(row[None, :] + (W - 1 + src)[:, None] * stride_sj,
-                          (t_ok & (src < 0) & reads)[:, None] & c_ok[None, :])
         acc += u * load_f32(weight + cc * stride_wc + j * stride_wj, c_ok)[None, :]
+    if HAS_STATES:
+        if block == first:  # only a sequence's first block reaches back into its state (BT >= W−1)
+            for j in tl.static_range(W - 1):
+                src = pos - (W - 1 - j)
+                u = load_f32(row[None, :] + (W - 1 + src)[:, None] * stride_sj,
+                             (t_ok & (src < 0) & reads)[:, None] & c_ok[None, :])
+                acc += u * load_f32(weight + cc * stride_wc + j * stride_wj, c_ok)[None, :]
     if SILU:
         acc = acc * tl.sigmoid(acc)
     out_rows = (bos + pos).to(tl.int64) * channels  # out is contiguous, token rows in x's order
