@@ -33,11 +33,10 @@ def modeling_module(kind):
     return importlib.import_module(next(name for name in fastkda_transformers.MODELS if kind in name))
 
 
-def _uses_fla(module):
-    """Whether transformers bound FLA's KDA at import (else its PyTorch fallback): the implementation its wrapper
-    closes over."""
-    bound = module.chunk_kimi_delta_attention
-    cells = dict(zip(bound.__code__.co_freevars, (cell.cell_contents for cell in bound.__closure__ or ())))
+def binds_fla(function):
+    """Whether a KDA function transformers bound at import is FLA's (else its PyTorch fallback): the
+    implementation its wrapper closes over."""
+    cells = dict(zip(function.__code__.co_freevars, (cell.cell_contents for cell in function.__closure__ or ())))
     return getattr(cells.get("implementation"), "__module__", "").startswith("fla")
 
 
@@ -106,7 +105,7 @@ def main(argv=None):
     for kind in MODEL_KINDS:
         module = modeling_module(kind)
         bound = bound_functions(module)
-        paths = ["pytorch", "fastkda"] + (["fla"] if device.type == "cuda" and _uses_fla(module) else [])
+        paths = ["pytorch", "fastkda"] + (["fla"] if device.type == "cuda" and binds_fla(bound["chunk_kimi_delta_attention"]) else [])
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
         model = tiny_model(kind, dtype=dtype, device=device)
         for batch, length in cases:
