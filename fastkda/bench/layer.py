@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 from datetime import date
 from pathlib import Path
 
@@ -27,7 +25,7 @@ from ..cache import KDACache
 from ..layers import KimiDeltaAttention
 from .models import binds_fla, bound_functions, device_name, modeling_module, use_path
 from .report import git_commit, run_id
-from .timing import time_graph
+from .timing import synced_median_ms, time_graph
 from .workloads import load_workloads
 
 HEAD_DIM = 128
@@ -89,28 +87,12 @@ def transformers_layer(gate, heads, hidden, device, dtype):
     return layer.to(device=device, dtype=dtype).eval()
 
 
-def _synced_median(run, device, repeats, before=None):
-    """Median ms of ``run()`` over ``repeats`` CUDA-synchronised calls, ``before()`` (untimed) ahead of each."""
-    times = []
-    for _ in range(repeats):
-        if before is not None:
-            before()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        run()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
-
-
 def _timed(prefill, decode_steps, states, device, repeats):
     """``(prefill ms, decode ms per step, decode outputs)``: the decode steps timed from the state right after the
     prefill, restored (untimed) before each repeat from a copy of ``states()``'s tensors."""
     with torch.no_grad():
         prefill()  # warm-up: compiles
-        prefill_ms = _synced_median(prefill, device, repeats)
+        prefill_ms = synced_median_ms(prefill, device, repeats)
         prefill()
         saved = [t.clone() for t in states()]
         outputs = decode_steps()  # warm-up, and the outputs compared
@@ -119,7 +101,7 @@ def _timed(prefill, decode_steps, states, device, repeats):
             for t, copy in zip(states(), saved):
                 t.copy_(copy)
 
-        steps_ms = _synced_median(decode_steps, device, repeats, before=restore)
+        steps_ms = synced_median_ms(decode_steps, device, repeats, before=restore)
     return prefill_ms, steps_ms, torch.cat(outputs, 1)
 
 

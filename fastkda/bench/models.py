@@ -12,8 +12,6 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
-import statistics
-import time
 from datetime import date
 from pathlib import Path
 
@@ -22,6 +20,7 @@ import torch
 from ..integrations import transformers as fastkda_transformers
 from ..integrations.tiny_models import MODEL_KINDS, tiny_model
 from .report import git_commit, run_id
+from .timing import synced_median_ms
 
 CASES = [(1, 64), (2, 64), (1, 2048), (2, 2048)]  # (batch, prompt length)
 NEW_TOKENS = 16
@@ -56,32 +55,19 @@ def use_path(module, path, bound):
         fastkda_transformers.enable()
 
 
-def _median_seconds(run, device, repeats):
-    times = []
-    for _ in range(repeats):
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        run()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
 def measure(kind, path, model, module, bound, batch, length, device, repeats):
     use_path(module, path, bound)
     ids = torch.randint(3, 128, (batch, length), generator=torch.Generator().manual_seed(0)).to(device)
     with torch.no_grad():
         model(ids)  # warm-up: compiles and autotunes
-        forward = _median_seconds(lambda: model(ids), device, repeats)
+        forward = synced_median_ms(lambda: model(ids), device, repeats)
         generate = lambda tokens: model.generate(ids, max_new_tokens=tokens, min_new_tokens=tokens,  # noqa: E731
                                                  do_sample=False, eos_token_id=None)
         generate(2)
-        short = _median_seconds(lambda: generate(1), device, repeats)
-        long = _median_seconds(lambda: generate(1 + NEW_TOKENS), device, repeats)
-    return dict(model=kind, path=path, batch=batch, length=length, forward_ms=forward * 1e3,
-                per_token_ms=(long - short) / NEW_TOKENS * 1e3)
+        short = synced_median_ms(lambda: generate(1), device, repeats)
+        long = synced_median_ms(lambda: generate(1 + NEW_TOKENS), device, repeats)
+    return dict(model=kind, path=path, batch=batch, length=length, forward_ms=forward,
+                per_token_ms=(long - short) / NEW_TOKENS)
 
 
 def device_name(device):

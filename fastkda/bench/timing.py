@@ -7,6 +7,9 @@ decode rows and the kernel breakdown are set against.
 
 from __future__ import annotations
 
+import statistics
+import time
+
 import torch
 
 
@@ -80,3 +83,21 @@ def profile_kernels(run, calls, warmup=1):
         return event.device_time_total if hasattr(event, "device_time_total") else event.cuda_time_total
     return {e.key: (device_us(e), e.count) for e in prof.key_averages()
             if e.device_type.name == "CUDA" or device_us(e)}
+
+
+def synced_median_ms(run, device, repeats, before=None):
+    """Median ms of ``repeats`` calls of ``run``, each timed on the host between CUDA synchronisations (on a CPU
+    device, plainly), ``before()`` (untimed) ahead of each: for end-to-end work (a model's forward, a layer's steps)
+    that holds Python between its kernels."""
+    times = []
+    for _ in range(repeats):
+        if before is not None:
+            before()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        run()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
