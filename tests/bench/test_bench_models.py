@@ -1,0 +1,20 @@
+"""fastkda.bench.models on the CPU, one tiny case: every path runs, and the files are written with each row's
+commit."""
+
+import json
+
+import pytest
+
+pytest.importorskip("transformers")
+
+from fastkda.bench import models  # noqa: E402
+
+
+def test_models_bench_runs(tmp_path):
+    models.main(["--device", "cpu", "--cases", "1x8", "--repeats", "1", "--out", str(tmp_path)])
+    [results] = tmp_path.glob("*-models.json")
+    rows = json.loads(results.read_text())["rows"]
+    assert {(r["model"], r["path"]) for r in rows} == {(m, p) for m in models.MODEL_KINDS for p in ("pytorch",
+                                                                                                  "fastkda")}
+    assert all(r["forward_ms"] > 0 and r["commit"] for r in rows)
+    assert "| kimi_linear | 1 | 8 |" in (tmp_path / results.name.replace(".json", ".md")).read_text()
