@@ -541,3 +541,88 @@ def gated_rmsnorm(x, gate, weight, eps=1e-6, *, activation="sigmoid"):
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     _opaque_when_compiling(_norm_op, _norm_impl)(x, gate, weight, float(eps), activation == "silu", levels, out)
     return out
+
+
+# The layer's whole decode step (conv update, KDA decode, gated norm) in one launch on the GPU.
+
+from .ops.decode_step import fused_decode_step  # noqa: E402
+
+
+def _validate_decode_step(mixed, conv_states, conv_weight, g, beta, output_gate, norm_weight, state_pool, slots,
+                          A_log, dt_bias, lower_bound, scale, tickets):
+    """Raise ``ValueError`` naming the first argument of :func:`kda_decode_step` that breaks its contract: the
+    conv's and the decode's own checks on the same tensors, and the fused kernel's layouts."""
+    if not isinstance(g, torch.Tensor) or g.dim() != 3:
+        fail("g", "a 3-D tensor [N, H, K]", _describe(g))
+    num_seqs, heads, key_dim = g.shape
+    if not isinstance(state_pool, torch.Tensor) or state_pool.dim() != 4:
+        fail("state_pool", "a 4-D tensor [P, H, V, K]", _describe(state_pool))
+    value_dim = state_pool.shape[2]
+    channels = heads * (2 * key_dim + value_dim)
+    if not isinstance(mixed, torch.Tensor) or tuple(mixed.shape) != (num_seqs, channels) or (
+            mixed.numel() and mixed.stride(1) != 1):
+        fail("mixed", f"[N, H·(2K + V)] = [{num_seqs}, {channels}] (q | k | v before the conv), channels contiguous",
+             _describe(mixed))
+    _validate_conv_update(mixed, conv_states, conv_weight, None, slots, "silu")
+    q, k, v = (part.view(num_seqs, 1, heads, -1) for part in mixed.split(
+        [heads * key_dim, heads * key_dim, heads * value_dim], dim=1))
+    beta = beta[:, None] if isinstance(beta, torch.Tensor) else beta
+    validate_decode(*addressable_inputs(q, k, v, g[:, None], beta), state_pool, slots, A_log, dt_bias, lower_bound,
+                    scale, None, None)
+    for name, x, shape in (("g", g, (num_seqs, heads, key_dim)), ("output_gate", output_gate,
+                                                                   (num_seqs, heads, value_dim))):
+        check_tensor(name, x, shape, FLOAT_DTYPES, mixed.device)
+        if x.numel() and (x.stride(2) != 1 or x.stride(1) != x.shape[2]):
+            fail(name, "contiguous within each sequence's row", f"strides {tuple(x.stride())}")
+    check_tensor("norm_weight", norm_weight, (value_dim,), FLOAT_DTYPES, mixed.device)
+    check_contiguous("norm_weight", norm_weight)
+    if tickets is not None:
+        check_tensor("tickets", tickets, (num_seqs * heads,), (torch.int32,), mixed.device)
+    if not isinstance(slots, torch.Tensor) or slots.dim() != 1:
+        fail("slots", f"of shape [{num_seqs}] (one token per sequence)", _describe(slots))
+
+
+def kda_decode_step(mixed, conv_states, conv_weight, g, beta, output_gate, norm_weight, state_pool, slots, *,
+                    A_log=None, dt_bias=None, lower_bound=None, scale=None, eps=1e-5, use_qk_l2norm=True,
+                    use_beta_sigmoid=True, tickets=None):
+    """The KDA layer's decode step for one token per sequence (spec §9 steps 2, 5 and 6): the conv update of q, k
+    and v with SiLU, KDA decode over the state pool, and the gated RMSNorm of each head's output. Returns
+    ``[N, H, V]`` in mixed's dtype (before ``o_proj``). One kernel on the GPU (``fastkda/ops/decode_step.py``);
+    on the CPU the same steps through :func:`causal_conv1d_update`, :func:`kda_decode` and :func:`gated_rmsnorm`.
+
+    Args:
+        mixed: ``[N, H·(2K + V)]``, each sequence's q | k | v projections before the conv (channels contiguous).
+        conv_states ``[P, C, W−1]``, conv_weight ``[C, W]`` (no bias): as :func:`causal_conv1d_update` takes them.
+        g ``[N, H, K]``, beta ``[N, H]``: the gate's and β's inputs as :func:`kda_decode` takes them (with
+            ``A_log``, ``dt_bias``, ``lower_bound``, ``scale``, ``use_qk_l2norm``, ``use_beta_sigmoid``).
+        output_gate ``[N, H, V]``: the norm's gate before its sigmoid; norm_weight ``[V]``; eps: the norm's.
+        state_pool ``[P, H, V, K]`` (fp32 or bf16), slots ``[N]``: as :func:`kda_decode`; a negative slot is a
+            padding row (zero output, neither pool read or written).
+        tickets: ``[N·H]`` int32 zeros the kernel uses to join a head's slices and leaves as zeros (a caller that
+            keeps one saves a memset per step); None allocates one.
+    """
+    scale, lower_bound = scalar_defaults(g if isinstance(g, torch.Tensor) and g.dim() == 3 else None, scale,
+                                         lower_bound)
+    if scale is None and isinstance(g, torch.Tensor) and g.dim() == 3:
+        scale = g.shape[-1] ** -0.5
+    remembered(_validate_decode_step, mixed, conv_states, conv_weight, g, beta, output_gate, norm_weight, state_pool,
+               slots, A_log, dt_bias, lower_bound, scale, tickets)
+    num_seqs, heads, key_dim = g.shape
+    value_dim = state_pool.shape[2]
+    if mixed.device.type != "cuda":
+        conv = causal_conv1d_update(mixed, conv_states, conv_weight, slots=slots)
+        q, k, v = (part.view(num_seqs, 1, heads, -1) for part in conv.split(
+            [heads * key_dim, heads * key_dim, heads * value_dim], dim=1))
+        o = kda_decode(q, k, v, g[:, None], beta[:, None], state_pool, slots, A_log=A_log, dt_bias=dt_bias,
+                       lower_bound=lower_bound, scale=scale, use_qk_l2norm=use_qk_l2norm,
+                       use_beta_sigmoid=use_beta_sigmoid)
+        return gated_rmsnorm(o[:, 0], output_gate, norm_weight, eps)
+    plan = choose_decode_plan(num_seqs, heads, value_dim, _sms_of(mixed), tokens=1)
+    if tickets is None:
+        tickets = torch.zeros(num_seqs * heads, dtype=torch.int32, device=mixed.device)
+    out = torch.empty(num_seqs, heads, value_dim, dtype=mixed.dtype, device=mixed.device)
+    fused_decode_step(mixed, conv_states, conv_weight, g, beta, output_gate, norm_weight, state_pool, slots,
+                      plan=plan, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, scale=scale, eps=eps,
+                      use_qk_l2norm=use_qk_l2norm, use_beta_sigmoid=use_beta_sigmoid, tickets=tickets, out=out,
+                      errors=_error_counters(None, mixed))
+    return out

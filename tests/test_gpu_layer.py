@@ -122,3 +122,38 @@ def test_transformers_tiny_models_on_the_gpu(kind, dtype):
     else:
         print(f"\n{kind} bf16: from fp32, fastkda {rel_err(got, exact):.2e}, transformers {rel_err(want, exact):.2e}")
         assert rel_err(got, exact) <= rel_err(want, exact) * 1.05
+
+
+@pytest.mark.parametrize("heads,num_seqs", [(12, 1), (12, 32), (96, 4)])
+def test_fused_decode_step_equals_the_three_ops(heads, num_seqs):
+    """The one-launch step against the conv update, KDA decode and gated norm run one by one on the GPU, bf16
+    inputs, fp32 pools; a padding row; and a CUDA-graph replay (its tickets left at zero)."""
+    dim, width = 128, 4
+    channels = 3 * heads * dim
+    mixed = randn(num_seqs, channels)
+    conv_weight, g, beta = randn(channels, width, seed=1), randn(num_seqs, heads, dim, seed=2), randn(num_seqs, heads,
+                                                                                                       seed=3)
+    output_gate, norm_weight = randn(num_seqs, heads, dim, seed=4), 1 + 0.1 * randn(dim, dtype=torch.float32, seed=5)
+    gate = dict(A_log=torch.rand(heads, device="cuda"), dt_bias=torch.rand(heads, dim, device="cuda"), lower_bound=-5.0)
+    conv_pool = randn(num_seqs + 2, channels, width - 1, dtype=torch.float32, seed=6)
+    state_pool = 0.1 * randn(num_seqs + 2, heads, dim, dim, dtype=torch.float32, seed=7)
+    slots = torch.arange(num_seqs, dtype=torch.int32, device="cuda").flip(0) + 1
+    if num_seqs > 1:
+        slots[1] = -1
+    pools = conv_pool.clone(), state_pool.clone()
+    conv = fastkda.causal_conv1d_update(mixed, pools[0], conv_weight, slots=slots)
+    q, k, v = (part.view(num_seqs, 1, heads, dim) for part in conv.chunk(3, dim=1))
+    o = fastkda.kda_decode(q, k, v, g[:, None], beta[:, None], pools[1], slots, **gate)
+    want = fastkda.gated_rmsnorm(o[:, 0], output_gate, norm_weight, 1e-5)
+    tickets = torch.zeros(num_seqs * heads, dtype=torch.int32, device="cuda")
+    got_pools = conv_pool.clone(), state_pool.clone()
+    got = fastkda.kda_decode_step(mixed, got_pools[0], conv_weight, g, beta, output_gate, norm_weight, got_pools[1],
+                                  slots, **gate, tickets=tickets)
+    assert rel_err(got, want) < 1e-2
+    assert rel_err(got_pools[0], pools[0]) < 1e-6 and rel_err(got_pools[1], pools[1]) < 1e-5
+    assert torch.equal(tickets, torch.zeros_like(tickets))
+    step = lambda: fastkda.kda_decode_step(mixed, got_pools[0], conv_weight, g, beta, output_gate,  # noqa: E731
+                                           norm_weight, got_pools[1], slots, **gate, tickets=tickets)
+    graph = capture_graph(step)
+    graph.replay()
+    assert torch.equal(tickets, torch.zeros_like(tickets))

@@ -39,6 +39,7 @@ class KDACache:
         self.recurrent = torch.zeros(num_layers, rows, heads, head_dim, head_dim, dtype=state_dtype, device=device)
         self.conv = torch.zeros(num_layers, rows, conv_channels, conv_kernel - 1, dtype=conv_dtype, device=device)
         self._free = list(range(num_slots - 1, -1, -1))  # popped from the end: slot 0 first
+        self._tickets = torch.zeros(num_slots * heads, dtype=torch.int32, device=device)
 
     @property
     def num_slots(self):
@@ -75,6 +76,13 @@ class KDACache:
                 raise ValueError(f"KDACache.release: slot {slot} is not allocated")
             free.add(slot)
             self._free.append(slot)
+
+    def step_tickets(self, count):
+        """``count`` int32 zeros for :func:`fastkda.kda_decode_step`, which leaves them as zeros: one buffer for
+        every layer and step (grown when a batch needs more)."""
+        if self._tickets.numel() < count:
+            self._tickets = torch.zeros(count, dtype=torch.int32, device=self._tickets.device)
+        return self._tickets[:count]
 
     def layer(self, index):
         """Layer ``index``'s ``(recurrent pool [P + 1, H, V, K], conv pool [P + 1, C, W−1])``, views into the

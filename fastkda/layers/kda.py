@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..api import causal_conv1d, causal_conv1d_update, gated_rmsnorm, kda_decode, kda_prefill
+from ..api import causal_conv1d, causal_conv1d_update, gated_rmsnorm, kda_decode, kda_decode_step, kda_prefill
 
 
 class ForgetGate(nn.Module):
@@ -217,6 +217,11 @@ class KimiDeltaAttention(nn.Module):
         mixed, g, gate, beta, output_gate = self._projections(hidden_states)
         conv_pool, state_pool = cache.conv[self.layer_idx], cache.recurrent[self.layer_idx]
         weight = self.conv1d.weight.squeeze(1)
+        if slots.dim() == 1 and hidden_states.shape[1] == 1 and self.conv1d.bias is None:  # the fused step
+            o = kda_decode_step(mixed[:, 0], conv_pool, weight, g[:, 0], beta[:, 0], output_gate[:, 0],
+                                self.o_norm.weight, state_pool, slots, **gate, eps=self.o_norm.variance_epsilon,
+                                tickets=cache.step_tickets(slots.shape[0] * self.num_heads))
+            return self.o_proj(o.flatten(-2))[:, None]
         if slots.dim() == 1:
             mixed_conv = causal_conv1d_update(mixed, conv_pool, weight, self.conv1d.bias, slots=slots)
         else:

@@ -31,6 +31,28 @@ def token_inputs(q, k, v, g, beta, n, t, T, h, kk, vv, stride_q, stride_k, strid
 
 
 @triton.jit
+def token_step(S, q_t, k_t, v_t, g_t, b_t, a_scale, bias, lower_bound, scale, LOWER_BOUND_GATE: tl.constexpr,
+               L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr):
+    """One token of spec §1 on a ``[BV, K]`` fp32 state slice from raw inputs (norms, gate and β's sigmoid as the
+    flags say): returns the new slice and the slice's output ``[BV]``."""
+    if L2NORM:
+        q_t = q_t * tl.rsqrt(tl.sum(q_t * q_t) + 1e-6)
+        k_t = k_t * tl.rsqrt(tl.sum(k_t * k_t) + 1e-6)
+    if LOWER_BOUND_GATE:
+        a_t = lower_bound * tl.sigmoid(a_scale * (g_t + bias))
+    else:
+        a_t = tl.minimum(g_t, 0.0)
+    if BETA_SIGMOID:
+        b_t = tl.sigmoid(b_t)
+    decay = tl.exp(a_t)
+    # the state is held as [BV, K] (memory order, K reductions inside a warp);
+    # (diag(decay)·S)ᵀk = Sᵀ(decay ⊙ k): one pass over S for the product, one for the update
+    u = b_t * (v_t - tl.sum(S * (decay * k_t)[None, :], axis=1))
+    S = S * decay[None, :] + u[:, None] * k_t[None, :]
+    return S, tl.sum(S * (q_t * scale)[None, :], axis=1)
+
+
+@triton.jit
 def decode_kernel(
     q, k, v, g, beta, A_log, dt_bias, pool, slots, num_accepted, out, errors,
     stride_q, stride_k, stride_v, stride_g, stride_beta_n, stride_beta_t, stride_beta_h, stride_slot_n,
@@ -52,6 +74,9 @@ def decode_kernel(
     if LOWER_BOUND_GATE:
         a_scale = tl.exp(tl.load(A_log + h).to(tl.float32))
         bias = tl.load(dt_bias + h * K + kk).to(tl.float32)
+    else:  # unused by token_step without the gate
+        a_scale = 0.0
+        bias = 0.0
     if HAS_ACCEPTED:
         read_t = tl.load(num_accepted + n).to(tl.int32) - 1
         accepted_ok = (read_t >= 0) & (read_t < T)
@@ -70,21 +95,8 @@ def decode_kernel(
     for t in range(T):
         q_n, k_n, v_n, g_n, b_n = token_inputs(q, k, v, g, beta, n, t + 1, T, h, kk, vv, stride_q, stride_k,
                                                 stride_v, stride_g, stride_beta_n, stride_beta_t, stride_beta_h, K, V)
-        if L2NORM:
-            q_t = q_t * tl.rsqrt(tl.sum(q_t * q_t) + 1e-6)
-            k_t = k_t * tl.rsqrt(tl.sum(k_t * k_t) + 1e-6)
-        if LOWER_BOUND_GATE:
-            a_t = lower_bound * tl.sigmoid(a_scale * (g_t + bias))
-        else:
-            a_t = tl.minimum(g_t, 0.0)
-        if BETA_SIGMOID:
-            b_t = tl.sigmoid(b_t)
-        decay = tl.exp(a_t)
-        # the state is held as [BV, K] (memory order, K reductions inside a warp);
-        # (diag(decay)·S)ᵀk = Sᵀ(decay ⊙ k): one pass over S for the product, one for the update
-        u = b_t * (v_t - tl.sum(S * (decay * k_t)[None, :], axis=1))
-        S = S * decay[None, :] + u[:, None] * k_t[None, :]
-        o_t = tl.sum(S * (q_t * scale)[None, :], axis=1)
+        S, o_t = token_step(S, q_t, k_t, v_t, g_t, b_t, a_scale, bias, lower_bound, scale, LOWER_BOUND_GATE, L2NORM,
+                            BETA_SIGMOID)
         row = (n * T + t).to(tl.int64)
         store_as(out + row * (H * V) + h * V + vv, tl.where(live, o_t, 0.0), vv < V, EMULATE)
         if PER_TOKEN_SLOTS:

@@ -1,0 +1,146 @@
+"""The KDA layer's decode step in one launch (spec §9 steps 2, 5, 6 for one token per sequence): the short conv's
+update, the q/k/v split, KDA decode over the state pool, and the gated RMSNorm.
+
+One program per (V-slice, head, sequence), as :mod:`fastkda.ops.decode`: each program runs the conv for the K q and
+K k channels of its head and its slice's v channels (the W−1 state columns of its slot and the new token), then the
+token's KDA update on its ``[BV, K]`` state slice (:func:`fastkda.ops.decode.token_step`) and writes that slice back.
+
+Two things are shared by a head's slices. The norm needs the whole head's output: each program writes its slice's
+output (fp32) and sum of squares to a workspace row, then takes a ticket (an atomic add, acquire-release); the
+program that takes the last ticket reads every slice's sum in slice order (deterministic), normalises the head's
+output, applies the gate and writes it, and puts the ticket back to 0 (so a CUDA graph replays from zeros). And the
+q/k channels' conv state: every slice reads it, so only the last program, which knows that every slice has read it
+(their reads come before their tickets), writes its new value; each program writes its own v channels' state.
+
+A negative slot, or one at or past the pool's size, is a padding row: zeros for the conv state and the recurrent
+state, a zero output, nothing written to either pool (counted as the decode kernel counts it).
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from .common import interpreting, launch, load_f32, store_as
+from .decode import token_step
+
+
+@triton.jit
+def conv_channels(mixed_row, conv_row, weight, channels, ok, live, stride_cc, stride_cj, stride_wc, stride_wj,
+                  W: tl.constexpr, WP: tl.constexpr):
+    """The conv's output (SiLU applied) for ``channels`` of one token, and the new conv state ``[B, WP]`` of those
+    channels (columns past W−1 unused): the old state's W−2 newest inputs, then the token."""
+    x_t = load_f32(mixed_row + channels, ok)
+    cols = tl.arange(0, WP)
+    state = load_f32(conv_row + channels[:, None] * stride_cc + cols[None, :] * stride_cj,
+                     (ok & live)[:, None] & (cols < W - 1)[None, :])
+    taps = load_f32(weight + channels[:, None] * stride_wc + cols[None, :] * stride_wj,
+                    ok[:, None] & (cols < W - 1)[None, :])
+    acc = tl.sum(state * taps, axis=1) + x_t * load_f32(weight + channels * stride_wc + (W - 1) * stride_wj, ok)
+    acc = acc * tl.sigmoid(acc)
+    # the new state's column j is the old column j + 1 (j < W−2) or the token (j = W−2)
+    shifted = load_f32(conv_row + channels[:, None] * stride_cc + (cols + 1)[None, :] * stride_cj,
+                       (ok & live)[:, None] & (cols < W - 2)[None, :])
+    new_state = tl.where((cols == W - 2)[None, :], x_t[:, None], shifted)
+    return acc, new_state
+
+
+@triton.jit
+def store_conv_state(conv_row, channels, new_state, ok, live, stride_cc, stride_cj, W: tl.constexpr,
+                     WP: tl.constexpr, EMULATE: tl.constexpr):
+    cols = tl.arange(0, WP)
+    store_as(conv_row + channels[:, None] * stride_cc + cols[None, :] * stride_cj, new_state,
+             (ok & live)[:, None] & (cols < W - 1)[None, :], EMULATE)
+
+
+@triton.jit
+def decode_step_kernel(
+    mixed, conv_pool, conv_weight, g, beta, out_gate, norm_weight, A_log, dt_bias, pool, slots, partial, sums,
+    tickets, out, errors,
+    stride_mixed, stride_cp, stride_cc, stride_cj, stride_wc, stride_wj, stride_g, stride_beta, stride_gate,
+    stride_slot, lower_bound, scale, eps, pool_slots,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, SLICES: tl.constexpr, W: tl.constexpr,
+    WP: tl.constexpr, LOWER_BOUND_GATE: tl.constexpr, L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr,
+    EMULATE: tl.constexpr,
+):
+    vs = tl.program_id(0)
+    h = tl.program_id(1)
+    n = tl.program_id(2)
+    kk = tl.arange(0, K)
+    vv = vs * BV + tl.arange(0, BV)
+    k_ok = kk < K
+    v_ok = vv < V
+    slot = tl.load(slots + n * stride_slot).to(tl.int64)
+    live = (slot >= 0) & (slot < pool_slots)
+    row = tl.where(live, slot, 0)
+    mixed_row = mixed + n.to(tl.int64) * stride_mixed
+    conv_row = conv_pool + row * stride_cp
+    q_ch = h * K + kk  # the conv's channels: q | k | v, H heads each
+    k_ch = H * K + h * K + kk
+    v_ch = 2 * H * K + h * V + vv
+    q_t, q_state = conv_channels(mixed_row, conv_row, conv_weight, q_ch, k_ok, live, stride_cc, stride_cj,
+                                 stride_wc, stride_wj, W, WP)
+    k_t, k_state = conv_channels(mixed_row, conv_row, conv_weight, k_ch, k_ok, live, stride_cc, stride_cj,
+                                 stride_wc, stride_wj, W, WP)
+    v_t, v_state = conv_channels(mixed_row, conv_row, conv_weight, v_ch, v_ok, live, stride_cc, stride_cj,
+                                 stride_wc, stride_wj, W, WP)
+    g_t = load_f32(g + n.to(tl.int64) * stride_g + h * K + kk, k_ok)
+    b_t = tl.load(beta + n * stride_beta + h).to(tl.float32)
+    if LOWER_BOUND_GATE:
+        a_scale = tl.exp(tl.load(A_log + h).to(tl.float32))
+        bias = tl.load(dt_bias + h * K + kk).to(tl.float32)
+    else:  # unused by token_step without the gate
+        a_scale = 0.0
+        bias = 0.0
+    state_cols = (h * V + vv[:, None]) * K + kk[None, :]
+    m_state = live & v_ok[:, None] & k_ok[None, :]
+    S = load_f32(pool + row * (H * V * K) + state_cols, m_state)
+    S, o_t = token_step(S, q_t, k_t, v_t, g_t, b_t, a_scale, bias, lower_bound, scale, LOWER_BOUND_GATE, L2NORM,
+                        BETA_SIGMOID)
+    o_t = tl.where(live, o_t, 0.0)
+    store_as(pool + row * (H * V * K) + state_cols, S, m_state, EMULATE)
+    store_conv_state(conv_row, v_ch, v_state, v_ok, live, stride_cc, stride_cj, W, WP, EMULATE)
+    head = n.to(tl.int64) * H + h
+    tl.store(partial + head * V + vv, o_t, mask=v_ok)
+    tl.store(sums + head * SLICES + vs, tl.sum(o_t * o_t))
+    tl.atomic_add(errors, (slot >= pool_slots).to(tl.int32), mask=(vs == 0) & (h == 0) & (slot >= pool_slots),
+                  sem="relaxed")  # "slot", as the decode kernel counts it
+    ticket = tl.atomic_add(tickets + head, 1, sem="acq_rel")
+    if ticket == SLICES - 1:  # every slice of this head has read the q/k state and written its output
+        store_conv_state(conv_row, q_ch, q_state, k_ok, live, stride_cc, stride_cj, W, WP, EMULATE)
+        store_conv_state(conv_row, k_ch, k_state, k_ok, live, stride_cc, stride_cj, W, WP, EMULATE)
+        ss = tl.arange(0, SLICES)
+        total = tl.sum(tl.load(sums + head * SLICES + ss))
+        rstd = tl.rsqrt(total / V + eps)
+        dd = tl.arange(0, V)
+        o = tl.load(partial + head * V + dd)
+        gate = load_f32(out_gate + n.to(tl.int64) * stride_gate + h * V + dd, dd < V)
+        y = o * rstd * load_f32(norm_weight + dd, dd < V) * tl.sigmoid(gate)
+        store_as(out + head * V + dd, y, dd < V, EMULATE)
+        tl.store(tickets + head, 0)
+
+
+def fused_decode_step(mixed, conv_pool, conv_weight, g, beta, out_gate, norm_weight, state_pool, slots, *, plan,
+                      A_log, dt_bias, lower_bound, scale, eps, use_qk_l2norm, use_beta_sigmoid, tickets, out, errors):
+    """Launch :func:`decode_step_kernel` on validated inputs (``fastkda.api.kda_decode_step``) as the decode plan
+    says; ``out [N, H, V]`` contiguous, written; both pools updated in place; ``tickets [N·H]`` int32 zeros, left
+    as zeros."""
+    num_seqs, heads, key_dim = g.shape
+    if num_seqs == 0:
+        return
+    value_dim = plan.value_dim
+    partial = torch.empty(num_seqs, heads, value_dim, dtype=torch.float32, device=out.device)
+    sums = torch.empty(num_seqs, heads, plan.v_slices, dtype=torch.float32, device=out.device)
+    lower_bound_gate = lower_bound is not None
+    width = conv_weight.shape[1]
+    absent = slots  # stands for absent optional tensors; never dereferenced
+    launch(
+        decode_step_kernel, (plan.v_slices, heads, num_seqs),
+        mixed, conv_pool, conv_weight, g, beta, out_gate, norm_weight, A_log if lower_bound_gate else absent,
+        dt_bias if lower_bound_gate else absent, state_pool, slots, partial, sums, tickets, out, errors,
+        mixed.stride(0), conv_pool.stride(0), conv_pool.stride(1), conv_pool.stride(2), conv_weight.stride(0),
+        conv_weight.stride(1), g.stride(0), beta.stride(0), out_gate.stride(0), slots.stride(0),
+        float(lower_bound) if lower_bound_gate else 0.0, float(scale), float(eps), state_pool.shape[0],
+        H=heads, K=key_dim, V=value_dim, BV=plan.slice_width, SLICES=plan.v_slices, W=width,
+        WP=triton.next_power_of_2(width - 1), LOWER_BOUND_GATE=lower_bound_gate, L2NORM=use_qk_l2norm,
+        BETA_SIGMOID=use_beta_sigmoid, EMULATE=interpreting(), num_warps=plan.warps,
+    )

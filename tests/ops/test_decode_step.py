@@ -1,0 +1,93 @@
+"""The fused decode step (``fastkda/ops/decode_step.py``) under Triton's interpreter against the public
+function's CPU path (conv update, KDA decode, gated norm, each its own op), fp32: outputs, both pools, padding
+rows that touch nothing, the tickets left at zero; and the public function's errors."""
+
+import pytest
+import torch
+
+import fastkda
+from fastkda.plan import choose_decode_plan
+from helpers import needs_interpreter, rel_err
+
+HEADS, DIM, WIDTH = 2, 64, 4
+
+
+def step_inputs(num_seqs, pool_rows, lower_bound=-5.0, seed=0, state_dtype=torch.float32):
+    gen = torch.Generator().manual_seed(seed)
+    channels = 3 * HEADS * DIM
+
+    def randn(*shape, scale=1.0):
+        return torch.randn(*shape, generator=gen) * scale
+
+    return dict(
+        mixed=randn(num_seqs, channels), conv_states=randn(pool_rows, channels, WIDTH - 1),
+        conv_weight=randn(channels, WIDTH, scale=0.5), g=randn(num_seqs, HEADS, DIM), beta=randn(num_seqs, HEADS),
+        output_gate=randn(num_seqs, HEADS, DIM), norm_weight=1 + 0.1 * randn(DIM),
+        state_pool=randn(pool_rows, HEADS, DIM, DIM, scale=0.1).to(state_dtype),
+        A_log=torch.rand(HEADS, generator=gen) if lower_bound is not None else None,
+        dt_bias=torch.rand(HEADS, DIM, generator=gen) if lower_bound is not None else None,
+        lower_bound=lower_bound)
+
+
+def cpu_step(inp, slots):
+    inp = {name: x.clone() if isinstance(x, torch.Tensor) else x for name, x in inp.items()}
+    out = fastkda.kda_decode_step(**{n: x for n, x in inp.items() if n not in ("conv_states", "state_pool")},
+                                  conv_states=inp["conv_states"], state_pool=inp["state_pool"], slots=slots)
+    return out, inp["conv_states"], inp["state_pool"]
+
+
+def fused_step(inp, slots, v_slices):
+    from fastkda.ops.decode_step import fused_decode_step
+
+    inp = {name: x.clone() if isinstance(x, torch.Tensor) else x for name, x in inp.items()}
+    num_seqs = slots.shape[0]
+    plan = choose_decode_plan(num_seqs, HEADS, DIM, 132, v_slices)
+    tickets = torch.zeros(num_seqs * HEADS, dtype=torch.int32)
+    out = torch.full((num_seqs, HEADS, DIM), float("nan"))
+    fused_decode_step(inp["mixed"], inp["conv_states"], inp["conv_weight"], inp["g"], inp["beta"],
+                      inp["output_gate"], inp["norm_weight"], inp["state_pool"], slots, plan=plan, A_log=inp["A_log"],
+                      dt_bias=inp["dt_bias"], lower_bound=inp["lower_bound"], scale=DIM ** -0.5, eps=1e-5,
+                      use_qk_l2norm=True, use_beta_sigmoid=True, tickets=tickets, out=out,
+                      errors=torch.zeros(3, dtype=torch.int32))
+    assert torch.equal(tickets, torch.zeros_like(tickets))  # left as zeros for the next step (or graph replay)
+    return out, inp["conv_states"], inp["state_pool"]
+
+
+@needs_interpreter
+@pytest.mark.parametrize("lower_bound", [-5.0, None], ids=["lower_bound", "precomputed"])
+@pytest.mark.parametrize("v_slices", [1, 4])
+def test_fused_step_equals_the_three_ops(lower_bound, v_slices):
+    inp = step_inputs(3, 5, lower_bound)
+    if lower_bound is None:
+        inp["g"] = -torch.rand(inp["g"].shape, generator=torch.Generator().manual_seed(3))
+    slots = torch.tensor([4, -1, 1], dtype=torch.int32)
+    want = cpu_step(inp, slots)
+    got = fused_step(inp, slots, v_slices)
+    assert rel_err(got[0], want[0]) < 1e-5
+    assert torch.equal(got[0][1], torch.zeros_like(got[0][1]))  # the padding row
+    for got_pool, want_pool, untouched in ((got[1], want[1], inp["conv_states"]), (got[2], want[2],
+                                                                                   inp["state_pool"])):
+        assert rel_err(got_pool[[4, 1]], want_pool[[4, 1]]) < 1e-5
+        assert torch.equal(got_pool[[0, 2, 3]], untouched[[0, 2, 3]])  # rows no live sequence names
+
+
+def test_cpu_path_equals_a_prefill_of_the_layer_conv_and_decode():
+    """The CPU path's conv state after a step holds the newest W−1 inputs, oldest first."""
+    inp = step_inputs(2, 2, seed=4)
+    slots = torch.tensor([1, 0], dtype=torch.int32)
+    _, conv_states, _ = cpu_step(inp, slots)
+    assert torch.equal(conv_states[1][:, :-1], inp["conv_states"][1][:, 1:])
+    assert torch.equal(conv_states[1][:, -1], inp["mixed"][0])
+
+
+def test_errors_name_the_argument():
+    inp = step_inputs(2, 3)
+    slots = torch.tensor([0, 1], dtype=torch.int32)
+    with pytest.raises(ValueError, match="mixed"):
+        fastkda.kda_decode_step(**{**inp, "mixed": inp["mixed"][:, :-1]}, slots=slots)
+    with pytest.raises(ValueError, match="output_gate"):
+        fastkda.kda_decode_step(**{**inp, "output_gate": inp["output_gate"][:, :, :32]}, slots=slots)
+    with pytest.raises(ValueError, match="norm_weight"):
+        fastkda.kda_decode_step(**{**inp, "norm_weight": torch.ones(DIM + 1)}, slots=slots)
+    with pytest.raises(ValueError, match="slots"):
+        fastkda.kda_decode_step(**inp, slots=slots[:, None].expand(2, 2))
