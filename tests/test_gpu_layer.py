@@ -72,9 +72,10 @@ def test_conv_and_norm_replay_in_a_cuda_graph():
     assert torch.equal(replayed[0], results["conv"]) and torch.equal(replayed[1], results["norm"])
 
 
-def test_layer_decode_continues_prefill_on_the_gpu():
+@pytest.mark.parametrize("fused", [False, True])
+def test_layer_decode_continues_prefill_on_the_gpu(fused):
     torch.manual_seed(0)
-    layer = KimiDeltaAttention(256, 2, 128, lower_bound=-5.0, device="cuda", dtype=torch.bfloat16)
+    layer = KimiDeltaAttention(256, 2, 128, lower_bound=-5.0, fused_decode=fused, device="cuda", dtype=torch.bfloat16)
     with torch.no_grad():
         layer.forget_gate.A_log.uniform_(-1, 1)
         layer.forget_gate.dt_bias.uniform_(-1, 1)

@@ -69,11 +69,15 @@ class KimiDeltaAttention(nn.Module):
             None for Kimi-Linear's softplus gate.
         norm_eps: the gated norm's epsilon (``rms_norm_eps``).
         layer_idx: which layer of a :class:`fastkda.cache.KDACache` this one uses.
+        fused_decode: run one-token decode steps as one kernel (:func:`fastkda.kda_decode_step`) instead of the
+            conv update, KDA decode and gated norm one by one (the same math). Off by default until the fused
+            kernel has been measured on a GPU (``docs/perf-notes.md``); the CPU path is the same either way.
     """
 
     def __init__(self, hidden_size, num_heads, head_dim, *, conv_kernel=4, lower_bound=None, norm_eps=1e-5,
-                 layer_idx=0, device=None, dtype=None):
+                 layer_idx=0, fused_decode=False, device=None, dtype=None):
         super().__init__()
+        self.fused_decode = fused_decode
         self.hidden_size, self.num_heads, self.head_dim = hidden_size, num_heads, head_dim
         self.layer_idx = layer_idx
         width = num_heads * head_dim
@@ -217,7 +221,7 @@ class KimiDeltaAttention(nn.Module):
         mixed, g, gate, beta, output_gate = self._projections(hidden_states)
         conv_pool, state_pool = cache.conv[self.layer_idx], cache.recurrent[self.layer_idx]
         weight = self.conv1d.weight.squeeze(1)
-        if slots.dim() == 1 and hidden_states.shape[1] == 1 and self.conv1d.bias is None:  # the fused step
+        if self.fused_decode and slots.dim() == 1 and hidden_states.shape[1] == 1 and self.conv1d.bias is None:
             o = kda_decode_step(mixed[:, 0], conv_pool, weight, g[:, 0], beta[:, 0], output_gate[:, 0],
                                 self.o_norm.weight, state_pool, slots, **gate, eps=self.o_norm.variance_epsilon,
                                 tickets=cache.step_tickets(slots.shape[0] * self.num_heads))

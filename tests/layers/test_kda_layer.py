@@ -198,3 +198,17 @@ def test_errors_name_the_argument():
         layer(hidden(1, 4), cache_for(layer))
     with pytest.raises(ValueError, match="cu_seqlens takes packed"):
         layer(hidden(1, 4), cu_seqlens=torch.tensor([0, 4], dtype=torch.int32))
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_fused_decode_option_gives_the_same_steps(fused):
+    """fused_decode routes one-token steps through fastkda.kda_decode_step (on the CPU, the same three ops)."""
+    layer = make_layer(-5.0)
+    layer.fused_decode = fused
+    x = hidden(2, 34)
+    cache = cache_for(layer)
+    slots = cache.allocate(2)
+    with torch.no_grad():
+        whole = layer(x)
+        parts = [layer(x[:, :33], cache, slots=slots), layer(x[:, 33:], cache, slots=slots, decode=True)]
+    assert rel_err(torch.cat(parts, 1), whole) < 1e-5
