@@ -549,7 +549,7 @@ from .ops.decode_step import fused_decode_step  # noqa: E402
 
 
 def _validate_decode_step(mixed, conv_states, conv_weight, g, beta, output_gate, norm_weight, state_pool, slots,
-                          A_log, dt_bias, lower_bound, scale, tickets):
+                          A_log, dt_bias, lower_bound, scale, eps, tickets):
     """Raise ``ValueError`` naming the first argument of :func:`kda_decode_step` that breaks its contract: the
     conv's and the decode's own checks on the same tensors, and the fused kernel's layouts."""
     if not isinstance(g, torch.Tensor) or g.dim() != 3:
@@ -578,8 +578,12 @@ def _validate_decode_step(mixed, conv_states, conv_weight, g, beta, output_gate,
     check_contiguous("norm_weight", norm_weight)
     if tickets is not None:
         check_tensor("tickets", tickets, (num_seqs * heads,), (torch.int32,), mixed.device)
+        check_contiguous("tickets", tickets)
     if not isinstance(slots, torch.Tensor) or slots.dim() != 1:
         fail("slots", f"of shape [{num_seqs}] (one token per sequence)", _describe(slots))
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 < eps < math.inf:
+        fail("eps", "a positive finite number (a padding row's zeros are normalised too)", repr(eps))
+    return tuple(byte_extent(x) for x in (mixed, conv_states, g, beta, output_gate, state_pool))
 
 
 def kda_decode_step(mixed, conv_states, conv_weight, g, beta, output_gate, norm_weight, state_pool, slots, *,
@@ -605,11 +609,19 @@ def kda_decode_step(mixed, conv_states, conv_weight, g, beta, output_gate, norm_
                                          lower_bound)
     if scale is None and isinstance(g, torch.Tensor) and g.dim() == 3:
         scale = g.shape[-1] ** -0.5
-    remembered(_validate_decode_step, mixed, conv_states, conv_weight, g, beta, output_gate, norm_weight, state_pool,
-               slots, A_log, dt_bias, lower_bound, scale, tickets)
+    extents = remembered(_validate_decode_step, mixed, conv_states, conv_weight, g, beta, output_gate, norm_weight,
+                         state_pool, slots, A_log, dt_bias, lower_bound, scale, eps, tickets)
+    named = list(zip(("mixed", "conv_states", "g", "beta", "output_gate", "state_pool"),
+                     (mixed, conv_states, g, beta, output_gate, state_pool), extents))
+    check_disjoint("conv_states", conv_states, extents[1], named[:1] + named[2:])  # the pools are written in place
+    check_disjoint("state_pool", state_pool, extents[5], named[:5])
+    if tickets is not None:
+        check_disjoint("tickets", tickets, byte_extent(tickets), named)
     num_seqs, heads, key_dim = g.shape
     value_dim = state_pool.shape[2]
     if mixed.device.type != "cuda":
+        # the slots' values first: the conv would otherwise have moved its pool before the decode refused them
+        value_checks.decode_indices(slots, None, state_pool.shape[0], 1)
         conv = causal_conv1d_update(mixed, conv_states, conv_weight, slots=slots)
         q, k, v = (part.view(num_seqs, 1, heads, -1) for part in conv.split(
             [heads * key_dim, heads * key_dim, heads * value_dim], dim=1))

@@ -55,7 +55,7 @@ def addressable(x, dim):
     (``[H]`` may be strided). A size-1 batch or token dimension gets the stride that makes this hold (a view of
     the same memory); any other layout (a channel-major conv output, batch rows with gaps) is copied. Anything
     but a tensor of that rank is returned as it is, for validation to report."""
-    if not isinstance(x, torch.Tensor) or x.is_contiguous() or x.dim() != dim or not x.numel():
+    if not isinstance(x, torch.Tensor) or x.dim() != dim or not x.numel() or _contiguous_rows(x):
         return x
     batch, length = x.shape[:2]
     stride = list(x.stride())
@@ -73,12 +73,17 @@ def addressable_inputs(q, k, v, g, beta):
     """:func:`addressable` of q, k, v, g (4-D) and beta (3-D), with one early return for contiguous inputs (an
     eager decode step's host time counts: this costs a fraction of a microsecond then)."""
     try:
-        if q.is_contiguous() and k.is_contiguous() and v.is_contiguous() and g.is_contiguous() and \
-                beta.is_contiguous():
+        if all(_contiguous_rows(x) for x in (q, k, v, g, beta)):
             return q, k, v, g, beta
-    except AttributeError:  # not tensors: validation reports them
+    except (AttributeError, IndexError):  # not tensors of rank 3 or 4: validation reports them
         return q, k, v, g, beta
     return addressable(q, 4), addressable(k, 4), addressable(v, 4), addressable(g, 4), addressable(beta, 3)
+
+
+def _contiguous_rows(x):
+    """A contiguous tensor whose token stride the kernels can use as it is: ``is_contiguous`` ignores the stride of
+    a size-1 dimension, and a single token per sequence (T = 1) is addressed through it."""
+    return x.is_contiguous() and (x.shape[1] != 1 or x.shape[0] == 1 or x.stride(0) == x.stride(1))
 
 
 def scalar_defaults(q, scale, lower_bound):

@@ -115,6 +115,8 @@ def test_engine_views_are_taken_as_they_are_or_copied():
     assert addressable(channel_major["q"], 4).is_contiguous()
     step = torch.zeros(2, 7, 2, 64)[:, 3:4]  # T = 1, stride(0) != 1 * stride(1)
     assert addressable(step, 4).data_ptr() == step.data_ptr() and addressable(step, 4).stride(1) == step.stride(0)
+    heads_first = torch.zeros(2, 2, 1, 64).transpose(1, 2)  # transformers' [B, H, 1, D] -> [B, 1, H, D]: contiguous,
+    assert heads_first.is_contiguous() and addressable(heads_first, 4).stride(1) == 128  # a stride-64 token dim
     want, _ = call(inp)
     for views in (thirds, channel_major):
         got, _ = call(inp, **{name: x for name, x in views.items() if name != "v"}, v=views["v"])

@@ -67,15 +67,12 @@ class KDACache:
 
     def release(self, slots):
         """Give slots back (host ints or a tensor; null slots are ignored). Releasing a free slot raises."""
-        values = slots.tolist() if isinstance(slots, torch.Tensor) else list(slots)
+        values = [slot for slot in (slots.tolist() if isinstance(slots, torch.Tensor) else list(slots)) if slot >= 0]
         free = set(self._free)
-        for slot in values:
-            if slot < 0:
-                continue
-            if slot >= self.num_slots or slot in free:
+        for i, slot in enumerate(values):  # every slot checked before any is freed
+            if slot >= self.num_slots or slot in free or slot in values[:i]:
                 raise ValueError(f"KDACache.release: slot {slot} is not allocated")
-            free.add(slot)
-            self._free.append(slot)
+        self._free.extend(values)
 
     def step_tickets(self, count):
         """``count`` int32 zeros for :func:`fastkda.kda_decode_step`, which leaves them as zeros: one buffer for
@@ -86,7 +83,7 @@ class KDACache:
 
     def layer(self, index):
         """Layer ``index``'s ``(recurrent pool [P + 1, H, V, K], conv pool [P + 1, C, W−1])``, views into the
-        cache (row P the scratch row)."""
+        cache (row P the scratch row; the kernels get the first P rows, so that slot P is out of range for them)."""
         return self.recurrent[index], self.conv[index]
 
     def restore(self, slot, recurrent_states, conv_states):

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..api import causal_conv1d, causal_conv1d_update, gated_rmsnorm, kda_decode, kda_decode_step, kda_prefill
+from ..checks import decode_indices
 
 
 class ForgetGate(nn.Module):
@@ -146,7 +147,8 @@ class KimiDeltaAttention(nn.Module):
             checkpoint_offsets: prefill with a cache, ``[N]`` token offsets (multiples of 32, each within its
                 sequence) at which to keep a prefix-cache checkpoint: then returns ``(output, (recurrent [N, H,
                 V, K] fp32, conv [N, C, W−1]))``, the states after that many tokens, for
-                :meth:`fastkda.cache.KDACache.restore`.
+                :meth:`fastkda.cache.KDACache.restore` (NaN for an offset past its sequence, which has no such
+                state).
         """
         if decode:
             if cache is None or slots is None:
@@ -164,19 +166,18 @@ class KimiDeltaAttention(nn.Module):
             raise ValueError("KimiDeltaAttention: cu_seqlens takes packed hidden_states [T, hidden]")
         x = hidden_states[None] if packed else hidden_states  # [B, T, hidden]
         mixed, g, gate, beta, output_gate = self._projections(x)
-        conv_pool, state_pool = (cache.conv[self.layer_idx], cache.recurrent[self.layer_idx]) if cache else (None,
-                                                                                                           None)
+        state_pool, conv_pool = cache.layer(self.layer_idx) if cache else (None, None)  # with the scratch row
         weight = self.conv1d.weight.squeeze(1)
         conv_checkpoint = None
         if checkpoint_offsets is not None:  # before the conv, which overwrites the pool rows
             conv_checkpoint = self._conv_checkpoint(mixed[0] if packed else mixed, cache, slots, has_initial_state,
                                                     cu_seqlens, checkpoint_offsets)
         if packed:
-            mixed_conv = causal_conv1d(mixed[0], weight, self.conv1d.bias, conv_states=conv_pool, slots=slots,
-                                       has_initial_state=has_initial_state, cu_seqlens=cu_seqlens)[None]
+            mixed_conv = causal_conv1d(mixed[0], weight, self.conv1d.bias, conv_states=_live_rows(conv_pool),
+                                       slots=slots, has_initial_state=has_initial_state, cu_seqlens=cu_seqlens)[None]
         else:
-            mixed_conv = causal_conv1d(mixed, weight, self.conv1d.bias, conv_states=conv_pool, slots=slots,
-                                       has_initial_state=has_initial_state)
+            mixed_conv = causal_conv1d(mixed, weight, self.conv1d.bias, conv_states=_live_rows(conv_pool),
+                                       slots=slots, has_initial_state=has_initial_state)
         q, k, v = self._split_heads(mixed_conv)
         read, write, states = None, None, None
         if cache is not None:
@@ -185,8 +186,8 @@ class KimiDeltaAttention(nn.Module):
         checkpoint_states = None
         if checkpoint_offsets is not None:
             num = slots.shape[0]
-            checkpoint_states = torch.empty(num, 2, self.num_heads, self.head_dim, self.head_dim,
-                                            dtype=torch.float32, device=x.device)
+            checkpoint_states = torch.full((num, 2, self.num_heads, self.head_dim, self.head_dim), float("nan"),
+                                           device=x.device)  # an offset past its sequence leaves NaN
             checkpoint_offsets = checkpoint_offsets.to(cu_seqlens.dtype if cu_seqlens is not None else torch.int32)
         o, _ = kda_prefill(q, k, v, g, beta, **gate, initial_state=states, final_state=states, cu_seqlens=cu_seqlens,
                            max_seqlen=max_seqlen, checkpoint_offsets=checkpoint_offsets,
@@ -211,27 +212,33 @@ class KimiDeltaAttention(nn.Module):
         else:
             starts = torch.arange(num, device=rows.device) * mixed.shape[1]
         position = offsets.reshape(num).long()[:, None] - width + torch.arange(width, device=rows.device)  # [N, W−1]
-        from_inputs = rows[(starts[:, None] + position).clamp(0, max(rows.shape[0] - 1, 0))]  # [N, W−1, C]
+        if rows.shape[0]:
+            from_inputs = rows[(starts[:, None] + position).clamp(0, rows.shape[0] - 1)]  # [N, W−1, C]
+        else:  # no tokens: every column comes from the state
+            from_inputs = rows.new_zeros(num, width, rows.shape[-1])
         read, row = _rows(slots, cache, has_initial_state)
-        earlier = torch.where(read[:, None, None], cache.conv[self.layer_idx][row], 0)  # [N, C, W−1]
+        earlier = torch.where(read[:, None, None], cache.layer(self.layer_idx)[1][row], 0)  # [N, C, W−1]
         from_state = earlier.gather(2, (position + width).clamp(0, width - 1)[:, None, :].expand_as(earlier))
         return torch.where((position >= 0)[:, None, :], from_inputs.transpose(1, 2).to(earlier.dtype), from_state)
 
     def _decode(self, hidden_states, cache, slots, num_accepted_tokens):
         mixed, g, gate, beta, output_gate = self._projections(hidden_states)
-        conv_pool, state_pool = cache.conv[self.layer_idx], cache.recurrent[self.layer_idx]
+        state_pool, conv_pool = cache.layer(self.layer_idx)
+        if not hidden_states.is_cuda:  # the slots' values first: the conv would otherwise move its pool, then refuse
+            decode_indices(slots, num_accepted_tokens, cache.num_slots, hidden_states.shape[1])
         weight = self.conv1d.weight.squeeze(1)
         if self.fused_decode and slots.dim() == 1 and hidden_states.shape[1] == 1 and self.conv1d.bias is None:
-            o = kda_decode_step(mixed[:, 0], conv_pool, weight, g[:, 0], beta[:, 0], output_gate[:, 0],
-                                self.o_norm.weight, state_pool, slots, **gate, eps=self.o_norm.variance_epsilon,
+            o = kda_decode_step(mixed[:, 0], _live_rows(conv_pool), weight, g[:, 0], beta[:, 0], output_gate[:, 0],
+                                self.o_norm.weight, _live_rows(state_pool), slots, **gate,
+                                eps=self.o_norm.variance_epsilon,
                                 tickets=cache.step_tickets(slots.shape[0] * self.num_heads))
             return self.o_proj(o.flatten(-2))[:, None]
         if slots.dim() == 1:
-            mixed_conv = causal_conv1d_update(mixed, conv_pool, weight, self.conv1d.bias, slots=slots)
+            mixed_conv = causal_conv1d_update(mixed, _live_rows(conv_pool), weight, self.conv1d.bias, slots=slots)
         else:
             mixed_conv = self._speculative_conv(mixed, conv_pool, weight, slots, num_accepted_tokens, cache)
         q, k, v = self._split_heads(mixed_conv)
-        o = kda_decode(q, k, v, g, beta, state_pool, slots, **gate, num_accepted_tokens=num_accepted_tokens)
+        o = kda_decode(q, k, v, g, beta, _live_rows(state_pool), slots, **gate, num_accepted_tokens=num_accepted_tokens)
         return self.o_proj(self.o_norm(o, output_gate).flatten(-2))
 
     def _speculative_conv(self, mixed, conv_pool, weight, slots, num_accepted_tokens, cache):
@@ -249,7 +256,8 @@ class KimiDeltaAttention(nn.Module):
         width, tokens = self.conv_kernel - 1, mixed.shape[1]
         after = window.unfold(2, width, 1)[:, :, 1:tokens + 1].permute(0, 2, 1, 3)  # [N, T, C, W−1]
         _, targets = _rows(slots.reshape(-1), cache, None)
-        conv_pool.index_copy_(0, targets, after.reshape(-1, *after.shape[2:]))
+        targets = torch.where(read.repeat_interleave(tokens), targets, cache.scratch_slot)  # as kda_decode: a null
+        conv_pool.index_copy_(0, targets, after.reshape(-1, *after.shape[2:]))  # read row writes no state either
         return out
 
 
@@ -261,3 +269,9 @@ def _rows(slots, cache, has_initial_state):
     row = torch.where(live, slots.long(), cache.scratch_slot)
     read = live if has_initial_state is None else live & has_initial_state.bool()
     return read, row
+
+
+def _live_rows(pool):
+    """A pool without its scratch row: what the kernels get, so that a slot equal to the cache's size is out of
+    range for them (padding on the GPU, an error on the CPU) as it is for :func:`_rows`. None without a cache."""
+    return None if pool is None else pool[:-1]

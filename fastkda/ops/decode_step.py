@@ -56,7 +56,8 @@ def store_conv_state(conv_row, channels, new_state, ok, live, stride_cc, stride_
 def decode_step_kernel(
     mixed, conv_pool, conv_weight, g, beta, out_gate, norm_weight, A_log, dt_bias, pool, slots, partial, sums,
     tickets, out, errors,
-    stride_mixed, stride_cp, stride_cc, stride_cj, stride_wc, stride_wj, stride_g, stride_beta, stride_gate,
+    stride_mixed, stride_cp, stride_cc, stride_cj, stride_wc, stride_wj, stride_g, stride_beta, stride_beta_h,
+    stride_gate,
     stride_slot, lower_bound, scale, eps, pool_slots,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, SLICES: tl.constexpr, W: tl.constexpr,
     WP: tl.constexpr, LOWER_BOUND_GATE: tl.constexpr, L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr,
@@ -84,7 +85,7 @@ def decode_step_kernel(
     v_t, v_state = conv_channels(mixed_row, conv_row, conv_weight, v_ch, v_ok, live, stride_cc, stride_cj,
                                  stride_wc, stride_wj, W, WP)
     g_t = load_f32(g + n.to(tl.int64) * stride_g + h * K + kk, k_ok)
-    b_t = tl.load(beta + n * stride_beta + h).to(tl.float32)
+    b_t = tl.load(beta + n * stride_beta + h * stride_beta_h).to(tl.float32)
     if LOWER_BOUND_GATE:
         a_scale = tl.exp(tl.load(A_log + h).to(tl.float32))
         bias = tl.load(dt_bias + h * K + kk).to(tl.float32)
@@ -98,12 +99,14 @@ def decode_step_kernel(
                         BETA_SIGMOID)
     o_t = tl.where(live, o_t, 0.0)
     store_as(pool + row * (H * V * K) + state_cols, S, m_state, EMULATE)
+    tl.debug_barrier()  # every thread's reads of the old conv row before any thread's writes
     store_conv_state(conv_row, v_ch, v_state, v_ok, live, stride_cc, stride_cj, W, WP, EMULATE)
     head = n.to(tl.int64) * H + h
     tl.store(partial + head * V + vv, o_t, mask=v_ok)
     tl.store(sums + head * SLICES + vs, tl.sum(o_t * o_t))
     tl.atomic_add(errors, (slot >= pool_slots).to(tl.int32), mask=(vs == 0) & (h == 0) & (slot >= pool_slots),
                   sem="relaxed")  # "slot", as the decode kernel counts it
+    tl.debug_barrier()  # every thread's stores and q/k state reads of this program before its ticket (release)
     ticket = tl.atomic_add(tickets + head, 1, sem="acq_rel")
     if ticket == SLICES - 1:  # every slice of this head has read the q/k state and written its output
         store_conv_state(conv_row, q_ch, q_state, k_ok, live, stride_cc, stride_cj, W, WP, EMULATE)
@@ -114,7 +117,7 @@ def decode_step_kernel(
         dd = tl.arange(0, V)
         o = tl.load(partial + head * V + dd)
         gate = load_f32(out_gate + n.to(tl.int64) * stride_gate + h * V + dd, dd < V)
-        y = o * rstd * load_f32(norm_weight + dd, dd < V) * tl.sigmoid(gate)
+        y = tl.where(live, o * rstd * load_f32(norm_weight + dd, dd < V) * tl.sigmoid(gate), 0.0)
         store_as(out + head * V + dd, y, dd < V, EMULATE)
         tl.store(tickets + head, 0)
 
@@ -138,7 +141,7 @@ def fused_decode_step(mixed, conv_pool, conv_weight, g, beta, out_gate, norm_wei
         mixed, conv_pool, conv_weight, g, beta, out_gate, norm_weight, A_log if lower_bound_gate else absent,
         dt_bias if lower_bound_gate else absent, state_pool, slots, partial, sums, tickets, out, errors,
         mixed.stride(0), conv_pool.stride(0), conv_pool.stride(1), conv_pool.stride(2), conv_weight.stride(0),
-        conv_weight.stride(1), g.stride(0), beta.stride(0), out_gate.stride(0), slots.stride(0),
+        conv_weight.stride(1), g.stride(0), beta.stride(0), beta.stride(1), out_gate.stride(0), slots.stride(0),
         float(lower_bound) if lower_bound_gate else 0.0, float(scale), float(eps), state_pool.shape[0],
         H=heads, K=key_dim, V=value_dim, BV=plan.slice_width, SLICES=plan.v_slices, W=width,
         WP=triton.next_power_of_2(width - 1), LOWER_BOUND_GATE=lower_bound_gate, L2NORM=use_qk_l2norm,

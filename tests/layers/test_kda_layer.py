@@ -212,3 +212,25 @@ def test_fused_decode_option_gives_the_same_steps(fused):
         whole = layer(x)
         parts = [layer(x[:, :33], cache, slots=slots), layer(x[:, 33:], cache, slots=slots, decode=True)]
     assert rel_err(torch.cat(parts, 1), whole) < 1e-5
+
+
+def test_scratch_slot_is_out_of_range_for_the_kernels():
+    """Slot P (the pools' scratch row) is no live slot: a prefill treats it as padding, a CPU decode refuses it."""
+    layer = make_layer(-5.0)
+    cache = cache_for(layer, slots=4)
+    cache.recurrent.normal_()
+    cache.conv.normal_()
+    x = hidden(1, 40)
+    with torch.no_grad():
+        assert rel_err(layer(x, cache, slots=torch.tensor([4], dtype=torch.int32)), layer(x)) < 1e-6
+        with pytest.raises(ValueError, match="slots must be below"):
+            layer(hidden(1, 1), cache, slots=torch.tensor([4], dtype=torch.int32), decode=True)
+
+
+def test_release_checks_every_slot_before_freeing_any():
+    layer = make_layer()
+    cache = cache_for(layer, slots=4)
+    cache.allocate(2)
+    with pytest.raises(ValueError, match="not allocated"):
+        cache.release([1, 1])
+    assert cache.free_slots == 2

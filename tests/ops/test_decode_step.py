@@ -91,3 +91,26 @@ def test_errors_name_the_argument():
         fastkda.kda_decode_step(**{**inp, "norm_weight": torch.ones(DIM + 1)}, slots=slots)
     with pytest.raises(ValueError, match="slots"):
         fastkda.kda_decode_step(**inp, slots=slots[:, None].expand(2, 2))
+
+
+@needs_interpreter
+def test_fused_step_reads_beta_through_its_head_stride():
+    inp = step_inputs(2, 3, seed=7)
+    inp["beta"] = inp["beta"].t().contiguous().t()  # [N, H] with strides (1, N): heads strided
+    slots = torch.tensor([2, 0], dtype=torch.int32)
+    want = cpu_step(inp, slots)
+    got = fused_step(inp, slots, 4)
+    assert rel_err(got[0], want[0]) < 1e-5 and rel_err(got[2], want[2]) < 1e-5
+
+
+def test_bad_values_are_refused_before_a_pool_moves():
+    inp = step_inputs(2, 3, seed=8)
+    before = inp["conv_states"].clone(), inp["state_pool"].clone()
+    with pytest.raises(ValueError, match="slots"):
+        fastkda.kda_decode_step(**inp, slots=torch.tensor([1, 1], dtype=torch.int32))  # two sequences, one slot
+    assert torch.equal(inp["conv_states"], before[0]) and torch.equal(inp["state_pool"], before[1])
+    with pytest.raises(ValueError, match="eps"):
+        fastkda.kda_decode_step(**inp, slots=torch.tensor([0, 1], dtype=torch.int32), eps=0.0)
+    with pytest.raises(ValueError, match="tickets"):
+        fastkda.kda_decode_step(**inp, slots=torch.tensor([0, 1], dtype=torch.int32),
+                                tickets=torch.zeros(1, dtype=torch.int32).expand(2 * HEADS))

@@ -22,12 +22,13 @@ def test_forward_only_shims_skip_gradients_but_not_outputs():
         exec(rewritten("fla", "from fla.ops.kda import chunk_kda, fused_recurrent_kda\n").split("\n", 1)[1], scope)
         scope["assert_close"]("dq", torch.zeros(1), None)
         scope["assert_close"]("o", torch.zeros(1), torch.zeros(1))
+        scope["assert_close"]("ht", torch.zeros(1), None)  # a missing forward output is still compared
         torch.zeros(1).backward()  # no grad: nothing happens
         x = torch.ones(1, requires_grad=True)
         (2 * x).sum().backward()
     finally:
         torch.Tensor.backward = original
-    assert scope["calls"] == ["o"] and x.grad.item() == 2
+    assert scope["calls"] == ["o", "ht"] and x.grad.item() == 2
 
 
 def test_refuses_a_file_without_the_import():
