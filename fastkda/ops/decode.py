@@ -31,6 +31,19 @@ def token_inputs(q, k, v, g, beta, n, t, T, h, kk, vv, stride_q, stride_k, strid
 
 
 @triton.jit
+def gate_parameters(A_log, dt_bias, h, kk, K: tl.constexpr, LOWER_BOUND_GATE: tl.constexpr):
+    """Head h's ``(exp(A_log[h]), dt_bias[h, kk])`` for the lower-bound gate; placeholders without it (unused by
+    :func:`token_step` then)."""
+    if LOWER_BOUND_GATE:
+        a_scale = tl.exp(tl.load(A_log + h).to(tl.float32))
+        bias = tl.load(dt_bias + h * K + kk).to(tl.float32)
+    else:  # tensors, not Python numbers: a jit function returns values of one kind
+        a_scale = tl.zeros_like(kk).to(tl.float32)
+        bias = tl.zeros_like(kk).to(tl.float32)
+    return a_scale, bias
+
+
+@triton.jit
 def token_step(S, q_t, k_t, v_t, g_t, b_t, a_scale, bias, lower_bound, scale, LOWER_BOUND_GATE: tl.constexpr,
                L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr):
     """One token of spec §1 on a ``[BV, K]`` fp32 state slice from raw inputs (norms, gate and β's sigmoid as the
@@ -71,12 +84,7 @@ def decode_kernel(
     # one computes
     q_t, k_t, v_t, g_t, b_t = token_inputs(q, k, v, g, beta, n, 0, T, h, kk, vv, stride_q, stride_k, stride_v,
                                             stride_g, stride_beta_n, stride_beta_t, stride_beta_h, K, V)
-    if LOWER_BOUND_GATE:
-        a_scale = tl.exp(tl.load(A_log + h).to(tl.float32))
-        bias = tl.load(dt_bias + h * K + kk).to(tl.float32)
-    else:  # unused by token_step without the gate
-        a_scale = 0.0
-        bias = 0.0
+    a_scale, bias = gate_parameters(A_log, dt_bias, h, kk, K, LOWER_BOUND_GATE)
     if HAS_ACCEPTED:
         read_t = tl.load(num_accepted + n).to(tl.int32) - 1
         accepted_ok = (read_t >= 0) & (read_t < T)

@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from .common import interpreting, launch, load_f32, store_as
-from .decode import token_step
+from .decode import gate_parameters, token_step
 
 
 @triton.jit
@@ -86,12 +86,7 @@ def decode_step_kernel(
                                  stride_wc, stride_wj, W, WP)
     g_t = load_f32(g + n.to(tl.int64) * stride_g + h * K + kk, k_ok)
     b_t = tl.load(beta + n * stride_beta + h * stride_beta_h).to(tl.float32)
-    if LOWER_BOUND_GATE:
-        a_scale = tl.exp(tl.load(A_log + h).to(tl.float32))
-        bias = tl.load(dt_bias + h * K + kk).to(tl.float32)
-    else:  # unused by token_step without the gate
-        a_scale = 0.0
-        bias = 0.0
+    a_scale, bias = gate_parameters(A_log, dt_bias, h, kk, K, LOWER_BOUND_GATE)
     state_cols = (h * V + vv[:, None]) * K + kk[None, :]
     m_state = live & v_ok[:, None] & k_ok[None, :]
     S = load_f32(pool + row * (H * V * K) + state_cols, m_state)
