@@ -394,8 +394,15 @@ def kda_decode_reference(
     else:
         read_slot = read_slot.long()
         live = read_slot >= 0
-        all_live, in_place = bool(live.all()), False
-        S = state_pool.index_select(0, read_slot if all_live else read_slot.clamp(min=0)).to(dtype)  # [N, H, V, K]
+        all_live = bool(live.all())
+        first = int(read_slot[0])
+        # slots first, first + 1, ... (a batch that took its slots together): a view, updated in place
+        in_place = all_live and not per_token and state_pool.dtype == dtype and state_pool.is_contiguous() and bool(
+            (read_slot == torch.arange(first, first + num_seqs, device=read_slot.device)).all())
+        if in_place:
+            S = state_pool[first:first + num_seqs]
+        else:
+            S = state_pool.index_select(0, read_slot if all_live else read_slot.clamp(min=0)).to(dtype)  # [N, H, V, K]
     if not all_live:
         live = read_slot >= 0
         S = torch.where(live.view(-1, 1, 1, 1), S, 0)

@@ -128,3 +128,18 @@ def test_decode_under_torch_compile_is_one_op():
     compiled = torch.compile(step, fullgraph=True)
     assert torch.equal(compiled(pools[0]), step(pools[1]))
     assert torch.equal(pools[0], pools[1])
+
+
+def test_cpu_path_updates_consecutive_slots_in_place():
+    """Slots first, first + 1, ... take the CPU path's in-place view: same results as the float64 walk, other
+    rows untouched."""
+    inp = make_inputs([2] * 3, heads=2, varlen=False, seed=31)
+    pool = torch.randn(5, 2, 64, 64, generator=torch.Generator().manual_seed(1))
+    truth_pool = pool.double()
+    slots = torch.tensor([1, 2, 3])
+    gate = dict(A_log=inp["A_log"], dt_bias=inp["dt_bias"], lower_bound=inp["lower_bound"])
+    out = kda_decode_reference(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], pool, slots, **gate)
+    want = kda_decode_reference(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], truth_pool, slots, **gate,
+                                dtype=torch.float64)
+    assert rel_err(out, want) < 1e-5 and rel_err(pool[1:4], truth_pool[1:4]) < 1e-5
+    assert torch.equal(pool[[0, 4]], truth_pool[[0, 4]].float())
