@@ -1,4 +1,4 @@
-"""Public functions of fastkda: prefill and decode.
+"""Public functions of fastkda: prefill and decode, and the layer's conv, gated norm and fused decode step.
 
 Each validates what the host can see (:mod:`fastkda.validation`), makes the launch plan (:mod:`fastkda.plan`) and
 calls its custom op (``fastkda::prefill``, ``fastkda::decode``): the Triton kernels on CUDA tensors, the PyTorch
@@ -9,16 +9,19 @@ counted (:mod:`fastkda.errors`), and checked mode (:mod:`fastkda.checks`) raises
 
 from __future__ import annotations
 
+import math
 from typing import List, Optional
 
 import torch
 
 from . import checks as value_checks
 from .errors import KINDS, counters
+from .ops.decode_step import fused_decode_step
 from .plan import CHUNK, DecodePlan, PrefillPlan, choose_decode_plan, choose_plan, sm_count
-from .reference import kda_chunked, kda_decode_reference
-from .validation import (addressable_inputs, check_disjoint, check_tensor, fail, remembered, scalar_defaults,
-                         validate_decode, validate_prefill)
+from .reference import causal_conv1d_reference, gated_rmsnorm_reference, kda_chunked, kda_decode_reference
+from .validation import (FLOAT_DTYPES, INDEX_DTYPES, _describe, addressable_inputs, byte_extent, check_contiguous,
+                         check_disjoint, check_tensor, fail, remembered, scalar_defaults, validate_decode,
+                         validate_prefill)
 
 
 def _sms_of(q):
@@ -300,11 +303,6 @@ def kda_decode(
 
 # The KDA layer around the operator (spec §9): its short causal conv (step 2) and output norm (step 6).
 
-import math  # noqa: E402
-
-from .reference import causal_conv1d_reference, gated_rmsnorm_reference  # noqa: E402
-from .validation import FLOAT_DTYPES, INDEX_DTYPES, _describe, byte_extent, check_contiguous  # noqa: E402
-
 CONV_WIDTHS = range(2, 9)  # kernel sizes W the conv takes (Kimi-Linear: 4)
 MAX_NORM_DIM = 16384  # the norm holds each row of D values in registers
 
@@ -488,6 +486,13 @@ def _row_levels(x, gate):
     return [(1, 0, 0)] * (3 - len(levels)) + levels
 
 
+def _check_eps(eps, positive):
+    """The norm's epsilon: a finite number, > 0 when ``positive`` (else >= 0)."""
+    number = not isinstance(eps, bool) and isinstance(eps, (int, float))
+    if not (number and (0 < eps if positive else 0 <= eps) and eps < math.inf):
+        fail("eps", "a positive finite number" if positive else "a finite number >= 0", repr(eps))
+
+
 def _validate_norm(x, gate, weight, eps, activation):
     """Raise ``ValueError`` naming the first argument of a norm call that breaks its contract; return the row
     levels (:func:`_row_levels`), flattened."""
@@ -497,8 +502,7 @@ def _validate_norm(x, gate, weight, eps, activation):
     check_tensor("x", x, x.shape, FLOAT_DTYPES, device)
     _check_operand("gate", gate, x.shape, FLOAT_DTYPES, device, "x")
     _check_operand("weight", weight, x.shape[-1:], FLOAT_DTYPES, device, "x")
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 <= eps < math.inf:
-        fail("eps", "a finite number >= 0", repr(eps))
+    _check_eps(eps, positive=False)
     _check_activation(activation, ("sigmoid", "silu"))
     return [number for level in _row_levels(x, gate) for number in level]
 
@@ -545,7 +549,11 @@ def gated_rmsnorm(x, gate, weight, eps=1e-6, *, activation="sigmoid"):
 
 # The layer's whole decode step (conv update, KDA decode, gated norm) in one launch on the GPU.
 
-from .ops.decode_step import fused_decode_step  # noqa: E402
+
+def _token_heads(mixed, heads, key_dim, value_dim):
+    """q, k, v ``[N, 1, H, D]`` views of a token's q | k | v channels ``[N, H·(2K + V)]``."""
+    return (part.view(mixed.shape[0], 1, heads, -1)
+            for part in mixed.split([heads * key_dim, heads * key_dim, heads * value_dim], dim=1))
 
 
 def _validate_decode_step(mixed, conv_states, conv_weight, g, beta, output_gate, norm_weight, state_pool, slots,
@@ -564,8 +572,7 @@ def _validate_decode_step(mixed, conv_states, conv_weight, g, beta, output_gate,
         fail("mixed", f"[N, H·(2K + V)] = [{num_seqs}, {channels}] (q | k | v before the conv), channels contiguous",
              _describe(mixed))
     _validate_conv_update(mixed, conv_states, conv_weight, None, slots, "silu")
-    q, k, v = (part.view(num_seqs, 1, heads, -1) for part in mixed.split(
-        [heads * key_dim, heads * key_dim, heads * value_dim], dim=1))
+    q, k, v = _token_heads(mixed, heads, key_dim, value_dim)
     beta = beta[:, None] if isinstance(beta, torch.Tensor) else beta
     validate_decode(*addressable_inputs(q, k, v, g[:, None], beta), state_pool, slots, A_log, dt_bias, lower_bound,
                     scale, None, None)
@@ -581,8 +588,7 @@ def _validate_decode_step(mixed, conv_states, conv_weight, g, beta, output_gate,
         check_contiguous("tickets", tickets)
     if not isinstance(slots, torch.Tensor) or slots.dim() != 1:
         fail("slots", f"of shape [{num_seqs}] (one token per sequence)", _describe(slots))
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 < eps < math.inf:
-        fail("eps", "a positive finite number (a padding row's zeros are normalised too)", repr(eps))
+    _check_eps(eps, positive=True)  # a padding row's zeros are normalised too
     return tuple(byte_extent(x) for x in (mixed, conv_states, g, beta, output_gate, state_pool))
 
 
@@ -605,10 +611,8 @@ def kda_decode_step(mixed, conv_states, conv_weight, g, beta, output_gate, norm_
         tickets: ``[N·H]`` int32 zeros the kernel uses to join a head's slices and leaves as zeros (a caller that
             keeps one saves a memset per step); None allocates one.
     """
-    scale, lower_bound = scalar_defaults(g if isinstance(g, torch.Tensor) and g.dim() == 3 else None, scale,
-                                         lower_bound)
-    if scale is None and isinstance(g, torch.Tensor) and g.dim() == 3:
-        scale = g.shape[-1] ** -0.5
+    one_token = g[:, None] if isinstance(g, torch.Tensor) and g.dim() == 3 else None  # [N, 1, H, K], as decode's q
+    scale, lower_bound = scalar_defaults(one_token, scale, lower_bound)
     extents = remembered(_validate_decode_step, mixed, conv_states, conv_weight, g, beta, output_gate, norm_weight,
                          state_pool, slots, A_log, dt_bias, lower_bound, scale, eps, tickets)
     named = list(zip(("mixed", "conv_states", "g", "beta", "output_gate", "state_pool"),
@@ -623,8 +627,7 @@ def kda_decode_step(mixed, conv_states, conv_weight, g, beta, output_gate, norm_
         # the slots' values first: the conv would otherwise have moved its pool before the decode refused them
         value_checks.decode_indices(slots, None, state_pool.shape[0], 1)
         conv = causal_conv1d_update(mixed, conv_states, conv_weight, slots=slots)
-        q, k, v = (part.view(num_seqs, 1, heads, -1) for part in conv.split(
-            [heads * key_dim, heads * key_dim, heads * value_dim], dim=1))
+        q, k, v = _token_heads(conv, heads, key_dim, value_dim)
         o = kda_decode(q, k, v, g[:, None], beta[:, None], state_pool, slots, A_log=A_log, dt_bias=dt_bias,
                        lower_bound=lower_bound, scale=scale, use_qk_l2norm=use_qk_l2norm,
                        use_beta_sigmoid=use_beta_sigmoid)

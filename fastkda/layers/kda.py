@@ -168,16 +168,13 @@ class KimiDeltaAttention(nn.Module):
         mixed, g, gate, beta, output_gate = self._projections(x)
         state_pool, conv_pool = cache.layer(self.layer_idx) if cache else (None, None)  # with the scratch row
         weight = self.conv1d.weight.squeeze(1)
+        tokens = mixed[0] if packed else mixed  # the conv's own layouts: [T, C] packed, [B, T, C]
         conv_checkpoint = None
         if checkpoint_offsets is not None:  # before the conv, which overwrites the pool rows
-            conv_checkpoint = self._conv_checkpoint(mixed[0] if packed else mixed, cache, slots, has_initial_state,
-                                                    cu_seqlens, checkpoint_offsets)
-        if packed:
-            mixed_conv = causal_conv1d(mixed[0], weight, self.conv1d.bias, conv_states=_live_rows(conv_pool),
-                                       slots=slots, has_initial_state=has_initial_state, cu_seqlens=cu_seqlens)[None]
-        else:
-            mixed_conv = causal_conv1d(mixed, weight, self.conv1d.bias, conv_states=_live_rows(conv_pool),
-                                       slots=slots, has_initial_state=has_initial_state)
+            conv_checkpoint = self._conv_checkpoint(tokens, cache, slots, has_initial_state, cu_seqlens,
+                                                    checkpoint_offsets)
+        mixed_conv = causal_conv1d(tokens, weight, self.conv1d.bias, conv_states=_live_rows(conv_pool), slots=slots,
+                                   has_initial_state=has_initial_state, cu_seqlens=cu_seqlens).view(mixed.shape)
         q, k, v = self._split_heads(mixed_conv)
         read, write, states = None, None, None
         if cache is not None:
@@ -224,8 +221,6 @@ class KimiDeltaAttention(nn.Module):
     def _decode(self, hidden_states, cache, slots, num_accepted_tokens):
         mixed, g, gate, beta, output_gate = self._projections(hidden_states)
         state_pool, conv_pool = cache.layer(self.layer_idx)
-        if not hidden_states.is_cuda:  # the slots' values first: the conv would otherwise move its pool, then refuse
-            decode_indices(slots, num_accepted_tokens, cache.num_slots, hidden_states.shape[1])
         weight = self.conv1d.weight.squeeze(1)
         if self.fused_decode and slots.dim() == 1 and hidden_states.shape[1] == 1 and self.conv1d.bias is None:
             o = kda_decode_step(mixed[:, 0], _live_rows(conv_pool), weight, g[:, 0], beta[:, 0], output_gate[:, 0],
@@ -233,6 +228,8 @@ class KimiDeltaAttention(nn.Module):
                                 eps=self.o_norm.variance_epsilon,
                                 tickets=cache.step_tickets(slots.shape[0] * self.num_heads))
             return self.o_proj(o.flatten(-2))[:, None]
+        if not hidden_states.is_cuda:  # the slots' values first: the conv would otherwise move its pool, then refuse
+            decode_indices(slots, num_accepted_tokens, cache.num_slots, hidden_states.shape[1])
         if slots.dim() == 1:
             mixed_conv = causal_conv1d_update(mixed, _live_rows(conv_pool), weight, self.conv1d.bias, slots=slots)
         else:
