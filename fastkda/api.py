@@ -254,6 +254,17 @@ def _decode_fake(q, k, v, g, beta, state_pool, slots, A_log, dt_bias, lower_boun
     return None
 
 
+def _decode_plan(plan, v_slices, num_seqs, heads, value_dim, tokens, anchor):
+    """The decode plan of a call: ``plan`` checked against the call's shape, or the automatic one."""
+    if plan is None:
+        return choose_decode_plan(num_seqs, heads, value_dim, _sms_of(anchor), v_slices, tokens=tokens)
+    if not isinstance(plan, DecodePlan) or v_slices != "auto" or (plan.num_seqs, plan.heads, plan.value_dim) != (
+            num_seqs, heads, value_dim):
+        fail("plan", f"a fastkda.DecodePlan for num_seqs={num_seqs}, heads={heads}, value_dim={value_dim}, with "
+             "v_slices='auto'", plan)
+    return plan
+
+
 def kda_decode(
     q, k, v, g, beta, state_pool, slots, *, A_log=None, dt_bias=None, lower_bound=None, scale=None,
     num_accepted_tokens=None, use_qk_l2norm=True, use_beta_sigmoid=True, out=None, v_slices="auto", plan=None,
@@ -285,13 +296,8 @@ def kda_decode(
     if out is not None:
         check_disjoint("out", out, extents[6], zip(("q", "k", "v", "g", "beta", "state_pool"),
                                                    (q, k, v, g, beta, state_pool), extents))
-    num_seqs, _, heads, _ = q.shape
-    if plan is None:
-        plan = choose_decode_plan(num_seqs, heads, v.shape[-1], _sms_of(q), v_slices, tokens=q.shape[1])
-    elif not isinstance(plan, DecodePlan) or v_slices != "auto" or (plan.num_seqs, plan.heads, plan.value_dim) != (
-            num_seqs, heads, v.shape[-1]):
-        fail("plan", f"a fastkda.DecodePlan for num_seqs={num_seqs}, heads={heads}, value_dim={v.shape[-1]}, with "
-             "v_slices='auto'", plan)
+    num_seqs, tokens, heads, _ = q.shape
+    plan = _decode_plan(plan, v_slices, num_seqs, heads, v.shape[-1], tokens, q)
     errors = _error_counters(errors, q)
     if out is None:
         out = torch.empty_like(v, memory_format=torch.contiguous_format)
@@ -594,7 +600,7 @@ def _validate_decode_step(mixed, conv_states, conv_weight, g, beta, output_gate,
 
 def kda_decode_step(mixed, conv_states, conv_weight, g, beta, output_gate, norm_weight, state_pool, slots, *,
                     A_log=None, dt_bias=None, lower_bound=None, scale=None, eps=1e-5, use_qk_l2norm=True,
-                    use_beta_sigmoid=True, tickets=None):
+                    use_beta_sigmoid=True, tickets=None, plan=None):
     """The KDA layer's decode step for one token per sequence (spec §9 steps 2, 5 and 6): the conv update of q, k
     and v with SiLU, KDA decode over the state pool, and the gated RMSNorm of each head's output. Returns
     ``[N, H, V]`` in mixed's dtype (before ``o_proj``). One kernel on the GPU (``fastkda/ops/decode_step.py``);
@@ -610,6 +616,8 @@ def kda_decode_step(mixed, conv_states, conv_weight, g, beta, output_gate, norm_
             padding row (zero output, neither pool read or written).
         tickets: ``[N·H]`` int32 zeros the kernel uses to join a head's slices and leaves as zeros (a caller that
             keeps one saves a memset per step); None allocates one.
+        plan: a :class:`fastkda.plan.DecodePlan` for this call (``fastkda.choose_decode_plan(..., tokens=1)``)
+            instead of the automatic one (as :func:`kda_decode` takes it; the GPU kernel follows it).
     """
     one_token = g[:, None] if isinstance(g, torch.Tensor) and g.dim() == 3 else None  # [N, 1, H, K], as decode's q
     scale, lower_bound = scalar_defaults(one_token, scale, lower_bound)
@@ -623,6 +631,7 @@ def kda_decode_step(mixed, conv_states, conv_weight, g, beta, output_gate, norm_
         check_disjoint("tickets", tickets, byte_extent(tickets), named)
     num_seqs, heads, key_dim = g.shape
     value_dim = state_pool.shape[2]
+    plan = _decode_plan(plan, "auto", num_seqs, heads, value_dim, 1, mixed)
     if mixed.device.type != "cuda":
         # the slots' values first: the conv would otherwise have moved its pool before the decode refused them
         value_checks.decode_indices(slots, None, state_pool.shape[0], 1)
@@ -632,7 +641,6 @@ def kda_decode_step(mixed, conv_states, conv_weight, g, beta, output_gate, norm_
                        lower_bound=lower_bound, scale=scale, use_qk_l2norm=use_qk_l2norm,
                        use_beta_sigmoid=use_beta_sigmoid)
         return gated_rmsnorm(o[:, 0], output_gate, norm_weight, eps)
-    plan = choose_decode_plan(num_seqs, heads, value_dim, _sms_of(mixed), tokens=1)
     if tickets is None:
         tickets = torch.zeros(num_seqs * heads, dtype=torch.int32, device=mixed.device)
     out = torch.empty(num_seqs, heads, value_dim, dtype=mixed.dtype, device=mixed.device)

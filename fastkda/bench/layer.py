@@ -3,7 +3,7 @@
 The workload is a serving step's: a prefill of the chunked mix (``H12_chunked_mix``'s sequence lengths, packed),
 then ``--steps`` decode steps of one token for every sequence. fastkda runs :class:`fastkda.layers.
 KimiDeltaAttention` over a :class:`fastkda.cache.KDACache` (the packed prefill in one call; each decode step eager
-and as a CUDA-graph replay). The peer is transformers' ``KimiLinearDeltaAttention`` (GLM-5.3-Flash's layer with a
+and as a CUDA-graph replay), then again with its fused decode step (``fused_decode=True``). The peer is transformers' ``KimiLinearDeltaAttention`` (GLM-5.3-Flash's layer with a
 lower bound: ``--gate lower_bound``) on the same weights, with the KDA functions transformers bound at import (FLA's
 where installed) and, if asked, its PyTorch fallbacks: its layer takes no packed batch, so each sequence is
 prefilled alone and the decode steps run batched, its conv and recurrent states stacked in a small cache object
@@ -105,6 +105,10 @@ def _timed(prefill, decode_steps, states, device, repeats):
     return prefill_ms, steps_ms, torch.cat(outputs, 1)
 
 
+def _rel_err(x, reference):
+    return ((x.float() - reference.float()).norm() / reference.float().norm()).item()
+
+
 def run_fastkda(layer, prompts, steps_in, device, repeats):
     """Prefill the packed prompts, then the decode steps; returns times and the decode outputs."""
     lengths = [p.shape[0] for p in prompts]
@@ -180,12 +184,14 @@ def main(argv=None):
     rows, commit, run = [], git_commit(), run_id()
     times, reference = run_fastkda(ours, prompts, steps_in, device, args.repeats)
     rows.append(dict(path="fastkda", **times, decode_rel_err=0.0))
+    ours.fused_decode = True  # the same layer, its decode steps in one launch each
+    times, outputs = run_fastkda(ours, prompts, steps_in, device, args.repeats)
+    rows.append(dict(path="fastkda fused step", **times, decode_rel_err=_rel_err(outputs, reference)))
     with_fla = binds_fla(bound["chunk_kimi_delta_attention"])
     for path in (["fla"] if with_fla else []) + (["pytorch"] if args.pytorch or not with_fla else []):
         use_path(module, path, bound)
         times, outputs = run_transformers(theirs, prompts, steps_in, device, args.repeats)
-        err = ((outputs.float() - reference.float()).norm() / reference.float().norm()).item()
-        rows.append(dict(path=f"transformers+{path}", **times, decode_rel_err=err))
+        rows.append(dict(path=f"transformers+{path}", **times, decode_rel_err=_rel_err(outputs, reference)))
     use_path(module, "fla", bound)
     meta = dict(workload=args.workload, heads=heads, lengths=lengths, hidden=args.hidden, steps=args.steps,
                 gate=args.gate, dtype=str(dtype).replace("torch.", ""), device=device_name(device), commit=commit,

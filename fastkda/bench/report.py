@@ -115,25 +115,34 @@ def markdown_table(rows, impls, mode, runs=None):
 
 
 def decode_table(rows, runs=None):
-    """µs per step, state GB/s (read + written) and its share of the copy rate, per implementation, from
-    graph-mode decode rows; the run of fastkda's row where rows of several runs mix."""
+    """Per decode workload, from graph-mode rows: fastkda's KDA-only step (µs, state GB/s read + written, its share
+    of the copy rate), the memory floor of its plan and fastkda's ratio to it, the layer's fused step (conv update,
+    KDA, gated norm in one launch) and the same three ops unfused, each against the KDA-only step, and FLA; the run
+    of a cell whose row came from another run than fastkda's, where rows of several runs mix."""
     runs = runs if runs is not None else run_numbers(rows)
     mixed = len(runs) > 1
     by = {(r["workload"], r["impl"]): r for r in rows}
-    lines = ["| workload | fastkda µs | fastkda GB/s | % of copy | fla µs | fla GB/s | vs fla |"
-             + (" run |" if mixed else ""), "|---|---|---|---|---|---|---|" + ("---|" if mixed else "")]
+    lines = ["| workload | fastkda µs | fastkda GB/s | % of copy | floor µs | vs floor | fused step µs | step / KDA | "
+             "3 ops µs | 3 ops / KDA | fla µs | fla GB/s | vs fla |" + (" run |" if mixed else ""),
+             "|---" * 13 + "|" + ("---|" if mixed else "")]
     for name in dict.fromkeys(r["workload"] for r in rows):
-        ours, peer = by.get((name, "fastkda")), by.get((name, "fla"))
+        ours = by.get((name, "fastkda"))
 
-        def cell(r, key, fmt):
-            return fmt(r[key]) if r else "—"
-        ratio = f"{peer['ms'] / ours['ms']:.2f}×" if ours and peer else "—"
+        def us(impl):
+            r = by.get((name, impl))
+            return f"{r['ms'] * 1e3:.1f}{_tag(r, ours, runs)}" if r else "—"
+
+        def ratio(impl, over):
+            a, b = by.get((name, impl)), by.get((name, over))
+            return f"{a['ms'] / b['ms']:.2f}×" if a and b else "—"
+        peer = by.get((name, "fla"))
         share = f"{100 * ours['gbps'] / ours['copy_gbps']:.0f}%" if ours and ours.get("copy_gbps") else "—"
-        line = (f"| {name} | {cell(ours, 'ms', lambda x: f'{x * 1e3:.1f}')} | {cell(ours, 'gbps', str)} | {share} | "
-                f"{cell(peer, 'ms', lambda x: f'{x * 1e3:.1f}')}{_tag(peer, ours, runs)} | {cell(peer, 'gbps', str)} | "
-                f"{ratio} |")
+        line = (f"| {name} | {us('fastkda')} | {ours['gbps'] if ours else '—'} | {share} | {us('floor')} | "
+                f"{ratio('fastkda', 'floor')} | {us('fastkda_step')} | {ratio('fastkda_step', 'fastkda')} | "
+                f"{us('fastkda_3ops')} | {ratio('fastkda_3ops', 'fastkda')} | {us('fla')} | "
+                f"{peer['gbps'] if peer else '—'} | {ratio('fla', 'fastkda')} |")
         if mixed:
-            line += f" {runs[run_of(ours or peer)]} |"
+            line += f" {runs[run_of(ours or next(r for (w, _), r in by.items() if w == name))]} |"
         lines.append(line)
     return "\n".join(lines)
 
@@ -238,7 +247,8 @@ def render_results(meta, rows, stem, kernels=()):
                "(V-slices re-read the same K-side tiles).", "", kernel_table(kernels, rows, runs)]
     decode = [r for r in rows if r["group"] == "decode" and r["mode"] == "graph"]
     if decode:
-        md += ["", "## decode (CUDA graph; % of the device-to-device copy rate measured in the same run)", "",
+        md += ["", "## decode (CUDA graph; % of the device-to-device copy rate measured in the same run; the floor: "
+               "each state slice through its slot and back on fastkda's decode plan, `fastkda.bench.floor`)", "",
                decode_table(decode, runs)]
     if len(runs) > 1:
         md += ["", "## runs", "", "Rows of several runs meet in this file; a table's run column and a bracketed "

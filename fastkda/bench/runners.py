@@ -162,7 +162,70 @@ def fla_decode_runner(inp):
     return run
 
 
-DECODE_IMPLS = MappingProxyType({"fastkda": fastkda_decode_runner, "fla": fla_decode_runner})
+def _step_inputs(inp, seed=1):
+    """The layer's decode-step inputs around a one-token decode input set: the q | k | v projections before the
+    conv ``[N, 3·H·D]``, an fp32 conv pool with a row per state slot, a width-4 conv weight, the output gate and the
+    norm's weight (spec §9), drawn as the workloads draw theirs."""
+    seqs, _, heads, dim = inp["q"].shape
+    device = inp["q"].device
+    gen = torch.Generator(device).manual_seed(seed)
+    channels = 3 * heads * dim
+
+    def randn(*shape, dtype=torch.bfloat16):
+        return torch.randn(*shape, generator=gen, device=device).to(dtype)
+    return dict(mixed=randn(seqs, channels), conv_states=randn(inp["pool"].shape[0], channels, 3, dtype=torch.float32),
+                conv_weight=randn(channels, 4), output_gate=randn(seqs, heads, dim),
+                norm_weight=1 + 0.1 * randn(dim, dtype=torch.float32))
+
+
+def fastkda_step_runner(inp, plan=None):
+    """``fastkda.kda_decode_step``, the layer's whole decode step (conv update, KDA decode, gated norm) in one launch,
+    over the workload's state pool; None for several tokens per sequence (the step takes one)."""
+    from ..api import kda_decode_step
+
+    if inp["q"].shape[1] != 1:
+        return None
+    step = _step_inputs(inp)
+    tickets = torch.zeros(inp["q"].shape[0] * inp["q"].shape[2], dtype=torch.int32, device=inp["q"].device)
+
+    def run():
+        return kda_decode_step(step["mixed"], step["conv_states"], step["conv_weight"], inp["g"][:, 0],
+                               inp["beta"][:, 0], step["output_gate"], step["norm_weight"], inp["pool"], inp["slots"],
+                               A_log=inp["A_log"], dt_bias=inp["dt_bias"], lower_bound=LOWER_BOUND,
+                               scale=inp["scale"], tickets=tickets, plan=plan)
+    return run
+
+
+def fastkda_three_ops_runner(inp):
+    """The same step as :func:`fastkda_step_runner` in three launches (``causal_conv1d_update``, ``kda_decode``,
+    ``gated_rmsnorm``), as the layer runs it with ``fused_decode=False``."""
+    from ..api import causal_conv1d_update, gated_rmsnorm, kda_decode
+
+    if inp["q"].shape[1] != 1:
+        return None
+    step = _step_inputs(inp)
+    seqs, _, heads, dim = inp["q"].shape
+
+    def run():
+        conv = causal_conv1d_update(step["mixed"], step["conv_states"], step["conv_weight"], slots=inp["slots"])
+        q, k, v = (part.view(seqs, 1, heads, dim) for part in conv.chunk(3, dim=1))
+        o = kda_decode(q, k, v, inp["g"], inp["beta"], inp["pool"], inp["slots"], A_log=inp["A_log"],
+                       dt_bias=inp["dt_bias"], lower_bound=LOWER_BOUND, scale=inp["scale"])
+        return gated_rmsnorm(o[:, 0], step["output_gate"], step["norm_weight"], 1e-5)
+    return run
+
+
+def floor_decode_runner(inp):
+    """The memory floor of fastkda's decode plan for these inputs (:mod:`fastkda.bench.floor`)."""
+    from .floor import state_chain_runner
+
+    return state_chain_runner(inp)
+
+
+# decode implementations by name: "fastkda" is the KDA-only step, "floor" the state's round trip on its plan
+DECODE_IMPLS = MappingProxyType({"fastkda": fastkda_decode_runner, "fastkda_step": fastkda_step_runner,
+                                 "fastkda_3ops": fastkda_three_ops_runner, "floor": floor_decode_runner,
+                                 "fla": fla_decode_runner})
 
 
 def peer_versions():

@@ -50,10 +50,12 @@ def test_commit_comes_from_the_environment_first(monkeypatch):
 
 def test_decode_table():
     rows = [dict(workload="w", group="decode", impl="fastkda", mode="graph", ms=0.01, gbps=9.0)]
-    assert "| w | 10.0 | 9.0 | — | — | — | — |" in decode_table(rows)
-    rows.append(dict(workload="w", group="decode", impl="fla", mode="graph", ms=0.02, gbps=4.5, run="other"))
+    assert "| w | 10.0 | 9.0 | — | — | — | — | — | — | — | — | — | — |" in decode_table(rows)
+    rows += [dict(workload="w", group="decode", impl="fla", mode="graph", ms=0.02, gbps=4.5, run="other"),
+             dict(workload="w", group="decode", impl="floor", mode="graph", ms=0.008, gbps=11.0),
+             dict(workload="w", group="decode", impl="fastkda_step", mode="graph", ms=0.012, gbps=7.5)]
     table = decode_table(rows)
-    assert "| w | 10.0 | 9.0 | — | 20.0 [2] | 4.5 | 2.00× | 1 |" in table
+    assert "| w | 10.0 | 9.0 | — | 8.0 | 1.25× | 12.0 | 1.20× | — | — | 20.0 [2] | 4.5 | 2.00× | 1 |" in table
 
 
 def test_merge_keeps_earlier_rows_and_replaces_remeasured_ones(tmp_path):

@@ -2,7 +2,8 @@
 replay, timed as the benchmark times it): an empty kernel on decode's grid (the replay itself), a kernel that only
 moves each program's state slice through the slot index (slot -> state -> store: the memory chain), the same
 without the slot indirection, and the decode step. Also back-to-back replays without the L2 flush between them.
-The grid, slice width and warps are those of the decode plan of each workload.
+The grid, slice width and warps are those of the decode plan of each workload; the chain kernel is the benchmark's
+floor (:mod:`fastkda.bench.floor`).
 
 python tools/profiling/decode_floor.py [--max-seqs 32]"""
 
@@ -14,8 +15,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository r
 
 import torch  # noqa: E402
 import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
 
+from fastkda.bench.floor import state_chain_runner  # noqa: E402
 from fastkda.bench.runners import fastkda_decode_runner  # noqa: E402
 from fastkda.bench.timing import capture_graph, time_graph  # noqa: E402
 from fastkda.bench.workloads import load_workloads, make_decode_inputs  # noqa: E402
@@ -25,19 +26,6 @@ from fastkda.plan import choose_decode_plan, sm_count  # noqa: E402
 @triton.jit
 def empty_kernel(pool):
     pass
-
-
-@triton.jit
-def state_chain_kernel(pool, slots, H: tl.constexpr, V: tl.constexpr, K: tl.constexpr, BV: tl.constexpr,
-                       INDIRECT: tl.constexpr):
-    vs = tl.program_id(0)
-    h = tl.program_id(1)
-    n = tl.program_id(2)
-    slot = tl.load(slots + n).to(tl.int64) if INDIRECT else n.to(tl.int64)
-    vv = vs * BV + tl.arange(0, BV)
-    kk = tl.arange(0, K)
-    ptrs = pool + slot * (H * V * K) + (h * V + vv[:, None]) * K + kk[None, :]
-    tl.store(ptrs, tl.load(ptrs) * 1.0009765625)
 
 
 def replay_back_to_back(run, replays=200):
@@ -62,16 +50,14 @@ def main(argv=None):
         if w["N"] > args.max_seqs or w["tokens_per_seq"] != 1:
             continue
         inp = make_decode_inputs(w, "cuda")
-        pool, slots = inp["pool"], inp["slots"]
+        pool = inp["pool"]
         heads, dim = w["H"], pool.shape[-1]
-        plan = choose_decode_plan(w["N"], heads, dim, sm_count(torch.cuda.current_device()))
-        grid, width, warps = (plan.v_slices, heads, w["N"]), plan.slice_width, plan.warps
+        plan = choose_decode_plan(w["N"], heads, dim, sm_count(torch.cuda.current_device()), tokens=1)
+        grid, warps = (plan.v_slices, heads, w["N"]), plan.warps
         runs = {
             "empty kernel": lambda: empty_kernel[grid](pool, num_warps=warps),
-            "slot -> state -> store": lambda: state_chain_kernel[grid](pool, slots, heads, dim, dim, width, True,
-                                                                       num_warps=warps),
-            "state -> store (no slot)": lambda: state_chain_kernel[grid](pool, slots, heads, dim, dim, width, False,
-                                                                         num_warps=warps),
+            "slot -> state -> store": state_chain_runner(inp, plan),
+            "state -> store (no slot)": state_chain_runner(inp, plan, indirect=False),
             "decode step": fastkda_decode_runner(inp, plan=plan),
         }
         for label, run in runs.items():

@@ -1,7 +1,9 @@
 """Decode launch settings on the device: every decode workload under decode plans of 16, 32 and 64 state columns
-per program (and 32 columns on 8 warps), CUDA-graph replay, so that the decode plan rests on measurements.
+per program (and 32 columns on 8 warps), CUDA-graph replay, so that the decode plan rests on measurements; with
+``--step``, the layer's fused decode step (``fastkda.kda_decode_step``) on its one-token workloads instead.
 
-python tools/sweeps/decode_sweep.py [--out DIR] [--settings 16 32 32:8 64]  ->  <date>-<gpu>-decode-sweep.json
+python tools/sweeps/decode_sweep.py [--out DIR] [--settings 16 32 32:8 64] [--step]
+    ->  <date>-<gpu>-decode-sweep.json (or -decode-step-sweep.json)
 A setting is COLUMNS[:WARPS]; without WARPS, the plan's own warps for that width (fastkda.plan.decode_warps)."""
 
 import argparse
@@ -13,13 +15,14 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: fastkda and tools
 
 from fastkda.bench.report import git_commit, results_stem  # noqa: E402
-from fastkda.bench.runners import fastkda_decode_runner  # noqa: E402
+from fastkda.bench.runners import fastkda_decode_runner, fastkda_step_runner  # noqa: E402
 from fastkda.bench.timing import time_graph  # noqa: E402
 from fastkda.bench.work import decode_state_bytes  # noqa: E402
 from fastkda.bench.workloads import DIM, load_workloads, make_decode_inputs  # noqa: E402
 from fastkda.plan import DecodePlan, decode_warps  # noqa: E402
 
 SETTINGS = ("16", "32", "32:8", "64")
+STEP_SETTINGS = ("16:1", "16:2", "32:2", "32:4", "64:4")  # the fused step: 255 registers at 16 columns on 1 warp
 
 
 def decode_plan(workload, setting, value_dim=DIM):
@@ -35,27 +38,33 @@ def decode_plan(workload, setting, value_dim=DIM):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default="fastkda-results", help="folder for the results file")
-    parser.add_argument("--settings", nargs="*", default=list(SETTINGS), metavar="COLUMNS[:WARPS]")
+    parser.add_argument("--settings", nargs="*", metavar="COLUMNS[:WARPS]",
+                        help=f"default {' '.join(SETTINGS)}; with --step {' '.join(STEP_SETTINGS)}")
+    parser.add_argument("--step", action="store_true", help="sweep the fused decode step instead of decode")
     args = parser.parse_args(argv)
+    settings = args.settings or list(STEP_SETTINGS if args.step else SETTINGS)
+    runner = fastkda_step_runner if args.step else fastkda_decode_runner
     import torch
 
     rows = []
     for w in load_workloads()["decode"]:
+        if args.step and w["tokens_per_seq"] != 1:
+            continue
         inp = make_decode_inputs(w, "cuda")
         state_bytes = decode_state_bytes(w)
-        for setting in args.settings:
+        for setting in settings:
             plan = decode_plan(w, setting)
-            ms = time_graph(fastkda_decode_runner(inp, plan=plan))
+            ms = time_graph(runner(inp, plan=plan))
             label = f"{plan.slice_width} columns, {plan.warps} warps"
             rows.append(dict(workload=w["name"], setting=label, ms=round(ms, 5), gbps=round(state_bytes / ms / 1e6, 1)))
             print(f"[decode-sweep] {w['name']} {label}: {ms * 1e3:.1f} us, {state_bytes / ms / 1e6:.0f} GB/s",
                   flush=True)
     props = torch.cuda.get_device_properties(0)
-    meta = dict(gpu=props.name, sms=props.multi_processor_count, commit=git_commit(),
+    meta = dict(gpu=props.name, sms=props.multi_processor_count, commit=git_commit(), step=args.step,
                 date=datetime.date.today().isoformat())
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    path = Path(f"{results_stem(out, props.name)}-decode-sweep.json")
+    path = Path(f"{results_stem(out, props.name)}-decode{'-step' if args.step else ''}-sweep.json")
     path.write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
     print(f"[decode-sweep] results in {path}")
 
