@@ -115,7 +115,7 @@ def run_fastkda(layer, prompts, steps_in, device, repeats):
     cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32, device=device)
     packed = torch.cat(prompts)
     cache = KDACache(len(prompts), 1, layer.num_heads, layer.head_dim, layer.conv_channels, layer.conv_kernel,
-                     device=device)
+                     conv_dtype=prompts[0].dtype, device=device)  # conv states in the activations' dtype
     slots = cache.allocate(len(prompts))
 
     def prefill():

@@ -11,6 +11,8 @@ program that takes the last ticket reads every slice's sum in slice order (deter
 output, applies the gate and writes it, and puts the ticket back to 0 (so a CUDA graph replays from zeros). And the
 q/k channels' conv state: every slice reads it, so only the last program, which knows that every slice has read it
 (their reads come before their tickets), writes its new value; each program writes its own v channels' state.
+With one slice per head (the plan's choice where the conv's q/k channels would otherwise be re-read by every
+slice), the program normalises its head and writes the q/k state itself, without workspace or ticket.
 
 A negative slot, or one at or past the pool's size, is a padding row: zeros for the conv state and the recurrent
 state, a zero output, nothing written to either pool (counted as the decode kernel counts it).
@@ -25,10 +27,10 @@ from .decode import gate_parameters, token_step
 
 
 @triton.jit
-def conv_channels(mixed_row, conv_row, weight, channels, ok, live, stride_cc, stride_cj, stride_wc, stride_wj,
-                  W: tl.constexpr, WP: tl.constexpr):
-    """The conv's output (SiLU applied) for ``channels`` of one token, and the new conv state ``[B, WP]`` of those
-    channels (columns past W−1 unused): the old state's W−2 newest inputs, then the token."""
+def conv_output(mixed_row, conv_row, weight, channels, ok, live, stride_cc, stride_cj, stride_wc, stride_wj,
+                W: tl.constexpr, WP: tl.constexpr):
+    """The conv's output (SiLU applied) for ``channels`` of one token: the W−1 state columns of its slot (one
+    ``[B, WP]`` tile, columns past W−1 unused) and the token, against the kernel's taps."""
     x_t = load_f32(mixed_row + channels, ok)
     cols = tl.arange(0, WP)
     state = load_f32(conv_row + channels[:, None] * stride_cc + cols[None, :] * stride_cj,
@@ -36,12 +38,19 @@ def conv_channels(mixed_row, conv_row, weight, channels, ok, live, stride_cc, st
     taps = load_f32(weight + channels[:, None] * stride_wc + cols[None, :] * stride_wj,
                     ok[:, None] & (cols < W - 1)[None, :])
     acc = tl.sum(state * taps, axis=1) + x_t * load_f32(weight + channels * stride_wc + (W - 1) * stride_wj, ok)
-    acc = acc * tl.sigmoid(acc)
-    # the new state's column j is the old column j + 1 (j < W−2) or the token (j = W−2)
+    return acc * tl.sigmoid(acc)
+
+
+@triton.jit
+def shifted_conv_state(mixed_row, conv_row, channels, ok, live, stride_cc, stride_cj, W: tl.constexpr,
+                       WP: tl.constexpr):
+    """The new conv state ``[B, WP]`` of ``channels`` (columns past W−1 unused): the old state's W−2 newest
+    inputs, then the token. Its caller stores it only after every read of the old state it must not overtake."""
+    cols = tl.arange(0, WP)
+    x_t = load_f32(mixed_row + channels, ok)
     shifted = load_f32(conv_row + channels[:, None] * stride_cc + (cols + 1)[None, :] * stride_cj,
                        (ok & live)[:, None] & (cols < W - 2)[None, :])
-    new_state = tl.where((cols == W - 2)[None, :], x_t[:, None], shifted)
-    return acc, new_state
+    return tl.where((cols == W - 2)[None, :], x_t[:, None], shifted)
 
 
 @triton.jit
@@ -50,6 +59,27 @@ def store_conv_state(conv_row, channels, new_state, ok, live, stride_cc, stride_
     cols = tl.arange(0, WP)
     store_as(conv_row + channels[:, None] * stride_cc + cols[None, :] * stride_cj, new_state,
              (ok & live)[:, None] & (cols < W - 1)[None, :], EMULATE)
+
+
+@triton.jit
+def shift_qk_conv_state(mixed_row, conv_row, q_ch, k_ch, ok, live, stride_cc, stride_cj, W: tl.constexpr,
+                        WP: tl.constexpr, EMULATE: tl.constexpr):
+    """Write a head's new q and k conv state, read whole before any of it is written (the program's threads may
+    hold copies of one element)."""
+    q_state = shifted_conv_state(mixed_row, conv_row, q_ch, ok, live, stride_cc, stride_cj, W, WP)
+    k_state = shifted_conv_state(mixed_row, conv_row, k_ch, ok, live, stride_cc, stride_cj, W, WP)
+    tl.debug_barrier()
+    store_conv_state(conv_row, q_ch, q_state, ok, live, stride_cc, stride_cj, W, WP, EMULATE)
+    store_conv_state(conv_row, k_ch, k_state, ok, live, stride_cc, stride_cj, W, WP, EMULATE)
+
+
+@triton.jit
+def normalised_head(o, total, n, h, out_gate, norm_weight, stride_gate, eps, live, V: tl.constexpr):
+    """The gated RMSNorm of one head's output ``o [V]`` (fp32) whose sum of squares is ``total``."""
+    dd = tl.arange(0, V)
+    rstd = tl.rsqrt(total / V + eps)
+    gate = load_f32(out_gate + n.to(tl.int64) * stride_gate + h * V + dd, dd < V)
+    return tl.where(live, o * rstd * load_f32(norm_weight + dd, dd < V) * tl.sigmoid(gate), 0.0)
 
 
 @triton.jit
@@ -78,12 +108,13 @@ def decode_step_kernel(
     q_ch = h * K + kk  # the conv's channels: q | k | v, H heads each
     k_ch = H * K + h * K + kk
     v_ch = 2 * H * K + h * V + vv
-    q_t, q_state = conv_channels(mixed_row, conv_row, conv_weight, q_ch, k_ok, live, stride_cc, stride_cj,
-                                 stride_wc, stride_wj, W, WP)
-    k_t, k_state = conv_channels(mixed_row, conv_row, conv_weight, k_ch, k_ok, live, stride_cc, stride_cj,
-                                 stride_wc, stride_wj, W, WP)
-    v_t, v_state = conv_channels(mixed_row, conv_row, conv_weight, v_ch, v_ok, live, stride_cc, stride_cj,
-                                 stride_wc, stride_wj, W, WP)
+    q_t = conv_output(mixed_row, conv_row, conv_weight, q_ch, k_ok, live, stride_cc, stride_cj, stride_wc, stride_wj,
+                      W, WP)
+    k_t = conv_output(mixed_row, conv_row, conv_weight, k_ch, k_ok, live, stride_cc, stride_cj, stride_wc, stride_wj,
+                      W, WP)
+    v_t = conv_output(mixed_row, conv_row, conv_weight, v_ch, v_ok, live, stride_cc, stride_cj, stride_wc, stride_wj,
+                      W, WP)
+    v_state = shifted_conv_state(mixed_row, conv_row, v_ch, v_ok, live, stride_cc, stride_cj, W, WP)
     g_t = load_f32(g + n.to(tl.int64) * stride_g + h * K + kk, k_ok)
     b_t = tl.load(beta + n * stride_beta + h * stride_beta_h).to(tl.float32)
     a_scale, bias = gate_parameters(A_log, dt_bias, h, kk, K, LOWER_BOUND_GATE)
@@ -96,25 +127,26 @@ def decode_step_kernel(
     store_as(pool + row * (H * V * K) + state_cols, S, m_state, EMULATE)
     tl.debug_barrier()  # every thread's reads of the old conv row before any thread's writes
     store_conv_state(conv_row, v_ch, v_state, v_ok, live, stride_cc, stride_cj, W, WP, EMULATE)
-    head = n.to(tl.int64) * H + h
-    tl.store(partial + head * V + vv, o_t, mask=v_ok)
-    tl.store(sums + head * SLICES + vs, tl.sum(o_t * o_t))
     tl.atomic_add(errors, (slot >= pool_slots).to(tl.int32), mask=(vs == 0) & (h == 0) & (slot >= pool_slots),
                   sem="relaxed")  # "slot", as the decode kernel counts it
-    tl.debug_barrier()  # every thread's stores and q/k state reads of this program before its ticket (release)
-    ticket = tl.atomic_add(tickets + head, 1, sem="acq_rel")
-    if ticket == SLICES - 1:  # every slice of this head has read the q/k state and written its output
-        store_conv_state(conv_row, q_ch, q_state, k_ok, live, stride_cc, stride_cj, W, WP, EMULATE)
-        store_conv_state(conv_row, k_ch, k_state, k_ok, live, stride_cc, stride_cj, W, WP, EMULATE)
-        ss = tl.arange(0, SLICES)
-        total = tl.sum(tl.load(sums + head * SLICES + ss))
-        rstd = tl.rsqrt(total / V + eps)
-        dd = tl.arange(0, V)
-        o = tl.load(partial + head * V + dd)
-        gate = load_f32(out_gate + n.to(tl.int64) * stride_gate + h * V + dd, dd < V)
-        y = tl.where(live, o * rstd * load_f32(norm_weight + dd, dd < V) * tl.sigmoid(gate), 0.0)
-        store_as(out + head * V + dd, y, dd < V, EMULATE)
-        tl.store(tickets + head, 0)
+    head = n.to(tl.int64) * H + h
+    if SLICES == 1:  # the whole head in this program: no other program reads its q/k state or needs its output
+        shift_qk_conv_state(mixed_row, conv_row, q_ch, k_ch, k_ok, live, stride_cc, stride_cj, W, WP, EMULATE)
+        y = normalised_head(o_t, tl.sum(o_t * o_t), n, h, out_gate, norm_weight, stride_gate, eps, live, V)
+        store_as(out + head * V + vv, y, v_ok, EMULATE)
+    else:
+        tl.store(partial + head * V + vv, o_t, mask=v_ok)
+        tl.store(sums + head * SLICES + vs, tl.sum(o_t * o_t))
+        tl.debug_barrier()  # every thread's stores and q/k state reads of this program before its ticket (release)
+        ticket = tl.atomic_add(tickets + head, 1, sem="acq_rel")
+        if ticket == SLICES - 1:  # every slice of this head has read the q/k state and written its output
+            shift_qk_conv_state(mixed_row, conv_row, q_ch, k_ch, k_ok, live, stride_cc, stride_cj, W, WP, EMULATE)
+            ss = tl.arange(0, SLICES)
+            dd = tl.arange(0, V)
+            y = normalised_head(tl.load(partial + head * V + dd), tl.sum(tl.load(sums + head * SLICES + ss)), n, h,
+                                out_gate, norm_weight, stride_gate, eps, live, V)
+            store_as(out + head * V + dd, y, dd < V, EMULATE)
+            tl.store(tickets + head, 0)
 
 
 def fused_decode_step(mixed, conv_pool, conv_weight, g, beta, out_gate, norm_weight, state_pool, slots, *, plan,

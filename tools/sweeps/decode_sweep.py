@@ -22,7 +22,7 @@ from fastkda.bench.workloads import DIM, load_workloads, make_decode_inputs  # n
 from fastkda.plan import DecodePlan, decode_warps  # noqa: E402
 
 SETTINGS = ("16", "32", "32:8", "64")
-STEP_SETTINGS = ("16:1", "16:2", "32:2", "32:4", "64:4")  # the fused step: 255 registers at 16 columns on 1 warp
+STEP_SETTINGS = ("16:1", "16:2", "32:2", "32:4", "64:4", "64:8", "128:8")  # the fused step's candidates
 
 
 def decode_plan(workload, setting, value_dim=DIM):
@@ -52,7 +52,14 @@ def main(argv=None):
             continue
         inp = make_decode_inputs(w, "cuda")
         state_bytes = decode_state_bytes(w)
-        for setting in settings:
+        # with --step, first the KDA-only step under its own plan: what the fused step is held against
+        for setting in ([None] if args.step else []) + settings:
+            if setting is None:
+                ms = time_graph(fastkda_decode_runner(inp))
+                rows.append(dict(workload=w["name"], setting="KDA-only step, auto plan", ms=round(ms, 5),
+                                 gbps=round(state_bytes / ms / 1e6, 1)))
+                print(f"[decode-sweep] {w['name']} KDA-only step: {ms * 1e3:.1f} us", flush=True)
+                continue
             plan = decode_plan(w, setting)
             ms = time_graph(runner(inp, plan=plan))
             label = f"{plan.slice_width} columns, {plan.warps} warps"
