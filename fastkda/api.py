@@ -17,7 +17,7 @@ import torch
 from . import checks as value_checks
 from .errors import KINDS, counters
 from .ops.decode_step import fused_decode_step
-from .plan import CHUNK, DecodePlan, PrefillPlan, choose_decode_plan, choose_plan, sm_count
+from .plan import CHUNK, DecodePlan, PrefillPlan, choose_decode_plan, choose_decode_step_plan, choose_plan, sm_count
 from .reference import causal_conv1d_reference, gated_rmsnorm_reference, kda_chunked, kda_decode_reference
 from .validation import (FLOAT_DTYPES, INDEX_DTYPES, _describe, addressable_inputs, byte_extent, check_contiguous,
                          check_disjoint, check_tensor, fail, remembered, scalar_defaults, validate_decode,
@@ -603,8 +603,11 @@ def kda_decode_step(mixed, conv_states, conv_weight, g, beta, output_gate, norm_
                     use_beta_sigmoid=True, tickets=None, plan=None):
     """The KDA layer's decode step for one token per sequence (spec §9 steps 2, 5 and 6): the conv update of q, k
     and v with SiLU, KDA decode over the state pool, and the gated RMSNorm of each head's output. Returns
-    ``[N, H, V]`` in mixed's dtype (before ``o_proj``). One kernel on the GPU (``fastkda/ops/decode_step.py``);
-    on the CPU the same steps through :func:`causal_conv1d_update`, :func:`kda_decode` and :func:`gated_rmsnorm`.
+    ``[N, H, V]`` in mixed's dtype (before ``o_proj``). On the GPU one kernel (``fastkda/ops/decode_step.py``)
+    where the step is latency-bound, else the three launches :func:`causal_conv1d_update`, :func:`kda_decode` and
+    :func:`gated_rmsnorm` (:func:`fastkda.plan.choose_decode_step_plan` decides); on the CPU those three. The fused
+    kernel keeps the conv's output in fp32 where the three round it to mixed's dtype: outputs agree to bf16's
+    rounding, not bit for bit.
 
     Args:
         mixed: ``[N, H·(2K + V)]``, each sequence's q | k | v projections before the conv (channels contiguous).
@@ -616,8 +619,8 @@ def kda_decode_step(mixed, conv_states, conv_weight, g, beta, output_gate, norm_
             padding row (zero output, neither pool read or written).
         tickets: ``[N·H]`` int32 zeros the kernel uses to join a head's slices and leaves as zeros (a caller that
             keeps one saves a memset per step); None allocates one.
-        plan: a :class:`fastkda.plan.DecodePlan` for this call (``fastkda.choose_decode_plan(..., tokens=1)``)
-            instead of the automatic one (as :func:`kda_decode` takes it; the GPU kernel follows it).
+        plan: a :class:`fastkda.plan.DecodePlan` for the fused kernel on the GPU, whatever the automatic choice
+            (``fastkda.choose_decode_plan(..., tokens=1)``, as :func:`kda_decode` takes one).
     """
     one_token = g[:, None] if isinstance(g, torch.Tensor) and g.dim() == 3 else None  # [N, 1, H, K], as decode's q
     scale, lower_bound = scalar_defaults(one_token, scale, lower_bound)
@@ -631,10 +634,14 @@ def kda_decode_step(mixed, conv_states, conv_weight, g, beta, output_gate, norm_
         check_disjoint("tickets", tickets, byte_extent(tickets), named)
     num_seqs, heads, key_dim = g.shape
     value_dim = state_pool.shape[2]
-    plan = _decode_plan(plan, "auto", num_seqs, heads, value_dim, 1, mixed)
-    if mixed.device.type != "cuda":
-        # the slots' values first: the conv would otherwise have moved its pool before the decode refused them
-        value_checks.decode_indices(slots, None, state_pool.shape[0], 1)
+    if plan is not None:
+        plan = _decode_plan(plan, "auto", num_seqs, heads, value_dim, 1, mixed)
+    elif mixed.device.type == "cuda":
+        plan = choose_decode_step_plan(num_seqs, heads, value_dim, _sms_of(mixed))
+    if mixed.device.type != "cuda" or plan is None:
+        if mixed.device.type != "cuda":
+            # the slots' values first: the conv would otherwise have moved its pool before the decode refused them
+            value_checks.decode_indices(slots, None, state_pool.shape[0], 1)
         conv = causal_conv1d_update(mixed, conv_states, conv_weight, slots=slots)
         q, k, v = _token_heads(conv, heads, key_dim, value_dim)
         o = kda_decode(q, k, v, g[:, None], beta[:, None], state_pool, slots, A_log=A_log, dt_bias=dt_bias,

@@ -652,6 +652,27 @@ def _choose_decode_plan(num_seqs, heads, value_dim, sms, choice, tokens):
     return DecodePlan(num_seqs, heads, value_dim, slices, warps, reason)
 
 
+DECODE_STEP_SLICE_WIDTH = 64  # state columns per program of the fused decode step (on DECODE_STEP_WARPS warps)
+DECODE_STEP_WARPS = 8
+
+
+def choose_decode_step_plan(num_seqs: int, heads: int, value_dim: int, sms: int):
+    """The layer's decode step (:func:`fastkda.kda_decode_step`): the plan of its one fused kernel, or None where
+    it runs as three launches (the conv's decode step, KDA decode, the gated norm).
+
+    Fused where a step has at most one head per SM: there the step is latency-bound and two launches fewer save
+    more than the fused kernel adds. Past that the step is bound by bytes, and every slice of a head repeats the
+    conv of its q and k channels, so the three launches win (the step sweeps at 31fbad3 and a93d5ff: at H12 N256
+    the fused step's best plan 1.48x the KDA-only step, the three ops 1.26x). The fused kernel's slices: 64
+    columns on 8 warps (two slices a head at V = 128: the best or within 2% of it at N = 1 and 32)."""
+    if num_seqs * heads > sms:
+        return None
+    slices = max(value_dim // DECODE_STEP_SLICE_WIDTH, 1)
+    return DecodePlan(num_seqs, heads, value_dim, slices, DECODE_STEP_WARPS,
+                      f"fused: {num_seqs * heads} heads on {sms} SMs, {slices} slice(s) a head of "
+                      f"{value_dim // slices} columns on {DECODE_STEP_WARPS} warps")
+
+
 CONV_TOKENS = 32  # tokens per conv program in prefill (fewer for decode's few tokens per sequence)
 CONV_CHANNELS = 128  # channels per conv program
 NORM_ELEMENTS = 4096  # elements (rows × padded D) per gated-norm program
@@ -666,6 +687,15 @@ def conv_launch(tokens: int, channels: int, width: int) -> tuple:
     least W−1, so that only a sequence's first block reaches back into its conv state."""
     block_t = max(_next_power_of_2(width - 1), min(CONV_TOKENS, _next_power_of_2(max(tokens, 1))))
     return block_t, min(CONV_CHANNELS, _next_power_of_2(channels)), 4
+
+
+CONV_UPDATE_CHANNELS = 512  # channels per program of the conv's one-token decode step
+
+
+def conv_update_launch(channels: int) -> tuple:
+    """``(channel block, warps)`` of the conv's decode step (``conv_update_kernel``): one program per (channel
+    block, sequence), each pool row's ``[BC, W−1]`` read as one tile."""
+    return min(CONV_UPDATE_CHANNELS, _next_power_of_2(channels)), 4
 
 
 def norm_launch(rows: int, dim: int) -> tuple:

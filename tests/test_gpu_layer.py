@@ -9,6 +9,7 @@ import fastkda
 from fastkda.bench.timing import capture_graph
 from fastkda.cache import KDACache
 from fastkda.layers import KimiDeltaAttention
+from fastkda.plan import choose_decode_step_plan, sm_count
 from helpers import rel_err
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -141,24 +142,33 @@ def test_fused_decode_step_equals_the_three_ops(heads, num_seqs):
     slots = torch.arange(num_seqs, dtype=torch.int32, device="cuda").flip(0) + 1
     if num_seqs > 1:
         slots[1] = -1
-    pools = conv_pool.clone(), state_pool.clone()
-    # the three ops on fp32 activations: the fused step keeps the conv's output in fp32 registers, where the
-    # unfused conv would round it to mixed's bf16 (a 1e-3 difference in the states, not a defect of either)
-    conv = fastkda.causal_conv1d_update(mixed.float(), pools[0], conv_weight, slots=slots)
-    q, k, v = (part.view(num_seqs, 1, heads, dim) for part in conv.chunk(3, dim=1))
-    o = fastkda.kda_decode(q, k, v, g[:, None], beta[:, None], pools[1], slots, **gate)
-    want = fastkda.gated_rmsnorm(o[:, 0], output_gate, norm_weight, 1e-5).to(mixed.dtype)
+    def three_ops(activations):
+        pools = conv_pool.clone(), state_pool.clone()
+        conv = fastkda.causal_conv1d_update(activations, pools[0], conv_weight, slots=slots)
+        q, k, v = (part.view(num_seqs, 1, heads, dim) for part in conv.chunk(3, dim=1))
+        o = fastkda.kda_decode(q, k, v, g[:, None], beta[:, None], pools[1], slots, **gate)
+        return fastkda.gated_rmsnorm(o[:, 0], output_gate, norm_weight, 1e-5).to(mixed.dtype), *pools
+    # the fused kernel keeps the conv's output in fp32 registers, where the unfused conv rounds it to mixed's bf16
+    # (a 1e-3 difference in the states, not a defect of either): it is held against the three ops on fp32
+    # activations; the automatic plan's three-launch form against the three ops themselves, bit for bit
+    fused_want, unfused_want = three_ops(mixed.float()), three_ops(mixed)
     tickets = torch.zeros(num_seqs * heads, dtype=torch.int32, device="cuda")
-    for slices, warps in ((None, None), (8, 1), (8, 2), (2, 4), (1, 8)):  # the automatic plan, then each form
+    auto_fused = choose_decode_step_plan(num_seqs, heads, dim, sm_count(0)) is not None
+    for slices, warps in ((None, None), (8, 1), (8, 2), (2, 4), (2, 8), (1, 8)):  # the automatic plan, each form
         plan = None if slices is None else fastkda.DecodePlan(num_seqs, heads, dim, slices, warps)
         got_pools = conv_pool.clone(), state_pool.clone()
         got = fastkda.kda_decode_step(mixed, got_pools[0], conv_weight, g, beta, output_gate, norm_weight,
                                       got_pools[1], slots, **gate, tickets=tickets, plan=plan)
+        if plan is None and not auto_fused:
+            assert all(torch.equal(a, b) for a, b in zip((got, *got_pools), unfused_want))
+            continue
+        want, *pools = fused_want
         assert rel_err(got, want) < 1e-2, plan
         assert rel_err(got_pools[0], pools[0]) < 1e-6 and rel_err(got_pools[1], pools[1]) < 1e-5, plan
         assert torch.equal(tickets, torch.zeros_like(tickets))
+    sliced = fastkda.DecodePlan(num_seqs, heads, dim, 8, 1)  # the ticketed form, replayed
     step = lambda: fastkda.kda_decode_step(mixed, got_pools[0], conv_weight, g, beta, output_gate,  # noqa: E731
-                                           norm_weight, got_pools[1], slots, **gate, tickets=tickets)
+                                           norm_weight, got_pools[1], slots, **gate, tickets=tickets, plan=sliced)
     graph = capture_graph(step)
     graph.replay()
     assert torch.equal(tickets, torch.zeros_like(tickets))

@@ -4,8 +4,8 @@ import dataclasses
 
 import pytest
 
-from fastkda.plan import (V_SLICE_CHOICES, DecodePlan, PrefillPlan, choose_decode_plan, choose_plan, parse_v_slices,
-                          requested_v_slices)
+from fastkda.plan import (V_SLICE_CHOICES, DecodePlan, PrefillPlan, choose_decode_plan, choose_decode_step_plan,
+                          choose_plan, conv_update_launch, parse_v_slices, requested_v_slices)
 
 
 def plan(num_seqs, heads, value_dim=128, sms=132, **kw):
@@ -133,6 +133,15 @@ def test_decode_plan_uses_narrow_slices_and_honours_overrides(monkeypatch):
         choose_decode_plan(1, 12, 96, 132)
     with pytest.raises(ValueError, match="narrower"):
         dataclasses.replace(choose_decode_plan(1, 12, 64, 132), v_slices=8)
+
+
+def test_decode_step_fuses_only_where_it_is_latency_bound():
+    fused = choose_decode_step_plan(1, 12, 128, 132)
+    assert (fused.v_slices, fused.warps) == (2, 8)  # 64-column slices on 8 warps
+    assert choose_decode_step_plan(11, 12, 128, 132) is not None  # 132 heads on 132 SMs
+    assert choose_decode_step_plan(12, 12, 128, 132) is None  # past one head an SM: three launches
+    assert choose_decode_step_plan(1, 96, 64, 132).v_slices == 1
+    assert conv_update_launch(4608) == (512, 4) and conv_update_launch(96)[0] == 128
 
 
 def test_sequence_parallelism_where_the_chain_leaves_sms_idle():

@@ -3,11 +3,13 @@
 The workload is a serving step's: a prefill of the chunked mix (``H12_chunked_mix``'s sequence lengths, packed),
 then ``--steps`` decode steps of one token for every sequence. fastkda runs :class:`fastkda.layers.
 KimiDeltaAttention` over a :class:`fastkda.cache.KDACache` (the packed prefill in one call; each decode step eager
-and as a CUDA-graph replay), then again with its fused decode step (``fused_decode=True``). The peer is transformers' ``KimiLinearDeltaAttention`` (GLM-5.3-Flash's layer with a
-lower bound: ``--gate lower_bound``) on the same weights, with the KDA functions transformers bound at import (FLA's
-where installed) and, if asked, its PyTorch fallbacks: its layer takes no packed batch, so each sequence is
-prefilled alone and the decode steps run batched, its conv and recurrent states stacked in a small cache object
-with transformers' cache interface. Every path's decode outputs are compared with fastkda's.
+and as a CUDA-graph replay) with ``fused_decode=False``, then again with its default decode step
+(:func:`fastkda.kda_decode_step`). The peer is
+transformers' ``KimiLinearDeltaAttention`` (GLM-5.3-Flash's layer with a lower bound: ``--gate lower_bound``)
+on the same weights, with the KDA functions transformers bound at import (FLA's where installed) and, if asked,
+its PyTorch fallbacks: its layer takes no packed batch, so each sequence is prefilled alone and the decode steps
+run batched, its conv and recurrent states stacked in a small cache object with transformers' cache interface.
+Every path's decode outputs are compared with fastkda's.
 
 Writes ``OUT/<date>-<device>-layer.{json,md}``; eager times are medians of ``--repeats`` runs, CUDA-synchronised.
 """
@@ -182,9 +184,10 @@ def main(argv=None):
     module = modeling_module("kimi_linear" if args.gate == "softplus" else "glm5_next")
     bound = bound_functions(module)
     rows, commit, run = [], git_commit(), run_id()
+    ours.fused_decode = False  # first the three ops one by one, then the layer's default decode step
     times, reference = run_fastkda(ours, prompts, steps_in, device, args.repeats)
     rows.append(dict(path="fastkda", **times, decode_rel_err=0.0))
-    ours.fused_decode = True  # the same layer, its decode steps in one launch each
+    ours.fused_decode = True
     times, outputs = run_fastkda(ours, prompts, steps_in, device, args.repeats)
     rows.append(dict(path="fastkda fused step", **times, decode_rel_err=_rel_err(outputs, reference)))
     with_fla = binds_fla(bound["chunk_kimi_delta_attention"])

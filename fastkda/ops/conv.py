@@ -1,4 +1,6 @@
-"""The KDA layer's depthwise causal conv (spec §9 step 2) on the GPU: varlen prefill and decode, one kernel.
+"""The KDA layer's depthwise causal conv (spec §9 step 2) on the GPU: varlen prefill (and decode of several tokens)
+in one kernel, a decode step of one token per sequence in another (:func:`conv_update_kernel`, whose per-token
+helpers the fused decode step shares).
 
 One program per (token block, channel block). A token block is up to ``BT`` consecutive tokens of one sequence,
 laid out as the prefill's chunk slots (:mod:`fastkda.ops.prefill.layout`, with ``BT`` for the chunk): every
@@ -22,7 +24,7 @@ import triton.language as tl
 
 from .common import interpreting, launch, load_f32, store_as
 from .prefill.layout import first_slot, sequence_of_slot, sequence_span
-from ..plan import conv_launch, segment_slot_count
+from ..plan import conv_launch, conv_update_launch, segment_slot_count
 
 
 @triton.jit
@@ -91,6 +93,97 @@ def conv_kernel(
             store_as(row[:, None] + ii[None, :] * stride_sj, new, cols & live, EMULATE)
 
 
+@triton.jit
+def pre_activation(x_row, conv_row, weight, channels, ok, live, stride_xc, stride_cc, stride_cj, stride_wc,
+                   stride_wj, W: tl.constexpr, WP: tl.constexpr):
+    """The conv's sum (no bias, no activation) for ``channels`` of one token ``x_row``: the W−1 state columns of
+    its pool row (one ``[B, WP]`` tile, columns past W−1 unused; zeros where not ``live``) and the token, against
+    the kernel's taps, in fp32."""
+    x_t = load_f32(x_row + channels * stride_xc, ok)
+    cols = tl.arange(0, WP)
+    state = load_f32(conv_row + channels[:, None] * stride_cc + cols[None, :] * stride_cj,
+                     (ok & live)[:, None] & (cols < W - 1)[None, :])
+    taps = load_f32(weight + channels[:, None] * stride_wc + cols[None, :] * stride_wj,
+                    ok[:, None] & (cols < W - 1)[None, :])
+    return tl.sum(state * taps, axis=1) + x_t * load_f32(weight + channels * stride_wc + (W - 1) * stride_wj, ok)
+
+
+@triton.jit
+def conv_output(x_row, conv_row, weight, channels, ok, live, stride_xc, stride_cc, stride_cj, stride_wc, stride_wj,
+                W: tl.constexpr, WP: tl.constexpr):
+    """:func:`pre_activation` with the layer's SiLU."""
+    acc = pre_activation(x_row, conv_row, weight, channels, ok, live, stride_xc, stride_cc, stride_cj, stride_wc,
+                         stride_wj, W, WP)
+    return acc * tl.sigmoid(acc)
+
+
+@triton.jit
+def shifted_conv_state(x_row, conv_row, channels, ok, live, stride_xc, stride_cc, stride_cj, W: tl.constexpr,
+                       WP: tl.constexpr):
+    """The new conv state ``[B, WP]`` of ``channels`` (columns past W−1 unused): the old state's W−2 newest
+    inputs, then the token. Its caller stores it only after every read of the old state it must not overtake."""
+    cols = tl.arange(0, WP)
+    x_t = load_f32(x_row + channels * stride_xc, ok)
+    shifted = load_f32(conv_row + channels[:, None] * stride_cc + (cols + 1)[None, :] * stride_cj,
+                       (ok & live)[:, None] & (cols < W - 2)[None, :])
+    return tl.where((cols == W - 2)[None, :], x_t[:, None], shifted)
+
+
+@triton.jit
+def store_conv_state(conv_row, channels, new_state, ok, live, stride_cc, stride_cj, W: tl.constexpr,
+                     WP: tl.constexpr, EMULATE: tl.constexpr):
+    cols = tl.arange(0, WP)
+    store_as(conv_row + channels[:, None] * stride_cc + cols[None, :] * stride_cj, new_state,
+             (ok & live)[:, None] & (cols < W - 1)[None, :], EMULATE)
+
+
+@triton.jit
+def conv_update_kernel(
+    x, weight, bias, states, slots, out, stride_xn, stride_xc, stride_wc, stride_wj, stride_bias, stride_sp, stride_sc,
+    stride_sj, stride_slot, channels, pool_rows,
+    W: tl.constexpr, BC: tl.constexpr, WP: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_SLOTS: tl.constexpr,
+    SILU: tl.constexpr, EMULATE: tl.constexpr,
+):
+    """One token per sequence (a decode step): program (channel block, sequence) reads its pool row's W−1 columns
+    once as a ``[BC, WP]`` tile, writes the output and, after a barrier, the shifted row."""
+    cc = tl.program_id(0) * BC + tl.arange(0, BC)
+    n = tl.program_id(1)
+    ok = cc < channels
+    if HAS_SLOTS:
+        slot = tl.load(slots + n * stride_slot).to(tl.int64)
+    else:
+        slot = n.to(tl.int64)
+    live = (slot >= 0) & (slot < pool_rows)
+    x_row = x + n.to(tl.int64) * stride_xn
+    row = states + tl.where(live, slot, 0) * stride_sp
+    acc = pre_activation(x_row, row, weight, cc, ok, live, stride_xc, stride_sc, stride_sj, stride_wc, stride_wj, W,
+                         WP)
+    if HAS_BIAS:
+        acc += load_f32(bias + cc * stride_bias, ok)
+    if SILU:
+        acc = acc * tl.sigmoid(acc)
+    store_as(out + n.to(tl.int64) * channels + cc, acc, ok, EMULATE)
+    new_row = shifted_conv_state(x_row, row, cc, ok, live, stride_xc, stride_sc, stride_sj, W, WP)
+    tl.debug_barrier()  # every read of the old row, by any thread of this program, before the writes
+    store_conv_state(row, cc, new_row, ok, live, stride_sc, stride_sj, W, WP, EMULATE)
+
+
+def conv_update_forward(x, weight, bias, conv_states, slots, silu, out, block_c, warps):
+    """Launch :func:`conv_update_kernel` on validated inputs: ``x [N, 1, C]`` any strides, ``out`` contiguous, the
+    pool rows of live slots shifted in place; ``block_c`` channels per program on ``warps`` warps."""
+    num_seqs, _, channels = x.shape
+    width = weight.shape[1]
+    absent = weight  # stands for absent optional tensors; never dereferenced
+    launch(
+        conv_update_kernel, (triton.cdiv(channels, block_c), num_seqs, 1),
+        x, weight, bias if bias is not None else absent, conv_states, slots if slots is not None else absent, out,
+        x.stride(0), x.stride(2), weight.stride(0), weight.stride(1), bias.stride(0) if bias is not None else 0,
+        *conv_states.stride(), slots.stride(0) if slots is not None else 0, channels, conv_states.shape[0],
+        W=width, BC=block_c, WP=triton.next_power_of_2(width - 1), HAS_BIAS=bias is not None,
+        HAS_SLOTS=slots is not None, SILU=silu, EMULATE=interpreting(), num_warps=warps,
+    )
+
+
 def causal_conv1d_forward(x, weight, bias, conv_states, slots, has_initial_state, cu_seqlens, silu, out):
     """Launch the conv on validated inputs: ``x [T, C]`` (``cu_seqlens [N+1]``, or None for one sequence) or
     ``[B, T, C]``, any strides; ``out`` contiguous, x's shape, written; the pool rows of live slots updated in place
@@ -108,6 +201,9 @@ def causal_conv1d_forward(x, weight, bias, conv_states, slots, has_initial_state
         if tokens == 0:  # no token rows to address, but states to write: a varlen batch of empty sequences
             varlen, cu_seqlens = True, torch.zeros(num_seqs + 1, dtype=torch.int32, device=x.device)
     if num_seqs == 0 or channels == 0:
+        return
+    if not varlen and tokens == 1 and conv_states is not None and has_initial_state is None:  # a decode step
+        conv_update_forward(x, weight, bias, conv_states, slots, silu, out, *conv_update_launch(channels))
         return
     block_t, block_c, warps = conv_launch(tokens, channels, width)
     has_states = conv_states is not None

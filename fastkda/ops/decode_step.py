@@ -23,42 +23,8 @@ import triton
 import triton.language as tl
 
 from .common import interpreting, launch, load_f32, store_as
+from .conv import conv_output, shifted_conv_state, store_conv_state
 from .decode import gate_parameters, token_step
-
-
-@triton.jit
-def conv_output(mixed_row, conv_row, weight, channels, ok, live, stride_cc, stride_cj, stride_wc, stride_wj,
-                W: tl.constexpr, WP: tl.constexpr):
-    """The conv's output (SiLU applied) for ``channels`` of one token: the W−1 state columns of its slot (one
-    ``[B, WP]`` tile, columns past W−1 unused) and the token, against the kernel's taps."""
-    x_t = load_f32(mixed_row + channels, ok)
-    cols = tl.arange(0, WP)
-    state = load_f32(conv_row + channels[:, None] * stride_cc + cols[None, :] * stride_cj,
-                     (ok & live)[:, None] & (cols < W - 1)[None, :])
-    taps = load_f32(weight + channels[:, None] * stride_wc + cols[None, :] * stride_wj,
-                    ok[:, None] & (cols < W - 1)[None, :])
-    acc = tl.sum(state * taps, axis=1) + x_t * load_f32(weight + channels * stride_wc + (W - 1) * stride_wj, ok)
-    return acc * tl.sigmoid(acc)
-
-
-@triton.jit
-def shifted_conv_state(mixed_row, conv_row, channels, ok, live, stride_cc, stride_cj, W: tl.constexpr,
-                       WP: tl.constexpr):
-    """The new conv state ``[B, WP]`` of ``channels`` (columns past W−1 unused): the old state's W−2 newest
-    inputs, then the token. Its caller stores it only after every read of the old state it must not overtake."""
-    cols = tl.arange(0, WP)
-    x_t = load_f32(mixed_row + channels, ok)
-    shifted = load_f32(conv_row + channels[:, None] * stride_cc + (cols + 1)[None, :] * stride_cj,
-                       (ok & live)[:, None] & (cols < W - 2)[None, :])
-    return tl.where((cols == W - 2)[None, :], x_t[:, None], shifted)
-
-
-@triton.jit
-def store_conv_state(conv_row, channels, new_state, ok, live, stride_cc, stride_cj, W: tl.constexpr,
-                     WP: tl.constexpr, EMULATE: tl.constexpr):
-    cols = tl.arange(0, WP)
-    store_as(conv_row + channels[:, None] * stride_cc + cols[None, :] * stride_cj, new_state,
-             (ok & live)[:, None] & (cols < W - 1)[None, :], EMULATE)
 
 
 @triton.jit
@@ -66,8 +32,8 @@ def shift_qk_conv_state(mixed_row, conv_row, q_ch, k_ch, ok, live, stride_cc, st
                         WP: tl.constexpr, EMULATE: tl.constexpr):
     """Write a head's new q and k conv state, read whole before any of it is written (the program's threads may
     hold copies of one element)."""
-    q_state = shifted_conv_state(mixed_row, conv_row, q_ch, ok, live, stride_cc, stride_cj, W, WP)
-    k_state = shifted_conv_state(mixed_row, conv_row, k_ch, ok, live, stride_cc, stride_cj, W, WP)
+    q_state = shifted_conv_state(mixed_row, conv_row, q_ch, ok, live, 1, stride_cc, stride_cj, W, WP)
+    k_state = shifted_conv_state(mixed_row, conv_row, k_ch, ok, live, 1, stride_cc, stride_cj, W, WP)
     tl.debug_barrier()
     store_conv_state(conv_row, q_ch, q_state, ok, live, stride_cc, stride_cj, W, WP, EMULATE)
     store_conv_state(conv_row, k_ch, k_state, ok, live, stride_cc, stride_cj, W, WP, EMULATE)
@@ -108,13 +74,13 @@ def decode_step_kernel(
     q_ch = h * K + kk  # the conv's channels: q | k | v, H heads each
     k_ch = H * K + h * K + kk
     v_ch = 2 * H * K + h * V + vv
-    q_t = conv_output(mixed_row, conv_row, conv_weight, q_ch, k_ok, live, stride_cc, stride_cj, stride_wc, stride_wj,
+    q_t = conv_output(mixed_row, conv_row, conv_weight, q_ch, k_ok, live, 1, stride_cc, stride_cj, stride_wc, stride_wj,
                       W, WP)
-    k_t = conv_output(mixed_row, conv_row, conv_weight, k_ch, k_ok, live, stride_cc, stride_cj, stride_wc, stride_wj,
+    k_t = conv_output(mixed_row, conv_row, conv_weight, k_ch, k_ok, live, 1, stride_cc, stride_cj, stride_wc, stride_wj,
                       W, WP)
-    v_t = conv_output(mixed_row, conv_row, conv_weight, v_ch, v_ok, live, stride_cc, stride_cj, stride_wc, stride_wj,
+    v_t = conv_output(mixed_row, conv_row, conv_weight, v_ch, v_ok, live, 1, stride_cc, stride_cj, stride_wc, stride_wj,
                       W, WP)
-    v_state = shifted_conv_state(mixed_row, conv_row, v_ch, v_ok, live, stride_cc, stride_cj, W, WP)
+    v_state = shifted_conv_state(mixed_row, conv_row, v_ch, v_ok, live, 1, stride_cc, stride_cj, W, WP)
     g_t = load_f32(g + n.to(tl.int64) * stride_g + h * K + kk, k_ok)
     b_t = tl.load(beta + n * stride_beta + h * stride_beta_h).to(tl.float32)
     a_scale, bias = gate_parameters(A_log, dt_bias, h, kk, K, LOWER_BOUND_GATE)

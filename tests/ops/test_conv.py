@@ -154,7 +154,8 @@ def test_kernel_fixed_length_and_decode_batches():
 @needs_interpreter
 def test_kernel_reads_strided_views():
     """x as one third of a ``[T, 3C]`` projection (each of the three views), x channel-major (a transposed
-    ``[C, T]``), a ``[B, T, C]`` slice of a wider batch, weight transposed, a pool laid out ``[P, W-1, C]``."""
+    ``[C, T]``), a ``[B, T, C]`` slice of a wider batch, weight transposed, a pool laid out ``[P, W-1, C]``; the
+    same for a decode step of one token per sequence."""
     lengths = [5, 0, 41, 2]
     channels, width = 20, 4
     inp = conv_inputs(channels, width, 5, seed=5)
@@ -172,6 +173,11 @@ def test_kernel_reads_strided_views():
     assert pool_cl.stride() == (channels * (width - 1), 1, channels)
     batch = torch.randn(3, 20, 2 * channels, generator=gen)[:2, 3:, channels:]
     run_both(batch, inp["weight"], inp["bias"], inp["pool"].clone(), torch.tensor([2, 0]))
+    # a decode step's one token per sequence (its own kernel), through the same views; a null and a past-end slot
+    step_slots = torch.tensor([4, -1, 1, 5])
+    for x in (*wide[:4].split(channels, 1), channel_major[:4]):
+        run_both(x[:, None], inp["weight"], inp["bias"], inp["pool"].clone(), step_slots)
+        run_both(x[:, None], weight_t, None, pool_cl.clone(), step_slots, activation=None)
 
 
 def test_api_runs_the_reference_on_the_cpu():

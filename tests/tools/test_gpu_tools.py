@@ -9,11 +9,11 @@ pytest.importorskip("triton")  # decode_floor defines Triton kernels of its own
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: the tools package
 
 from tools.profiling import decode_floor, host_overhead, kernel_times, ncu_prepare  # noqa: E402
-from tools.sweeps import checkpoint_cost, decode_sweep, exactness_matrix, plan_sweep  # noqa: E402
+from tools.sweeps import checkpoint_cost, conv_update_sweep, decode_sweep, exactness_matrix, plan_sweep  # noqa: E402
 from tools.variants import prepare_variants  # noqa: E402
 
-TOOLS = [decode_floor, host_overhead, kernel_times, ncu_prepare, checkpoint_cost, decode_sweep, exactness_matrix,
-         plan_sweep, prepare_variants]
+TOOLS = [decode_floor, host_overhead, kernel_times, ncu_prepare, checkpoint_cost, conv_update_sweep, decode_sweep,
+         exactness_matrix, plan_sweep, prepare_variants]
 
 
 @pytest.mark.parametrize("tool", TOOLS, ids=lambda tool: tool.__name__.rsplit(".", 1)[-1])
