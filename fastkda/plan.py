@@ -660,12 +660,13 @@ def choose_decode_step_plan(num_seqs: int, heads: int, value_dim: int, sms: int)
     """The layer's decode step (:func:`fastkda.kda_decode_step`): the plan of its one fused kernel, or None where
     it runs as three launches (the conv's decode step, KDA decode, the gated norm).
 
-    Fused where a step has at most one head per SM: there the step is latency-bound and two launches fewer save
-    more than the fused kernel adds. Past that the step is bound by bytes, and every slice of a head repeats the
-    conv of its q and k channels, so the three launches win (the step sweeps at 31fbad3 and a93d5ff: at H12 N256
-    the fused step's best plan 1.48x the KDA-only step, the three ops 1.26x). The fused kernel's slices: 64
-    columns on 8 warps (two slices a head at V = 128: the best or within 2% of it at N = 1 and 32)."""
-    if num_seqs * heads > sms:
+    Fused up to four heads per SM: there the step is latency-bound, or nearly, and two launches fewer save more
+    than the fused kernel adds (H12 N32, 384 heads: 27.1 us fused against 30.5 for the three launches at a93d5ff
+    and 13389df). Past that the step is bound by bytes, and every slice of a head repeats the conv of its q and k
+    channels, so the three launches win (H12 N256: the fused kernel's best plan 156 us, the three launches 134).
+    The fused kernel's slices: 64 columns on 8 warps (two slices a head at V = 128: the best or within 2% of it
+    at N = 1 and 32)."""
+    if num_seqs * heads > 4 * sms:
         return None
     slices = max(value_dim // DECODE_STEP_SLICE_WIDTH, 1)
     return DecodePlan(num_seqs, heads, value_dim, slices, DECODE_STEP_WARPS,
@@ -689,7 +690,7 @@ def conv_launch(tokens: int, channels: int, width: int) -> tuple:
     return block_t, min(CONV_CHANNELS, _next_power_of_2(channels)), 4
 
 
-CONV_UPDATE_CHANNELS = 512  # channels per program of the conv's one-token decode step
+CONV_UPDATE_CHANNELS = 128  # channels per program of the conv's one-token decode step (sweep at 13389df)
 
 
 def conv_update_launch(channels: int) -> tuple:
