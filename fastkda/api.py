@@ -578,6 +578,8 @@ def _validate_decode_step(mixed, conv_states, conv_weight, g, beta, output_gate,
         fail("mixed", f"[N, H·(2K + V)] = [{num_seqs}, {channels}] (q | k | v before the conv), channels contiguous",
              _describe(mixed))
     _validate_conv_update(mixed, conv_states, conv_weight, None, slots, "silu")
+    if conv_states.shape[0] != state_pool.shape[0]:  # one slot addresses a row of each pool
+        fail("conv_states", f"as many rows as state_pool ({state_pool.shape[0]})", _describe(conv_states))
     q, k, v = _token_heads(mixed, heads, key_dim, value_dim)
     beta = beta[:, None] if isinstance(beta, torch.Tensor) else beta
     validate_decode(*addressable_inputs(q, k, v, g[:, None], beta), state_pool, slots, A_log, dt_bias, lower_bound,
@@ -638,6 +640,8 @@ def kda_decode_step(mixed, conv_states, conv_weight, g, beta, output_gate, norm_
         plan = _decode_plan(plan, "auto", num_seqs, heads, value_dim, 1, mixed)
     elif mixed.device.type == "cuda":
         plan = choose_decode_step_plan(num_seqs, heads, value_dim, _sms_of(mixed))
+    if torch.compiler.is_compiling():  # the three ops are opaque to torch.compile; the fused kernel is not
+        plan = None
     if mixed.device.type != "cuda" or plan is None:
         if mixed.device.type != "cuda":
             # the slots' values first: the conv would otherwise have moved its pool before the decode refused them

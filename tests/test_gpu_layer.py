@@ -126,7 +126,7 @@ def test_transformers_tiny_models_on_the_gpu(kind, dtype):
         assert rel_err(got, exact) <= rel_err(want, exact) * 1.05
 
 
-@pytest.mark.parametrize("heads,num_seqs", [(12, 1), (12, 32), (96, 4)])
+@pytest.mark.parametrize("heads,num_seqs", [(12, 1), (12, 32), (96, 4), (12, 64)])  # the last: three launches
 def test_fused_decode_step_equals_the_three_ops(heads, num_seqs):
     """The one-launch step against the conv update, KDA decode and gated norm run one by one on the GPU, bf16
     inputs, fp32 pools; a padding row; and a CUDA-graph replay (its tickets left at zero)."""

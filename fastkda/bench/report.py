@@ -116,13 +116,14 @@ def markdown_table(rows, impls, mode, runs=None):
 
 def decode_table(rows, runs=None):
     """Per decode workload, from graph-mode rows: fastkda's KDA-only step (µs, state GB/s read + written, its share
-    of the copy rate), the memory floor of its plan and fastkda's ratio to it, the layer's fused step (conv update,
-    KDA, gated norm in one launch) and the same three ops unfused, each against the KDA-only step, and FLA; the run
+    of the copy rate), the memory floor of its plan and fastkda's ratio to it, the layer's decode step
+    (``kda_decode_step``: conv update, KDA, gated norm, fused where its plan says) and the same three ops
+    launched one by one, each against the KDA-only step, and FLA; the run
     of a cell whose row came from another run than fastkda's, where rows of several runs mix."""
     runs = runs if runs is not None else run_numbers(rows)
     mixed = len(runs) > 1
     by = {(r["workload"], r["impl"]): r for r in rows}
-    lines = ["| workload | fastkda µs | fastkda GB/s | % of copy | floor µs | vs floor | fused step µs | step / KDA | "
+    lines = ["| workload | fastkda µs | fastkda GB/s | % of copy | floor µs | vs floor | layer step µs | step / KDA | "
              "3 ops µs | 3 ops / KDA | fla µs | fla GB/s | vs fla |" + (" run |" if mixed else ""),
              "|---" * 13 + "|" + ("---|" if mixed else "")]
     for name in dict.fromkeys(r["workload"] for r in rows):

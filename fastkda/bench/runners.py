@@ -180,8 +180,9 @@ def _step_inputs(inp, seed=1):
 
 
 def fastkda_step_runner(inp, plan=None):
-    """``fastkda.kda_decode_step``, the layer's whole decode step (conv update, KDA decode, gated norm) in one launch,
-    over the workload's state pool; None for several tokens per sequence (the step takes one)."""
+    """``fastkda.kda_decode_step``, the layer's whole decode step (conv update, KDA decode, gated norm: one fused
+    launch or three, as its plan decides, or the fused kernel on ``plan``), over the workload's state pool; None
+    for several tokens per sequence (the step takes one)."""
     from ..api import kda_decode_step
 
     if inp["q"].shape[1] != 1:

@@ -99,6 +99,7 @@ def pre_activation(x_row, conv_row, weight, channels, ok, live, stride_xc, strid
     """The conv's sum (no bias, no activation) for ``channels`` of one token ``x_row``: the W−1 state columns of
     its pool row (one ``[B, WP]`` tile, columns past W−1 unused; zeros where not ``live``) and the token, against
     the kernel's taps, in fp32."""
+    channels = channels.to(tl.int64)  # offsets of pools and inputs past 2**31 elements
     x_t = load_f32(x_row + channels * stride_xc, ok)
     cols = tl.arange(0, WP)
     state = load_f32(conv_row + channels[:, None] * stride_cc + cols[None, :] * stride_cj,
@@ -122,6 +123,7 @@ def shifted_conv_state(x_row, conv_row, channels, ok, live, stride_xc, stride_cc
                        WP: tl.constexpr):
     """The new conv state ``[B, WP]`` of ``channels`` (columns past W−1 unused): the old state's W−2 newest
     inputs, then the token. Its caller stores it only after every read of the old state it must not overtake."""
+    channels = channels.to(tl.int64)
     cols = tl.arange(0, WP)
     x_t = load_f32(x_row + channels * stride_xc, ok)
     shifted = load_f32(conv_row + channels[:, None] * stride_cc + (cols + 1)[None, :] * stride_cj,
@@ -132,6 +134,7 @@ def shifted_conv_state(x_row, conv_row, channels, ok, live, stride_xc, stride_cc
 @triton.jit
 def store_conv_state(conv_row, channels, new_state, ok, live, stride_cc, stride_cj, W: tl.constexpr,
                      WP: tl.constexpr, EMULATE: tl.constexpr):
+    channels = channels.to(tl.int64)
     cols = tl.arange(0, WP)
     store_as(conv_row + channels[:, None] * stride_cc + cols[None, :] * stride_cj, new_state,
              (ok & live)[:, None] & (cols < W - 1)[None, :], EMULATE)
@@ -144,10 +147,10 @@ def conv_update_kernel(
     W: tl.constexpr, BC: tl.constexpr, WP: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_SLOTS: tl.constexpr,
     SILU: tl.constexpr, EMULATE: tl.constexpr,
 ):
-    """One token per sequence (a decode step): program (channel block, sequence) reads its pool row's W−1 columns
+    """One token per sequence (a decode step): program (sequence, channel block) reads its pool row's W−1 columns
     once as a ``[BC, WP]`` tile, writes the output and, after a barrier, the shifted row."""
-    cc = tl.program_id(0) * BC + tl.arange(0, BC)
-    n = tl.program_id(1)
+    n = tl.program_id(0)  # sequences on the grid's first axis: no 65535 limit
+    cc = tl.program_id(1) * BC + tl.arange(0, BC)
     ok = cc < channels
     if HAS_SLOTS:
         slot = tl.load(slots + n * stride_slot).to(tl.int64)
@@ -175,7 +178,7 @@ def conv_update_forward(x, weight, bias, conv_states, slots, silu, out, block_c,
     width = weight.shape[1]
     absent = weight  # stands for absent optional tensors; never dereferenced
     launch(
-        conv_update_kernel, (triton.cdiv(channels, block_c), num_seqs, 1),
+        conv_update_kernel, (num_seqs, triton.cdiv(channels, block_c), 1),
         x, weight, bias if bias is not None else absent, conv_states, slots if slots is not None else absent, out,
         x.stride(0), x.stride(2), weight.stride(0), weight.stride(1), bias.stride(0) if bias is not None else 0,
         *conv_states.stride(), slots.stride(0) if slots is not None else 0, channels, conv_states.shape[0],

@@ -91,6 +91,8 @@ def test_errors_name_the_argument():
         fastkda.kda_decode_step(**{**inp, "norm_weight": torch.ones(DIM + 1)}, slots=slots)
     with pytest.raises(ValueError, match="slots"):
         fastkda.kda_decode_step(**inp, slots=slots[:, None].expand(2, 2))
+    with pytest.raises(ValueError, match="conv_states"):  # a slot must address a row of each pool
+        fastkda.kda_decode_step(**{**inp, "conv_states": inp["conv_states"][:2]}, slots=slots)
     with pytest.raises(ValueError, match="plan"):  # a plan of another shape
         fastkda.kda_decode_step(**inp, slots=slots, plan=choose_decode_plan(3, HEADS, DIM, 132, tokens=1))
 
