@@ -1,0 +1,173 @@
+"""``python -m fastkda.bench.parallel``: KDA across processes, scaling from one process to ``--world``.
+
+Two workloads, each at every world size from 1 to ``--world`` (processes of one machine, spawned here):
+- context parallelism (:func:`fastkda.distributed.context_parallel_prefill`): one sequence of ``--tokens`` tokens
+  at ``--heads`` heads, split evenly over the ranks;
+- tensor parallelism (:class:`fastkda.layers.TensorParallelKimiDeltaAttention`): the layer's packed prefill of the
+  chunked mix's lengths (scaled by ``--scale``), its heads split over the ranks.
+
+Each call is timed on every rank between barriers (the slowest rank's time, as a caller sees it), median of
+``--repeats``; the rows give ms per call, tokens per second per rank and the scaling against one process
+(tokens/s per rank over one process's tokens/s: 1.0 is linear). NCCL over the machine's GPUs where it
+has ``--world`` of them, else gloo on the CPU (whose "scaling" shares one machine's cores: a correctness run of
+the machinery, not a measurement of it). Writes ``OUT/<date>-<device>-parallel.{json,md}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import socket
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from .models import device_name
+from .report import git_commit, run_id
+from .workloads import load_workloads
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _timed(run, device, repeats):
+    """Median ms of ``run`` over ``repeats`` calls, each between barriers (after a warm-up call)."""
+    run()
+    times = []
+    for _ in range(repeats):
+        dist.barrier()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        run()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        dist.barrier()
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+def _context_call(args, rank, world, device):
+    from ..distributed import context_parallel_prefill
+
+    gen = torch.Generator().manual_seed(0)
+    part = args.tokens // world
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen).to(device, dtype)
+    q, k, v, g = (randn(1, part, args.heads, args.dim) for _ in range(4))
+    beta = randn(1, part, args.heads)
+    gate = dict(A_log=torch.rand(args.heads, device=device), dt_bias=torch.rand(args.heads, args.dim, device=device),
+                lower_bound=-5.0)
+    return lambda: context_parallel_prefill(q, k, v, g, beta, **gate), part * world
+
+
+def _tensor_call(args, rank, world, device):
+    from ..cache import KDACache
+    from ..layers import KimiDeltaAttention, TensorParallelKimiDeltaAttention
+
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    torch.manual_seed(0)
+    whole = KimiDeltaAttention(args.hidden, args.heads, args.dim, lower_bound=-5.0, device=device, dtype=dtype)
+    layer = TensorParallelKimiDeltaAttention.from_unsharded(whole) if world > 1 else whole
+    mix = next(w for w in load_workloads()["prefill"] if w["name"] == "H12_chunked_mix")
+    lengths = [max(1, round(n * args.scale)) for n in mix["lengths"]]
+    cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32, device=device)
+    x = torch.randn(sum(lengths), args.hidden, generator=torch.Generator().manual_seed(1)).to(device, dtype)
+    cache = KDACache(len(lengths), 1, args.heads // world, args.dim, 3 * args.heads // world * args.dim, 4,
+                     device=device)
+    slots = cache.allocate(len(lengths))
+
+    def run():
+        with torch.no_grad():
+            return layer(x, cache, slots=slots, cu_seqlens=cu, max_seqlen=max(lengths),
+                         has_initial_state=torch.zeros(len(lengths), dtype=torch.bool, device=device))
+    return run, sum(lengths)
+
+
+WORKLOADS = {"context": _context_call, "tensor": _tensor_call}
+
+
+def _rank_main(rank, world, port, backend, args, results):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=300))
+    try:
+        for name in args.workloads:
+            run, tokens = WORKLOADS[name](args, rank, world, device)
+            ms = _timed(run, device, args.repeats)
+            if rank == 0:
+                results.put(dict(workload=name, world=world, ms=round(ms, 4), tokens=tokens,
+                                 tokens_per_s_per_rank=round(tokens / ms * 1e3 / world, 1)))
+    finally:
+        dist.destroy_process_group()
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog="python -m fastkda.bench.parallel", description=__doc__.split("\n\n")[0])
+    on_gpu = torch.cuda.is_available()
+    parser.add_argument("--world", type=int, default=torch.cuda.device_count() if on_gpu else 2,
+                        help="the largest world size (default: the GPUs here, or 2 CPU processes)")
+    parser.add_argument("--workloads", nargs="*", default=list(WORKLOADS), choices=list(WORKLOADS))
+    parser.add_argument("--tokens", type=int, help="context parallelism's sequence length (default 1048576 on "
+                                                   "GPUs, 4096 on the CPU)")
+    parser.add_argument("--heads", type=int, default=12)
+    parser.add_argument("--dim", type=int, help="K = V (default 128 on GPUs, 64 on the CPU)")
+    parser.add_argument("--hidden", type=int, help="the layer's width (default 2048 on GPUs, 256 on the CPU)")
+    parser.add_argument("--scale", type=float, help="the chunked mix's lengths times this (default 1; 0.1 on the CPU)")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--out", default="fastkda-results")
+    args = parser.parse_args(argv)
+    backend = "nccl" if on_gpu and torch.cuda.device_count() >= args.world else "gloo"
+    gpu = backend == "nccl"
+    args.tokens = args.tokens or (1 << 20 if gpu else 4096)
+    args.dim = args.dim or (128 if gpu else 64)
+    args.hidden = args.hidden or (2048 if gpu else 256)
+    args.scale = args.scale if args.scale is not None else 1.0 if gpu else 0.1
+    results = mp.get_context("spawn").SimpleQueue()
+    rows = []
+    for world in range(1, args.world + 1):
+        if args.heads % world:
+            print(f"[parallel] world {world}: {args.heads} heads do not split, skipped", flush=True)
+            continue
+        mp.spawn(_rank_main, args=(world, _free_port(), backend, args, results), nprocs=world, join=True)
+        while not results.empty():
+            rows.append(results.get())
+            print(f"[parallel] {rows[-1]}", flush=True)
+    single = {r["workload"]: r["tokens_per_s_per_rank"] for r in rows if r["world"] == 1}
+    for r in rows:
+        r["scaling"] = round(r["tokens_per_s_per_rank"] / single[r["workload"]], 3) if r["workload"] in single else None
+    device = torch.device("cuda") if gpu else torch.device("cpu")
+    meta = dict(backend=backend, device=device_name(device), commit=git_commit(), run=run_id(),
+                date=datetime.date.today().isoformat(), **{k: getattr(args, k) for k in
+                                                          ("tokens", "heads", "dim", "hidden", "scale", "repeats")})
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = out / f"{meta['date']}-{meta['device'].replace(' ', '_')}-parallel"
+    stem.with_suffix(".json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
+    lines = [f"# KDA across processes, {meta['device']} ({backend}), {meta['date']}, commit {meta['commit']}", "",
+             f"Context parallelism: one sequence of {args.tokens} tokens at H = {args.heads}, D = {args.dim}. Tensor "
+             f"parallelism: the layer's prefill of the chunked mix ×{args.scale}, hidden {args.hidden}. Median ms "
+             "between barriers; scaling = tokens/s per rank against one process's (1.0 is linear).", "",
+             "| workload | world | ms | tokens/s per rank | scaling |", "|---|---:|---:|---:|---:|"]
+    lines += [f"| {r['workload']} | {r['world']} | {r['ms']:.3f} | {r['tokens_per_s_per_rank']:.0f} | "
+              f"{r['scaling'] if r['scaling'] is not None else '—'} |" for r in rows]
+    stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    print(f"[parallel] wrote {stem}.json")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,17 @@
+"""fastkda.bench.parallel on the CPU at a tiny size: one and two gloo processes, both workloads, its files."""
+
+import json
+
+from fastkda.bench import parallel
+
+
+def test_parallel_bench_runs_and_writes_its_rows(tmp_path):
+    assert parallel.main(["--world", "2", "--tokens", "256", "--heads", "4", "--dim", "64", "--hidden", "64",
+                          "--scale", "0.01", "--repeats", "1", "--out", str(tmp_path)]) == 0
+    [results] = tmp_path.glob("*-parallel.json")
+    rows = json.loads(results.read_text())["rows"]
+    assert sorted((r["workload"], r["world"]) for r in rows) == [("context", 1), ("context", 2), ("tensor", 1),
+                                                                 ("tensor", 2)]
+    assert all(r["ms"] > 0 and r["tokens_per_s_per_rank"] > 0 for r in rows)
+    assert [r["scaling"] for r in rows if r["world"] == 1] == [1.0, 1.0]
+    assert (tmp_path / results.name.replace(".json", ".md")).read_text().count("| context |") == 2

@@ -1,0 +1,111 @@
+"""Context parallelism on the CPU: one sequence's tokens split over 2 and 4 gloo processes (uneven parts, an empty
+one, an initial state, both gate modes) against a single process's prefill of the whole sequence; a rank that
+fails mid-call makes the others fail with an error naming the exchange, within the group's timeout; and the
+transition of a part against composing its tokens' prefill."""
+
+import datetime
+import os
+import socket
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import fastkda
+from fastkda.distributed import segment_transition
+from helpers import rel_err
+
+HEADS, DIM = 2, 64
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _sequence(tokens, lower_bound, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen)
+    q, k, v = randn(1, tokens, HEADS, DIM), randn(1, tokens, HEADS, DIM), randn(1, tokens, HEADS, DIM)
+    beta = randn(1, tokens, HEADS)
+    if lower_bound is None:  # the precomputed log-decay
+        g, gate = -torch.rand(1, tokens, HEADS, DIM, generator=gen), {}
+    else:
+        g = randn(1, tokens, HEADS, DIM)
+        gate = dict(A_log=torch.rand(HEADS, generator=gen), dt_bias=torch.rand(HEADS, DIM, generator=gen),
+                    lower_bound=lower_bound)
+    return (q, k, v, g, beta), gate, 0.1 * randn(1, HEADS, DIM, DIM)
+
+
+def _init(rank, world, port, seconds):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=seconds))
+
+
+def _rank_main(rank, world, port, cuts, lower_bound):
+    from fastkda.distributed import context_parallel_prefill
+
+    _init(rank, world, port, 60)
+    try:
+        inputs, gate, initial = _sequence(cuts[-1], lower_bound)
+        want_o, want_state = fastkda.kda_prefill(*inputs, initial_state=initial, output_final_state=True, **gate)
+        part = slice(cuts[rank], cuts[rank + 1])
+        o, state = context_parallel_prefill(*(x[:, part] for x in inputs), initial_state=initial, **gate)
+        assert o.shape == (1, cuts[rank + 1] - cuts[rank], HEADS, DIM)
+        if o.numel():
+            assert rel_err(o, want_o[:, part]) < 1e-5, f"rank {rank}: output {rel_err(o, want_o[:, part]):.2e}"
+        if rank == world - 1:
+            assert rel_err(state, want_state) < 1e-5, f"final state {rel_err(state, want_state):.2e}"
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("cuts", [[0, 70, 200], [0, 33, 33, 130, 200]], ids=["2 ranks", "4 ranks, one empty"])
+@pytest.mark.parametrize("lower_bound", [-5.0, None], ids=["lower_bound", "precomputed"])
+def test_context_parallel_equals_one_process(cuts, lower_bound):
+    mp.spawn(_rank_main, args=(len(cuts) - 1, _free_port(), cuts, lower_bound), nprocs=len(cuts) - 1, join=True)
+
+
+def _failing_main(rank, world, port, outcomes):
+    from fastkda.distributed import context_parallel_prefill
+
+    _init(rank, world, port, 5)
+    inputs, gate, _ = _sequence(64, -5.0)
+    q, k, v, g, beta = inputs
+    if rank == 1:  # fails inside the call, after the shapes' exchange: beta of the wrong length
+        beta = beta[:, :-1]
+    start = time.monotonic()
+    try:
+        context_parallel_prefill(q, k, v, g, beta, **gate)
+        outcomes.put((rank, "returned", time.monotonic() - start))
+    except Exception as exc:  # what each rank saw, for the test to judge
+        outcomes.put((rank, f"{type(exc).__name__}: {exc}", time.monotonic() - start))
+    finally:
+        if rank != 1:
+            dist.destroy_process_group()
+
+
+def test_a_failing_rank_makes_the_others_fail_not_hang():
+    outcomes = mp.get_context("spawn").SimpleQueue()
+    workers = mp.spawn(_failing_main, args=(2, _free_port(), outcomes), nprocs=2, join=False)
+    deadline = time.monotonic() + 120
+    while not workers.join(timeout=5):  # True once both processes have ended: none may hang
+        assert time.monotonic() < deadline, "a rank still waits two minutes after the other failed"
+    seen = dict((rank, (text, seconds)) for rank, text, seconds in (outcomes.get() for _ in range(2)))
+    assert seen[1][0].startswith("ValueError") and "beta" in seen[1][0]
+    assert seen[0][0].startswith("RuntimeError: context_parallel_prefill on rank 0: the exchange of segment "
+                                 "transitions failed"), seen[0][0]
+    assert seen[0][1] < 60
+
+
+def test_a_parts_transition_maps_its_entry_state_to_its_exit():
+    inputs, gate, initial = _sequence(90, -5.0, seed=3)
+    _, want = fastkda.kda_prefill(*inputs, initial_state=initial, output_final_state=True, **gate)
+    transition, offset = segment_transition(*inputs, **gate)
+    assert transition.shape == (HEADS, DIM, DIM) and offset.shape == (HEADS, DIM, DIM)
+    assert rel_err(torch.baddbmm(offset, initial[0], transition), want[0]) < 1e-5
