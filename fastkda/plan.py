@@ -691,12 +691,14 @@ def conv_launch(tokens: int, channels: int, width: int) -> tuple:
 
 
 CONV_UPDATE_CHANNELS = 128  # channels per program of the conv's one-token decode step (sweep at 13389df)
+CONV_UPDATE_SEQS = 4  # sequences per program of the conv's decode step
 
 
-def conv_update_launch(channels: int) -> tuple:
-    """``(channel block, warps)`` of the conv's decode step (``conv_update_kernel``): one program per (channel
-    block, sequence), each pool row's ``[BC, W−1]`` read as one tile."""
-    return min(CONV_UPDATE_CHANNELS, _next_power_of_2(channels)), 4
+def conv_update_launch(num_seqs: int, channels: int) -> tuple:
+    """``(sequence block, channel block, warps)`` of the conv's decode step (``conv_update_kernel``): a program
+    reads its sequences' pool rows as one ``[BS, BC, W−1]`` tile, several slot -> row chains in flight at once."""
+    return (min(CONV_UPDATE_SEQS, _next_power_of_2(num_seqs)), min(CONV_UPDATE_CHANNELS, _next_power_of_2(channels)),
+            4)
 
 
 def norm_launch(rows: int, dim: int) -> tuple:

@@ -1,6 +1,5 @@
 """The KDA layer's depthwise causal conv (spec §9 step 2) on the GPU: varlen prefill (and decode of several tokens)
-in one kernel, a decode step of one token per sequence in another (:func:`conv_update_kernel`, whose per-token
-helpers the fused decode step shares).
+in one kernel, a decode step of one token per sequence in another (:func:`conv_update_kernel`).
 
 One program per (token block, channel block). A token block is up to ``BT`` consecutive tokens of one sequence,
 laid out as the prefill's chunk slots (:mod:`fastkda.ops.prefill.layout`, with ``BT`` for the chunk): every
@@ -94,95 +93,62 @@ def conv_kernel(
 
 
 @triton.jit
-def pre_activation(x_row, conv_row, weight, channels, ok, live, stride_xc, stride_cc, stride_cj, stride_wc,
-                   stride_wj, W: tl.constexpr, WP: tl.constexpr):
-    """The conv's sum (no bias, no activation) for ``channels`` of one token ``x_row``: the W−1 state columns of
-    its pool row (one ``[B, WP]`` tile, columns past W−1 unused; zeros where not ``live``) and the token, against
-    the kernel's taps, in fp32."""
-    channels = channels.to(tl.int64)  # offsets of pools and inputs past 2**31 elements
-    x_t = load_f32(x_row + channels * stride_xc, ok)
-    cols = tl.arange(0, WP)
-    state = load_f32(conv_row + channels[:, None] * stride_cc + cols[None, :] * stride_cj,
-                     (ok & live)[:, None] & (cols < W - 1)[None, :])
-    taps = load_f32(weight + channels[:, None] * stride_wc + cols[None, :] * stride_wj,
-                    ok[:, None] & (cols < W - 1)[None, :])
-    return tl.sum(state * taps, axis=1) + x_t * load_f32(weight + channels * stride_wc + (W - 1) * stride_wj, ok)
-
-
-@triton.jit
-def conv_output(x_row, conv_row, weight, channels, ok, live, stride_xc, stride_cc, stride_cj, stride_wc, stride_wj,
-                W: tl.constexpr, WP: tl.constexpr):
-    """:func:`pre_activation` with the layer's SiLU."""
-    acc = pre_activation(x_row, conv_row, weight, channels, ok, live, stride_xc, stride_cc, stride_cj, stride_wc,
-                         stride_wj, W, WP)
-    return acc * tl.sigmoid(acc)
-
-
-@triton.jit
-def shifted_conv_state(x_row, conv_row, channels, ok, live, stride_xc, stride_cc, stride_cj, W: tl.constexpr,
-                       WP: tl.constexpr):
-    """The new conv state ``[B, WP]`` of ``channels`` (columns past W−1 unused): the old state's W−2 newest
-    inputs, then the token. Its caller stores it only after every read of the old state it must not overtake."""
-    channels = channels.to(tl.int64)
-    cols = tl.arange(0, WP)
-    x_t = load_f32(x_row + channels * stride_xc, ok)
-    shifted = load_f32(conv_row + channels[:, None] * stride_cc + (cols + 1)[None, :] * stride_cj,
-                       (ok & live)[:, None] & (cols < W - 2)[None, :])
-    return tl.where((cols == W - 2)[None, :], x_t[:, None], shifted)
-
-
-@triton.jit
-def store_conv_state(conv_row, channels, new_state, ok, live, stride_cc, stride_cj, W: tl.constexpr,
-                     WP: tl.constexpr, EMULATE: tl.constexpr):
-    channels = channels.to(tl.int64)
-    cols = tl.arange(0, WP)
-    store_as(conv_row + channels[:, None] * stride_cc + cols[None, :] * stride_cj, new_state,
-             (ok & live)[:, None] & (cols < W - 1)[None, :], EMULATE)
-
-
-@triton.jit
 def conv_update_kernel(
     x, weight, bias, states, slots, out, stride_xn, stride_xc, stride_wc, stride_wj, stride_bias, stride_sp, stride_sc,
-    stride_sj, stride_slot, channels, pool_rows,
-    W: tl.constexpr, BC: tl.constexpr, WP: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_SLOTS: tl.constexpr,
-    SILU: tl.constexpr, EMULATE: tl.constexpr,
+    stride_sj, stride_slot, num_seqs, channels, pool_rows,
+    W: tl.constexpr, BS: tl.constexpr, BC: tl.constexpr, WP: tl.constexpr, HAS_BIAS: tl.constexpr,
+    HAS_SLOTS: tl.constexpr, SILU: tl.constexpr, EMULATE: tl.constexpr,
 ):
-    """One token per sequence (a decode step): program (sequence, channel block) reads its pool row's W−1 columns
-    once as a ``[BC, WP]`` tile, writes the output and, after a barrier, the shifted row."""
-    n = tl.program_id(0)  # sequences on the grid's first axis: no 65535 limit
+    """One token per sequence (a decode step): program (sequence block, channel block) reads the W−1 columns of
+    its BS sequences' pool rows once, as one ``[BS, BC, WP]`` tile (BS slot -> row chains in flight at once), writes
+    the outputs and, after a barrier, the shifted rows. A sequence past N, or whose slot is negative or at or past
+    the pool's size, reads zeros and writes no row."""
+    nn = tl.program_id(0) * BS + tl.arange(0, BS)
     cc = tl.program_id(1) * BC + tl.arange(0, BC)
-    ok = cc < channels
+    n_ok = nn < num_seqs
+    c_ok = cc < channels
     if HAS_SLOTS:
-        slot = tl.load(slots + n * stride_slot).to(tl.int64)
+        slot = tl.load(slots + nn * stride_slot, mask=n_ok, other=-1).to(tl.int64)
     else:
-        slot = n.to(tl.int64)
-    live = (slot >= 0) & (slot < pool_rows)
-    x_row = x + n.to(tl.int64) * stride_xn
-    row = states + tl.where(live, slot, 0) * stride_sp
-    acc = pre_activation(x_row, row, weight, cc, ok, live, stride_xc, stride_sc, stride_sj, stride_wc, stride_wj, W,
-                         WP)
+        slot = nn.to(tl.int64)
+    live = n_ok & (slot >= 0) & (slot < pool_rows)
+    channel = cc.to(tl.int64)  # offsets of pools and inputs past 2**31 elements
+    cols = tl.arange(0, WP)
+    token_ok = n_ok[:, None] & c_ok[None, :]  # [BS, BC]
+    x_t = load_f32(x + nn.to(tl.int64)[:, None] * stride_xn + channel[None, :] * stride_xc, token_ok)
+    rows = states + tl.where(live, slot, 0)[:, None, None] * stride_sp + channel[None, :, None] * stride_sc + \
+        cols[None, None, :] * stride_sj  # [BS, BC, WP] pointers to the old row's columns
+    row_ok = (live[:, None] & c_ok[None, :])[:, :, None]
+    state = load_f32(rows, row_ok & (cols < W - 1)[None, None, :])
+    taps = load_f32(weight + channel[:, None] * stride_wc + cols[None, :] * stride_wj,
+                    c_ok[:, None] & (cols < W - 1)[None, :])
+    acc = tl.sum(state * taps[None, :, :], axis=2) + x_t * load_f32(weight + channel * stride_wc + (W - 1) * stride_wj,
+                                                                    c_ok)[None, :]
     if HAS_BIAS:
-        acc += load_f32(bias + cc * stride_bias, ok)
+        acc += load_f32(bias + channel * stride_bias, c_ok)[None, :]
     if SILU:
         acc = acc * tl.sigmoid(acc)
-    store_as(out + n.to(tl.int64) * channels + cc, acc, ok, EMULATE)
-    new_row = shifted_conv_state(x_row, row, cc, ok, live, stride_xc, stride_sc, stride_sj, W, WP)
-    tl.debug_barrier()  # every read of the old row, by any thread of this program, before the writes
-    store_conv_state(row, cc, new_row, ok, live, stride_sc, stride_sj, W, WP, EMULATE)
+    store_as(out + nn.to(tl.int64)[:, None] * channels + channel[None, :], acc, token_ok, EMULATE)
+    # the new row's column j is the old column j + 1 (j < W−2) or the token (j = W−2)
+    shifted = load_f32(rows + stride_sj, row_ok & (cols < W - 2)[None, None, :])
+    new_rows = tl.where((cols == W - 2)[None, None, :], x_t[:, :, None], shifted)
+    tl.debug_barrier()  # every read of the old rows, by any thread of this program, before the writes
+    store_as(rows, new_rows, row_ok & (cols < W - 1)[None, None, :], EMULATE)
 
 
-def conv_update_forward(x, weight, bias, conv_states, slots, silu, out, block_c, warps):
+def conv_update_forward(x, weight, bias, conv_states, slots, silu, out, block_s, block_c, warps):
     """Launch :func:`conv_update_kernel` on validated inputs: ``x [N, 1, C]`` any strides, ``out`` contiguous, the
-    pool rows of live slots shifted in place; ``block_c`` channels per program on ``warps`` warps."""
+    pool rows of live slots shifted in place; ``block_s`` sequences and ``block_c`` channels per program on
+    ``warps`` warps."""
     num_seqs, _, channels = x.shape
     width = weight.shape[1]
     absent = weight  # stands for absent optional tensors; never dereferenced
     launch(
-        conv_update_kernel, (num_seqs, triton.cdiv(channels, block_c), 1),
+        conv_update_kernel, (triton.cdiv(num_seqs, block_s), triton.cdiv(channels, block_c), 1),
         x, weight, bias if bias is not None else absent, conv_states, slots if slots is not None else absent, out,
         x.stride(0), x.stride(2), weight.stride(0), weight.stride(1), bias.stride(0) if bias is not None else 0,
-        *conv_states.stride(), slots.stride(0) if slots is not None else 0, channels, conv_states.shape[0],
-        W=width, BC=block_c, WP=triton.next_power_of_2(width - 1), HAS_BIAS=bias is not None,
+        *conv_states.stride(), slots.stride(0) if slots is not None else 0, num_seqs, channels, conv_states.shape[0],
+        W=width, BS=block_s, BC=block_c, WP=triton.next_power_of_2(width - 1), HAS_BIAS=bias is not None,
         HAS_SLOTS=slots is not None, SILU=silu, EMULATE=interpreting(), num_warps=warps,
     )
 
@@ -206,7 +172,8 @@ def causal_conv1d_forward(x, weight, bias, conv_states, slots, has_initial_state
     if num_seqs == 0 or channels == 0:
         return
     if not varlen and tokens == 1 and conv_states is not None and has_initial_state is None:  # a decode step
-        conv_update_forward(x, weight, bias, conv_states, slots, silu, out, *conv_update_launch(channels))
+        conv_update_forward(x, weight, bias, conv_states, slots, silu, out,
+                            *conv_update_launch(num_seqs, channels))
         return
     block_t, block_c, warps = conv_launch(tokens, channels, width)
     has_states = conv_states is not None

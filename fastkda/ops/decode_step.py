@@ -23,8 +23,46 @@ import triton
 import triton.language as tl
 
 from .common import interpreting, launch, load_f32, store_as
-from .conv import conv_output, shifted_conv_state, store_conv_state
 from .decode import gate_parameters, token_step
+
+
+@triton.jit
+def conv_output(x_row, conv_row, weight, channels, ok, live, stride_xc, stride_cc, stride_cj, stride_wc, stride_wj,
+                W: tl.constexpr, WP: tl.constexpr):
+    """The conv's output (SiLU applied, no bias) for ``channels`` of one token ``x_row``: the W−1 state columns of
+    its pool row (one ``[B, WP]`` tile, columns past W−1 unused; zeros where not ``live``) and the token, against
+    the kernel's taps, in fp32."""
+    channels = channels.to(tl.int64)  # offsets of pools and inputs past 2**31 elements
+    x_t = load_f32(x_row + channels * stride_xc, ok)
+    cols = tl.arange(0, WP)
+    state = load_f32(conv_row + channels[:, None] * stride_cc + cols[None, :] * stride_cj,
+                     (ok & live)[:, None] & (cols < W - 1)[None, :])
+    taps = load_f32(weight + channels[:, None] * stride_wc + cols[None, :] * stride_wj,
+                    ok[:, None] & (cols < W - 1)[None, :])
+    acc = tl.sum(state * taps, axis=1) + x_t * load_f32(weight + channels * stride_wc + (W - 1) * stride_wj, ok)
+    return acc * tl.sigmoid(acc)
+
+
+@triton.jit
+def shifted_conv_state(x_row, conv_row, channels, ok, live, stride_xc, stride_cc, stride_cj, W: tl.constexpr,
+                       WP: tl.constexpr):
+    """The new conv state ``[B, WP]`` of ``channels`` (columns past W−1 unused): the old state's W−2 newest
+    inputs, then the token. Its caller stores it only after every read of the old state it must not overtake."""
+    channels = channels.to(tl.int64)
+    cols = tl.arange(0, WP)
+    x_t = load_f32(x_row + channels * stride_xc, ok)
+    shifted = load_f32(conv_row + channels[:, None] * stride_cc + (cols + 1)[None, :] * stride_cj,
+                       (ok & live)[:, None] & (cols < W - 2)[None, :])
+    return tl.where((cols == W - 2)[None, :], x_t[:, None], shifted)
+
+
+@triton.jit
+def store_conv_state(conv_row, channels, new_state, ok, live, stride_cc, stride_cj, W: tl.constexpr,
+                     WP: tl.constexpr, EMULATE: tl.constexpr):
+    channels = channels.to(tl.int64)
+    cols = tl.arange(0, WP)
+    store_as(conv_row + channels[:, None] * stride_cc + cols[None, :] * stride_cj, new_state,
+             (ok & live)[:, None] & (cols < W - 1)[None, :], EMULATE)
 
 
 @triton.jit

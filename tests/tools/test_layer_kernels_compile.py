@@ -53,8 +53,8 @@ for varlen, block_t, states in ((True, 32, True), (False, 4, True), (True, 32, F
 for states in ("*bf16", "*fp32"):
     compile_for_hopper(conv_update_kernel, dict(
         x=B, weight=B, bias=B, states=states, slots=I, out=B, stride_xn=C, stride_xc=1, stride_wc=W, stride_wj=1,
-        stride_bias=1, stride_sp=C * (W - 1), stride_sc=W - 1, stride_sj=1, stride_slot=1, channels=C, pool_rows=257,
-        W=W, BC=512, WP=4, HAS_BIAS=False, HAS_SLOTS=True, SILU=True, EMULATE=False), 4, 3)
+        stride_bias=1, stride_sp=C * (W - 1), stride_sc=W - 1, stride_sj=1, stride_slot=1, num_seqs=256, channels=C,
+        pool_rows=257, W=W, BS=4, BC=128, WP=4, HAS_BIAS=False, HAS_SLOTS=True, SILU=True, EMULATE=False), 4, 3)
     print("conv update", states, flush=True)
 compile_for_hopper(gated_rmsnorm_kernel, dict(
     x=B, gate=B, weight=F, out=B, rows=8192 * H, size1=1, size2=H, stride_x0=H * V, stride_x1=H * V, stride_x2=V,

@@ -1,7 +1,7 @@
 """The conv's one-token decode step (``conv_update_kernel``) on the device under channel blocks and warps, CUDA-graph
 replay, against the copy rate of the same run: the numbers behind :func:`fastkda.plan.conv_update_launch`.
 
-python tools/sweeps/conv_update_sweep.py [--blocks 128 256 512 1024 2048] [--warps 4 8]"""
+python tools/sweeps/conv_update_sweep.py [--seq-blocks 1 2 4 8] [--blocks 64 128 256] [--warps 2 4 8]"""
 
 import argparse
 import sys
@@ -12,8 +12,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository r
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--blocks", nargs="*", type=int, default=[128, 256, 512, 1024, 2048])
-    parser.add_argument("--warps", nargs="*", type=int, default=[4, 8])
+    parser.add_argument("--seq-blocks", nargs="*", type=int, default=[1, 2, 4, 8], help="sequences per program")
+    parser.add_argument("--blocks", nargs="*", type=int, default=[64, 128, 256], help="channels per program")
+    parser.add_argument("--warps", nargs="*", type=int, default=[2, 4, 8])
     parser.add_argument("--seqs", type=int, default=256)
     args = parser.parse_args(argv)
     import torch
@@ -23,7 +24,7 @@ def main(argv=None):
     from fastkda.plan import conv_update_launch
 
     copy = copy_bandwidth_gbps()
-    print(f"[conv-update] copy {copy:.0f} GB/s; the plan's choice {conv_update_launch(3 * 12 * 128)}")
+    print(f"[conv-update] copy {copy:.0f} GB/s; the plan's choice {conv_update_launch(args.seqs, 3 * 12 * 128)}")
     for heads in (12, 96):
         channels, width, seqs = 3 * heads * 128, 4, args.seqs
         x = torch.randn(seqs, 1, channels, device="cuda", dtype=torch.bfloat16)
@@ -33,12 +34,15 @@ def main(argv=None):
         for pool_dtype in (torch.bfloat16, torch.float32):
             pool = torch.randn(seqs + 1, channels, width - 1, device="cuda").to(pool_dtype)
             moved = 2 * x.numel() * 2 + 2 * seqs * channels * (width - 1) * pool.element_size()
-            for block in args.blocks:
-                for warps in args.warps:
-                    ms = time_graph(lambda: conv_update_forward(x, weight, None, pool, slots, True, out, block, warps))
-                    gbps = moved / ms / 1e6
-                    print(f"[conv-update] H{heads} N{seqs} {str(pool_dtype)[6:]} pool BC{block} {warps} warps: "
-                          f"{ms * 1e3:.1f} us, {gbps:.0f} GB/s ({100 * gbps / copy:.0f}% of copy)", flush=True)
+            for seq_block in args.seq_blocks:
+                for block in args.blocks:
+                    for warps in args.warps:
+                        ms = time_graph(lambda: conv_update_forward(x, weight, None, pool, slots, True, out, seq_block,
+                                                                    block, warps))
+                        gbps = moved / ms / 1e6
+                        print(f"[conv-update] H{heads} N{seqs} {str(pool_dtype)[6:]} pool BS{seq_block} BC{block} "
+                              f"{warps} warps: {ms * 1e3:.1f} us, {gbps:.0f} GB/s ({100 * gbps / copy:.0f}% of copy)",
+                              flush=True)
 
 
 if __name__ == "__main__":
