@@ -691,7 +691,7 @@ def conv_launch(tokens: int, channels: int, width: int) -> tuple:
 
 
 CONV_UPDATE_CHANNELS = 128  # channels per program of the conv's one-token decode step (sweep at 13389df)
-CONV_UPDATE_SEQS = 4  # sequences per program of the conv's decode step
+CONV_UPDATE_SEQS = 2  # sequences per program of the conv's decode step (sweep at 7c11916: 4-6% off one, 4 slower)
 
 
 def conv_update_launch(num_seqs: int, channels: int) -> tuple:
