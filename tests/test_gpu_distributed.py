@@ -1,0 +1,33 @@
+"""GPU test of context parallelism's arithmetic (run on the H200; skipped without CUDA): the transitions of three
+parts of one H12 sequence, formed on the GPU by ``segment_transition`` (one prefill over a batch of expanded
+inputs and identity entry rows), composed in order, against the GPU's prefill of the whole sequence."""
+
+import pytest
+import torch
+
+import fastkda
+from fastkda.distributed import segment_transition
+from helpers import rel_err
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+
+@pytest.mark.parametrize("key_dim,value_dim", [(128, 128), (128, 64)])
+def test_composed_transitions_equal_the_whole_prefill(key_dim, value_dim):
+    heads, tokens, cuts = 12, 4096, (0, 1000, 1032, 4096)
+    gen = torch.Generator().manual_seed(0)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen).to("cuda", torch.bfloat16)
+    q, k, g = (randn(1, tokens, heads, key_dim) for _ in range(3))
+    v, beta = randn(1, tokens, heads, value_dim), randn(1, tokens, heads)
+    gate = dict(A_log=torch.rand(heads, device="cuda"), dt_bias=torch.rand(heads, key_dim, device="cuda"),
+                lower_bound=-5.0)
+    initial = 0.1 * torch.randn(1, heads, value_dim, key_dim, device="cuda")
+    _, want = fastkda.kda_prefill(q, k, v, g, beta, initial_state=initial, output_final_state=True, **gate)
+    state = initial[0]
+    for a, b in zip(cuts[:-1], cuts[1:]):
+        transition, offset = segment_transition(q[:, a:b], k[:, a:b], v[:, a:b], g[:, a:b], beta[:, a:b], **gate)
+        assert transition.shape == (heads, key_dim, key_dim) and offset.shape == (heads, value_dim, key_dim)
+        state = torch.baddbmm(offset, state, transition)
+    assert rel_err(state, want[0]) < 1e-3, rel_err(state, want[0])
