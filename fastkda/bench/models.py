@@ -1,7 +1,7 @@
 """``python -m fastkda.bench.models``: transformers' tiny Kimi-Linear and GLM-5.3-Flash models run three ways in one
 process: transformers' PyTorch path, FLA's kernels where transformers found FLA at import (CUDA only), and fastkda
 (:mod:`fastkda.integrations.transformers`). Times the forward over a prompt and each generated token (greedy,
-with the model's cache), median of repeats, eager; writes ``OUT/<date>-<device>-models.{json,md}``.
+with the model's cache), median of repeats with the paths taking turns, eager; writes ``OUT/<date>-<device>-models.{json,md}``.
 
 transformers binds FLA or its PyTorch fallback when the modeling module is imported; the fallback stays reachable
 as the bound function's ``__wrapped__``, which is how the PyTorch path is timed beside FLA here.
@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import statistics
 from datetime import date
 from pathlib import Path
 
@@ -55,19 +56,32 @@ def use_path(module, path, bound):
         fastkda_transformers.enable()
 
 
-def measure(kind, path, model, module, bound, batch, length, device, repeats):
-    use_path(module, path, bound)
+def measure_case(kind, paths, model, module, bound, batch, length, device, repeats):
+    """Rows for one (batch, prompt length) case, one per path: the paths take turns within every repeat, each
+    round starting with the next path, so that a drift of the host's or the card's clocks falls on all of them
+    alike; medians of the forward, and of the time per generated token (48 tokens against 1)."""
     ids = torch.randint(3, 128, (batch, length), generator=torch.Generator().manual_seed(0)).to(device)
+
+    def generate(tokens):
+        return model.generate(ids, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False, eos_token_id=None)
+    times = {path: dict(forward=[], short=[], long=[]) for path in paths}
     with torch.no_grad():
-        model(ids)  # warm-up: compiles and autotunes
-        forward = synced_median_ms(lambda: model(ids), device, repeats)
-        generate = lambda tokens: model.generate(ids, max_new_tokens=tokens, min_new_tokens=tokens,  # noqa: E731
-                                                 do_sample=False, eos_token_id=None)
-        generate(2)
-        short = synced_median_ms(lambda: generate(1), device, repeats)
-        long = synced_median_ms(lambda: generate(1 + NEW_TOKENS), device, repeats)
-    return dict(model=kind, path=path, batch=batch, length=length, forward_ms=forward,
-                per_token_ms=(long - short) / NEW_TOKENS)
+        for path in paths:  # warm-up: compiles and autotunes
+            use_path(module, path, bound)
+            model(ids)
+            generate(2)
+        for round_ in range(repeats):
+            for path in paths[round_ % len(paths):] + paths[:round_ % len(paths)]:
+                use_path(module, path, bound)
+                times[path]["forward"].append(synced_median_ms(lambda: model(ids), device, 1))
+                times[path]["short"].append(synced_median_ms(lambda: generate(1), device, 1))
+                times[path]["long"].append(synced_median_ms(lambda: generate(1 + NEW_TOKENS), device, 1))
+    rows = []
+    for path in paths:
+        median = {name: statistics.median(values) for name, values in times[path].items()}
+        rows.append(dict(model=kind, path=path, batch=batch, length=length, forward_ms=median["forward"],
+                         per_token_ms=(median["long"] - median["short"]) / NEW_TOKENS))
+    return rows
 
 
 def device_name(device):
@@ -95,13 +109,12 @@ def main(argv=None):
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
         model = tiny_model(kind, dtype=dtype, device=device)
         for batch, length in cases:
-            for path in paths:
-                row = measure(kind, path, model, module, bound, batch, length, device, args.repeats)
+            for row in measure_case(kind, paths, model, module, bound, batch, length, device, args.repeats):
                 row.update(commit=commit, run=run, device=device_name(device), dtype=str(dtype).replace("torch.", ""),
                            date=date.today().isoformat())
                 rows.append(row)
-                print(f"[models] {kind:12s} {path:8s} B{batch} T{length:<5d} forward {row['forward_ms']:8.2f} ms  "
-                      f"per token {row['per_token_ms']:7.2f} ms", flush=True)
+                print(f"[models] {kind:12s} {row['path']:8s} B{batch} T{length:<5d} forward {row['forward_ms']:8.2f} "
+                      f"ms  per token {row['per_token_ms']:7.2f} ms", flush=True)
         use_path(module, "fla" if "fla" in paths else "pytorch", bound)
         fastkda_transformers.disable()
     out = Path(args.out)
@@ -117,7 +130,8 @@ def markdown(rows):
     paths = [p for p in ("fastkda", "fla", "pytorch") if any(r["path"] == p for r in rows)]
     head = ["model", "B", "T"] + [f"{p} forward ms" for p in paths] + [f"{p} ms/token" for p in paths] + ["commit"]
     lines = [f"# Tiny transformers models with KDA layers, {rows[0]['device']}, {rows[0]['date']}, {rows[0]['dtype']}",
-             "", "Eager, median; generation: greedy with the model's cache, time per token past the first.", "",
+             "", "Eager, median of repeats in which the paths take turns; generation: greedy with the model's cache, time "
+             "per token past the first.", "",
              "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     keys = sorted({(r["model"], r["batch"], r["length"]) for r in rows}, key=lambda k: (k[0], k[2], k[1]))
     for model, batch, length in keys:
