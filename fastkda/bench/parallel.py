@@ -139,10 +139,11 @@ def main(argv=None):
     results = mp.get_context("spawn").SimpleQueue()
     rows = []
     for world in range(1, args.world + 1):
-        if args.heads % world:
-            print(f"[parallel] world {world}: {args.heads} heads do not split, skipped", flush=True)
-            continue
-        mp.spawn(_rank_main, args=(world, _free_port(), backend, args, results), nprocs=world, join=True)
+        chosen = [name for name in args.workloads if name != "tensor" or args.heads % world == 0]
+        if chosen != args.workloads:
+            print(f"[parallel] world {world}: {args.heads} heads do not split, tensor parallelism skipped", flush=True)
+        spawned = argparse.Namespace(**{**vars(args), "workloads": chosen})
+        mp.spawn(_rank_main, args=(world, _free_port(), backend, spawned, results), nprocs=world, join=True)
         while not results.empty():
             rows.append(results.get())
             print(f"[parallel] {rows[-1]}", flush=True)

@@ -9,9 +9,10 @@ rank the first rank's exit state and the transitions before its own, from which 
 and runs its tokens from there. Outputs equal a single run's within fp32 rounding of the composition; the last
 rank's exit state is the sequence's final state.
 
-A rank that fails before the exchange leaves the others waiting in it: they fail when the process group's timeout
-expires (``torch.distributed.init_process_group(timeout=...)``) or its connection closes, with an error that names
-the exchange, rather than hanging.
+A rank whose call fails still enters each exchange, with a flag: every rank then raises at once (the failing one
+its own error, the others one naming it). A rank that dies, or never calls, leaves the others in the exchange
+until the process group's timeout (``torch.distributed.init_process_group(timeout=...)``) expires or its
+connection closes; on gloo they then raise an error naming the exchange (NCCL's watchdog aborts the process).
 """
 
 import torch
@@ -67,32 +68,56 @@ def context_parallel_prefill(q, k, v, g, beta, *, group=None, initial_state=None
     ``use_beta_sigmoid``), the same on every rank. Tensors live on the device the group's backend serves (CPU for
     gloo, the rank's GPU for NCCL)."""
     rank = dist.get_rank(group)
-    for name, x in (("q", q), ("k", k), ("v", v), ("g", g)):
-        if not isinstance(x, torch.Tensor) or x.dim() != 4 or x.shape[0] != 1:
-            raise ValueError(f"context_parallel_prefill: {name} must be [1, T, H, D] (one sequence's part), got "
-                             f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
-    tokens, heads, key_dim = k.shape[1:]
-    value_dim = v.shape[-1]
-    shapes = _exchange(torch.tensor([heads, key_dim, value_dim], device=k.device), group, rank, "shapes")
+    device = next((x.device for x in (k, q, v, g, beta) if isinstance(x, torch.Tensor)), torch.device("cpu"))
+    failure = None
+    try:  # every rank enters every exchange, a failed one with a flag: a rank's error fails all of them at once
+        for name, x in (("q", q), ("k", k), ("v", v), ("g", g)):
+            if not isinstance(x, torch.Tensor) or x.dim() != 4 or x.shape[0] != 1:
+                raise ValueError(f"context_parallel_prefill: {name} must be [1, T, H, D] (one sequence's part), "
+                                 f"got {tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
+        tokens, heads, key_dim = k.shape[1:]
+        value_dim = v.shape[-1]
+        mine = torch.tensor([heads, key_dim, value_dim], device=device)
+    except ValueError as exc:
+        failure, mine = exc, torch.full((3,), -1, dtype=torch.int64, device=device)
+    shapes = _exchange(mine, group, rank, "shapes")
+    _raise_together(failure, [bool(s[0] < 0) for s in shapes], rank, "the exchange of shapes")
     if any(not torch.equal(s, shapes[0]) for s in shapes):
         raise ValueError("context_parallel_prefill: every rank must hold the same heads and dimensions, got (H, K, "
                          f"V) = {[tuple(s.tolist()) for s in shapes]}")
-    if rank == 0:  # runs from the true initial state now; its exit state is the next rank's entry
-        o, exit_state = _run(q, k, v, g, beta, initial_state, prefill_kw)
-        transition = torch.zeros(heads, key_dim, key_dim, dtype=torch.float32, device=k.device)
-        offset = exit_state[0]
-    elif tokens == 0:  # no tokens: the identity map
-        transition = torch.eye(key_dim, device=k.device).expand(heads, key_dim, key_dim).contiguous()
-        offset = torch.zeros(heads, value_dim, key_dim, device=k.device)
-    else:
-        transition, offset = segment_transition(q, k, v, g, beta, **prefill_kw)
-    parts = _exchange(torch.cat((transition, offset), dim=1), group, rank, "segment transitions")
+    try:
+        if rank == 0:  # runs from the true initial state now; its exit state is the next rank's entry
+            o, exit_state = _run(q, k, v, g, beta, initial_state, prefill_kw)
+            transition = torch.zeros(heads, key_dim, key_dim, dtype=torch.float32, device=device)
+            offset = exit_state[0]
+        elif tokens == 0:  # no tokens: the identity map
+            transition = torch.eye(key_dim, dtype=torch.float32, device=device).expand(heads, key_dim, key_dim)
+            offset = torch.zeros(heads, value_dim, key_dim, dtype=torch.float32, device=device)
+        else:
+            transition, offset = segment_transition(q, k, v, g, beta, **prefill_kw)
+        payload = torch.cat((torch.cat((transition, offset), dim=1).reshape(-1), torch.zeros(1, device=device)))
+    except Exception as exc:  # re-raised below, after the others have been told
+        failure = exc
+        payload = torch.ones(heads * (key_dim + value_dim) * key_dim + 1, dtype=torch.float32, device=device)
+    parts = _exchange(payload, group, rank, "segment transitions")
+    _raise_together(failure, [bool(p[-1] != 0) for p in parts], rank, "the exchange of segment transitions")
     if rank == 0:
         return o, exit_state
+    parts = [p[:-1].view(heads, key_dim + value_dim, key_dim) for p in parts]
     entry = parts[0][:, key_dim:]  # rank 0's exit state
     for part in parts[1:rank]:
         entry = torch.baddbmm(part[:, key_dim:], entry, part[:, :key_dim])  # X·𝒜ᵀ + ℬᵀ
     return _run(q, k, v, g, beta, entry[None].contiguous(), prefill_kw)
+
+
+def _raise_together(failure, failed, rank, stage):
+    """After an exchange that carried every rank's failure flag: this rank's own error, or one that names the
+    ranks that failed before ``stage``."""
+    if failure is not None:
+        raise failure
+    if any(failed):
+        raise RuntimeError(f"context_parallel_prefill on rank {rank}: rank(s) {[r for r, f in enumerate(failed) if f]} "
+                           f"failed before {stage} (their own errors say why)")
 
 
 def _run(q, k, v, g, beta, initial_state, prefill_kw):
@@ -100,7 +125,7 @@ def _run(q, k, v, g, beta, initial_state, prefill_kw):
     if q.shape[1] == 0:
         heads, key_dim, value_dim = k.shape[2], k.shape[3], v.shape[3]
         exit_state = (initial_state.float().clone() if initial_state is not None else
-                      torch.zeros(1, heads, value_dim, key_dim, device=k.device))
+                      torch.zeros(1, heads, value_dim, key_dim, dtype=torch.float32, device=k.device))
         return v.new_zeros(v.shape), exit_state
     o, exit_state = kda_prefill(q, k, v, g, beta, initial_state=initial_state, output_final_state=True,
                                 **prefill_kw)

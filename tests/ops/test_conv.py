@@ -174,10 +174,11 @@ def test_kernel_reads_strided_views():
     batch = torch.randn(3, 20, 2 * channels, generator=gen)[:2, 3:, channels:]
     run_both(batch, inp["weight"], inp["bias"], inp["pool"].clone(), torch.tensor([2, 0]))
     # a decode step's one token per sequence (its own kernel), through the same views; a null and a past-end slot
-    step_slots = torch.tensor([4, -1, 1, 5])
-    for x in (*wide[:4].split(channels, 1), channel_major[:4]):
-        run_both(x[:, None], inp["weight"], inp["bias"], inp["pool"].clone(), step_slots)
-        run_both(x[:, None], weight_t, None, pool_cl.clone(), step_slots, activation=None)
+    step_slots = torch.tensor([4, -1, 1, 5, 2])
+    for x in (*wide[:5].split(channels, 1), channel_major[:5]):
+        for seqs in (5, 4):  # a partial block of sequences too
+            run_both(x[:seqs, None], inp["weight"], inp["bias"], inp["pool"].clone(), step_slots[:seqs])
+            run_both(x[:seqs, None], weight_t, None, pool_cl.clone(), step_slots[:seqs], activation=None)
 
 
 def test_api_runs_the_reference_on_the_cpu():
