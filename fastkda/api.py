@@ -553,7 +553,7 @@ def gated_rmsnorm(x, gate, weight, eps=1e-6, *, activation="sigmoid"):
     return out
 
 
-# The layer's whole decode step (conv update, KDA decode, gated norm) in one launch on the GPU.
+# The layer's whole decode step (conv update, KDA decode, gated norm): one launch on the GPU where it pays, else three.
 
 
 def _token_heads(mixed, heads, key_dim, value_dim):
@@ -628,23 +628,27 @@ def kda_decode_step(mixed, conv_states, conv_weight, g, beta, output_gate, norm_
     scale, lower_bound = scalar_defaults(one_token, scale, lower_bound)
     extents = remembered(_validate_decode_step, mixed, conv_states, conv_weight, g, beta, output_gate, norm_weight,
                          state_pool, slots, A_log, dt_bias, lower_bound, scale, eps, tickets)
-    named = list(zip(("mixed", "conv_states", "g", "beta", "output_gate", "state_pool"),
-                     (mixed, conv_states, g, beta, output_gate, state_pool), extents))
-    check_disjoint("conv_states", conv_states, extents[1], named[:1] + named[2:])  # the pools are written in place
-    check_disjoint("state_pool", state_pool, extents[5], named[:5])
-    if tickets is not None:
-        check_disjoint("tickets", tickets, byte_extent(tickets), named)
+    compiling = torch.compiler.is_compiling()
+    if not compiling:  # eagerly: torch.compile traces without addresses
+        named = list(zip(("mixed", "conv_states", "g", "beta", "output_gate", "state_pool"),
+                         (mixed, conv_states, g, beta, output_gate, state_pool), extents))
+        check_disjoint("conv_states", conv_states, extents[1], named[:1] + named[2:])  # the pools: written in place
+        check_disjoint("state_pool", state_pool, extents[5], named[:5])
+        if tickets is not None:
+            check_disjoint("tickets", tickets, byte_extent(tickets), named)
     num_seqs, heads, key_dim = g.shape
     value_dim = state_pool.shape[2]
     if plan is not None:
         plan = _decode_plan(plan, "auto", num_seqs, heads, value_dim, 1, mixed)
-    elif mixed.device.type == "cuda":
-        plan = choose_decode_step_plan(num_seqs, heads, value_dim, _sms_of(mixed))
-    if torch.compiler.is_compiling():  # the three ops are opaque to torch.compile; the fused kernel is not
+    on_gpu = mixed.device.type == "cuda"
+    if on_gpu and not compiling:
+        plan = plan or choose_decode_step_plan(num_seqs, heads, value_dim, _sms_of(mixed))
+    else:  # the CPU, and torch.compile's traces (the three ops are opaque to it; the fused kernel is not)
         plan = None
-    if mixed.device.type != "cuda" or plan is None:
-        if mixed.device.type != "cuda":
+    if plan is None:
+        if not on_gpu and not compiling:
             # the slots' values first: the conv would otherwise have moved its pool before the decode refused them
+            # (a trace reads no values: there the decode's op refuses them, after the conv's)
             value_checks.decode_indices(slots, None, state_pool.shape[0], 1)
         conv = causal_conv1d_update(mixed, conv_states, conv_weight, slots=slots)
         q, k, v = _token_heads(conv, heads, key_dim, value_dim)

@@ -118,3 +118,16 @@ def test_bad_values_are_refused_before_a_pool_moves():
     with pytest.raises(ValueError, match="tickets"):
         fastkda.kda_decode_step(**inp, slots=torch.tensor([0, 1], dtype=torch.int32),
                                 tickets=torch.zeros(1, dtype=torch.int32).expand(2 * HEADS))
+
+
+def test_torch_compile_traces_the_step_as_its_three_ops():
+    """``fullgraph=True`` (the layer's default decode under torch.compile): the eager output and both pools."""
+    inp = step_inputs(2, 3, seed=9)
+    slots = torch.tensor([0, 2], dtype=torch.int32)
+    compiled, eager = ({n: x.clone() if isinstance(x, torch.Tensor) else x for n, x in inp.items()} for _ in range(2))
+    got = torch.compile(lambda **kw: fastkda.kda_decode_step(**kw), fullgraph=True)(**compiled, slots=slots)
+    expected = fastkda.kda_decode_step(**eager, slots=slots)
+    assert torch.equal(got, expected)
+    assert torch.equal(compiled["conv_states"], eager["conv_states"])
+    assert torch.equal(compiled["state_pool"], eager["state_pool"])
+    assert not torch.equal(eager["state_pool"], inp["state_pool"])  # the step moved the pools
