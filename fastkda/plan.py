@@ -656,6 +656,7 @@ DECODE_STEP_SLICE_WIDTH = 64  # state columns per program of the fused decode st
 DECODE_STEP_WARPS = 8
 
 
+@functools.lru_cache(maxsize=4096)  # called on every eager decode step
 def choose_decode_step_plan(num_seqs: int, heads: int, value_dim: int, sms: int):
     """The layer's decode step (:func:`fastkda.kda_decode_step`): the plan of its one fused kernel, or None where
     it runs as three launches (the conv's decode step, KDA decode, the gated norm).

@@ -33,7 +33,8 @@ from .report import git_commit, run_id
 from .workloads import load_workloads
 
 
-def _free_port():
+def free_port():
+    """A TCP port free on this host now, for a process group's rendezvous (``MASTER_PORT``)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -143,7 +144,7 @@ def main(argv=None):
         if chosen != args.workloads:
             print(f"[parallel] world {world}: {args.heads} heads do not split, tensor parallelism skipped", flush=True)
         spawned = argparse.Namespace(**{**vars(args), "workloads": chosen})
-        mp.spawn(_rank_main, args=(world, _free_port(), backend, spawned, results), nprocs=world, join=True)
+        mp.spawn(_rank_main, args=(world, free_port(), backend, spawned, results), nprocs=world, join=True)
         while not results.empty():
             rows.append(results.get())
             print(f"[parallel] {rows[-1]}", flush=True)

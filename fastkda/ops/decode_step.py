@@ -11,8 +11,8 @@ program that takes the last ticket reads every slice's sum in slice order (deter
 output, applies the gate and writes it, and puts the ticket back to 0 (so a CUDA graph replays from zeros). And the
 q/k channels' conv state: every slice reads it, so only the last program, which knows that every slice has read it
 (their reads come before their tickets), writes its new value; each program writes its own v channels' state.
-With one slice per head (the plan's choice where the conv's q/k channels would otherwise be re-read by every
-slice), the program normalises its head and writes the q/k state itself, without workspace or ticket.
+With one slice per head (the plan's at V = 64), the program normalises its head and writes the q/k state itself,
+without workspace or ticket.
 
 A negative slot, or one at or past the pool's size, is a padding row: zeros for the conv state and the recurrent
 state, a zero output, nothing written to either pool (counted as the decode kernel counts it).
@@ -27,13 +27,14 @@ from .decode import gate_parameters, token_step
 
 
 @triton.jit
-def conv_output(x_row, conv_row, weight, channels, ok, live, stride_xc, stride_cc, stride_cj, stride_wc, stride_wj,
+def conv_output(x_row, conv_row, weight, channels, ok, live, stride_cc, stride_cj, stride_wc, stride_wj,
                 W: tl.constexpr, WP: tl.constexpr):
-    """The conv's output (SiLU applied, no bias) for ``channels`` of one token ``x_row``: the W−1 state columns of
+    """The conv's output (SiLU applied, no bias) for ``channels`` of one token ``x_row`` (channels contiguous, as
+    the step takes ``mixed``): the W−1 state columns of
     its pool row (one ``[B, WP]`` tile, columns past W−1 unused; zeros where not ``live``) and the token, against
     the kernel's taps, in fp32."""
     channels = channels.to(tl.int64)  # offsets of pools and inputs past 2**31 elements
-    x_t = load_f32(x_row + channels * stride_xc, ok)
+    x_t = load_f32(x_row + channels, ok)
     cols = tl.arange(0, WP)
     state = load_f32(conv_row + channels[:, None] * stride_cc + cols[None, :] * stride_cj,
                      (ok & live)[:, None] & (cols < W - 1)[None, :])
@@ -44,13 +45,13 @@ def conv_output(x_row, conv_row, weight, channels, ok, live, stride_xc, stride_c
 
 
 @triton.jit
-def shifted_conv_state(x_row, conv_row, channels, ok, live, stride_xc, stride_cc, stride_cj, W: tl.constexpr,
+def shifted_conv_state(x_row, conv_row, channels, ok, live, stride_cc, stride_cj, W: tl.constexpr,
                        WP: tl.constexpr):
     """The new conv state ``[B, WP]`` of ``channels`` (columns past W−1 unused): the old state's W−2 newest
     inputs, then the token. Its caller stores it only after every read of the old state it must not overtake."""
     channels = channels.to(tl.int64)
     cols = tl.arange(0, WP)
-    x_t = load_f32(x_row + channels * stride_xc, ok)
+    x_t = load_f32(x_row + channels, ok)
     shifted = load_f32(conv_row + channels[:, None] * stride_cc + (cols + 1)[None, :] * stride_cj,
                        (ok & live)[:, None] & (cols < W - 2)[None, :])
     return tl.where((cols == W - 2)[None, :], x_t[:, None], shifted)
@@ -70,8 +71,8 @@ def shift_qk_conv_state(mixed_row, conv_row, q_ch, k_ch, ok, live, stride_cc, st
                         WP: tl.constexpr, EMULATE: tl.constexpr):
     """Write a head's new q and k conv state, read whole before any of it is written (the program's threads may
     hold copies of one element)."""
-    q_state = shifted_conv_state(mixed_row, conv_row, q_ch, ok, live, 1, stride_cc, stride_cj, W, WP)
-    k_state = shifted_conv_state(mixed_row, conv_row, k_ch, ok, live, 1, stride_cc, stride_cj, W, WP)
+    q_state = shifted_conv_state(mixed_row, conv_row, q_ch, ok, live, stride_cc, stride_cj, W, WP)
+    k_state = shifted_conv_state(mixed_row, conv_row, k_ch, ok, live, stride_cc, stride_cj, W, WP)
     tl.debug_barrier()
     store_conv_state(conv_row, q_ch, q_state, ok, live, stride_cc, stride_cj, W, WP, EMULATE)
     store_conv_state(conv_row, k_ch, k_state, ok, live, stride_cc, stride_cj, W, WP, EMULATE)
@@ -112,13 +113,13 @@ def decode_step_kernel(
     q_ch = h * K + kk  # the conv's channels: q | k | v, H heads each
     k_ch = H * K + h * K + kk
     v_ch = 2 * H * K + h * V + vv
-    q_t = conv_output(mixed_row, conv_row, conv_weight, q_ch, k_ok, live, 1, stride_cc, stride_cj, stride_wc, stride_wj,
+    q_t = conv_output(mixed_row, conv_row, conv_weight, q_ch, k_ok, live, stride_cc, stride_cj, stride_wc, stride_wj,
                       W, WP)
-    k_t = conv_output(mixed_row, conv_row, conv_weight, k_ch, k_ok, live, 1, stride_cc, stride_cj, stride_wc, stride_wj,
+    k_t = conv_output(mixed_row, conv_row, conv_weight, k_ch, k_ok, live, stride_cc, stride_cj, stride_wc, stride_wj,
                       W, WP)
-    v_t = conv_output(mixed_row, conv_row, conv_weight, v_ch, v_ok, live, 1, stride_cc, stride_cj, stride_wc, stride_wj,
+    v_t = conv_output(mixed_row, conv_row, conv_weight, v_ch, v_ok, live, stride_cc, stride_cj, stride_wc, stride_wj,
                       W, WP)
-    v_state = shifted_conv_state(mixed_row, conv_row, v_ch, v_ok, live, 1, stride_cc, stride_cj, W, WP)
+    v_state = shifted_conv_state(mixed_row, conv_row, v_ch, v_ok, live, stride_cc, stride_cj, W, WP)
     g_t = load_f32(g + n.to(tl.int64) * stride_g + h * K + kk, k_ok)
     b_t = tl.load(beta + n * stride_beta + h * stride_beta_h).to(tl.float32)
     a_scale, bias = gate_parameters(A_log, dt_bias, h, kk, K, LOWER_BOUND_GATE)

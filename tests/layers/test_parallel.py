@@ -2,20 +2,15 @@
 packed prefill and the decode steps after it equal the unsharded layer's outputs within fp32 rounding."""
 
 import os
-import socket
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from fastkda.bench.parallel import free_port
+
 HIDDEN, HEADS, DIM = 64, 4, 64
-
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _rank_main(rank, world, port, lower_bound):
@@ -56,7 +51,7 @@ def _rank_main(rank, world, port, lower_bound):
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("lower_bound", [-5.0, None], ids=["lower_bound", "softplus"])
 def test_sharded_layer_equals_the_whole_layer(world, lower_bound):
-    mp.spawn(_rank_main, args=(world, _free_port(), lower_bound), nprocs=world, join=True)
+    mp.spawn(_rank_main, args=(world, free_port(), lower_bound), nprocs=world, join=True)
 
 
 def _indivisible_main(rank, world, port):
@@ -73,4 +68,4 @@ def _indivisible_main(rank, world, port):
 
 
 def test_heads_must_divide_over_the_ranks():
-    mp.spawn(_indivisible_main, args=(2, _free_port()), nprocs=2, join=True)
+    mp.spawn(_indivisible_main, args=(2, free_port()), nprocs=2, join=True)
