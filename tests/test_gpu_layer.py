@@ -172,3 +172,29 @@ def test_fused_decode_step_equals_the_three_ops(heads, num_seqs):
     graph = capture_graph(step)
     graph.replay()
     assert torch.equal(tickets, torch.zeros_like(tickets))
+
+
+@pytest.mark.parametrize("num_seqs", [2, 64])  # eager fuses at 2 sequences of 12 heads, takes three launches at 64
+def test_compiled_step_on_the_gpu_equals_eager(num_seqs):
+    """``torch.compile(fullgraph=True)`` traces the step as its three opaque ops on the GPU too: bit for bit the
+    eager three launches, and within bf16 rounding of the conv's output where eager fuses."""
+    heads, dim, width = 12, 128, 4
+    channels = 3 * heads * dim
+    inputs = dict(mixed=randn(num_seqs, channels), conv_weight=randn(channels, width, seed=1),
+                  g=randn(num_seqs, heads, dim, seed=2), beta=randn(num_seqs, heads, seed=3),
+                  output_gate=randn(num_seqs, heads, dim, seed=4),
+                  norm_weight=1 + 0.1 * randn(dim, dtype=torch.float32, seed=5),
+                  A_log=torch.rand(heads, device="cuda"), dt_bias=torch.rand(heads, dim, device="cuda"),
+                  lower_bound=-5.0, slots=torch.arange(num_seqs, dtype=torch.int32, device="cuda").flip(0))
+    conv_pool = randn(num_seqs + 1, channels, width - 1, seed=6)
+    state_pool = 0.1 * randn(num_seqs + 1, heads, dim, dim, dtype=torch.float32, seed=7)
+    eager_pools, compiled_pools = (conv_pool.clone(), state_pool.clone()), (conv_pool.clone(), state_pool.clone())
+    want = fastkda.kda_decode_step(**inputs, conv_states=eager_pools[0], state_pool=eager_pools[1])
+    step = torch.compile(lambda **kw: fastkda.kda_decode_step(**kw), fullgraph=True)
+    got = step(**inputs, conv_states=compiled_pools[0], state_pool=compiled_pools[1])
+    if choose_decode_step_plan(num_seqs, heads, dim, sm_count(0)) is None:
+        assert torch.equal(got, want)
+        assert all(torch.equal(a, b) for a, b in zip(compiled_pools, eager_pools))
+    else:
+        assert rel_err(got, want) < 1e-2 and rel_err(compiled_pools[1], eager_pools[1]) < 1e-2
+        assert torch.equal(compiled_pools[0], eager_pools[0])
