@@ -693,20 +693,14 @@ def conv_launch(tokens: int, channels: int, width: int) -> tuple:
 
 CONV_UPDATE_CHANNELS = 128  # channels per program of the conv's one-token decode step (sweep at 13389df)
 CONV_UPDATE_SEQS = 2  # sequences per program of the conv's decode step (sweep at 7c11916: 4-6% off one, 4 slower)
-CONV_UPDATE_FLAT = 1024  # elements of a contiguous pool row's span per program and sequence (prediction; to sweep)
 
 
-def conv_update_launch(num_seqs: int, channels: int, width: int, contiguous_rows: bool) -> tuple:
-    """``(sequence block, channel block, warps)`` of the conv's decode step: over contiguous pool rows
-    (``conv_update_rows_kernel``) a program takes whole channels as one flat span of at most
-    :data:`CONV_UPDATE_FLAT` elements a row, a multiple of 8 channels (its start stays 16-byte aligned); over
-    other layouts (``conv_update_kernel``) a ``[BS, BC, W−1]`` tile. Several sequences a program keep several
-    slot -> row chains in flight."""
-    block_s = min(CONV_UPDATE_SEQS, _next_power_of_2(num_seqs))
-    if not contiguous_rows:
-        return block_s, min(CONV_UPDATE_CHANNELS, _next_power_of_2(channels)), 4
-    block_c = max(8, CONV_UPDATE_FLAT // (width - 1) // 8 * 8)
-    return block_s, min(block_c, -(-channels // 8) * 8), 4
+def conv_update_launch(num_seqs: int, channels: int) -> tuple:
+    """``(sequence block, channel block, warps)`` of the conv's decode step (``conv_update_kernel``): a program
+    holds its channels' taps and, a sequence at a time, their pool row's columns in registers; several sequences
+    a program reuse the taps and keep several slot -> row chains in flight."""
+    return (min(CONV_UPDATE_SEQS, _next_power_of_2(num_seqs)), min(CONV_UPDATE_CHANNELS, _next_power_of_2(channels)),
+            4)
 
 
 def norm_launch(rows: int, dim: int) -> tuple:

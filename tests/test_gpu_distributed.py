@@ -1,12 +1,15 @@
 """GPU test of context parallelism's arithmetic (run on the H200; skipped without CUDA): the transitions of three
 parts of one H12 sequence, formed on the GPU by ``segment_transition`` (one prefill over a batch of expanded
-inputs and identity entry rows), composed in order, against the GPU's prefill of the whole sequence."""
+inputs and identity entry rows), composed in order, against the float64 recurrence of the whole sequence: within
+the state's accuracy bar, as the GPU's own prefill of the whole sequence is (the two differ by their bf16
+roundings, up to 4e-3 at 1024 tokens, so neither is the other's reference)."""
 
 import pytest
 import torch
 
 import fastkda
 from fastkda.distributed import segment_transition
+from fastkda.reference import kda_reference
 from helpers import rel_err
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -27,13 +30,17 @@ def test_composed_transitions_equal_the_whole_prefill(key_dim, value_dim):
     gate = dict(A_log=torch.zeros(heads, device="cuda"), dt_bias=torch.full((heads, key_dim), -10.0, device="cuda"),
                 lower_bound=-5.0)
     initial = 0.1 * torch.randn(1, heads, value_dim, key_dim, device="cuda")
-    _, want = fastkda.kda_prefill(q, k, v, g, beta, initial_state=initial, output_final_state=True, **gate)
+    cpu = {name: x.cpu() for name, x in gate.items() if isinstance(x, torch.Tensor)}
+    _, exact = kda_reference(*(x.cpu() for x in (q, k, v, g, beta)), **cpu, lower_bound=gate["lower_bound"],
+                             initial_state=initial.cpu())
+    _, whole = fastkda.kda_prefill(q, k, v, g, beta, initial_state=initial, output_final_state=True, **gate)
     _, last_alone = fastkda.kda_prefill(*(x[:, cuts[-2]:] for x in (q, k, v, g, beta)), output_final_state=True,
                                         **gate)
-    assert rel_err(last_alone, want) > 0.1, rel_err(last_alone, want)  # the earlier parts matter
+    assert rel_err(last_alone.cpu(), exact) > 0.1, rel_err(last_alone.cpu(), exact)  # the earlier parts matter
+    assert rel_err(whole.cpu(), exact) < 3e-3, rel_err(whole.cpu(), exact)
     state = initial[0]
     for a, b in zip(cuts[:-1], cuts[1:]):
         transition, offset = segment_transition(q[:, a:b], k[:, a:b], v[:, a:b], g[:, a:b], beta[:, a:b], **gate)
         assert transition.shape == (heads, key_dim, key_dim) and offset.shape == (heads, value_dim, key_dim)
         state = torch.baddbmm(offset, state, transition)
-    assert rel_err(state, want[0]) < 1e-3, rel_err(state, want[0])
+    assert rel_err(state.cpu(), exact[0]) < 3e-3, (rel_err(state.cpu(), exact[0]), rel_err(whole.cpu(), exact))

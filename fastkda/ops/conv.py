@@ -96,13 +96,16 @@ def conv_kernel(
 def conv_update_kernel(
     x, weight, bias, states, slots, out, stride_xn, stride_xc, stride_wc, stride_wj, stride_bias, stride_sp, stride_sc,
     stride_sj, stride_slot, num_seqs, channels, pool_rows,
-    W: tl.constexpr, BS: tl.constexpr, BC: tl.constexpr, WP: tl.constexpr, HAS_BIAS: tl.constexpr,
-    HAS_SLOTS: tl.constexpr, SILU: tl.constexpr, EMULATE: tl.constexpr,
+    W: tl.constexpr, BS: tl.constexpr, BC: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_SLOTS: tl.constexpr,
+    SILU: tl.constexpr, EMULATE: tl.constexpr,
 ):
-    """One token per sequence (a decode step): program (sequence block, channel block) reads the W−1 columns of
-    its BS sequences' pool rows once, as one ``[BS, BC, WP]`` tile (BS slot -> row chains in flight at once), writes
-    the outputs and, after a barrier, the shifted rows. A sequence past N, or whose slot is negative or at or past
-    the pool's size, reads zeros and writes no row."""
+    """One token per sequence (a decode step): program (sequence block, channel block) loads the W−1 columns of its
+    BS sequences' pool rows as W−1 ``[BS, BC]`` tiles held in registers (a tuple), every load issued before any
+    store so that BS slot -> row chains are in flight at once; it writes the outputs and, after a barrier, the
+    shifted columns from the same registers. Per channel and token that is W−1 loads and stores from one address,
+    where a ``[BS, BC, W−1]`` tile padded to a power of two cost several times the instructions. Any strides (a
+    channel-last pool's columns are vector loads). A sequence past N, or whose slot is negative or at or past the
+    pool's size, reads zeros and writes no row."""
     nn = tl.program_id(0) * BS + tl.arange(0, BS)
     cc = tl.program_id(1) * BC + tl.arange(0, BC)
     n_ok = nn < num_seqs
@@ -113,104 +116,45 @@ def conv_update_kernel(
         slot = nn.to(tl.int64)
     live = n_ok & (slot >= 0) & (slot < pool_rows)
     channel = cc.to(tl.int64)  # offsets of pools and inputs past 2**31 elements
-    cols = tl.arange(0, WP)
-    token_ok = n_ok[:, None] & c_ok[None, :]  # [BS, BC]
+    column = states + tl.where(live, slot, 0)[:, None] * stride_sp + channel[None, :] * stride_sc  # column 0's
+    row_ok = live[:, None] & c_ok[None, :]
+    token_ok = n_ok[:, None] & c_ok[None, :]
+    old = ()
+    for j in tl.static_range(W - 1):
+        old = old + (load_f32(column + j * stride_sj, row_ok),)
     x_t = load_f32(x + nn.to(tl.int64)[:, None] * stride_xn + channel[None, :] * stride_xc, token_ok)
-    rows = states + tl.where(live, slot, 0)[:, None, None] * stride_sp + channel[None, :, None] * stride_sc + \
-        cols[None, None, :] * stride_sj  # [BS, BC, WP] pointers to the old row's columns
-    row_ok = (live[:, None] & c_ok[None, :])[:, :, None]
-    state = load_f32(rows, row_ok & (cols < W - 1)[None, None, :])
-    taps = load_f32(weight + channel[:, None] * stride_wc + cols[None, :] * stride_wj,
-                    c_ok[:, None] & (cols < W - 1)[None, :])
-    acc = tl.sum(state * taps[None, :, :], axis=2) + x_t * load_f32(weight + channel * stride_wc + (W - 1) * stride_wj,
-                                                                    c_ok)[None, :]
+    acc = tl.zeros([BS, BC], dtype=tl.float32)
+    for j in tl.static_range(W - 1):  # the oldest input first
+        acc += old[j] * load_f32(weight + channel * stride_wc + j * stride_wj, c_ok)[None, :]
+    acc += x_t * load_f32(weight + channel * stride_wc + (W - 1) * stride_wj, c_ok)[None, :]
     if HAS_BIAS:
         acc += load_f32(bias + channel * stride_bias, c_ok)[None, :]
     if SILU:
         acc = acc * tl.sigmoid(acc)
     store_as(out + nn.to(tl.int64)[:, None] * channels + channel[None, :], acc, token_ok, EMULATE)
-    # the new row's column j is the old column j + 1 (j < W−2) or the token (j = W−2)
-    shifted = load_f32(rows + stride_sj, row_ok & (cols < W - 2)[None, None, :])
-    new_rows = tl.where((cols == W - 2)[None, None, :], x_t[:, :, None], shifted)
     tl.debug_barrier()  # every read of the old rows, by any thread of this program, before the writes
-    store_as(rows, new_rows, row_ok & (cols < W - 1)[None, None, :], EMULATE)
-
-
-@triton.jit
-def conv_update_rows_kernel(
-    x, weight, bias, states, slots, out, stride_xn, stride_xc, stride_wc, stride_wj, stride_bias, stride_sp,
-    stride_slot, num_seqs, channels, pool_rows,
-    W: tl.constexpr, BS: tl.constexpr, BC: tl.constexpr, BCP: tl.constexpr, F: tl.constexpr, HAS_BIAS: tl.constexpr,
-    HAS_SLOTS: tl.constexpr, SILU: tl.constexpr, EMULATE: tl.constexpr,
-):
-    """One token per sequence where each pool row is contiguous (``[C, W−1]`` with strides ``(W−1, 1)``): program
-    (sequence block, channel block) takes its BC channels of each of its BS rows as one flat span of ``BC·(W−1)``
-    elements (an ``[F]`` tile: vector loads and stores), the taps and the shifted row taken apart in shared memory
-    (``tl.gather``), so that an element costs a few instructions where the tile kernel's padded, stride-(W−1)
-    scalar accesses cost many. The same sums as :func:`conv_update_kernel` in the same tap order; a sequence past
-    N, or whose slot is negative or at or past the pool's size, reads zeros and writes no row. (One sequence at a
-    time: Triton 3.6 fails to compile a gather along the second axis of a ``[BS, F]`` tile.)"""
-    c0 = tl.program_id(1) * BC
-    flat = tl.arange(0, F)
-    flat_ok = (flat < BC * (W - 1)) & (c0 * (W - 1) + flat < channels * (W - 1))
-    local = tl.arange(0, BCP)  # the program's channels, c0 + local
-    c_ok = (local < BC) & (c0 + local < channels)
-    channel = (c0 + local).to(tl.int64)
-    for s in tl.static_range(BS):
-        n = tl.program_id(0) * BS + s
-        n_ok = n < num_seqs
-        if HAS_SLOTS:
-            slot = tl.load(slots + n * stride_slot, mask=n_ok, other=-1).to(tl.int64)
+    for j in tl.static_range(W - 1):  # the new row's column j: the old column j + 1, the token last
+        if j < W - 2:
+            store_as(column + j * stride_sj, old[j + 1], row_ok, EMULATE)
         else:
-            slot = n.to(tl.int64)
-        live = n_ok & (slot >= 0) & (slot < pool_rows)
-        row = states + tl.where(live, slot, 0) * stride_sp + c0 * (W - 1)  # 64-bit base; in-row offsets in 32 bits
-        old = load_f32(row + flat, live & flat_ok)
-        x_t = load_f32(x + n.to(tl.int64) * stride_xn + channel * stride_xc, n_ok & c_ok)
-        acc = x_t * load_f32(weight + channel * stride_wc + (W - 1) * stride_wj, c_ok)
-        for j in tl.static_range(W - 1):  # oldest tap first, as the tile kernel's sum
-            tap = tl.gather(old, tl.minimum(local * (W - 1) + j, F - 1), 0)
-            acc += tap * load_f32(weight + channel * stride_wc + j * stride_wj, c_ok)
-        if HAS_BIAS:
-            acc += load_f32(bias + channel * stride_bias, c_ok)
-        if SILU:
-            acc = acc * tl.sigmoid(acc)
-        store_as(out + n.to(tl.int64) * channels + channel, acc, n_ok & c_ok, EMULATE)
-        # the new row's element e (channel e // (W−1), column e % (W−1)) is the old e + 1, or the token last
-        shifted = tl.gather(old, tl.minimum(flat + 1, F - 1), 0)
-        token = tl.gather(x_t, tl.minimum(flat // (W - 1), BCP - 1), 0)
-        new_row = tl.where(flat % (W - 1) == W - 2, token, shifted)
-        tl.debug_barrier()  # every read of the old row, by any thread of this program, before the writes
-        store_as(row + flat, new_row, live & flat_ok, EMULATE)
+            store_as(column + j * stride_sj, x_t, row_ok, EMULATE)
 
 
 def conv_update_forward(x, weight, bias, conv_states, slots, silu, out, block_s, block_c, warps):
-    """Launch the conv's decode step on validated inputs: ``x [N, 1, C]`` any strides, ``out`` contiguous, the
+    """Launch :func:`conv_update_kernel` on validated inputs: ``x [N, 1, C]`` any strides, ``out`` contiguous, the
     pool rows of live slots shifted in place; ``block_s`` sequences and ``block_c`` channels per program on
-    ``warps`` warps. Contiguous pool rows take :func:`conv_update_rows_kernel`, other layouts
-    :func:`conv_update_kernel`."""
+    ``warps`` warps."""
     num_seqs, _, channels = x.shape
     width = weight.shape[1]
     absent = weight  # stands for absent optional tensors; never dereferenced
-    grid = (triton.cdiv(num_seqs, block_s), triton.cdiv(channels, block_c), 1)
-    common = (x, weight, bias if bias is not None else absent, conv_states, slots if slots is not None else absent, out,
-              x.stride(0), x.stride(2), weight.stride(0), weight.stride(1), bias.stride(0) if bias is not None else 0)
-    flags = dict(W=width, BS=block_s, BC=block_c, HAS_BIAS=bias is not None, HAS_SLOTS=slots is not None, SILU=silu,
-                 EMULATE=interpreting(), num_warps=warps)
-    slot_args = (slots.stride(0) if slots is not None else 0, num_seqs, channels, conv_states.shape[0])
-    if contiguous_rows(conv_states):
-        launch(conv_update_rows_kernel, grid, *common, conv_states.stride(0), *slot_args,
-               BCP=triton.next_power_of_2(block_c), F=triton.next_power_of_2(block_c * (width - 1)), **flags)
-    else:
-        launch(conv_update_kernel, grid, *common, *conv_states.stride(), *slot_args,
-               WP=triton.next_power_of_2(width - 1), **flags)
-
-
-def contiguous_rows(conv_states):
-    """Whether each pool row ``[C, W−1]`` is one contiguous span (strides ``(W−1, 1)``; size-1 dimensions count
-    as contiguous), the layout :func:`conv_update_rows_kernel` reads."""
-    _, channels, columns = conv_states.shape
-    return (columns == 1 or conv_states.stride(2) == 1) and (channels == 1 or conv_states.stride(1) == columns)
+    launch(
+        conv_update_kernel, (triton.cdiv(num_seqs, block_s), triton.cdiv(channels, block_c), 1),
+        x, weight, bias if bias is not None else absent, conv_states, slots if slots is not None else absent, out,
+        x.stride(0), x.stride(2), weight.stride(0), weight.stride(1), bias.stride(0) if bias is not None else 0,
+        *conv_states.stride(), slots.stride(0) if slots is not None else 0, num_seqs, channels, conv_states.shape[0],
+        W=width, BS=block_s, BC=block_c, HAS_BIAS=bias is not None, HAS_SLOTS=slots is not None, SILU=silu,
+        EMULATE=interpreting(), num_warps=warps,
+    )
 
 
 def causal_conv1d_forward(x, weight, bias, conv_states, slots, has_initial_state, cu_seqlens, silu, out):
@@ -232,8 +176,7 @@ def causal_conv1d_forward(x, weight, bias, conv_states, slots, has_initial_state
     if num_seqs == 0 or channels == 0:
         return
     if not varlen and tokens == 1 and conv_states is not None and has_initial_state is None:  # a decode step
-        conv_update_forward(x, weight, bias, conv_states, slots, silu, out,
-                            *conv_update_launch(num_seqs, channels, width, contiguous_rows(conv_states)))
+        conv_update_forward(x, weight, bias, conv_states, slots, silu, out, *conv_update_launch(num_seqs, channels))
         return
     block_t, block_c, warps = conv_launch(tokens, channels, width)
     has_states = conv_states is not None
