@@ -73,7 +73,12 @@ def _prefill_impl(
     checkpoint_states: Optional[torch.Tensor], errors: Optional[torch.Tensor],
 ) -> None:
     """One opaque op for torch.compile and CUDA graphs: Triton on CUDA, the chunked PyTorch path on CPU, both
-    as the plan carried in ``launch_numbers`` says (:meth:`fastkda.plan.PrefillPlan.launch_numbers`)."""
+    as the plan carried in ``launch_numbers`` says (:meth:`fastkda.plan.PrefillPlan.launch_numbers`). It takes the
+    caller's q, k, v, g, beta and takes their kernel views here, where the tensors are real: under torch.compile
+    a view restrided outside the op (``as_strided`` of a view of an intermediate buffer, such as the conv's output
+    split three ways) was laid out anew by inductor, and the decode step read the wrong channels on the H200.
+    Eagerly the second call is an early return or a few stride reads."""
+    q, k, v, g, beta = addressable_inputs(q, k, v, g, beta)
     plan = PrefillPlan.from_launch_numbers(launch_numbers, dot_precision)
     if checks or not q.is_cuda:  # index values: always on the CPU (free there), on the GPU in checked mode
         if checks:
@@ -169,6 +174,7 @@ def kda_prefill(
             device's own (:mod:`fastkda.errors`).
     """
     scale, lower_bound = scalar_defaults(q, scale, lower_bound)
+    given = q, k, v, g, beta  # the op takes these and their kernel views inside (_prefill_impl)
     q, k, v, g, beta = addressable_inputs(q, k, v, g, beta)  # engines' views: no copy where strides allow
     num_seqs, extents = remembered(validate_prefill, q, k, v, g, beta, A_log, dt_bias, lower_bound, scale,
                                    initial_state, final_state, cu_seqlens, out, checkpoint_offsets, checkpoint_states,
@@ -193,7 +199,7 @@ def kda_prefill(
     if final_state is None and output_final_state:
         final_state = torch.empty(num_seqs, heads, value_dim, key_dim, dtype=torch.float32, device=q.device)
     _opaque_when_compiling(_prefill_op, _prefill_impl)(
-        q, k, v, g, beta, A_log, dt_bias, lower_bound, float(scale), initial_state, cu_seqlens, use_qk_l2norm,
+        *given, A_log, dt_bias, lower_bound, float(scale), initial_state, cu_seqlens, use_qk_l2norm,
         use_beta_sigmoid, plan.launch_numbers(), plan.dot_precision, value_checks.requested(checks), out,
         final_state, checkpoint_offsets, checkpoint_states, errors)
     return out, final_state
@@ -225,7 +231,9 @@ def _decode_impl(
     errors: Optional[torch.Tensor],
 ) -> None:
     """One opaque op: the Triton kernel on CUDA as the plan carried in ``launch_numbers`` says
-    (:meth:`fastkda.plan.DecodePlan.launch_numbers`), the token-by-token PyTorch path on CPU."""
+    (:meth:`fastkda.plan.DecodePlan.launch_numbers`), the token-by-token PyTorch path on CPU; the caller's q, k, v,
+    g, beta taken as kernel views here, as :func:`_prefill_impl` takes them."""
+    q, k, v, g, beta = addressable_inputs(q, k, v, g, beta)
     if checks or not q.is_cuda:
         if checks:
             _checked_mode_may_sync(q)
@@ -290,6 +298,7 @@ def kda_decode(
             the automatic one; ``v_slices`` must then stay ``"auto"``.
     """
     scale, lower_bound = scalar_defaults(q, scale, lower_bound)
+    given = q, k, v, g, beta  # the op takes these and their kernel views inside (_decode_impl)
     q, k, v, g, beta = addressable_inputs(q, k, v, g, beta)  # engines' views: no copy where strides allow
     extents = remembered(validate_decode, q, k, v, g, beta, state_pool, slots, A_log, dt_bias, lower_bound, scale,
                          num_accepted_tokens, out)
@@ -302,7 +311,7 @@ def kda_decode(
     if out is None:
         out = torch.empty_like(v, memory_format=torch.contiguous_format)
     _opaque_when_compiling(_decode_op, _decode_impl)(
-        q, k, v, g, beta, state_pool, slots, A_log, dt_bias, lower_bound, float(scale), num_accepted_tokens,
+        *given, state_pool, slots, A_log, dt_bias, lower_bound, float(scale), num_accepted_tokens,
         use_qk_l2norm, use_beta_sigmoid, plan.launch_numbers(), value_checks.requested(checks), out, errors)
     return out
 

@@ -691,16 +691,20 @@ def conv_launch(tokens: int, channels: int, width: int) -> tuple:
     return block_t, min(CONV_CHANNELS, _next_power_of_2(channels)), 4
 
 
-CONV_UPDATE_CHANNELS = 128  # channels per program of the conv's one-token decode step (sweep at 13389df)
-CONV_UPDATE_SEQS = 2  # sequences per program of the conv's decode step (sweep at 7c11916: 4-6% off one, 4 slower)
+# the conv's one-token decode step (sweep at 8e3f7c0, H12 and H96 N256, bf16 and fp32 pools): (sequences,
+# channels) a program on 4 warps by the pool's layout. Rows [C, W−1] contiguous: a sequence of 128 channels
+# (12.4 us at H12 bf16; more sequences a program were slower, their stride-(W−1) columns scalar loads);
+# channel-last rows (a column's channels contiguous, as vLLM keeps them): 4 sequences of 256 (10.3 us, 82% of copy
+# at H96)
+CONV_UPDATE_BLOCKS = {False: (1, 128), True: (4, 256)}
 
 
-def conv_update_launch(num_seqs: int, channels: int) -> tuple:
+def conv_update_launch(num_seqs: int, channels: int, channel_last: bool) -> tuple:
     """``(sequence block, channel block, warps)`` of the conv's decode step (``conv_update_kernel``): a program
-    holds its channels' taps and, a sequence at a time, their pool row's columns in registers; several sequences
-    a program reuse the taps and keep several slot -> row chains in flight."""
-    return (min(CONV_UPDATE_SEQS, _next_power_of_2(num_seqs)), min(CONV_UPDATE_CHANNELS, _next_power_of_2(channels)),
-            4)
+    holds its sequences' pool-row columns in registers, all loaded before any store, so its sequences' slot -> row
+    chains are in flight together (:data:`CONV_UPDATE_BLOCKS`)."""
+    seqs, block = CONV_UPDATE_BLOCKS[channel_last]
+    return min(seqs, _next_power_of_2(num_seqs)), min(block, _next_power_of_2(channels)), 4
 
 
 def norm_launch(rows: int, dim: int) -> tuple:

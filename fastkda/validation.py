@@ -65,9 +65,7 @@ def addressable(x, dim):
         stride[0] = length * stride[1]
     rows_ok = dim == 3 or (stride[3] == 1 and stride[2] == x.shape[3])
     if rows_ok and stride[0] == length * stride[1]:
-        # the view's own storage offset, explicitly: inductor's as_strided of a view of an intermediate buffer took
-        # the buffer's start without it (the compiled decode step read q for k and v on the H200)
-        return x if stride == list(x.stride()) else x.as_strided(x.shape, stride, x.storage_offset())
+        return x if stride == list(x.stride()) else x.as_strided(x.shape, stride)
     return x.contiguous()
 
 

@@ -141,7 +141,8 @@ def test_decode_step_fuses_only_where_it_is_latency_bound():
     assert choose_decode_step_plan(44, 12, 128, 132) is not None  # 528 heads on 132 SMs
     assert choose_decode_step_plan(45, 12, 128, 132) is None  # past four heads an SM: three launches
     assert choose_decode_step_plan(1, 96, 64, 132).v_slices == 1
-    assert conv_update_launch(256, 4608) == (2, 128, 4) and conv_update_launch(1, 96)[:2] == (1, 128)
+    assert conv_update_launch(256, 4608, False) == (1, 128, 4) and conv_update_launch(256, 4608, True) == (4, 256, 4)
+    assert conv_update_launch(1, 96, True)[:2] == (1, 128)
 
 
 def test_sequence_parallelism_where_the_chain_leaves_sms_idle():

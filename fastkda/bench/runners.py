@@ -166,7 +166,9 @@ def _step_inputs(inp, seed=1):
     """The layer's decode-step inputs around a one-token decode input set: the q | k | v projections before the
     conv ``[N, 3·H·D]``, a conv pool with a row per state slot, a width-4 conv weight, the output gate and the
     norm's weight (spec §9), drawn as the workloads draw theirs. The conv pool is bf16, the activations' dtype, as
-    engines keep it: it holds past inputs, which are bf16 already."""
+    engines keep it (it holds past inputs, which are bf16 already), in :class:`fastkda.cache.KDACache`'s layout."""
+    from ..cache import conv_state_pool
+
     seqs, _, heads, dim = inp["q"].shape
     device = inp["q"].device
     gen = torch.Generator(device).manual_seed(seed)
@@ -174,7 +176,10 @@ def _step_inputs(inp, seed=1):
 
     def randn(*shape, dtype=torch.bfloat16):
         return torch.randn(*shape, generator=gen, device=device).to(dtype)
-    return dict(mixed=randn(seqs, channels), conv_states=randn(inp["pool"].shape[0], channels, 3),
+    conv_states = conv_state_pool(inp["pool"].shape[0], channels=channels, kernel=4, dtype=torch.bfloat16,
+                                  device=device)
+    conv_states.copy_(randn(*conv_states.shape))
+    return dict(mixed=randn(seqs, channels), conv_states=conv_states,
                 conv_weight=randn(channels, 4), output_gate=randn(seqs, heads, dim),
                 norm_weight=1 + 0.1 * randn(dim, dtype=torch.float32))
 

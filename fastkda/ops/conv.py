@@ -176,7 +176,9 @@ def causal_conv1d_forward(x, weight, bias, conv_states, slots, has_initial_state
     if num_seqs == 0 or channels == 0:
         return
     if not varlen and tokens == 1 and conv_states is not None and has_initial_state is None:  # a decode step
-        conv_update_forward(x, weight, bias, conv_states, slots, silu, out, *conv_update_launch(num_seqs, channels))
+        channel_last = conv_states.stride(1) == 1 and conv_states.shape[2] > 1
+        conv_update_forward(x, weight, bias, conv_states, slots, silu, out,
+                            *conv_update_launch(num_seqs, channels, channel_last))
         return
     block_t, block_c, warps = conv_launch(tokens, channels, width)
     has_states = conv_states is not None

@@ -190,7 +190,7 @@ def test_decode_step_spans_several_channel_blocks(width):
     from fastkda.plan import conv_update_launch
 
     channels, seqs = 300, 5
-    assert conv_update_launch(seqs, channels)[1] < channels  # several channel blocks
+    assert conv_update_launch(seqs, channels, False)[1] < channels  # several channel blocks
     inp = conv_inputs(channels, width, 6, seed=width)
     x = torch.randn(seqs, 1, channels, generator=torch.Generator().manual_seed(width + 1))
     slots = torch.tensor([4, -1, 0, 6, 2])

@@ -29,7 +29,8 @@ def main(argv=None):
     from fastkda.plan import conv_update_launch
 
     copy = copy_bandwidth_gbps()
-    print(f"[conv-update] copy {copy:.0f} GB/s; the plan's choice {conv_update_launch(args.seqs, 3 * 12 * 128)}")
+    print(f"[conv-update] copy {copy:.0f} GB/s; the plan's choice (contiguous, channel-last) "
+          f"{conv_update_launch(args.seqs, 3 * 12 * 128, False)}, {conv_update_launch(args.seqs, 3 * 12 * 128, True)}")
     for heads in (12, 96):
         channels, width, seqs = 3 * heads * 128, 4, args.seqs
         x = torch.randn(seqs, 1, channels, device="cuda", dtype=torch.bfloat16)
