@@ -27,55 +27,53 @@ from .decode import gate_parameters, token_step
 
 
 @triton.jit
-def conv_output(x_row, conv_row, weight, channels, ok, live, stride_cc, stride_cj, stride_wc, stride_wj,
-                W: tl.constexpr, WP: tl.constexpr):
-    """The conv's output (SiLU applied, no bias) for ``channels`` of one token ``x_row`` (channels contiguous, as
-    the step takes ``mixed``): the W−1 state columns of
-    its pool row (one ``[B, WP]`` tile, columns past W−1 unused; zeros where not ``live``) and the token, against
-    the kernel's taps, in fp32."""
-    channels = channels.to(tl.int64)  # offsets of pools and inputs past 2**31 elements
-    x_t = load_f32(x_row + channels, ok)
-    cols = tl.arange(0, WP)
-    state = load_f32(conv_row + channels[:, None] * stride_cc + cols[None, :] * stride_cj,
-                     (ok & live)[:, None] & (cols < W - 1)[None, :])
-    taps = load_f32(weight + channels[:, None] * stride_wc + cols[None, :] * stride_wj,
-                    ok[:, None] & (cols < W - 1)[None, :])
-    acc = tl.sum(state * taps, axis=1) + x_t * load_f32(weight + channels * stride_wc + (W - 1) * stride_wj, ok)
+def conv_columns(conv_row, channels, ok, stride_cc, stride_cj, W: tl.constexpr):
+    """The W−1 columns of a pool row at ``channels``, oldest first, as a tuple of fp32 vectors (zeros where not
+    ``ok``): one load per channel and column from one address, a vector load where the pool is channel-last."""
+    offsets = channels.to(tl.int64) * stride_cc  # offsets of pools past 2**31 elements
+    columns = ()
+    for j in tl.static_range(W - 1):
+        columns = columns + (load_f32(conv_row + offsets + j * stride_cj, ok),)
+    return columns
+
+
+@triton.jit
+def conv_output(x_t, columns, weight, channels, ok, stride_wc, stride_wj, W: tl.constexpr):
+    """The conv's output (SiLU applied, no bias) of one token ``x_t`` whose W−1 earlier inputs are ``columns``
+    (:func:`conv_columns`), against the kernel's taps, in fp32, the oldest input first."""
+    taps = weight + channels.to(tl.int64) * stride_wc
+    acc = tl.zeros_like(x_t)
+    for j in tl.static_range(W - 1):
+        acc += columns[j] * load_f32(taps + j * stride_wj, ok)
+    acc += x_t * load_f32(taps + (W - 1) * stride_wj, ok)
     return acc * tl.sigmoid(acc)
 
 
 @triton.jit
-def shifted_conv_state(x_row, conv_row, channels, ok, live, stride_cc, stride_cj, W: tl.constexpr,
-                       WP: tl.constexpr):
-    """The new conv state ``[B, WP]`` of ``channels`` (columns past W−1 unused): the old state's W−2 newest
-    inputs, then the token. Its caller stores it only after every read of the old state it must not overtake."""
-    channels = channels.to(tl.int64)
-    cols = tl.arange(0, WP)
-    x_t = load_f32(x_row + channels, ok)
-    shifted = load_f32(conv_row + channels[:, None] * stride_cc + (cols + 1)[None, :] * stride_cj,
-                       (ok & live)[:, None] & (cols < W - 2)[None, :])
-    return tl.where((cols == W - 2)[None, :], x_t[:, None], shifted)
+def store_shifted_columns(conv_row, channels, columns, x_t, ok, stride_cc, stride_cj, W: tl.constexpr,
+                          EMULATE: tl.constexpr):
+    """Write the new conv state of ``channels``: column j is the old column j + 1, the last is the token. Its
+    caller stores it only after every read of the old state it must not overtake."""
+    offsets = channels.to(tl.int64) * stride_cc
+    for j in tl.static_range(W - 1):
+        if j < W - 2:
+            store_as(conv_row + offsets + j * stride_cj, columns[j + 1], ok, EMULATE)
+        else:
+            store_as(conv_row + offsets + j * stride_cj, x_t, ok, EMULATE)
 
 
 @triton.jit
-def store_conv_state(conv_row, channels, new_state, ok, live, stride_cc, stride_cj, W: tl.constexpr,
-                     WP: tl.constexpr, EMULATE: tl.constexpr):
-    channels = channels.to(tl.int64)
-    cols = tl.arange(0, WP)
-    store_as(conv_row + channels[:, None] * stride_cc + cols[None, :] * stride_cj, new_state,
-             (ok & live)[:, None] & (cols < W - 1)[None, :], EMULATE)
-
-
-@triton.jit
-def shift_qk_conv_state(mixed_row, conv_row, q_ch, k_ch, ok, live, stride_cc, stride_cj, W: tl.constexpr,
-                        WP: tl.constexpr, EMULATE: tl.constexpr):
-    """Write a head's new q and k conv state, read whole before any of it is written (the program's threads may
-    hold copies of one element)."""
-    q_state = shifted_conv_state(mixed_row, conv_row, q_ch, ok, live, stride_cc, stride_cj, W, WP)
-    k_state = shifted_conv_state(mixed_row, conv_row, k_ch, ok, live, stride_cc, stride_cj, W, WP)
+def shift_qk_conv_state(mixed_row, conv_row, q_ch, k_ch, ok, stride_cc, stride_cj, W: tl.constexpr,
+                        EMULATE: tl.constexpr):
+    """Write a head's new q and k conv state (``ok``: live channels of a live row), read whole before any of it is
+    written (the program's threads may hold copies of one element)."""
+    q_columns = conv_columns(conv_row, q_ch, ok, stride_cc, stride_cj, W)
+    k_columns = conv_columns(conv_row, k_ch, ok, stride_cc, stride_cj, W)
+    q_x = load_f32(mixed_row + q_ch, ok)
+    k_x = load_f32(mixed_row + k_ch, ok)
     tl.debug_barrier()
-    store_conv_state(conv_row, q_ch, q_state, ok, live, stride_cc, stride_cj, W, WP, EMULATE)
-    store_conv_state(conv_row, k_ch, k_state, ok, live, stride_cc, stride_cj, W, WP, EMULATE)
+    store_shifted_columns(conv_row, q_ch, q_columns, q_x, ok, stride_cc, stride_cj, W, EMULATE)
+    store_shifted_columns(conv_row, k_ch, k_columns, k_x, ok, stride_cc, stride_cj, W, EMULATE)
 
 
 @triton.jit
@@ -95,7 +93,7 @@ def decode_step_kernel(
     stride_gate,
     stride_slot, lower_bound, scale, eps, pool_slots,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, SLICES: tl.constexpr, W: tl.constexpr,
-    WP: tl.constexpr, LOWER_BOUND_GATE: tl.constexpr, L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr,
+    LOWER_BOUND_GATE: tl.constexpr, L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr,
     EMULATE: tl.constexpr,
 ):
     vs = tl.program_id(0)
@@ -113,13 +111,13 @@ def decode_step_kernel(
     q_ch = h * K + kk  # the conv's channels: q | k | v, H heads each
     k_ch = H * K + h * K + kk
     v_ch = 2 * H * K + h * V + vv
-    q_t = conv_output(mixed_row, conv_row, conv_weight, q_ch, k_ok, live, stride_cc, stride_cj, stride_wc, stride_wj,
-                      W, WP)
-    k_t = conv_output(mixed_row, conv_row, conv_weight, k_ch, k_ok, live, stride_cc, stride_cj, stride_wc, stride_wj,
-                      W, WP)
-    v_t = conv_output(mixed_row, conv_row, conv_weight, v_ch, v_ok, live, stride_cc, stride_cj, stride_wc, stride_wj,
-                      W, WP)
-    v_state = shifted_conv_state(mixed_row, conv_row, v_ch, v_ok, live, stride_cc, stride_cj, W, WP)
+    q_columns = conv_columns(conv_row, q_ch, k_ok & live, stride_cc, stride_cj, W)
+    k_columns = conv_columns(conv_row, k_ch, k_ok & live, stride_cc, stride_cj, W)
+    v_columns = conv_columns(conv_row, v_ch, v_ok & live, stride_cc, stride_cj, W)  # kept for the v state's shift
+    v_x = load_f32(mixed_row + v_ch, v_ok)
+    q_t = conv_output(load_f32(mixed_row + q_ch, k_ok), q_columns, conv_weight, q_ch, k_ok, stride_wc, stride_wj, W)
+    k_t = conv_output(load_f32(mixed_row + k_ch, k_ok), k_columns, conv_weight, k_ch, k_ok, stride_wc, stride_wj, W)
+    v_t = conv_output(v_x, v_columns, conv_weight, v_ch, v_ok, stride_wc, stride_wj, W)
     g_t = load_f32(g + n.to(tl.int64) * stride_g + h * K + kk, k_ok)
     b_t = tl.load(beta + n * stride_beta + h * stride_beta_h).to(tl.float32)
     a_scale, bias = gate_parameters(A_log, dt_bias, h, kk, K, LOWER_BOUND_GATE)
@@ -131,12 +129,12 @@ def decode_step_kernel(
     o_t = tl.where(live, o_t, 0.0)
     store_as(pool + row * (H * V * K) + state_cols, S, m_state, EMULATE)
     tl.debug_barrier()  # every thread's reads of the old conv row before any thread's writes
-    store_conv_state(conv_row, v_ch, v_state, v_ok, live, stride_cc, stride_cj, W, WP, EMULATE)
+    store_shifted_columns(conv_row, v_ch, v_columns, v_x, v_ok & live, stride_cc, stride_cj, W, EMULATE)
     tl.atomic_add(errors, (slot >= pool_slots).to(tl.int32), mask=(vs == 0) & (h == 0) & (slot >= pool_slots),
                   sem="relaxed")  # "slot", as the decode kernel counts it
     head = n.to(tl.int64) * H + h
     if SLICES == 1:  # the whole head in this program: no other program reads its q/k state or needs its output
-        shift_qk_conv_state(mixed_row, conv_row, q_ch, k_ch, k_ok, live, stride_cc, stride_cj, W, WP, EMULATE)
+        shift_qk_conv_state(mixed_row, conv_row, q_ch, k_ch, k_ok & live, stride_cc, stride_cj, W, EMULATE)
         y = normalised_head(o_t, tl.sum(o_t * o_t), n, h, out_gate, norm_weight, stride_gate, eps, live, V)
         store_as(out + head * V + vv, y, v_ok, EMULATE)
     else:
@@ -145,7 +143,7 @@ def decode_step_kernel(
         tl.debug_barrier()  # every thread's stores and q/k state reads of this program before its ticket (release)
         ticket = tl.atomic_add(tickets + head, 1, sem="acq_rel")
         if ticket == SLICES - 1:  # every slice of this head has read the q/k state and written its output
-            shift_qk_conv_state(mixed_row, conv_row, q_ch, k_ch, k_ok, live, stride_cc, stride_cj, W, WP, EMULATE)
+            shift_qk_conv_state(mixed_row, conv_row, q_ch, k_ch, k_ok & live, stride_cc, stride_cj, W, EMULATE)
             ss = tl.arange(0, SLICES)
             dd = tl.arange(0, V)
             y = normalised_head(tl.load(partial + head * V + dd), tl.sum(tl.load(sums + head * SLICES + ss)), n, h,
@@ -176,6 +174,6 @@ def fused_decode_step(mixed, conv_pool, conv_weight, g, beta, out_gate, norm_wei
         conv_weight.stride(1), g.stride(0), beta.stride(0), beta.stride(1), out_gate.stride(0), slots.stride(0),
         float(lower_bound) if lower_bound_gate else 0.0, float(scale), float(eps), state_pool.shape[0],
         H=heads, K=key_dim, V=value_dim, BV=plan.slice_width, SLICES=plan.v_slices, W=width,
-        WP=triton.next_power_of_2(width - 1), LOWER_BOUND_GATE=lower_bound_gate, L2NORM=use_qk_l2norm,
+        LOWER_BOUND_GATE=lower_bound_gate, L2NORM=use_qk_l2norm,
         BETA_SIGMOID=use_beta_sigmoid, EMULATE=interpreting(), num_warps=plan.warps,
     )

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import fastkda
+from fastkda.cache import conv_state_pool
 from fastkda.plan import choose_decode_plan
 from helpers import needs_interpreter, rel_err
 
@@ -69,6 +70,21 @@ def test_fused_step_equals_the_three_ops(lower_bound, v_slices):
                                                                                    inp["state_pool"])):
         assert rel_err(got_pool[[4, 1]], want_pool[[4, 1]]) < 1e-5
         assert torch.equal(got_pool[[0, 2, 3]], untouched[[0, 2, 3]])  # rows no live sequence names
+
+
+@needs_interpreter
+def test_fused_step_over_a_channel_last_conv_pool():
+    """KDACache's conv pool layout (``[P, C, W−1]`` over ``[P, W−1, C]`` memory): the same outputs and pools as
+    over a contiguous pool, bit for bit, the pool still channel-last."""
+    inp = step_inputs(2, 4, seed=5)
+    slots = torch.tensor([3, 0], dtype=torch.int32)
+    want = fused_step(inp, slots, 2)
+    channel_last = conv_state_pool(4, channels=inp["conv_states"].shape[1], kernel=WIDTH,
+                                   dtype=torch.float32)
+    channel_last.copy_(inp["conv_states"])
+    got = fused_step({**inp, "conv_states": channel_last}, slots, 2)
+    assert got[1].stride(1) == 1
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
 
 
 def test_cpu_path_equals_a_prefill_of_the_layer_conv_and_decode():

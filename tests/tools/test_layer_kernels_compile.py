@@ -32,7 +32,7 @@ for gate in (True, False):
             dt_bias=F, pool=F, slots=I, partial=F, sums=F, tickets=I, out=B, errors=I, stride_mixed=C,
             stride_cp=C * (W - 1), stride_cc=W - 1, stride_cj=1, stride_wc=W, stride_wj=1, stride_g=H * K,
             stride_beta=H, stride_beta_h=1, stride_gate=H * V, stride_slot=1, lower_bound=-5.0, scale=K ** -0.5,
-            eps=1e-5, pool_slots=33, H=H, K=K, V=V, BV=V // slices, SLICES=slices, W=W, WP=4,
+            eps=1e-5, pool_slots=33, H=H, K=K, V=V, BV=V // slices, SLICES=slices, W=W,
             LOWER_BOUND_GATE=gate, L2NORM=True, BETA_SIGMOID=True, EMULATE=False), warps, 3)
         print("decode_step", gate, slices, warps, flush=True)
     compile_for_hopper(decode_kernel, dict(
