@@ -652,8 +652,8 @@ def _choose_decode_plan(num_seqs, heads, value_dim, sms, choice, tokens):
     return DecodePlan(num_seqs, heads, value_dim, slices, warps, reason)
 
 
-DECODE_STEP_SLICE_WIDTH = 64  # state columns per program of the fused decode step (on DECODE_STEP_WARPS warps)
-DECODE_STEP_WARPS = 8
+DECODE_STEP_SLICE_WIDTH = 32  # state columns per program of the fused decode step (on DECODE_STEP_WARPS warps)
+DECODE_STEP_WARPS = 4
 
 
 @functools.lru_cache(maxsize=4096)  # called on every eager decode step
@@ -665,8 +665,9 @@ def choose_decode_step_plan(num_seqs: int, heads: int, value_dim: int, sms: int)
     than the fused kernel adds (H12 N32, 384 heads: 27.1 us fused against 30.5 for the three launches at a93d5ff
     and 13389df). Past that the step is bound by bytes, and every slice of a head repeats the conv of its q and k
     channels, so the three launches win (H12 N256: the fused kernel's best plan 156 us, the three launches 134).
-    The fused kernel's slices: 64 columns on 8 warps (two slices a head at V = 128: the best or within 2% of it
-    at N = 1 and 32)."""
+    The fused kernel's slices: 32 columns on 4 warps (four slices a head at V = 128; the sweep of 68d5227 over
+    H12 N1-N32 and H96 N1-N4: the best or within 2% of 16 columns on 2 warps everywhere, 64 columns on 8 warps
+    18-26% slower, where a93d5ff had them within 1%)."""
     if num_seqs * heads > 4 * sms:
         return None
     slices = max(value_dim // DECODE_STEP_SLICE_WIDTH, 1)

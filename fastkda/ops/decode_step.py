@@ -11,7 +11,7 @@ program that takes the last ticket reads every slice's sum in slice order (deter
 output, applies the gate and writes it, and puts the ticket back to 0 (so a CUDA graph replays from zeros). And the
 q/k channels' conv state: every slice reads it, so only the last program, which knows that every slice has read it
 (their reads come before their tickets), writes its new value; each program writes its own v channels' state.
-With one slice per head (the plan's at V = 64), the program normalises its head and writes the q/k state itself,
+With one slice per head (a plan that asks for it), the program normalises its head and writes the q/k state itself,
 without workspace or ticket.
 
 A negative slot, or one at or past the pool's size, is a padding row: zeros for the conv state and the recurrent

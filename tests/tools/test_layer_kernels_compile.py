@@ -26,7 +26,7 @@ from fastkda.ops.norm import gated_rmsnorm_kernel
 H, K, V, W, C = 12, 128, 128, 4, 3 * 12 * 128
 B, F, I = "*bf16", "*fp32", "*i32"
 for gate in (True, False):
-    for slices, warps in ((8, 1), (8, 2), (1, 8)):
+    for slices, warps in ((8, 1), (8, 2), (4, 4), (1, 8)):
         compile_for_hopper(decode_step_kernel, dict(
             mixed=B, conv_pool=F, conv_weight=B, g=B if gate else F, beta=B, out_gate=B, norm_weight=F, A_log=F,
             dt_bias=F, pool=F, slots=I, partial=F, sums=F, tickets=I, out=B, errors=I, stride_mixed=C,
@@ -69,4 +69,4 @@ def test_layer_kernels_compile_for_hopper():
     done = subprocess.run([sys.executable, "-c", COMPILE], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr
-    assert done.stdout.count("decode_step") == 6 and done.stdout.count("conv") == 5 and done.stdout.count("conv update") == 2 and "norm" in done.stdout
+    assert done.stdout.count("decode_step") == 8 and done.stdout.count("conv") == 5 and done.stdout.count("conv update") == 2 and "norm" in done.stdout
