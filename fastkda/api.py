@@ -74,10 +74,10 @@ def _prefill_impl(
 ) -> None:
     """One opaque op for torch.compile and CUDA graphs: Triton on CUDA, the chunked PyTorch path on CPU, both
     as the plan carried in ``launch_numbers`` says (:meth:`fastkda.plan.PrefillPlan.launch_numbers`). It takes the
-    caller's q, k, v, g, beta and takes their kernel views here, where the tensors are real: under torch.compile
-    a view restrided outside the op (``as_strided`` of a view of an intermediate buffer, such as the conv's output
-    split three ways) was laid out anew by inductor, and the decode step read the wrong channels on the H200.
-    Eagerly the second call is an early return or a few stride reads."""
+    kernel views of q, k, v, g, beta here, where the tensors are real: under torch.compile the op gets the caller's
+    tensors, since a view restrided outside it (``as_strided`` of a view of an intermediate buffer, such as the
+    conv's output split three ways) was laid out anew by inductor, and the decode step read the wrong channels on
+    the H200; eagerly it gets the views already taken, which this call returns as they are."""
     q, k, v, g, beta = addressable_inputs(q, k, v, g, beta)
     plan = PrefillPlan.from_launch_numbers(launch_numbers, dot_precision)
     if checks or not q.is_cuda:  # index values: always on the CPU (free there), on the GPU in checked mode
@@ -174,7 +174,7 @@ def kda_prefill(
             device's own (:mod:`fastkda.errors`).
     """
     scale, lower_bound = scalar_defaults(q, scale, lower_bound)
-    given = q, k, v, g, beta  # the op takes these and their kernel views inside (_prefill_impl)
+    given = q, k, v, g, beta  # what the op takes under torch.compile (_prefill_impl)
     q, k, v, g, beta = addressable_inputs(q, k, v, g, beta)  # engines' views: no copy where strides allow
     num_seqs, extents = remembered(validate_prefill, q, k, v, g, beta, A_log, dt_bias, lower_bound, scale,
                                    initial_state, final_state, cu_seqlens, out, checkpoint_offsets, checkpoint_states,
@@ -198,8 +198,9 @@ def kda_prefill(
         out = torch.empty_like(v, memory_format=torch.contiguous_format)
     if final_state is None and output_final_state:
         final_state = torch.empty(num_seqs, heads, value_dim, key_dim, dtype=torch.float32, device=q.device)
+    inputs = given if torch.compiler.is_compiling() else (q, k, v, g, beta)
     _opaque_when_compiling(_prefill_op, _prefill_impl)(
-        *given, A_log, dt_bias, lower_bound, float(scale), initial_state, cu_seqlens, use_qk_l2norm,
+        *inputs, A_log, dt_bias, lower_bound, float(scale), initial_state, cu_seqlens, use_qk_l2norm,
         use_beta_sigmoid, plan.launch_numbers(), plan.dot_precision, value_checks.requested(checks), out,
         final_state, checkpoint_offsets, checkpoint_states, errors)
     return out, final_state
@@ -298,7 +299,7 @@ def kda_decode(
             the automatic one; ``v_slices`` must then stay ``"auto"``.
     """
     scale, lower_bound = scalar_defaults(q, scale, lower_bound)
-    given = q, k, v, g, beta  # the op takes these and their kernel views inside (_decode_impl)
+    given = q, k, v, g, beta  # what the op takes under torch.compile (_decode_impl)
     q, k, v, g, beta = addressable_inputs(q, k, v, g, beta)  # engines' views: no copy where strides allow
     extents = remembered(validate_decode, q, k, v, g, beta, state_pool, slots, A_log, dt_bias, lower_bound, scale,
                          num_accepted_tokens, out)
@@ -310,8 +311,9 @@ def kda_decode(
     errors = _error_counters(errors, q)
     if out is None:
         out = torch.empty_like(v, memory_format=torch.contiguous_format)
+    inputs = given if torch.compiler.is_compiling() else (q, k, v, g, beta)
     _opaque_when_compiling(_decode_op, _decode_impl)(
-        *given, state_pool, slots, A_log, dt_bias, lower_bound, float(scale), num_accepted_tokens,
+        *inputs, state_pool, slots, A_log, dt_bias, lower_bound, float(scale), num_accepted_tokens,
         use_qk_l2norm, use_beta_sigmoid, plan.launch_numbers(), value_checks.requested(checks), out, errors)
     return out
 

@@ -666,8 +666,8 @@ def choose_decode_step_plan(num_seqs: int, heads: int, value_dim: int, sms: int)
     and 13389df). Past that the step is bound by bytes, and every slice of a head repeats the conv of its q and k
     channels, so the three launches win (H12 N256: the fused kernel's best plan 156 us, the three launches 134).
     The fused kernel's slices: 32 columns on 4 warps (four slices a head at V = 128; the sweep of 68d5227 over
-    H12 N1-N32 and H96 N1-N4: the best or within 2% of 16 columns on 2 warps everywhere, 64 columns on 8 warps
-    18-26% slower, where a93d5ff had them within 1%)."""
+    H12 N1-N32 and H96 N1-N4: the best or within 2.2% of 16 columns on 2 warps everywhere, 64 columns on 8 warps
+    18-31% slower, where a93d5ff had them within 1%)."""
     if num_seqs * heads > 4 * sms:
         return None
     slices = max(value_dim // DECODE_STEP_SLICE_WIDTH, 1)

@@ -19,8 +19,14 @@ def randn(*shape, dtype=torch.bfloat16, seed=0):
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(device="cuda", dtype=dtype)
 
 
+def channel_last(pool):
+    """The same values in KDACache's conv pool layout (``[P, W−1, C]`` memory)."""
+    return pool.transpose(1, 2).contiguous().transpose(1, 2)
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "channel_last"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_conv_prefill_and_update_match_the_reference(dtype):
+def test_conv_prefill_and_update_match_the_reference(dtype, layout):
     lengths = [0, 1, 2, 3, 40, 300]
     cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
     channels, width = 3 * 2 * 128, 4
@@ -28,6 +34,8 @@ def test_conv_prefill_and_update_match_the_reference(dtype):
     x = wide[:, channels // 2:channels // 2 + channels]  # a strided view, as engines pass it
     weight, bias = randn(channels, width, seed=1), randn(channels, seed=2)
     pool = randn(8, channels, width - 1, dtype=torch.float32, seed=3)
+    if layout == "channel_last":
+        pool = channel_last(pool)
     slots = torch.tensor([5, -1, 2, 7, 0, 3], dtype=torch.int32, device="cuda")
     flags = torch.tensor([True, True, False, True, True, True], device="cuda")
     want_pool = pool.clone()
@@ -126,8 +134,9 @@ def test_transformers_tiny_models_on_the_gpu(kind, dtype):
         assert rel_err(got, exact) <= rel_err(want, exact) * 1.05
 
 
+@pytest.mark.parametrize("layout", ["contiguous", "channel_last"])
 @pytest.mark.parametrize("heads,num_seqs", [(12, 1), (12, 32), (96, 4), (12, 64)])  # the last: three launches
-def test_fused_decode_step_equals_the_three_ops(heads, num_seqs):
+def test_fused_decode_step_equals_the_three_ops(heads, num_seqs, layout):
     """The one-launch step against the conv update, KDA decode and gated norm run one by one on the GPU, bf16
     inputs, fp32 pools; a padding row; and a CUDA-graph replay (its tickets left at zero)."""
     dim, width = 128, 4
@@ -138,6 +147,8 @@ def test_fused_decode_step_equals_the_three_ops(heads, num_seqs):
     output_gate, norm_weight = randn(num_seqs, heads, dim, seed=4), 1 + 0.1 * randn(dim, dtype=torch.float32, seed=5)
     gate = dict(A_log=torch.rand(heads, device="cuda"), dt_bias=torch.rand(heads, dim, device="cuda"), lower_bound=-5.0)
     conv_pool = randn(num_seqs + 2, channels, width - 1, dtype=torch.float32, seed=6)
+    if layout == "channel_last":
+        conv_pool = channel_last(conv_pool)
     state_pool = 0.1 * randn(num_seqs + 2, heads, dim, dim, dtype=torch.float32, seed=7)
     slots = torch.arange(num_seqs, dtype=torch.int32, device="cuda").flip(0) + 1
     if num_seqs > 1:
@@ -186,7 +197,7 @@ def test_compiled_step_on_the_gpu_equals_eager(num_seqs):
                   norm_weight=1 + 0.1 * randn(dim, dtype=torch.float32, seed=5),
                   A_log=torch.rand(heads, device="cuda"), dt_bias=torch.rand(heads, dim, device="cuda"),
                   lower_bound=-5.0, slots=torch.arange(num_seqs, dtype=torch.int32, device="cuda").flip(0))
-    conv_pool = randn(num_seqs + 1, channels, width - 1, seed=6)
+    conv_pool = channel_last(randn(num_seqs + 1, channels, width - 1, seed=6))  # KDACache's layout
     state_pool = 0.1 * randn(num_seqs + 1, heads, dim, dim, dtype=torch.float32, seed=7)
     eager_pools, compiled_pools = (conv_pool.clone(), state_pool.clone()), (conv_pool.clone(), state_pool.clone())
     want = fastkda.kda_decode_step(**inputs, conv_states=eager_pools[0], state_pool=eager_pools[1])

@@ -120,8 +120,10 @@ def conv_update_kernel(
     row_ok = live[:, None] & c_ok[None, :]
     token_ok = n_ok[:, None] & c_ok[None, :]
     old = ()
+    at = column
     for j in tl.static_range(W - 1):
-        old = old + (load_f32(column + j * stride_sj, row_ok),)
+        old = old + (load_f32(at, row_ok),)
+        at += stride_sj  # column by column: no product j·stride past 2**31
     x_t = load_f32(x + nn.to(tl.int64)[:, None] * stride_xn + channel[None, :] * stride_xc, token_ok)
     acc = tl.zeros([BS, BC], dtype=tl.float32)
     for j in tl.static_range(W - 1):  # the oldest input first
@@ -133,11 +135,13 @@ def conv_update_kernel(
         acc = acc * tl.sigmoid(acc)
     store_as(out + nn.to(tl.int64)[:, None] * channels + channel[None, :], acc, token_ok, EMULATE)
     tl.debug_barrier()  # every read of the old rows, by any thread of this program, before the writes
+    at = column
     for j in tl.static_range(W - 1):  # the new row's column j: the old column j + 1, the token last
         if j < W - 2:
-            store_as(column + j * stride_sj, old[j + 1], row_ok, EMULATE)
+            store_as(at, old[j + 1], row_ok, EMULATE)
         else:
-            store_as(column + j * stride_sj, x_t, row_ok, EMULATE)
+            store_as(at, x_t, row_ok, EMULATE)
+        at += stride_sj
 
 
 def conv_update_forward(x, weight, bias, conv_states, slots, silu, out, block_s, block_c, warps):
@@ -176,7 +180,7 @@ def causal_conv1d_forward(x, weight, bias, conv_states, slots, has_initial_state
     if num_seqs == 0 or channels == 0:
         return
     if not varlen and tokens == 1 and conv_states is not None and has_initial_state is None:  # a decode step
-        channel_last = conv_states.stride(1) == 1 and conv_states.shape[2] > 1
+        channel_last = conv_states.stride(1) == 1  # a column's channels contiguous (any pool of W = 2 too)
         conv_update_forward(x, weight, bias, conv_states, slots, silu, out,
                             *conv_update_launch(num_seqs, channels, channel_last))
         return

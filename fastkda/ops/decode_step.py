@@ -30,10 +30,11 @@ from .decode import gate_parameters, token_step
 def conv_columns(conv_row, channels, ok, stride_cc, stride_cj, W: tl.constexpr):
     """The W−1 columns of a pool row at ``channels``, oldest first, as a tuple of fp32 vectors (zeros where not
     ``ok``): one load per channel and column from one address, a vector load where the pool is channel-last."""
-    offsets = channels.to(tl.int64) * stride_cc  # offsets of pools past 2**31 elements
+    at = conv_row + channels.to(tl.int64) * stride_cc  # offsets of pools past 2**31 elements
     columns = ()
     for j in tl.static_range(W - 1):
-        columns = columns + (load_f32(conv_row + offsets + j * stride_cj, ok),)
+        columns = columns + (load_f32(at, ok),)
+        at += stride_cj  # column by column: no product j·stride past 2**31
     return columns
 
 
@@ -54,12 +55,13 @@ def store_shifted_columns(conv_row, channels, columns, x_t, ok, stride_cc, strid
                           EMULATE: tl.constexpr):
     """Write the new conv state of ``channels``: column j is the old column j + 1, the last is the token. Its
     caller stores it only after every read of the old state it must not overtake."""
-    offsets = channels.to(tl.int64) * stride_cc
+    at = conv_row + channels.to(tl.int64) * stride_cc
     for j in tl.static_range(W - 1):
         if j < W - 2:
-            store_as(conv_row + offsets + j * stride_cj, columns[j + 1], ok, EMULATE)
+            store_as(at, columns[j + 1], ok, EMULATE)
         else:
-            store_as(conv_row + offsets + j * stride_cj, x_t, ok, EMULATE)
+            store_as(at, x_t, ok, EMULATE)
+        at += stride_cj
 
 
 @triton.jit

@@ -22,15 +22,17 @@ from fastkda.ops.conv import conv_kernel, conv_update_kernel
 from fastkda.ops.decode import decode_kernel
 from fastkda.ops.decode_step import decode_step_kernel
 from fastkda.ops.norm import gated_rmsnorm_kernel
+from fastkda.plan import conv_update_launch
 
 H, K, V, W, C = 12, 128, 128, 4, 3 * 12 * 128
 B, F, I = "*bf16", "*fp32", "*i32"
 for gate in (True, False):
+    stride_cc, stride_cj = (1, C) if gate else (W - 1, 1)  # conv pools channel-last (KDACache's), then contiguous
     for slices, warps in ((8, 1), (8, 2), (4, 4), (1, 8)):
         compile_for_hopper(decode_step_kernel, dict(
             mixed=B, conv_pool=F, conv_weight=B, g=B if gate else F, beta=B, out_gate=B, norm_weight=F, A_log=F,
             dt_bias=F, pool=F, slots=I, partial=F, sums=F, tickets=I, out=B, errors=I, stride_mixed=C,
-            stride_cp=C * (W - 1), stride_cc=W - 1, stride_cj=1, stride_wc=W, stride_wj=1, stride_g=H * K,
+            stride_cp=C * (W - 1), stride_cc=stride_cc, stride_cj=stride_cj, stride_wc=W, stride_wj=1, stride_g=H * K,
             stride_beta=H, stride_beta_h=1, stride_gate=H * V, stride_slot=1, lower_bound=-5.0, scale=K ** -0.5,
             eps=1e-5, pool_slots=33, H=H, K=K, V=V, BV=V // slices, SLICES=slices, W=W,
             LOWER_BOUND_GATE=gate, L2NORM=True, BETA_SIGMOID=True, EMULATE=False), warps, 3)
@@ -51,11 +53,14 @@ for varlen, block_t, states in ((True, 32, True), (False, 4, True), (True, 32, F
         HAS_INITIAL_FLAGS=states, SILU=True, EMULATE=False), 4, 3)
     print("conv", varlen, block_t, states, flush=True)
 for states in ("*bf16", "*fp32"):
-    compile_for_hopper(conv_update_kernel, dict(
-        x=B, weight=B, bias=B, states=states, slots=I, out=B, stride_xn=C, stride_xc=1, stride_wc=W, stride_wj=1,
-        stride_bias=1, stride_sp=C * (W - 1), stride_sc=W - 1, stride_sj=1, stride_slot=1, num_seqs=256, channels=C,
-        pool_rows=257, W=W, BS=2, BC=128, HAS_BIAS=False, HAS_SLOTS=True, SILU=True, EMULATE=False), 4, 3)
-    print("conv update", states, flush=True)
+    for channel_last, (stride_sc, stride_sj) in ((False, (W - 1, 1)), (True, (1, C))):  # as the plan takes each
+        seqs, block, warps = conv_update_launch(256, C, channel_last)
+        compile_for_hopper(conv_update_kernel, dict(
+            x=B, weight=B, bias=B, states=states, slots=I, out=B, stride_xn=C, stride_xc=1, stride_wc=W,
+            stride_wj=1, stride_bias=1, stride_sp=C * (W - 1), stride_sc=stride_sc, stride_sj=stride_sj,
+            stride_slot=1, num_seqs=256, channels=C, pool_rows=257, W=W, BS=seqs, BC=block, HAS_BIAS=False,
+            HAS_SLOTS=True, SILU=True, EMULATE=False), warps, 3)
+        print("conv update", states, channel_last, flush=True)
 compile_for_hopper(gated_rmsnorm_kernel, dict(
     x=B, gate=B, weight=F, out=B, rows=8192 * H, size1=1, size2=H, stride_x0=H * V, stride_x1=H * V, stride_x2=V,
     stride_xd=1, stride_g0=H * V, stride_g1=H * V, stride_g2=V, stride_gd=1, stride_w=1, eps=1e-5, D=V, BR=32, BD=V,
@@ -69,4 +74,4 @@ def test_layer_kernels_compile_for_hopper():
     done = subprocess.run([sys.executable, "-c", COMPILE], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr
-    assert done.stdout.count("decode_step") == 8 and done.stdout.count("conv") == 5 and done.stdout.count("conv update") == 2 and "norm" in done.stdout
+    assert done.stdout.count("decode_step") == 8 and done.stdout.count("conv") == 7 and done.stdout.count("conv update") == 4 and "norm" in done.stdout

@@ -1,7 +1,7 @@
 """The conv's one-token decode step on the device under sequence blocks, channel blocks and warps, CUDA-graph
 replay, against the copy rate of the same run: the numbers behind :func:`fastkda.plan.conv_update_launch`. Two
-pool layouts: ``contiguous`` (``[P, C, W−1]``, as ``KDACache`` allocates it) and ``channel_last`` (the same
-values in ``[P, W−1, C]`` memory, as vLLM keeps its conv states).
+pool layouts: ``contiguous`` (``[P, C, W−1]`` memory) and ``channel_last`` (the same values in ``[P, W−1, C]``
+memory, as ``KDACache`` and vLLM keep their conv states).
 
 python tools/sweeps/conv_update_sweep.py [--layouts contiguous channel_last] [--seq-blocks 1 2] [--blocks 128 256]
     [--warps 2 4 8]"""
