@@ -3,6 +3,8 @@
 # cannot starve the rest. One log ($OUT/device.log) and the results files ($OUT/results) come back: the device
 # tool returns at most 8 files. Order: the kernel A/B (when asked for), correctness, the benchmarks and sweeps, where the time goes.
 #   bash tools/device_tests.sh [bench args...]
+#   (the GPU suites took about 390 s together on the H200 at 5f68c78, in separate runs: test_gpu 108, safety 36,
+#   sequence-parallel 141, layer 75, distributed 25, plus the checkpoints)
 #   TEST_FILTER='accuracy or graph' TESTS_S=150 EXACT_S=150 KERNELS_S=40 VARIANTS_S=120 CKPT_S=40 NCU_S=90
 #   DSWEEP_S=90 PSWEEP_S=100 BENCH_S=200 (0 skips a step; the bench appends to today's committed results file)
 #   PSWEEP_ARGS, VARIANTS_ARGS: extra arguments of tools/sweeps/plan_sweep.py and tools/variants/prepare_variants.py
@@ -33,7 +35,7 @@ step() {  # step NAME SECONDS COMMAND...: run unless SECONDS is 0, append to the
 }
 step prepare-variants "${VARIANTS_S:-0}" python3 tools/variants/prepare_variants.py ${VARIANTS_ARGS:-}
 step gpu-tests "${TESTS_S:-600}" python3 -m pytest -q -s tests/test_gpu.py tests/test_checkpoints.py tests/test_gpu_safety.py \
-  ${TEST_FILTER:+-k "$TEST_FILTER"}
+  tests/test_gpu_sequence_parallel.py tests/test_gpu_layer.py tests/test_gpu_distributed.py ${TEST_FILTER:+-k "$TEST_FILTER"}
 step exactness "${EXACT_S:-0}" python3 tools/sweeps/exactness_matrix.py
 step ab "${AB_S:-0}" python3 tools/variants/ab_packages.py --out "$OUT/results" ${AB_ARGS:-}
 step decode-sweep "${DSWEEP_S:-0}" python3 tools/sweeps/decode_sweep.py --out "$OUT/results"
