@@ -3,8 +3,8 @@
 # cannot starve the rest. One log ($OUT/device.log) and the results files ($OUT/results) come back: the device
 # tool returns at most 8 files. Order: the kernel A/B (when asked for), correctness, the benchmarks and sweeps, where the time goes.
 #   bash tools/device_tests.sh [bench args...]
-#   (the GPU suites took about 390 s together on the H200 at 5f68c78, in separate runs: test_gpu 108, safety 36,
-#   sequence-parallel 141, layer 75, distributed 25, plus the checkpoints)
+#   (the GPU suites took about 390 s together on the H200, in separate runs at 271685a-68d5227: test_gpu 108,
+#   safety 36, sequence-parallel 141, layer 75, distributed 25, plus the checkpoints)
 #   TEST_FILTER='accuracy or graph' TESTS_S=150 EXACT_S=150 KERNELS_S=40 VARIANTS_S=120 CKPT_S=40 NCU_S=90
 #   DSWEEP_S=90 PSWEEP_S=100 BENCH_S=200 (0 skips a step; the bench appends to today's committed results file)
 #   PSWEEP_ARGS, VARIANTS_ARGS: extra arguments of tools/sweeps/plan_sweep.py and tools/variants/prepare_variants.py
