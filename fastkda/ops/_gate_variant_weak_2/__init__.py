@@ -1,0 +1,47 @@
+"""Chunked KDA prefill on the GPU, one module per stage.
+
+Spec §2 in the WY form, over chunks of ``C`` tokens (the plan's ``chunk``, two 16-token blocks):
+
+1. ``prepare.py``: everything of a chunk that does not depend on the state but the inverse (gate, cumulative
+   decays, normalised q and k, the in-chunk matrices M and β·L), token-parallel over (chunk, head);
+2. ``solve.py``: the in-chunk inverse ``T = (I + β·L)⁻¹``, then ``w = T·β·kd`` and ``u = T·β·v`` (or T·diag(β)
+   alone, for the recurrence to form them), token-parallel;
+3. ``recurrence.py``: the serial recurrence over chunks, one program per (sequence, head, V-slice).
+
+Under sequence parallelism (the plan's ``segment_chunks``) the third stage is three launches: the segments'
+transitions (``recurrence.py`` over V + K columns from zero and identity states), the scan over each sequence's
+segments (``scan.py``), and the recurrence over every segment from its entry state.
+
+``layout.py`` defines where chunks and the workspace between the stages live. Every launch number comes from the
+:class:`fastkda.plan.PrefillPlan` the caller passes; nothing here decides one.
+"""
+
+from ...errors import counters
+from ..common import interpreting
+from .layout import Workspace
+from .prepare import launch_prepare
+from .recurrence import launch_recurrence, launch_transitions
+from .scan import launch_scan
+from .solve import launch_solve
+
+
+def chunk_kda_forward(q, k, v, g, beta, *, plan, A_log, dt_bias, lower_bound, scale, initial_state, cu_seqlens,
+                      use_qk_l2norm, use_beta_sigmoid, out, final_state, checkpoint_offsets=None,
+                      checkpoint_states=None, errors=None):
+    """The three stages on validated inputs (``q, k, g [B, T, H, K]``, ``v [B, T, H, V]`` with ``[H, D]``
+    contiguous per token, ``beta [B, T, H]`` any strides) as ``plan`` says; writes ``out``, ``final_state`` and
+    the checkpoints in place and counts malformed ``cu_seqlens`` in ``errors`` (default: the device's
+    :func:`fastkda.errors.counters`)."""
+    ws = Workspace.allocate(plan, v, cu_seqlens)
+    emulate = interpreting()
+    if plan.chunk_slots:
+        launch_prepare(plan, ws, q, k, g, beta, A_log, dt_bias, lower_bound, scale, use_qk_l2norm, use_beta_sigmoid,
+                       emulate)
+        launch_solve(plan, ws, v, beta, use_beta_sigmoid, emulate)
+    if plan.num_seqs:
+        errors = counters(q.device) if errors is None else errors
+        if plan.sequence_parallel:
+            launch_transitions(plan, ws, initial_state, emulate)
+            launch_scan(plan, ws, initial_state, errors)
+        launch_recurrence(plan, ws, out, initial_state, final_state, checkpoint_offsets, checkpoint_states, errors,
+                          emulate)

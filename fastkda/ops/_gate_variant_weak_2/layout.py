@@ -1,0 +1,167 @@
+"""Where the prefill's chunks and workspace live: the one definition both the host and the kernels use.
+
+Chunk slots. The preparation runs one program per (chunk slot, head). Sequence ``n`` owns ``ceil(len_n / C)``
+consecutive slots from ``n · ceil(T / C)`` (fixed length, ``B`` rows of ``T`` tokens) or from
+``cu_seqlens[n] // C + n`` (varlen, one row): the varlen formula never lets two sequences share a slot and needs
+no prefix sum, so every kernel finds a slot's chunk from ``cu_seqlens`` alone, with no host-device
+synchronisation. Slots past the end of their sequence are empty chunks. The host side of this layout is
+:attr:`fastkda.plan.PrefillPlan.chunk_slots`.
+
+Whatever ``cu_seqlens`` holds on the device, no kernel leaves its buffers: every span is clamped into ``[0, T]``
+with its end at or after its start (:func:`sequence_span`), which keeps every token row below T and every slot
+below ``chunk_slots``, and a slot its sequence does not own is an empty chunk. Only valid offsets (0 first, T last,
+nondecreasing) give meaningful results; the recurrence counts the others (:mod:`fastkda.errors`).
+
+Workspace (:class:`Workspace`). What the preparation writes for the recurrence, in one bf16 and one fp32 buffer
+(one allocation per dtype: an eager call's host time counts). Per (token, head) row, the row index being
+``token · H + head``:
+
+=========  =====  ==============  ======================================================================
+section    dtype  per row         holds
+=========  =====  ==============  ======================================================================
+``w``      bf16   K               kd = k̂·exp(G) until the solve kernel replaces it with w = T·β·kd
+``qg``     bf16   K               qd = s·q̂·exp(G)
+``kg``     bf16   K               kr = k̂·exp(G_C − G)
+``u``      bf16   V               u = T·β·v (unused when the recurrence forms w and u itself)
+``A``      bf16   C               M = lower_incl(qd·kiᵀ)
+``scratch`` fp32  C               β·L from the first kernel; T·diag(β) when the recurrence forms w and u
+=========  =====  ==============  ======================================================================
+
+and per (chunk slot, head), the fp32 chunk decay ``decay = exp(G_C)`` (K values) at the start of the fp32 buffer.
+Under sequence parallelism the fp32 buffer ends with two sections per (segment slot, head), rows of K values
+laid out as a state ``[v, k]``: ``transitions`` (V + K rows: the segment's exit state from a zero state, then the
+exit of the K identity columns, i.e. its transition matrix) and ``entries`` (V rows: the segment's entry state).
+Segment slots are laid out as the chunk slots are, with segments in place of chunks.
+Kernels receive the two buffers and each section's element offset (:class:`Workspace` fields); they address
+rows from their chunk's first token.
+"""
+
+import functools
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def sequence_span(cu_seqlens, n, seq_len, num_seqs, IS_VARLEN: tl.constexpr):
+    """First and one-past-last flattened token of sequence ``n``, and whether its ``cu_seqlens`` entries are as the
+    contract says (in ``[0, T]``, in order, 0 first and T last; varlen: ``seq_len`` is the row's T; the span is
+    clamped as the module docstring says)."""
+    if IS_VARLEN:
+        start = tl.load(cu_seqlens + n)
+        end = tl.load(cu_seqlens + n + 1)
+        in_order = ((start >= 0) & (start <= end) & (end <= seq_len) & ((n > 0) | (start == 0))
+                    & ((n < num_seqs - 1) | (end == seq_len)))
+        bos = tl.minimum(tl.maximum(start, 0), seq_len).to(tl.int32)
+        eos = tl.minimum(tl.maximum(end, bos), seq_len).to(tl.int32)
+    else:
+        bos = n * seq_len
+        eos = bos + seq_len
+        in_order = True
+    return bos, eos, in_order
+
+
+@triton.jit
+def first_slot(n, bos, seq_len, tokens, IS_VARLEN: tl.constexpr):
+    """Slot of sequence ``n``'s first chunk, or first segment, for slots of ``tokens`` tokens (a chunk or a
+    segment; see the module docstring)."""
+    if IS_VARLEN:
+        return bos // tokens + n
+    else:
+        return n * tl.cdiv(seq_len, tokens)
+
+
+@triton.jit
+def sequence_of_slot(slot, cu_seqlens, seq_len, num_seqs, tokens, IS_VARLEN: tl.constexpr):
+    """The sequence a slot of ``tokens`` tokens belongs to: varlen, the last whose first slot is <= slot."""
+    if IS_VARLEN:
+        lo = 0
+        hi = num_seqs - 1
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if tl.load(cu_seqlens + mid).to(tl.int32) // tokens + mid <= slot:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+    else:
+        return slot // tl.cdiv(seq_len, tokens)
+
+
+@triton.jit
+def chunk_of_slot(slot, cu_seqlens, seq_len, num_seqs, C: tl.constexpr, IS_VARLEN: tl.constexpr):
+    """First token of chunk ``slot`` and one past its sequence's last token (a slot past the end of its
+    sequence gives an empty chunk)."""
+    n = sequence_of_slot(slot, cu_seqlens, seq_len, num_seqs, C, IS_VARLEN)
+    bos, eos, _ = sequence_span(cu_seqlens, n, seq_len, num_seqs, IS_VARLEN)
+    first = first_slot(n, bos, seq_len, C, IS_VARLEN)
+    chunk_start = bos + (slot - first) * C
+    return chunk_start, tl.where(slot >= first, eos, chunk_start)  # a slot before its sequence's: an empty chunk
+
+
+@triton.jit
+def entry_state(ws_fp32, entries_at, slot, h, H: tl.constexpr, V: tl.constexpr, K: tl.constexpr):
+    """Pointer to the ``entries`` rows (``[V, K]``, fp32) of segment slot ``slot``, head ``h``."""
+    return ws_fp32 + entries_at + ((slot * H + h) * V).to(tl.int64) * K
+
+
+@triton.jit
+def segment_exit(ws_fp32, transitions_at, slot, h, H: tl.constexpr, V: tl.constexpr, K: tl.constexpr):
+    """Pointer to the ``transitions`` rows (``[V + K, K]``, fp32: exit from zero, then the transition) of segment
+    slot ``slot``, head ``h``."""
+    return ws_fp32 + transitions_at + ((slot * H + h) * (V + K)).to(tl.int64) * K
+
+
+@dataclass(frozen=True)
+class WorkspaceLayout:
+    """Element offsets of the workspace's sections (module docstring) and the two buffers' sizes."""
+
+    qg: int
+    kg: int
+    u: int
+    A: int
+    scratch: int
+    transitions: int
+    entries: int
+    bf16_elements: int
+    fp32_elements: int
+
+
+@functools.lru_cache(maxsize=4096)
+def workspace_layout(rows: int, slots: int, heads: int, key_dim: int, value_dim: int, chunk: int,
+                     segment_slots: int = 0) -> WorkspaceLayout:
+    """The layout for ``rows`` (token, head) rows, ``slots`` chunk slots and ``segment_slots`` segment slots
+    (``w`` and ``decay`` at offset 0)."""
+    qg = rows * key_dim
+    kg = qg + rows * key_dim
+    u = kg + rows * key_dim
+    A = u + rows * value_dim
+    scratch = slots * heads * key_dim
+    transitions = scratch + rows * chunk
+    entries = transitions + segment_slots * heads * (value_dim + key_dim) * key_dim
+    return WorkspaceLayout(qg=qg, kg=kg, u=u, A=A, scratch=scratch, transitions=transitions, entries=entries,
+                           bf16_elements=A + rows * chunk,
+                           fp32_elements=entries + segment_slots * heads * value_dim * key_dim)
+
+
+@dataclass
+class Workspace:
+    """The preparation's output for one call: the two buffers, their :class:`WorkspaceLayout`, and what the
+    recurrence needs besides (``v`` when it forms u itself, ``cu_seqlens``)."""
+
+    bf16: torch.Tensor
+    fp32: torch.Tensor
+    layout: WorkspaceLayout
+    cu_seqlens: Optional[torch.Tensor]
+    v: torch.Tensor
+
+    @staticmethod
+    def allocate(plan, v, cu_seqlens) -> "Workspace":
+        layout = workspace_layout(plan.batch * plan.seq_len * plan.heads, plan.chunk_slots, plan.heads,
+                                  plan.key_dim, plan.value_dim, plan.chunk, plan.segment_slots)
+        return Workspace(bf16=torch.empty(layout.bf16_elements, dtype=torch.bfloat16, device=v.device),
+                         fp32=torch.empty(layout.fp32_elements, dtype=torch.float32, device=v.device),
+                         layout=layout, cu_seqlens=cu_seqlens, v=v)

@@ -1,0 +1,283 @@
+"""The serial recurrence over chunks: one program per (V-slice, head, sequence), the state in fp32 registers.
+
+Per chunk, in order (spec §2 in the WY form): ``v_new = u − w·S``, ``o = qg·S + A·v_new``,
+``S = diag(exp(G_C))·S + kgᵀ·v_new``, with prefix-cache checkpoints written at chunk boundaries. No step reduces
+over V, and every slice adds the same products over K in the same order, so results are bitwise identical for
+any number of V-slices (the plan's ``v_slices``).
+
+Two forms of the same arithmetic (the plan's ``state_rows_v``):
+
+* slices from 64 columns hold the state transposed, ``Sᵀ [BV, K]``, and compute every product transposed, so that
+  the slice's columns are each product's M (a wgmma from 64 rows) and its first operand, the state or
+  ``v_newᵀ``, stays in registers. The next chunk's ``uᵀ`` and decay are loaded right after their last use in the
+  current step, so that the loads land in the loop-carried registers and overlap the step (loaded at the top of
+  the step, or left to Triton's pipeliner, the step waited on them);
+* narrower slices hold ``S [K, BV]``, whose products have the chunk's C rows as M.
+
+Unless the solve kernel formed them (``W_U_FORMED``), each step forms ``w = T·β·kd`` and ``u = T·β·v`` itself from
+the T·diag(β) scratch, kd and v, with the solve kernel's products in the same order: the same bits either way.
+"""
+
+import triton
+import triton.language as tl
+
+from ..common import bf16_operand, launch, store_as
+from ..tiles import load_tile, load_tile_t, store_tile, store_tile_t, tile_offsets
+from .layout import entry_state, first_slot, segment_exit, sequence_of_slot, sequence_span
+
+
+@triton.jit
+def store_checkpoint(ckpt_offsets, ckpt_states, n, j, stride_n, stride_j, done, skip, length, S, state_offsets,
+                     H: tl.constexpr, V: tl.constexpr, K: tl.constexpr, EMULATE: tl.constexpr):
+    """Write ``S`` (the state after ``done`` tokens) to checkpoint ``j`` of sequence ``n`` if its offset is
+    ``done`` and inside the sequence, unless ``skip``. ``state_offsets`` address ``[n, h, v, k]`` of an
+    ``[N, H, V, K]`` tensor; checkpoints are ``[N, 2, H, V, K]``. The offset is compared in its own dtype (an int64
+    offset is never truncated into a match)."""
+    offset = tl.load(ckpt_offsets + n * stride_n + j * stride_j)
+    if (offset == done) & (offset <= length) & ~skip:
+        per_seq = H * V * K
+        target = n.to(tl.int64) * (2 * per_seq) + j * per_seq + (state_offsets - n.to(tl.int64) * per_seq)
+        store_as(ckpt_states + target, S, None, EMULATE)
+
+
+@triton.jit
+def initial_or_zero(initial_state, state_offsets, HAS_INITIAL: tl.constexpr, STATE_ROWS_V: tl.constexpr,
+                    BV: tl.constexpr, K: tl.constexpr):
+    """A slice's starting state from ``initial_state`` (fp32), or zeros, in the slice's form."""
+    if HAS_INITIAL:
+        return tl.load(initial_state + state_offsets).to(tl.float32)
+    elif STATE_ROWS_V:
+        return tl.zeros((BV, K), dtype=tl.float32)
+    else:
+        return tl.zeros((K, BV), dtype=tl.float32)
+
+
+@triton.jit
+def walk_chunks(
+    ws_bf16, ws_fp32, qg_at, kg_at, u_at, A_at, scratch_at, transitions_at, entries_at, out, initial_state,
+    final_state, cu_seqlens, errors, ckpt_offsets, ckpt_states, stride_out, seq_len, num_seqs, stride_ckpt_n,
+    stride_ckpt_j, v, stride_v, segment_chunks,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
+    IS_VARLEN: tl.constexpr, HAS_INITIAL: tl.constexpr, HAS_FINAL: tl.constexpr, NUM_CKPT: tl.constexpr,
+    STATE_ROWS_V: tl.constexpr, W_U_FORMED: tl.constexpr, DOT_PRECISION: tl.constexpr, EMULATE: tl.constexpr,
+    SEGMENTED: tl.constexpr, TRANSITION: tl.constexpr,
+):
+    """One (V-slice, head, sequence), or under sequence parallelism one (slice, head, segment slot): the chunks
+    in order (module docstring); ``TRANSITION``: the segment's transition instead (:func:`transition_kernel`)."""
+    vs = tl.program_id(0)
+    h = tl.program_id(1)
+    w_ws = ws_bf16 + h * K  # each section's rows from head h's first column
+    qg_ws = ws_bf16 + qg_at + h * K
+    kg_ws = ws_bf16 + kg_at + h * K
+    u_ws = ws_bf16 + u_at + h * V
+    A_ws = ws_bf16 + A_at + h * C
+    T_ws = ws_fp32 + scratch_at + h * C
+    v_h = v + h * V
+    out_h = out + h * V
+    if SEGMENTED:  # programs 0..N-1: each sequence's first segment; then one per segment slot, for the others
+        first_segment = tl.program_id(2) < num_seqs
+        slot = tl.maximum(tl.program_id(2) - num_seqs, 0)
+        n = tl.where(first_segment, tl.program_id(2),
+                     sequence_of_slot(slot, cu_seqlens, seq_len, num_seqs, C * segment_chunks, IS_VARLEN))
+    else:
+        n = tl.program_id(2)
+    bos, eos, in_order = sequence_span(cu_seqlens, n, seq_len, num_seqs, IS_VARLEN)
+    slot0 = first_slot(n, bos, seq_len, C, IS_VARLEN)
+    num_chunks = tl.cdiv(eos - bos, C)
+    kk = tl.arange(0, K)
+    vv = vs * BV + tl.arange(0, BV)  # TRANSITION: columns V.. are the identity columns
+    r = tl.arange(0, C)
+    cc = tl.arange(0, C)
+    if SEGMENTED:  # the first segments come first in the grid, so that a batch of one segment per sequence runs
+        # its programs in the first wave, one per SM, as the serial recurrence does
+        own_slot = first_slot(n, bos, seq_len, C * segment_chunks, IS_VARLEN)  # the sequence's first segment slot
+        slot = tl.where(first_segment, own_slot, slot)
+        j = slot - own_slot
+        c0 = j * segment_chunks
+        c1 = tl.minimum(c0 + segment_chunks, num_chunks)
+        later = ~first_segment & (j > 0)  # a slot program of a later segment (j <= 0 there: the first's, or none)
+        if TRANSITION:  # every segment but the last; the identity columns from the second
+            active = (first_segment | later) & (c1 < num_chunks) & ((vs * BV < V) | (j > 0))
+        else:  # every segment; the first also for an empty sequence (its final state and checkpoint 0)
+            active = first_segment | (later & (c0 < num_chunks))
+        c0 = tl.where(active, c0, 0)  # an idle program walks no chunk (no branch around the loop, which would
+        c_end = tl.where(active, c1, 0)  # keep Triton from pipelining its loads), prefetches in range, stores nothing
+    else:
+        j = 0
+        c0 = 0
+        c1 = num_chunks
+        c_end = c1
+        active = True
+    base = ((n * H + h) * V).to(tl.int64) * K
+    if STATE_ROWS_V:
+        state_offsets = base + tile_offsets(vv, kk, K, 1)  # Sᵀ[v, k] = state[v, k]
+        local = tile_offsets(vv, kk, K, 1)
+    else:
+        state_offsets = base + tile_offsets(kk, vv, 1, K)  # S[k, v] = state[v, k]
+        local = tile_offsets(kk, vv, 1, K)
+    if TRANSITION:  # identity columns: the state of column V + p starts as the unit vector e_p
+        if STATE_ROWS_V:
+            S = tl.where(vv[:, None] - V == kk[None, :], 1.0, 0.0)
+        else:
+            S = tl.where(vv[None, :] - V == kk[:, None], 1.0, 0.0)
+        if HAS_INITIAL:
+            if j == 0:  # the value columns only (an identity slice's rows lie past the state's V)
+                if STATE_ROWS_V:
+                    S += tl.load(initial_state + state_offsets, mask=vv[:, None] < V, other=0.0).to(tl.float32)
+                else:
+                    S += tl.load(initial_state + state_offsets, mask=vv[None, :] < V, other=0.0).to(tl.float32)
+    elif SEGMENTED:
+        # a sequence of several segments: the scan's entry state (the first segment's initial state too: it may be
+        # the final state's buffer, which the last segment writes while the first runs); of one: the serial start
+        if (c1 < num_chunks) | (j > 0):
+            S = tl.load(entry_state(ws_fp32, entries_at, slot, h, H, V, K) + local)
+        else:
+            S = initial_or_zero(initial_state, state_offsets, HAS_INITIAL, STATE_ROWS_V, BV, K)
+    else:
+        S = initial_or_zero(initial_state, state_offsets, HAS_INITIAL, STATE_ROWS_V, BV, K)
+    decay_h = ws_fp32 + h * K  # the chunk decays [slots, H, K]
+    if STATE_ROWS_V:  # the first chunk's uᵀ and decay; each step then loads the next chunk's (below)
+        if W_U_FORMED:
+            first = (bos + c0 * C + r).to(tl.int64)
+            u_T = load_tile_t(u_ws, first, first < eos, vv, V, H * V)
+        decay = tl.load(decay_h + (slot0 + c0) * (H * K) + kk, mask=(kk < K) & (c_end > c0), other=1.0)
+    for c in range(c0, c_end):
+        if not TRANSITION:
+            # under SEGMENTED a later segment's start is its predecessor's end, which that one writes
+            skip = (c == c0) & (j > 0) if SEGMENTED else False
+            for i in tl.static_range(NUM_CKPT):  # prefix-cache checkpoint: the state after c*C tokens
+                store_checkpoint(ckpt_offsets, ckpt_states, n, i, stride_ckpt_n, stride_ckpt_j, c * C, skip,
+                                 eos - bos, S, state_offsets, H, V, K, EMULATE)
+        tok = (bos + c * C + r).to(tl.int64)
+        valid = tok < eos
+        if W_U_FORMED:
+            w = bf16_operand(load_tile(w_ws, tok, valid, kk, K, H * K), EMULATE)
+        else:  # w = T·β·kd and u = T·β·v, rounded to bf16 as the workspace would hold them
+            T_beta = load_tile(T_ws, tok, valid, cc, C, H * C)
+            kd = load_tile(w_ws, tok, valid, kk, K, H * K).to(tl.float32)
+            w = bf16_operand(tl.dot(T_beta, kd, input_precision=DOT_PRECISION), EMULATE)
+            v_c = load_tile(v_h, tok, valid, vv, V, stride_v).to(tl.float32)
+            u = bf16_operand(tl.dot(T_beta, v_c, input_precision=DOT_PRECISION), EMULATE).to(tl.float32)
+        if not TRANSITION:
+            qg = bf16_operand(load_tile(qg_ws, tok, valid, kk, K, H * K), EMULATE)
+            A = bf16_operand(load_tile(A_ws, tok, valid, cc, C, H * C), EMULATE)
+        kg = bf16_operand(load_tile(kg_ws, tok, valid, kk, K, H * K), EMULATE)
+        S_op = bf16_operand(S, EMULATE)
+        if STATE_ROWS_V:  # v_newᵀ = uᵀ - Sᵀwᵀ, oᵀ = Sᵀqgᵀ + v_newᵀAᵀ, Sᵀ = Sᵀ·diag(decay) + v_newᵀ·kg
+            S_decayed = S * decay[None, :]
+            decay = tl.load(decay_h + (slot0 + tl.minimum(c + 1, c1 - 1)) * (H * K) + kk)
+            if W_U_FORMED:
+                v_new = u_T.to(tl.float32) - tl.dot(S_op, tl.trans(w))
+                u_T = load_tile_t(u_ws, tok + C, tok + C < eos, vv, V, H * V)
+            else:
+                v_new = tl.trans(u) - tl.dot(S_op, tl.trans(w))
+            v_op = bf16_operand(v_new, EMULATE)
+            if not TRANSITION:
+                o = tl.dot(S_op, tl.trans(qg)) + tl.dot(v_op, tl.trans(A))
+                store_tile_t(out_h, tok, valid, vv, V, stride_out, o, EMULATE)
+            S = S_decayed + tl.dot(v_op, kg)
+        else:  # v_new = u - w·S, o = qg·S + A·v_new, S = diag(decay)·S + kgᵀ·v_new
+            chunk_decay = tl.load(decay_h + (slot0 + c) * (H * K) + kk)
+            if W_U_FORMED:
+                u = load_tile(u_ws, tok, valid, vv, V, H * V).to(tl.float32)
+            v_new = u - tl.dot(w, S_op)
+            v_op = bf16_operand(v_new, EMULATE)
+            if not TRANSITION:
+                o = tl.dot(qg, S_op) + tl.dot(A, v_op)
+                store_tile(out_h, tok, valid, vv, V, stride_out, o, EMULATE)
+            S = S * chunk_decay[:, None] + tl.dot(tl.trans(kg), v_op)
+    if TRANSITION:  # the segment's exit: [exit state from zero | transition], rows of the V + K columns
+        if active:
+            tl.store(segment_exit(ws_fp32, transitions_at, slot, h, H, V, K) + local, S)
+    elif active:  # the checkpoint at the segment's end (so that it is the final state of a run of that prefix with
+        # the same segments, whose last segment ends there), and after the last segment the final state
+        for i in tl.static_range(NUM_CKPT):
+            store_checkpoint(ckpt_offsets, ckpt_states, n, i, stride_ckpt_n, stride_ckpt_j, c1 * C, False, eos - bos,
+                             S, state_offsets, H, V, K, EMULATE)
+        if HAS_FINAL:
+            last = c1 == num_chunks
+            if SEGMENTED and IS_VARLEN:  # malformed cu_seqlens can hand a sequence's last slot to another sequence:
+                # then its first segment writes a final state (unspecified, but written), as no other program does
+                if first_segment & ~last:
+                    last_slot = own_slot + tl.cdiv(num_chunks, segment_chunks) - 1
+                    last = sequence_of_slot(last_slot, cu_seqlens, seq_len, num_seqs, C * segment_chunks,
+                                            IS_VARLEN) != n
+            if last:
+                store_as(final_state + state_offsets, S, None, EMULATE)
+    if IS_VARLEN and not SEGMENTED:  # fastkda.errors: "cu_seqlens", counted last, once per sequence
+        tl.atomic_add(errors + 2, 1, mask=(vs == 0) & (h == 0) & ~in_order, sem="relaxed")
+
+
+@triton.jit
+def recurrence_kernel(
+    ws_bf16, ws_fp32, qg_at, kg_at, u_at, A_at, scratch_at, entries_at, out, initial_state, final_state, cu_seqlens,
+    errors, ckpt_offsets, ckpt_states, stride_out, seq_len, num_seqs, stride_ckpt_n, stride_ckpt_j, v, stride_v,
+    segment_chunks, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
+    IS_VARLEN: tl.constexpr, HAS_INITIAL: tl.constexpr, HAS_FINAL: tl.constexpr, NUM_CKPT: tl.constexpr,
+    STATE_ROWS_V: tl.constexpr, W_U_FORMED: tl.constexpr, DOT_PRECISION: tl.constexpr, EMULATE: tl.constexpr,
+    SEGMENTED: tl.constexpr,
+):
+    """The recurrence: one (V-slice, head, sequence) over its chunks, or under sequence parallelism one (V-slice,
+    head, segment slot) from the segment's entry state; outputs, checkpoints and final states."""
+    walk_chunks(ws_bf16, ws_fp32, qg_at, kg_at, u_at, A_at, scratch_at, 0, entries_at, out, initial_state,
+                final_state, cu_seqlens, errors, ckpt_offsets, ckpt_states, stride_out, seq_len, num_seqs,
+                stride_ckpt_n, stride_ckpt_j, v, stride_v, segment_chunks, H, K, V, BV, C, IS_VARLEN, HAS_INITIAL,
+                HAS_FINAL, NUM_CKPT, STATE_ROWS_V, W_U_FORMED, DOT_PRECISION, EMULATE, SEGMENTED, False)
+
+
+@triton.jit
+def transition_kernel(
+    ws_bf16, ws_fp32, kg_at, u_at, scratch_at, transitions_at, initial_state, cu_seqlens, seq_len, num_seqs, v,
+    stride_v, segment_chunks, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
+    IS_VARLEN: tl.constexpr, HAS_INITIAL: tl.constexpr, STATE_ROWS_V: tl.constexpr, W_U_FORMED: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, EMULATE: tl.constexpr,
+):
+    """Sequence parallelism's first phase: one (slice of the V + K columns, head, segment slot), every segment but
+    its sequence's last, from a zero state (the first segment from the initial state) and identity columns,
+    steps without outputs; writes the segment's exit and transition (``scan.py``)."""
+    walk_chunks(ws_bf16, ws_fp32, 0, kg_at, u_at, 0, scratch_at, transitions_at, 0, ws_fp32, initial_state, ws_fp32,
+                cu_seqlens, ws_fp32, ws_fp32, ws_fp32, 0, seq_len, num_seqs, 0, 0, v, stride_v, segment_chunks, H, K,
+                V, BV, C, IS_VARLEN, HAS_INITIAL, False, 0, STATE_ROWS_V, W_U_FORMED, DOT_PRECISION, EMULATE, True,
+                True)
+
+
+def launch_recurrence(plan, ws, out, initial_state, final_state, checkpoint_offsets, checkpoint_states, errors,
+                      emulate):
+    """Launch :func:`recurrence_kernel` over the plan's grid: ``out [B, T, H, V]`` (contiguous), ``final_state
+    [N, H, V, K]`` and the checkpoints ``checkpoint_states [N, 2, H, V, K]`` at ``checkpoint_offsets [N]`` or
+    ``[N, 2]`` (if given), in place; malformed ``cu_seqlens`` counted in ``errors`` (by the scan instead, under
+    sequence parallelism, where this reruns every segment from the entry state the scan wrote)."""
+    absent = ws.fp32  # stands for absent optional tensors; never dereferenced
+    checkpoints = 0 if checkpoint_offsets is None else (1 if checkpoint_offsets.dim() == 1 else
+                                                        checkpoint_offsets.shape[1])
+    layout = ws.layout
+    launch(
+        recurrence_kernel, plan.recurrence_grid,
+        ws.bf16, ws.fp32, layout.qg, layout.kg, layout.u, layout.A, layout.scratch, layout.entries, out,
+        initial_state if initial_state is not None else absent,
+        final_state if final_state is not None else absent,
+        ws.cu_seqlens if plan.varlen else absent, errors,
+        checkpoint_offsets if checkpoints else absent, checkpoint_states if checkpoints else absent,
+        out.stride(1), plan.seq_len, plan.num_seqs,
+        checkpoint_offsets.stride(0) if checkpoints else 0, checkpoint_offsets.stride(-1) if checkpoints else 0,
+        ws.v, ws.v.stride(1), plan.segment_chunks, H=plan.heads, K=plan.key_dim, V=plan.value_dim,
+        BV=plan.slice_width, C=plan.chunk, IS_VARLEN=plan.varlen, HAS_INITIAL=initial_state is not None,
+        HAS_FINAL=final_state is not None, NUM_CKPT=checkpoints, STATE_ROWS_V=plan.state_rows_v,
+        W_U_FORMED=not plan.w_u_in_recurrence, DOT_PRECISION=plan.dot_precision, EMULATE=emulate,
+        SEGMENTED=plan.sequence_parallel,
+        num_warps=plan.recurrence_warps, num_stages=plan.recurrence_stages,
+    )
+
+
+def launch_transitions(plan, ws, initial_state, emulate):
+    """Launch :func:`transition_kernel` over ``plan.transition_grid`` (sequence parallelism's first phase)."""
+    launch(
+        transition_kernel, plan.transition_grid,
+        ws.bf16, ws.fp32, ws.layout.kg, ws.layout.u, ws.layout.scratch, ws.layout.transitions,
+        initial_state if initial_state is not None else ws.fp32, ws.cu_seqlens if plan.varlen else ws.fp32,
+        plan.seq_len, plan.num_seqs, ws.v, ws.v.stride(1), plan.segment_chunks, H=plan.heads, K=plan.key_dim,
+        V=plan.value_dim, BV=plan.transition_width, C=plan.chunk, IS_VARLEN=plan.varlen,
+        HAS_INITIAL=initial_state is not None, STATE_ROWS_V=plan.transition_rows_v,
+        W_U_FORMED=not plan.w_u_in_recurrence, DOT_PRECISION=plan.dot_precision, EMULATE=emulate,
+        num_warps=plan.transition_warps, num_stages=plan.recurrence_stages,
+    )

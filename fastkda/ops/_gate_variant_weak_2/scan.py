@@ -1,0 +1,64 @@
+"""The scan over each sequence's segments (sequence parallelism, ``docs/sequence-parallel.md`` §1, §4.4).
+
+The transition kernel (``recurrence.py`` with ``TRANSITION``) leaves, for every segment j but a sequence's last,
+its exit from a zero state ``ℬ_j`` and its transition ``𝒜_j`` (the exit of the identity columns), the first
+segment's exit from the sequence's initial state (its true exit). The first segment's entry is the initial state
+itself, copied here for a sequence of several segments, so that their rerun never reads ``initial_state`` (which
+may be the final state's buffer, written by the last segment). Segments compose as affine maps, so the entry
+state of segment j + 1 is ``S_{j+1} = 𝒜_j·S_j + ℬ_j``, walked here in segment order: one program per (slice of
+``SCAN_WIDTH`` state columns, head, sequence). In the state's ``[v, k]`` layout the step is
+``S_{j+1}[v, :] = S_j[v, :]·𝒜_jᵀ + ℬ_j[v, :]``, and the stored transition rows are ``𝒜_jᵀ`` already. The state
+stays fp32; the products run at the plan's ``dot_precision``. The scan goes in order with a fixed slice width, so
+an entry state depends only on the segments before it, in one order, whatever the plan's slices.
+
+It also counts malformed ``cu_seqlens`` (:mod:`fastkda.errors`), once per sequence, as the serial recurrence does.
+"""
+
+import triton
+import triton.language as tl
+
+from ..common import launch
+from ..tiles import tile_offsets
+from .layout import entry_state, first_slot, segment_exit, sequence_span
+
+
+@triton.jit
+def segment_scan_kernel(ws_fp32, transitions_at, entries_at, initial_state, cu_seqlens, errors, seq_len,
+                        segment_chunks, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, SW: tl.constexpr,
+                        C: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_INITIAL: tl.constexpr,
+                        DOT_PRECISION: tl.constexpr):
+    """One (column slice, head, sequence): the entry state of each of the sequence's segments after the first."""
+    vs = tl.program_id(0)
+    h = tl.program_id(1)
+    n = tl.program_id(2)
+    bos, eos, in_order = sequence_span(cu_seqlens, n, seq_len, tl.num_programs(2), IS_VARLEN)
+    segments = tl.cdiv(tl.cdiv(eos - bos, C), segment_chunks)
+    first = first_slot(n, bos, seq_len, C * segment_chunks, IS_VARLEN)
+    rows = tile_offsets(vs * SW + tl.arange(0, SW), tl.arange(0, K), K, 1)  # [SW, K] of a state's [v, k]
+    matrix = tile_offsets(V + tl.arange(0, K), tl.arange(0, K), K, 1)  # the transition's rows, 𝒜ᵀ [K, K]
+    if segments > 1:  # the first segment's entry (the rerun of a sequence of one reads the initial state itself)
+        if HAS_INITIAL:
+            S = tl.load(initial_state + ((n * H + h) * V).to(tl.int64) * K + rows).to(tl.float32)
+        else:
+            S = tl.zeros((SW, K), dtype=tl.float32)
+        tl.store(entry_state(ws_fp32, entries_at, first, h, H, V, K) + rows, S)
+        S = tl.load(segment_exit(ws_fp32, transitions_at, first, h, H, V, K) + rows)
+        for j in range(1, segments):  # no branch in the loop, so that Triton prefetches the next transition
+            slot = first + j
+            tl.store(entry_state(ws_fp32, entries_at, slot, h, H, V, K) + rows, S)
+            exits = segment_exit(ws_fp32, transitions_at, slot, h, H, V, K)
+            # after the last segment's entry this reads its slot's unwritten transition: in the buffer, unused
+            S = tl.dot(S, tl.load(exits + matrix), input_precision=DOT_PRECISION) + tl.load(exits + rows)
+    if IS_VARLEN:  # fastkda.errors: "cu_seqlens", once per sequence
+        tl.atomic_add(errors + 2, 1, mask=(vs == 0) & (h == 0) & ~in_order, sem="relaxed")
+
+
+def launch_scan(plan, ws, initial_state, errors):
+    """Launch :func:`segment_scan_kernel` over ``plan.scan_grid``, between the transitions and the rerun."""
+    layout = ws.layout
+    launch(segment_scan_kernel, plan.scan_grid, ws.fp32, layout.transitions, layout.entries,
+           initial_state if initial_state is not None else ws.fp32, ws.cu_seqlens if plan.varlen else ws.fp32,
+           errors, plan.seq_len, plan.segment_chunks, H=plan.heads, K=plan.key_dim, V=plan.value_dim,
+           SW=plan.scan_width, C=plan.chunk, IS_VARLEN=plan.varlen, HAS_INITIAL=initial_state is not None,
+           DOT_PRECISION=plan.dot_precision, num_warps=plan.scan_warps,
+           num_stages=plan.scan_stages)
