@@ -68,17 +68,18 @@ def _prefill_impl(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
     A_log: Optional[torch.Tensor], dt_bias: Optional[torch.Tensor], lower_bound: Optional[float], scale: float,
     initial_state: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor], use_qk_l2norm: bool,
-    use_beta_sigmoid: bool, launch_numbers: List[int], dot_precision: str, checks: bool, out: torch.Tensor,
-    final_state: Optional[torch.Tensor], checkpoint_offsets: Optional[torch.Tensor],
+    use_beta_sigmoid: bool, launch_numbers: List[int], dot_precision: str, checks: bool, take_views: bool,
+    out: torch.Tensor, final_state: Optional[torch.Tensor], checkpoint_offsets: Optional[torch.Tensor],
     checkpoint_states: Optional[torch.Tensor], errors: Optional[torch.Tensor],
 ) -> None:
     """One opaque op for torch.compile and CUDA graphs: Triton on CUDA, the chunked PyTorch path on CPU, both
-    as the plan carried in ``launch_numbers`` says (:meth:`fastkda.plan.PrefillPlan.launch_numbers`). It takes the
-    kernel views of q, k, v, g, beta here, where the tensors are real: under torch.compile the op gets the caller's
-    tensors, since a view restrided outside it (``as_strided`` of a view of an intermediate buffer, such as the
-    conv's output split three ways) was laid out anew by inductor, and the decode step read the wrong channels on
-    the H200; eagerly it gets the views already taken, which this call returns as they are."""
-    q, k, v, g, beta = addressable_inputs(q, k, v, g, beta)
+    as the plan carried in ``launch_numbers`` says (:meth:`fastkda.plan.PrefillPlan.launch_numbers`). With
+    ``take_views`` (under torch.compile) it gets the caller's q, k, v, g, beta and takes their kernel views here,
+    where the tensors are real: a view restrided outside the op (``as_strided`` of a view of an intermediate
+    buffer, such as the conv's output split three ways) was laid out anew by inductor, and the decode step read the
+    wrong channels on the H200. Eagerly it gets the views its caller validated."""
+    if take_views:
+        q, k, v, g, beta = addressable_inputs(q, k, v, g, beta)
     plan = PrefillPlan.from_launch_numbers(launch_numbers, dot_precision)
     if checks or not q.is_cuda:  # index values: always on the CPU (free there), on the GPU in checked mode
         if checks:
@@ -116,8 +117,8 @@ _prefill_op = torch.library.custom_op(
 
 @_prefill_op.register_fake
 def _prefill_fake(q, k, v, g, beta, A_log, dt_bias, lower_bound, scale, initial_state, cu_seqlens, use_qk_l2norm,
-                  use_beta_sigmoid, launch_numbers, dot_precision, checks, out, final_state, checkpoint_offsets,
-                  checkpoint_states, errors):
+                  use_beta_sigmoid, launch_numbers, dot_precision, checks, take_views, out, final_state,
+                  checkpoint_offsets, checkpoint_states, errors):
     return None
 
 
@@ -174,7 +175,7 @@ def kda_prefill(
             device's own (:mod:`fastkda.errors`).
     """
     scale, lower_bound = scalar_defaults(q, scale, lower_bound)
-    given = q, k, v, g, beta  # what the op takes under torch.compile (_prefill_impl)
+    given = q, k, v, g, beta  # what the op takes under torch.compile (_prefill_impl's take_views)
     q, k, v, g, beta = addressable_inputs(q, k, v, g, beta)  # engines' views: no copy where strides allow
     num_seqs, extents = remembered(validate_prefill, q, k, v, g, beta, A_log, dt_bias, lower_bound, scale,
                                    initial_state, final_state, cu_seqlens, out, checkpoint_offsets, checkpoint_states,
@@ -198,11 +199,11 @@ def kda_prefill(
         out = torch.empty_like(v, memory_format=torch.contiguous_format)
     if final_state is None and output_final_state:
         final_state = torch.empty(num_seqs, heads, value_dim, key_dim, dtype=torch.float32, device=q.device)
-    inputs = given if torch.compiler.is_compiling() else (q, k, v, g, beta)
+    compiling = torch.compiler.is_compiling()
     _opaque_when_compiling(_prefill_op, _prefill_impl)(
-        *inputs, A_log, dt_bias, lower_bound, float(scale), initial_state, cu_seqlens, use_qk_l2norm,
-        use_beta_sigmoid, plan.launch_numbers(), plan.dot_precision, value_checks.requested(checks), out,
-        final_state, checkpoint_offsets, checkpoint_states, errors)
+        *(given if compiling else (q, k, v, g, beta)), A_log, dt_bias, lower_bound, float(scale), initial_state,
+        cu_seqlens, use_qk_l2norm, use_beta_sigmoid, plan.launch_numbers(), plan.dot_precision,
+        value_checks.requested(checks), compiling, out, final_state, checkpoint_offsets, checkpoint_states, errors)
     return out, final_state
 
 
@@ -228,13 +229,14 @@ def _decode_impl(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
     state_pool: torch.Tensor, slots: torch.Tensor, A_log: Optional[torch.Tensor], dt_bias: Optional[torch.Tensor],
     lower_bound: Optional[float], scale: float, num_accepted_tokens: Optional[torch.Tensor], use_qk_l2norm: bool,
-    use_beta_sigmoid: bool, launch_numbers: List[int], checks: bool, out: torch.Tensor,
+    use_beta_sigmoid: bool, launch_numbers: List[int], checks: bool, take_views: bool, out: torch.Tensor,
     errors: Optional[torch.Tensor],
 ) -> None:
     """One opaque op: the Triton kernel on CUDA as the plan carried in ``launch_numbers`` says
-    (:meth:`fastkda.plan.DecodePlan.launch_numbers`), the token-by-token PyTorch path on CPU; the caller's q, k, v,
-    g, beta taken as kernel views here, as :func:`_prefill_impl` takes them."""
-    q, k, v, g, beta = addressable_inputs(q, k, v, g, beta)
+    (:meth:`fastkda.plan.DecodePlan.launch_numbers`), the token-by-token PyTorch path on CPU; ``take_views`` as
+    :func:`_prefill_impl` takes it."""
+    if take_views:
+        q, k, v, g, beta = addressable_inputs(q, k, v, g, beta)
     if checks or not q.is_cuda:
         if checks:
             _checked_mode_may_sync(q)
@@ -259,7 +261,7 @@ _decode_op = torch.library.custom_op("fastkda::decode", mutates_args=("state_poo
 
 @_decode_op.register_fake
 def _decode_fake(q, k, v, g, beta, state_pool, slots, A_log, dt_bias, lower_bound, scale, num_accepted_tokens,
-                 use_qk_l2norm, use_beta_sigmoid, launch_numbers, checks, out, errors):
+                 use_qk_l2norm, use_beta_sigmoid, launch_numbers, checks, take_views, out, errors):
     return None
 
 
@@ -299,7 +301,7 @@ def kda_decode(
             the automatic one; ``v_slices`` must then stay ``"auto"``.
     """
     scale, lower_bound = scalar_defaults(q, scale, lower_bound)
-    given = q, k, v, g, beta  # what the op takes under torch.compile (_decode_impl)
+    given = q, k, v, g, beta  # what the op takes under torch.compile (_decode_impl's take_views)
     q, k, v, g, beta = addressable_inputs(q, k, v, g, beta)  # engines' views: no copy where strides allow
     extents = remembered(validate_decode, q, k, v, g, beta, state_pool, slots, A_log, dt_bias, lower_bound, scale,
                          num_accepted_tokens, out)
@@ -311,10 +313,11 @@ def kda_decode(
     errors = _error_counters(errors, q)
     if out is None:
         out = torch.empty_like(v, memory_format=torch.contiguous_format)
-    inputs = given if torch.compiler.is_compiling() else (q, k, v, g, beta)
+    compiling = torch.compiler.is_compiling()
     _opaque_when_compiling(_decode_op, _decode_impl)(
-        *inputs, state_pool, slots, A_log, dt_bias, lower_bound, float(scale), num_accepted_tokens,
-        use_qk_l2norm, use_beta_sigmoid, plan.launch_numbers(), value_checks.requested(checks), out, errors)
+        *(given if compiling else (q, k, v, g, beta)), state_pool, slots, A_log, dt_bias, lower_bound, float(scale),
+        num_accepted_tokens, use_qk_l2norm, use_beta_sigmoid, plan.launch_numbers(), value_checks.requested(checks),
+        compiling, out, errors)
     return out
 
 
