@@ -93,6 +93,40 @@ def conv_kernel(
 
 
 @triton.jit
+def load_columns(column, ok, stride_j, W: tl.constexpr):
+    """The W−1 columns of pool rows, oldest first, from ``column`` (pointers to column 0, any shape) on: a tuple of
+    fp32 tensors, zeros where not ``ok``. The pointers advance column by column (no product j·stride past
+    2**31)."""
+    columns = ()
+    for j in tl.static_range(W - 1):
+        columns = columns + (load_f32(column, ok),)
+        column += stride_j
+    return columns
+
+
+@triton.jit
+def conv_sum(x_t, columns, taps, ok, stride_wj, W: tl.constexpr):
+    """``Σ_j w_j·column_j + w_{W−1}·x`` in fp32, the oldest input first (no bias, no activation): ``columns``
+    from :func:`load_columns`, ``taps`` pointers to each channel's first tap (zeros where not ``ok``)."""
+    acc = tl.zeros_like(x_t)
+    for j in tl.static_range(W - 1):
+        acc += columns[j] * load_f32(taps + j * stride_wj, ok)
+    return acc + x_t * load_f32(taps + (W - 1) * stride_wj, ok)
+
+
+@triton.jit
+def store_shifted(column, columns, x_t, ok, stride_j, W: tl.constexpr, EMULATE: tl.constexpr):
+    """Write the new conv state from ``column`` on: column j is the old column j + 1 (``columns``), the last the
+    token ``x_t``. Its caller stores it only after every read of the old state it must not overtake."""
+    for j in tl.static_range(W - 1):
+        if j < W - 2:
+            store_as(column, columns[j + 1], ok, EMULATE)
+        else:
+            store_as(column, x_t, ok, EMULATE)
+        column += stride_j
+
+
+@triton.jit
 def conv_update_kernel(
     x, weight, bias, states, slots, out, stride_xn, stride_xc, stride_wc, stride_wj, stride_bias, stride_sp, stride_sc,
     stride_sj, stride_slot, num_seqs, channels, pool_rows,
@@ -119,29 +153,16 @@ def conv_update_kernel(
     column = states + tl.where(live, slot, 0)[:, None] * stride_sp + channel[None, :] * stride_sc  # column 0's
     row_ok = live[:, None] & c_ok[None, :]
     token_ok = n_ok[:, None] & c_ok[None, :]
-    old = ()
-    at = column
-    for j in tl.static_range(W - 1):
-        old = old + (load_f32(at, row_ok),)
-        at += stride_sj  # column by column: no product j·stride past 2**31
+    old = load_columns(column, row_ok, stride_sj, W)
     x_t = load_f32(x + nn.to(tl.int64)[:, None] * stride_xn + channel[None, :] * stride_xc, token_ok)
-    acc = tl.zeros([BS, BC], dtype=tl.float32)
-    for j in tl.static_range(W - 1):  # the oldest input first
-        acc += old[j] * load_f32(weight + channel * stride_wc + j * stride_wj, c_ok)[None, :]
-    acc += x_t * load_f32(weight + channel * stride_wc + (W - 1) * stride_wj, c_ok)[None, :]
+    acc = conv_sum(x_t, old, weight + channel * stride_wc, c_ok, stride_wj, W)  # taps [BC] against [BS, BC]
     if HAS_BIAS:
         acc += load_f32(bias + channel * stride_bias, c_ok)[None, :]
     if SILU:
         acc = acc * tl.sigmoid(acc)
     store_as(out + nn.to(tl.int64)[:, None] * channels + channel[None, :], acc, token_ok, EMULATE)
     tl.debug_barrier()  # every read of the old rows, by any thread of this program, before the writes
-    at = column
-    for j in tl.static_range(W - 1):  # the new row's column j: the old column j + 1, the token last
-        if j < W - 2:
-            store_as(at, old[j + 1], row_ok, EMULATE)
-        else:
-            store_as(at, x_t, row_ok, EMULATE)
-        at += stride_sj
+    store_shifted(column, old, x_t, row_ok, stride_sj, W, EMULATE)
 
 
 def conv_update_forward(x, weight, bias, conv_states, slots, silu, out, block_s, block_c, warps):

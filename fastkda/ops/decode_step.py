@@ -23,45 +23,21 @@ import triton
 import triton.language as tl
 
 from .common import interpreting, launch, load_f32, store_as
+from .conv import conv_sum, load_columns, store_shifted
 from .decode import gate_parameters, token_step
 
 
 @triton.jit
-def conv_columns(conv_row, channels, ok, stride_cc, stride_cj, W: tl.constexpr):
-    """The W−1 columns of a pool row at ``channels``, oldest first, as a tuple of fp32 vectors (zeros where not
-    ``ok``): one load per channel and column from one address, a vector load where the pool is channel-last."""
-    at = conv_row + channels.to(tl.int64) * stride_cc  # offsets of pools past 2**31 elements
-    columns = ()
-    for j in tl.static_range(W - 1):
-        columns = columns + (load_f32(at, ok),)
-        at += stride_cj  # column by column: no product j·stride past 2**31
-    return columns
+def conv_column(conv_row, channels, stride_cc):
+    """Pointers to column 0 of ``channels`` in a pool row (64-bit: pools past 2**31 elements)."""
+    return conv_row + channels.to(tl.int64) * stride_cc
 
 
 @triton.jit
 def conv_output(x_t, columns, weight, channels, ok, stride_wc, stride_wj, W: tl.constexpr):
-    """The conv's output (SiLU applied, no bias) of one token ``x_t`` whose W−1 earlier inputs are ``columns``
-    (:func:`conv_columns`), against the kernel's taps, in fp32, the oldest input first."""
-    taps = weight + channels.to(tl.int64) * stride_wc
-    acc = tl.zeros_like(x_t)
-    for j in tl.static_range(W - 1):
-        acc += columns[j] * load_f32(taps + j * stride_wj, ok)
-    acc += x_t * load_f32(taps + (W - 1) * stride_wj, ok)
+    """The conv's output (SiLU applied, no bias) of one token ``x_t`` whose W−1 earlier inputs are ``columns``."""
+    acc = conv_sum(x_t, columns, weight + channels.to(tl.int64) * stride_wc, ok, stride_wj, W)
     return acc * tl.sigmoid(acc)
-
-
-@triton.jit
-def store_shifted_columns(conv_row, channels, columns, x_t, ok, stride_cc, stride_cj, W: tl.constexpr,
-                          EMULATE: tl.constexpr):
-    """Write the new conv state of ``channels``: column j is the old column j + 1, the last is the token. Its
-    caller stores it only after every read of the old state it must not overtake."""
-    at = conv_row + channels.to(tl.int64) * stride_cc
-    for j in tl.static_range(W - 1):
-        if j < W - 2:
-            store_as(at, columns[j + 1], ok, EMULATE)
-        else:
-            store_as(at, x_t, ok, EMULATE)
-        at += stride_cj
 
 
 @triton.jit
@@ -69,13 +45,14 @@ def shift_qk_conv_state(mixed_row, conv_row, q_ch, k_ch, ok, stride_cc, stride_c
                         EMULATE: tl.constexpr):
     """Write a head's new q and k conv state (``ok``: live channels of a live row), read whole before any of it is
     written (the program's threads may hold copies of one element)."""
-    q_columns = conv_columns(conv_row, q_ch, ok, stride_cc, stride_cj, W)
-    k_columns = conv_columns(conv_row, k_ch, ok, stride_cc, stride_cj, W)
+    q_column, k_column = conv_column(conv_row, q_ch, stride_cc), conv_column(conv_row, k_ch, stride_cc)
+    q_columns = load_columns(q_column, ok, stride_cj, W)
+    k_columns = load_columns(k_column, ok, stride_cj, W)
     q_x = load_f32(mixed_row + q_ch, ok)
     k_x = load_f32(mixed_row + k_ch, ok)
     tl.debug_barrier()
-    store_shifted_columns(conv_row, q_ch, q_columns, q_x, ok, stride_cc, stride_cj, W, EMULATE)
-    store_shifted_columns(conv_row, k_ch, k_columns, k_x, ok, stride_cc, stride_cj, W, EMULATE)
+    store_shifted(q_column, q_columns, q_x, ok, stride_cj, W, EMULATE)
+    store_shifted(k_column, k_columns, k_x, ok, stride_cj, W, EMULATE)
 
 
 @triton.jit
@@ -113,9 +90,10 @@ def decode_step_kernel(
     q_ch = h * K + kk  # the conv's channels: q | k | v, H heads each
     k_ch = H * K + h * K + kk
     v_ch = 2 * H * K + h * V + vv
-    q_columns = conv_columns(conv_row, q_ch, k_ok & live, stride_cc, stride_cj, W)
-    k_columns = conv_columns(conv_row, k_ch, k_ok & live, stride_cc, stride_cj, W)
-    v_columns = conv_columns(conv_row, v_ch, v_ok & live, stride_cc, stride_cj, W)  # kept for the v state's shift
+    q_columns = load_columns(conv_column(conv_row, q_ch, stride_cc), k_ok & live, stride_cj, W)
+    k_columns = load_columns(conv_column(conv_row, k_ch, stride_cc), k_ok & live, stride_cj, W)
+    v_column = conv_column(conv_row, v_ch, stride_cc)
+    v_columns = load_columns(v_column, v_ok & live, stride_cj, W)  # kept for the v state's shift
     v_x = load_f32(mixed_row + v_ch, v_ok)
     q_t = conv_output(load_f32(mixed_row + q_ch, k_ok), q_columns, conv_weight, q_ch, k_ok, stride_wc, stride_wj, W)
     k_t = conv_output(load_f32(mixed_row + k_ch, k_ok), k_columns, conv_weight, k_ch, k_ok, stride_wc, stride_wj, W)
@@ -131,7 +109,7 @@ def decode_step_kernel(
     o_t = tl.where(live, o_t, 0.0)
     store_as(pool + row * (H * V * K) + state_cols, S, m_state, EMULATE)
     tl.debug_barrier()  # every thread's reads of the old conv row before any thread's writes
-    store_shifted_columns(conv_row, v_ch, v_columns, v_x, v_ok & live, stride_cc, stride_cj, W, EMULATE)
+    store_shifted(v_column, v_columns, v_x, v_ok & live, stride_cj, W, EMULATE)
     tl.atomic_add(errors, (slot >= pool_slots).to(tl.int32), mask=(vs == 0) & (h == 0) & (slot >= pool_slots),
                   sem="relaxed")  # "slot", as the decode kernel counts it
     head = n.to(tl.int64) * H + h
