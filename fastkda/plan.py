@@ -81,13 +81,15 @@ class PrefillPlan:
     held transposed (rows = V), so that a slice's columns are each product's rows; warps and pipeline stages.
     Preparation: warps, stages, key channels per step and ``prepare_token_run`` (consecutive tokens per thread,
     which keeps the in-chunk cumulative sum inside threads; it sets that sum's order, so it is the one number here
-    besides ``chunk`` and ``dot_precision`` that changes the results' last bits) of the first kernel; warps, stages and channels per step
-    of the solve kernel. Sequence parallelism (``docs/sequence-parallel.md``): ``segment_chunks`` (0: off) cuts every
-sequence, from its first token, into segments of that many chunks; the transition kernel runs each segment from
-a zero state over the V value columns and K identity columns in slices of ``transition_width``, the scan
-(``scan_warps``, ``scan_stages``: the next segment's transition is loaded while the current one is applied)
-composes them into each segment's entry state, and the recurrence reruns every segment from its
-entry state in ``v_slices`` slices. ``dot_precision``: the kernels' fp32 products ("tf32" or "ieee")."""
+    besides ``chunk`` and ``dot_precision`` that changes the results' last bits) of the first kernel, and
+    ``prepare_registers``, its cap on registers per thread (0: the compiler's choice; a cap fits more programs on
+    an SM at the price of spills); warps, stages and channels per step of the solve kernel. Sequence parallelism
+    (``docs/sequence-parallel.md``): ``segment_chunks`` (0: off) cuts every sequence, from its first token, into
+    segments of that many chunks; the transition kernel runs each segment from a zero state over the V value
+    columns and K identity columns in slices of ``transition_width``, the scan (``scan_warps``, ``scan_stages``:
+    the next segment's transition is loaded while the current one is applied) composes them into each segment's
+    entry state, and the recurrence reruns every segment from its entry state in ``v_slices`` slices.
+    ``dot_precision``: the kernels' fp32 products ("tf32" or "ieee")."""
 
     seq_len: int
     num_seqs: int
@@ -112,6 +114,7 @@ entry state in ``v_slices`` slices. ``dot_precision``: the kernels' fp32 product
     solve_warps: int
     solve_stages: int
     solve_channels: int
+    prepare_registers: int = 0
     segment_chunks: int = 0
     transition_width: int = 0
     scan_warps: int = 4
@@ -137,6 +140,8 @@ entry state in ``v_slices`` slices. ``dot_precision``: the kernels' fp32 product
         for name in ("recurrence_warps", "prepare_warps", "solve_warps"):
             _check(getattr(self, name) in WARP_CHOICES, f"{name} must be one of {WARP_CHOICES}, got "
                                                         f"{getattr(self, name)}")
+        _check(self.prepare_registers == 0 or 24 <= self.prepare_registers <= 255,
+               f"prepare_registers must be 0 (the compiler's choice) or 24..255, got {self.prepare_registers}")
         for name in ("recurrence_stages", "prepare_stages", "solve_stages"):
             _check(getattr(self, name) >= 1, f"{name} must be >= 1, got {getattr(self, name)}")
         _check(self.prepare_channels in (16, 32, 64, 128) and self.key_dim % self.prepare_channels == 0,
@@ -270,7 +275,8 @@ entry state in ``v_slices`` slices. ``dot_precision``: the kernels' fp32 product
             f"chunks: {self.chunk} tokens per serial step (inverse blocks of {self.block}); the longest sequence "
             f"walks at most {chain} chunk(s) in order",
             f"preparation: {self.chunk_slots} chunk slots x {self.heads} heads; first kernel {self.prepare_warps} warps, {self.prepare_stages} stages, "
-            f"{self.prepare_channels} key channels per step, {self.prepare_token_run} consecutive tokens per thread; "
+            f"{self.prepare_channels} key channels per step, {self.prepare_token_run} consecutive tokens per thread"
+            + (f", at most {self.prepare_registers} registers a thread" if self.prepare_registers else "") + "; "
             f"solve kernel {self.solve_warps} warps, {self.solve_stages} stages, {self.solve_channels} channels per "
             f"step, " + ("T·diag(β) only (the recurrence forms w and u)" if self.w_u_in_recurrence
                          else "forming w and u"),

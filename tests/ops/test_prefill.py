@@ -86,7 +86,8 @@ def test_v_slices_and_w_u_forms_are_bitwise_identical(v_slices, w_u_in_recurrenc
 
 
 @pytest.mark.parametrize("changes", [dict(state_rows_v=True), dict(prepare_warps=2),
-                                     dict(solve_channels=32, solve_warps=2), dict(recurrence_stages=1)])
+                                     dict(solve_channels=32, solve_warps=2), dict(recurrence_stages=1),
+                                     dict(prepare_registers=128)])
 def test_other_launch_numbers_give_the_same_bits(changes):
     """Launch numbers a sweep may set (warps, stages, channels per step, the state's form) change how the kernels
     are scheduled, never what they add in which order (``prepare_token_run`` does: it orders the in-chunk

@@ -43,12 +43,13 @@ recorded = {}
 def record(kernel, grid, *args, **meta):
     values = dict(zip([p.name for p in kernel.params], args), **meta)
     values = {k: POINTERS[v.dtype] if isinstance(v, torch.Tensor) else v for k, v in values.items()}
-    recorded[kernel.__name__] = [values, values.pop("num_warps"), values.pop("num_stages", 3)]
+    recorded[kernel.__name__] = [values, values.pop("num_warps"), values.pop("num_stages", 3),
+                                 values.pop("maxnreg", None)]
 
 for module in (prepare, solve, recurrence, decode):
     module.launch = record
 inp = make_prefill_inputs(dict(H=3, lengths=[100, 37], layout="varlen"), "cpu")
-plan = plan_for_inputs(inp, sms=132).replace(prepare_warps=8, solve_stages=2)
+plan = plan_for_inputs(inp, sms=132).replace(prepare_warps=8, solve_stages=2, prepare_registers=128)
 offsets = torch.tensor([[32, 64], [0, 32]], dtype=torch.int32)
 chunk_kda_forward(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], plan=plan, A_log=inp["A_log"],
                   dt_bias=inp["dt_bias"], lower_bound=-5.0, scale=inp["scale"], initial_state=inp["initial_state"],
@@ -62,8 +63,8 @@ decode.recurrent_kda_decode(dec["q"], dec["k"], dec["v"], dec["g"], dec["beta"],
                             plan=decode_plan, A_log=dec["A_log"], dt_bias=dec["dt_bias"], lower_bound=-5.0,
                             scale=dec["scale"], num_accepted_tokens=None, use_qk_l2norm=True, use_beta_sigmoid=True,
                             out=torch.empty_like(dec["v"]), errors=torch.zeros(3, dtype=torch.int32))
-described = {fn.__name__: [args, warps, stages]
-             for fn, args, warps, stages in hopper.launches(plan, decode_plan, checkpoints=2).values()}
+described = {fn.__name__: [args, warps, stages, maxnreg]
+             for fn, args, warps, stages, maxnreg in hopper.launches(plan, decode_plan, checkpoints=2).values()}
 print(json.dumps(dict(recorded=recorded, described=described)))
 """
 

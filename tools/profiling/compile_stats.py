@@ -24,8 +24,9 @@ def main(argv=None):
     print(f"[compile] plan: {plan.describe()}".replace("\n", "\n[compile]   "))
     print(f"[compile] decode plan: v_slices={decode_plan.v_slices}, warps={decode_plan.warps}")
     found = {}
-    for name, (fn, kernel_args, warps, stages) in launches(plan, decode_plan, args.kernels, args.checkpoints).items():
-        found[name] = compile_stats(fn, kernel_args, warps, stages)
+    for name, (fn, kernel_args, warps, stages, maxnreg) in launches(plan, decode_plan, args.kernels,
+                                                                    args.checkpoints).items():
+        found[name] = compile_stats(fn, kernel_args, warps, stages, maxnreg)
         print(f"[compile] {name} warps={warps} stages={stages}: {found[name]}", flush=True)
     return found
 

@@ -36,9 +36,10 @@ KERNELS = PREFILL_KERNELS + ("decode",)
 DEFAULT_WORKLOAD = "H12_N1_T8192"
 
 
-def compile_for_hopper(fn, args, num_warps, num_stages):
+def compile_for_hopper(fn, args, num_warps, num_stages, maxnreg=None):
     """Compile the Triton kernel ``fn`` for sm_90a. ``args`` gives every parameter by name: a pointer as its type
-    (``"*bf16"``), a runtime integer or float as the value a launch passes, a constexpr as its value."""
+    (``"*bf16"``), a runtime integer or float as the value a launch passes, a constexpr as its value; ``maxnreg``
+    caps the registers per thread as the launch option of that name does."""
     from triton._C.libtriton import native_specialize_impl
     from triton.backends.nvidia.compiler import CUDABackend
 
@@ -62,12 +63,12 @@ def compile_for_hopper(fn, args, num_warps, num_stages):
         if kind == "constexpr":
             constexprs[(index,)] = value
     source = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
-    return triton.compile(source, target=GPUTarget("cuda", 90, 32),
-                          options=dict(num_warps=num_warps, num_stages=num_stages))
+    options = dict(num_warps=num_warps, num_stages=num_stages, **({"maxnreg": maxnreg} if maxnreg else {}))
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
 
 
 def prefill_launches(plan, checkpoints=0, l2norm=True, beta_sigmoid=True):
-    """``{kernel: (fn, args, num_warps, num_stages)}`` of the three prefill kernels as ``chunk_kda_forward``
+    """``{kernel: (fn, args, num_warps, num_stages, maxnreg)}`` of the three prefill kernels as ``chunk_kda_forward``
     launches them under ``plan`` on contiguous inputs (bf16 q, k, v, β and, under the lower-bound gate, g; an fp32
     log-decay g otherwise; fp32 states; int32 ``cu_seqlens``), with ``checkpoints`` (0, 1 or 2) per sequence."""
     from fastkda.ops.prefill import prepare, recurrence, scan, solve
@@ -96,10 +97,11 @@ def prefill_launches(plan, checkpoints=0, l2norm=True, beta_sigmoid=True):
         stride_ckpt_j=int(checkpoints > 0), v=BF16, stride_v=H * V, H=H, K=K, V=V, BV=plan.slice_width,
         HAS_INITIAL=True, HAS_FINAL=True, NUM_CKPT=checkpoints, STATE_ROWS_V=plan.state_rows_v,
         W_U_FORMED=not plan.w_u_in_recurrence, segment_chunks=plan.segment_chunks, SEGMENTED=plan.sequence_parallel)
-    found = dict(prepare=(prepare.prepare_kernel, prepare_args, plan.prepare_warps, plan.prepare_stages),
-                 solve=(solve.solve_kernel, solve_args, plan.solve_warps, plan.solve_stages),
+    found = dict(prepare=(prepare.prepare_kernel, prepare_args, plan.prepare_warps, plan.prepare_stages,
+                          plan.prepare_registers or None),
+                 solve=(solve.solve_kernel, solve_args, plan.solve_warps, plan.solve_stages, None),
                  recurrence=(recurrence.recurrence_kernel, recurrence_args, plan.recurrence_warps,
-                             plan.recurrence_stages))
+                             plan.recurrence_stages, None))
     if plan.sequence_parallel:
         transition_args = dict(
             shared, kg_at=at.kg, u_at=at.u, scratch_at=at.scratch, transitions_at=at.transitions, initial_state=F32,
@@ -111,13 +113,13 @@ def prefill_launches(plan, checkpoints=0, l2norm=True, beta_sigmoid=True):
                          K=K, V=V, SW=plan.scan_width, C=plan.chunk, IS_VARLEN=plan.varlen, HAS_INITIAL=True,
                          DOT_PRECISION=plan.dot_precision)
         found.update(transition=(recurrence.transition_kernel, transition_args, plan.transition_warps,
-                                 plan.recurrence_stages),
-                     scan=(scan.segment_scan_kernel, scan_args, plan.scan_warps, plan.scan_stages))
+                                 plan.recurrence_stages, None),
+                     scan=(scan.segment_scan_kernel, scan_args, plan.scan_warps, plan.scan_stages, None))
     return found
 
 
 def decode_launch(plan, tokens=1, key_dim=DIM, per_token_slots=False, accepted=False, pool=F32):
-    """``(fn, args, num_warps, num_stages)`` of the decode kernel as ``recurrent_kda_decode`` launches it under
+    """``(fn, args, num_warps, num_stages, maxnreg)`` of the decode kernel as ``recurrent_kda_decode`` launches it under
     ``plan`` (a :class:`fastkda.DecodePlan`) for ``tokens`` tokens per sequence on contiguous inputs, a ``pool``
     of that pointer type with a slot per token and a spare (as the bench's), slots ``[N]`` or ``[N, T]``;
     ``num_stages`` is Triton's default, as the launch sets none."""
@@ -131,7 +133,7 @@ def decode_launch(plan, tokens=1, key_dim=DIM, per_token_slots=False, accepted=F
         stride_slot_n=tokens if per_token_slots else 1, stride_slot_t=1 if per_token_slots else 0,
         lower_bound=LOWER_BOUND, scale=K ** -0.5, T=tokens, H=H, K=K, V=V, BV=plan.slice_width, LOWER_BOUND_GATE=True,
         L2NORM=True, BETA_SIGMOID=True, PER_TOKEN_SLOTS=per_token_slots, HAS_ACCEPTED=accepted, EMULATE=False)
-    return decode_kernel, args, plan.warps, 3
+    return decode_kernel, args, plan.warps, 3, None
 
 
 def add_plan_arguments(parser):
@@ -173,7 +175,7 @@ def plans_from_arguments(args):
 
 
 def launches(plan, decode_plan, kernels=KERNELS, checkpoints=0):
-    """``{kernel: (fn, args, num_warps, num_stages)}`` of the named kernels under the two plans."""
+    """``{kernel: (fn, args, num_warps, num_stages, maxnreg)}`` of the named kernels under the two plans."""
     found = prefill_launches(plan, checkpoints) if set(kernels) & set(PREFILL_KERNELS) else {}
     if "decode" in kernels:
         found["decode"] = decode_launch(decode_plan, key_dim=plan.key_dim)
@@ -189,9 +191,9 @@ def ptxas_report(kernel):
                                str(Path(folder) / "kernel.cubin")], capture_output=True, text=True).stderr
 
 
-def compile_stats(fn, args, num_warps, num_stages):
+def compile_stats(fn, args, num_warps, num_stages, maxnreg=None):
     """Registers, spills, shared memory, barriers and wgmma instructions of ``fn`` compiled for sm_90a."""
-    kernel = compile_for_hopper(fn, args, num_warps, num_stages)
+    kernel = compile_for_hopper(fn, args, num_warps, num_stages, maxnreg)
     ptx, report = kernel.asm["ptx"], ptxas_report(kernel)
     regs = re.search(r"Used (\d+) registers", report)
     spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", report)
@@ -200,9 +202,9 @@ def compile_stats(fn, args, num_warps, num_stages):
                 barriers=len(re.findall(r"bar\.sync|barrier\.sync", ptx)), wgmma=ptx.count("wgmma.mma_async"))
 
 
-def sass(fn, args, num_warps, num_stages, line_info=False):
+def sass(fn, args, num_warps, num_stages, maxnreg=None, line_info=False):
     """The SASS of ``fn`` compiled for sm_90a (``nvdisasm``; with ``line_info``, each instruction's source line)."""
-    kernel = compile_for_hopper(fn, args, num_warps, num_stages)
+    kernel = compile_for_hopper(fn, args, num_warps, num_stages, maxnreg)
     with tempfile.TemporaryDirectory() as folder:
         cubin = Path(folder) / "kernel.cubin"
         cubin.write_bytes(kernel.asm["cubin"])

@@ -27,8 +27,8 @@ def parser_for(description):
 def sass_of_arguments(args, line_info=False):
     """The SASS of ``args.kernel`` under the plan ``args`` describe."""
     plan, decode_plan = plans_from_arguments(args)
-    fn, kernel_args, warps, stages = launches(plan, decode_plan, [args.kernel], args.checkpoints)[args.kernel]
-    return sass(fn, kernel_args, warps, stages, line_info)
+    fn, kernel_args, warps, stages, maxnreg = launches(plan, decode_plan, [args.kernel], args.checkpoints)[args.kernel]
+    return sass(fn, kernel_args, warps, stages, maxnreg, line_info)
 
 
 def loop_bodies(text):
