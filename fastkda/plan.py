@@ -34,6 +34,9 @@ BLOCK = 16  # tokens per block of the in-chunk inverse (and the span of any deca
 CPU_CHUNK = 16  # tokens per step of the CPU path (its in-chunk decays are formed element-wise)
 DECODE_SLICE_WIDTH = 16  # state columns per decode program
 WARP_CHOICES = (1, 2, 4, 8, 16)
+REGISTERS_PER_SM = 65536  # 32-bit registers of one SM's register file (sm_80 and sm_90 alike)
+PREPARE_PROGRAMS_PER_SM = 3  # first preparation kernel programs an SM holds, by the register cap
+SOLVE_WARPS = 1  # the inverse works in 16x16 blocks: one warp holds them, and more programs per SM hide latency
 ENV_SEQUENCE_PARALLEL = "FASTKDA_SEQUENCE_PARALLEL"
 SCAN_WIDTH = 32  # state columns per program of the segment scan: fixed, so the scan's bits never depend on the plan
 MAX_SEGMENTS = 32  # segments of one sequence at most (each adds a step to the scan, and rounding to the state)
@@ -375,6 +378,17 @@ def prepare_channels(key_dim: int, lower_bound_gate: bool) -> int:
     return key_dim if lower_bound_gate else min(32, key_dim)
 
 
+def prepare_registers(lower_bound_gate: bool, warps: int) -> int:
+    """The first preparation kernel's cap on registers per thread: under the lower-bound gate, what lets
+    :data:`PREPARE_PROGRAMS_PER_SM` of its programs share an SM's register file (rounded down to ptxas's
+    allocation unit of 8). The kernel waits on its loads' latency, and a third program per SM hides more of it
+    than the few spilled registers cost (docs/perf-notes.md, "Register caps and the solve kernel's warps").
+    Under the precomputed gate, 0 (the compiler's choice): its shared memory admits two programs per SM anyway."""
+    if not lower_bound_gate:
+        return 0
+    return REGISTERS_PER_SM // (PREPARE_PROGRAMS_PER_SM * warps * 32) // 8 * 8
+
+
 def prepare_token_run(chunk: int, key_dim: int, warps: int) -> int:
     """Consecutive tokens per thread in the first preparation kernel: Triton lays a ``[chunk, K]`` bf16 tile over
     the warps in 8-element rows of K / 8 threads, so each thread holds chunk·K / (warps·256) rows, which the kernel
@@ -575,7 +589,7 @@ def _choose_plan(num_seqs, heads, seq_len, key_dim, value_dim, sms, varlen, lowe
         recurrence_warps=recurrence_warps(width), recurrence_stages=3,
         prepare_warps=prepare_warps, prepare_stages=3, prepare_channels=prepare_channels(key_dim, lower_bound_gate),
         prepare_token_run=prepare_token_run(CHUNK, key_dim, prepare_warps),
-        solve_warps=4, solve_stages=3, solve_channels=max(key_dim, value_dim), segment_chunks=segment_chunks,
+        prepare_registers=prepare_registers(lower_bound_gate, prepare_warps), solve_warps=SOLVE_WARPS, solve_stages=3, solve_channels=max(key_dim, value_dim), segment_chunks=segment_chunks,
         transition_width=transition_width, scan_warps=8 if key_dim >= 128 else 4, reason=reason)
 
 
