@@ -45,8 +45,9 @@ CASES = [
     dict(lengths=[150, 20], varlen=True, gate="precomputed"),
     dict(lengths=[90], varlen=True, key_dim=128, state_dtype=torch.bfloat16),
     dict(lengths=[3, 65], varlen=True, cu_dtype=torch.int64),
-    # 70 sequences, empty ones among them: a chunk lookup over many cu_seqlens entries (64 per step on the
-    # varlen-lookup branch, so two steps)
+    # a slot's sequence: 64 sequences (the most one load covers, layout.OWNER_LOOKUP_WIDTH) and 70 (a binary
+    # search), empty ones among both
+    dict(lengths=[(5 * i) % 23 for i in range(64)], varlen=True),
     dict(lengths=[(7 * i) % 41 for i in range(70)], varlen=True, cu_dtype=torch.int64),
     dict(lengths=[70], varlen=True, key_dim=64, value_dim=128),  # K != V: the solve kernel's masked channel steps
     dict(lengths=[66], varlen=False, key_dim=128, value_dim=64, gate="precomputed"),

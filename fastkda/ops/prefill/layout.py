@@ -74,18 +74,33 @@ def first_slot(n, bos, seq_len, tokens, IS_VARLEN: tl.constexpr):
         return n * tl.cdiv(seq_len, tokens)
 
 
+OWNER_LOOKUP_WIDTH = tl.constexpr(64)  # sequences whose first slots one load covers (beyond: a binary search)
+
+
 @triton.jit
 def sequence_of_slot(slot, cu_seqlens, seq_len, num_seqs, tokens, IS_VARLEN: tl.constexpr):
-    """The sequence a slot of ``tokens`` tokens belongs to: varlen, the last whose first slot is <= slot."""
+    """The sequence a slot of ``tokens`` tokens belongs to: varlen, the last whose first slot is <= slot.
+
+    Up to :data:`OWNER_LOOKUP_WIDTH` sequences, one load of every first slot and a count of those <= slot: one
+    round trip to memory before the kernel's own loads, where a binary search takes log2 N dependent ones. The
+    first slots grow strictly with n for valid offsets, so the count is the search's answer; for any offsets it
+    is a sequence index in ``[0, N)``, as the search's is."""
     if IS_VARLEN:
         lo = 0
-        hi = num_seqs - 1
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            if tl.load(cu_seqlens + mid).to(tl.int32) // tokens + mid <= slot:
-                lo = mid
-            else:
-                hi = mid - 1
+        if num_seqs <= OWNER_LOOKUP_WIDTH:
+            if num_seqs > 1:
+                n = tl.arange(0, OWNER_LOOKUP_WIDTH)
+                inside = n < num_seqs
+                firsts = tl.load(cu_seqlens + n, mask=inside, other=0).to(tl.int32) // tokens + n
+                lo = tl.maximum(tl.sum((inside & (firsts <= slot)).to(tl.int32), axis=0) - 1, 0)
+        else:
+            hi = num_seqs - 1
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                if tl.load(cu_seqlens + mid).to(tl.int32) // tokens + mid <= slot:
+                    lo = mid
+                else:
+                    hi = mid - 1
         return lo
     else:
         return slot // tl.cdiv(seq_len, tokens)
