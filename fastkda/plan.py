@@ -86,9 +86,7 @@ class PrefillPlan:
     which keeps the in-chunk cumulative sum inside threads; it sets that sum's order, so it is the one number here
     besides ``chunk`` and ``dot_precision`` that changes the results' last bits) of the first kernel, and
     ``prepare_registers``, its cap on registers per thread (0: the compiler's choice; a cap fits more programs on
-    an SM at the price of spills); warps, stages and channels per step of the solve kernel. ``dependent_launch``:
-    each kernel after the first launches while its predecessor's last wave runs, and waits for it inside
-    (programmatic dependent launch, where the GPU has it: sm_90 on). Sequence parallelism
+    an SM at the price of spills); warps, stages and channels per step of the solve kernel. Sequence parallelism
     (``docs/sequence-parallel.md``): ``segment_chunks`` (0: off) cuts every sequence, from its first token, into
     segments of that many chunks; the transition kernel runs each segment from a zero state over the V value
     columns and K identity columns in slices of ``transition_width``, the scan (``scan_warps``, ``scan_stages``:
@@ -120,7 +118,6 @@ class PrefillPlan:
     solve_stages: int
     solve_channels: int
     prepare_registers: int = 0
-    dependent_launch: bool = False
     segment_chunks: int = 0
     transition_width: int = 0
     scan_warps: int = 4
@@ -298,9 +295,6 @@ class PrefillPlan:
              f"each sequence's first token, {self.segment_slots} segment slots; transitions over V+K="
              f"{self.value_dim + self.key_dim} columns in slices of {self.transition_width}, a scan over each "
              f"sequence's segments, then the recurrence over every segment from its entry state"),
-            "launches: " + ("each kernel after the first launched early, waiting for its predecessor inside "
-                            "(programmatic dependent launch, on GPUs that have it)" if self.dependent_launch
-                            else "one after another"),
             f"why: {self.reason}",
             f"CPU path: chunks of {self.cpu_chunk} tokens",
         ])
@@ -595,8 +589,7 @@ def _choose_plan(num_seqs, heads, seq_len, key_dim, value_dim, sms, varlen, lowe
         recurrence_warps=recurrence_warps(width), recurrence_stages=3,
         prepare_warps=prepare_warps, prepare_stages=3, prepare_channels=prepare_channels(key_dim, lower_bound_gate),
         prepare_token_run=prepare_token_run(CHUNK, key_dim, prepare_warps),
-        prepare_registers=prepare_registers(lower_bound_gate, prepare_warps), solve_warps=SOLVE_WARPS,
-        dependent_launch=True, solve_stages=3, solve_channels=max(key_dim, value_dim), segment_chunks=segment_chunks,
+        prepare_registers=prepare_registers(lower_bound_gate, prepare_warps), solve_warps=SOLVE_WARPS, solve_stages=3, solve_channels=max(key_dim, value_dim), segment_chunks=segment_chunks,
         transition_width=transition_width, scan_warps=8 if key_dim >= 128 else 4, reason=reason)
 
 

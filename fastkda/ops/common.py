@@ -8,12 +8,9 @@ so the same kernel source computes the same function on both.
 
 import os
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 
 _INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") == "1"  # read once, as Triton reads it when it defines
@@ -98,36 +95,6 @@ def _launch_hooked():
     """Whether a launch hook is set (Triton 3.6 holds a chain of hooks, empty unless a profiler added one)."""
     hooks = triton.knobs.runtime.launch_enter_hook
     return bool(getattr(hooks, "calls", hooks))
-
-
-@functools.lru_cache(maxsize=None)
-def _dependent_launch_capable(device_index: int) -> bool:
-    return torch.cuda.get_device_capability(device_index)[0] >= 9
-
-
-def dependent_launch(plan, device, emulate) -> bool:
-    """Whether a chain of kernels launches its next kernel early (programmatic dependent launch): where the plan
-    asks for it and the GPU has it (sm_90 on), never under the interpreter."""
-    return plan.dependent_launch and not emulate and device.type == "cuda" and _dependent_launch_capable(
-        device.index if device.index is not None else torch.cuda.current_device())
-
-
-@triton.jit
-def release_dependents(PDL: tl.constexpr):
-    """Under programmatic dependent launch, let the stream's next kernel launch once every program of this one has
-    started: its programs then take the SMs this kernel's last wave frees, and run up to their
-    :func:`wait_for_prior_kernels` while it finishes."""
-    if PDL:
-        gdc_launch_dependents()
-
-
-@triton.jit
-def wait_for_prior_kernels(PDL: tl.constexpr):
-    """Under programmatic dependent launch, wait until the kernels before this one have finished and their writes
-    are visible. A kernel launched early must call this before it reads what they write or writes what they
-    read; before it, it may only read the call's inputs, which no kernel of the chain writes."""
-    if PDL:
-        gdc_wait()
 
 
 def launch(kernel, grid, *args, **meta):

@@ -43,16 +43,13 @@ recorded = {}
 def record(kernel, grid, *args, **meta):
     values = dict(zip([p.name for p in kernel.params], args), **meta)
     values = {k: POINTERS[v.dtype] if isinstance(v, torch.Tensor) else v for k, v in values.items()}
-    values.pop("launch_pdl", None)  # a launch attribute, not part of what compiles
     recorded[kernel.__name__] = [values, values.pop("num_warps"), values.pop("num_stages", 3),
                                  values.pop("maxnreg", None)]
 
 for module in (prepare, solve, recurrence, decode):
     module.launch = record
 inp = make_prefill_inputs(dict(H=3, lengths=[100, 37], layout="varlen"), "cpu")
-# CPU tensors launch without programmatic dependent launch; the tools describe the plan's launches as given
-plan = plan_for_inputs(inp, sms=132).replace(prepare_warps=8, solve_stages=2, prepare_registers=128,
-                                             dependent_launch=False)
+plan = plan_for_inputs(inp, sms=132).replace(prepare_warps=8, solve_stages=2, prepare_registers=128)
 offsets = torch.tensor([[32, 64], [0, 32]], dtype=torch.int32)
 chunk_kda_forward(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], plan=plan, A_log=inp["A_log"],
                   dt_bias=inp["dt_bias"], lower_bound=-5.0, scale=inp["scale"], initial_state=inp["initial_state"],

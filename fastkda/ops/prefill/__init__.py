@@ -42,6 +42,6 @@ def chunk_kda_forward(q, k, v, g, beta, *, plan, A_log, dt_bias, lower_bound, sc
         errors = counters(q.device) if errors is None else errors
         if plan.sequence_parallel:
             launch_transitions(plan, ws, initial_state, emulate)
-            launch_scan(plan, ws, initial_state, errors, emulate)
+            launch_scan(plan, ws, initial_state, errors)
         launch_recurrence(plan, ws, out, initial_state, final_state, checkpoint_offsets, checkpoint_states, errors,
                           emulate)

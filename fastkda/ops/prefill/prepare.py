@@ -24,7 +24,7 @@ choice are in ``docs/perf-notes.md``.
 import triton
 import triton.language as tl
 
-from ..common import bf16_operand, dependent_launch, fast_exp2, launch, release_dependents
+from ..common import bf16_operand, fast_exp2, launch
 from ..tiles import load_rows, store_rows
 from .inputs import beta_rows, log2_decay_block, row_scales
 from .layout import chunk_of_slot
@@ -147,14 +147,13 @@ def prepare_kernel(
     stride_q, stride_k, stride_g, stride_beta_tok, stride_beta_head, seq_len, num_seqs, lower_bound, scale,
     H, K: tl.constexpr, C: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
     IS_VARLEN: tl.constexpr, LOWER_BOUND_GATE: tl.constexpr, L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr,
-    RUN: tl.constexpr, DOT_PRECISION: tl.constexpr, EMULATE: tl.constexpr, PDL: tl.constexpr,
+    RUN: tl.constexpr, DOT_PRECISION: tl.constexpr, EMULATE: tl.constexpr,
 ):
     """One (chunk slot, head): norms, gate, cumulative decays, qg, kg, kd, the chunk decay, M and β·L (module
     docstring). Under the lower-bound gate all K channels at once (:func:`midpoint_products`); under a
     precomputed gate ``BK`` channels at a time, M and L accumulated as ``C / BC`` ``[C, BC]`` column blocks."""
     NB: tl.constexpr = C // BC
     tl.static_assert(NB == 2)
-    release_dependents(PDL)  # the solve kernel may launch (its programs wait for this kernel inside)
     slot = tl.program_id(0)
     h = tl.program_id(1)
     chunk_start, eos = chunk_of_slot(slot, cu_seqlens, seq_len, num_seqs, C, IS_VARLEN)
@@ -237,6 +236,5 @@ def launch_prepare(plan, ws, q, k, g, beta, A_log, dt_bias, lower_bound, scale, 
         K=plan.key_dim, C=plan.chunk, BC=plan.block, BK=plan.prepare_channels, IS_VARLEN=plan.varlen,
         LOWER_BOUND_GATE=plan.lower_bound_gate, L2NORM=use_qk_l2norm, BETA_SIGMOID=use_beta_sigmoid,
         RUN=plan.prepare_token_run, DOT_PRECISION=plan.dot_precision, EMULATE=emulate,
-        PDL=dependent_launch(plan, q.device, emulate), num_warps=plan.prepare_warps, num_stages=plan.prepare_stages,
-        maxnreg=plan.prepare_registers or None,
+        num_warps=plan.prepare_warps, num_stages=plan.prepare_stages, maxnreg=plan.prepare_registers or None,
     )

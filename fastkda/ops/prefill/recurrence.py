@@ -21,8 +21,7 @@ the T·diag(β) scratch, kd and v, with the solve kernel's products in the same 
 import triton
 import triton.language as tl
 
-from ..common import (bf16_operand, dependent_launch, launch, release_dependents, store_as,
-                      wait_for_prior_kernels)
+from ..common import bf16_operand, launch, store_as
 from ..tiles import load_tile, load_tile_t, store_tile, store_tile_t, tile_offsets
 from .layout import entry_state, first_slot, segment_exit, sequence_of_slot, sequence_span
 
@@ -61,13 +60,10 @@ def walk_chunks(
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
     IS_VARLEN: tl.constexpr, HAS_INITIAL: tl.constexpr, HAS_FINAL: tl.constexpr, NUM_CKPT: tl.constexpr,
     STATE_ROWS_V: tl.constexpr, W_U_FORMED: tl.constexpr, DOT_PRECISION: tl.constexpr, EMULATE: tl.constexpr,
-    SEGMENTED: tl.constexpr, TRANSITION: tl.constexpr, PDL: tl.constexpr,
+    SEGMENTED: tl.constexpr, TRANSITION: tl.constexpr,
 ):
     """One (V-slice, head, sequence), or under sequence parallelism one (slice, head, segment slot): the chunks
-    in order (module docstring); ``TRANSITION``: the segment's transition instead (:func:`transition_kernel`).
-    ``PDL``: launched early (programmatic dependent launch), it waits for the kernels before it once it has found
-    its chunks."""
-    release_dependents(PDL)
+    in order (module docstring); ``TRANSITION``: the segment's transition instead (:func:`transition_kernel`)."""
     vs = tl.program_id(0)
     h = tl.program_id(1)
     w_ws = ws_bf16 + h * K  # each section's rows from head h's first column
@@ -119,7 +115,6 @@ def walk_chunks(
     else:
         state_offsets = base + tile_offsets(kk, vv, 1, K)  # S[k, v] = state[v, k]
         local = tile_offsets(kk, vv, 1, K)
-    wait_for_prior_kernels(PDL)  # the workspace, the scan's entry states
     if TRANSITION:  # identity columns: the state of column V + p starts as the unit vector e_p
         if STATE_ROWS_V:
             S = tl.where(vv[:, None] - V == kk[None, :], 1.0, 0.0)
@@ -220,14 +215,14 @@ def recurrence_kernel(
     segment_chunks, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
     IS_VARLEN: tl.constexpr, HAS_INITIAL: tl.constexpr, HAS_FINAL: tl.constexpr, NUM_CKPT: tl.constexpr,
     STATE_ROWS_V: tl.constexpr, W_U_FORMED: tl.constexpr, DOT_PRECISION: tl.constexpr, EMULATE: tl.constexpr,
-    SEGMENTED: tl.constexpr, PDL: tl.constexpr,
+    SEGMENTED: tl.constexpr,
 ):
     """The recurrence: one (V-slice, head, sequence) over its chunks, or under sequence parallelism one (V-slice,
     head, segment slot) from the segment's entry state; outputs, checkpoints and final states."""
     walk_chunks(ws_bf16, ws_fp32, qg_at, kg_at, u_at, A_at, scratch_at, 0, entries_at, out, initial_state,
                 final_state, cu_seqlens, errors, ckpt_offsets, ckpt_states, stride_out, seq_len, num_seqs,
                 stride_ckpt_n, stride_ckpt_j, v, stride_v, segment_chunks, H, K, V, BV, C, IS_VARLEN, HAS_INITIAL,
-                HAS_FINAL, NUM_CKPT, STATE_ROWS_V, W_U_FORMED, DOT_PRECISION, EMULATE, SEGMENTED, False, PDL)
+                HAS_FINAL, NUM_CKPT, STATE_ROWS_V, W_U_FORMED, DOT_PRECISION, EMULATE, SEGMENTED, False)
 
 
 @triton.jit
@@ -235,7 +230,7 @@ def transition_kernel(
     ws_bf16, ws_fp32, kg_at, u_at, scratch_at, transitions_at, initial_state, cu_seqlens, seq_len, num_seqs, v,
     stride_v, segment_chunks, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
     IS_VARLEN: tl.constexpr, HAS_INITIAL: tl.constexpr, STATE_ROWS_V: tl.constexpr, W_U_FORMED: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, EMULATE: tl.constexpr, PDL: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, EMULATE: tl.constexpr,
 ):
     """Sequence parallelism's first phase: one (slice of the V + K columns, head, segment slot), every segment but
     its sequence's last, from a zero state (the first segment from the initial state) and identity columns,
@@ -243,7 +238,7 @@ def transition_kernel(
     walk_chunks(ws_bf16, ws_fp32, 0, kg_at, u_at, 0, scratch_at, transitions_at, 0, ws_fp32, initial_state, ws_fp32,
                 cu_seqlens, ws_fp32, ws_fp32, ws_fp32, 0, seq_len, num_seqs, 0, 0, v, stride_v, segment_chunks, H, K,
                 V, BV, C, IS_VARLEN, HAS_INITIAL, False, 0, STATE_ROWS_V, W_U_FORMED, DOT_PRECISION, EMULATE, True,
-                True, PDL)
+                True)
 
 
 def launch_recurrence(plan, ws, out, initial_state, final_state, checkpoint_offsets, checkpoint_states, errors,
@@ -256,7 +251,6 @@ def launch_recurrence(plan, ws, out, initial_state, final_state, checkpoint_offs
     checkpoints = 0 if checkpoint_offsets is None else (1 if checkpoint_offsets.dim() == 1 else
                                                         checkpoint_offsets.shape[1])
     layout = ws.layout
-    pdl = dependent_launch(plan, out.device, emulate)
     launch(
         recurrence_kernel, plan.recurrence_grid,
         ws.bf16, ws.fp32, layout.qg, layout.kg, layout.u, layout.A, layout.scratch, layout.entries, out,
@@ -270,14 +264,13 @@ def launch_recurrence(plan, ws, out, initial_state, final_state, checkpoint_offs
         BV=plan.slice_width, C=plan.chunk, IS_VARLEN=plan.varlen, HAS_INITIAL=initial_state is not None,
         HAS_FINAL=final_state is not None, NUM_CKPT=checkpoints, STATE_ROWS_V=plan.state_rows_v,
         W_U_FORMED=not plan.w_u_in_recurrence, DOT_PRECISION=plan.dot_precision, EMULATE=emulate,
-        SEGMENTED=plan.sequence_parallel, PDL=pdl, launch_pdl=pdl,
+        SEGMENTED=plan.sequence_parallel,
         num_warps=plan.recurrence_warps, num_stages=plan.recurrence_stages,
     )
 
 
 def launch_transitions(plan, ws, initial_state, emulate):
     """Launch :func:`transition_kernel` over ``plan.transition_grid`` (sequence parallelism's first phase)."""
-    pdl = dependent_launch(plan, ws.v.device, emulate)
     launch(
         transition_kernel, plan.transition_grid,
         ws.bf16, ws.fp32, ws.layout.kg, ws.layout.u, ws.layout.scratch, ws.layout.transitions,
@@ -285,6 +278,6 @@ def launch_transitions(plan, ws, initial_state, emulate):
         plan.seq_len, plan.num_seqs, ws.v, ws.v.stride(1), plan.segment_chunks, H=plan.heads, K=plan.key_dim,
         V=plan.value_dim, BV=plan.transition_width, C=plan.chunk, IS_VARLEN=plan.varlen,
         HAS_INITIAL=initial_state is not None, STATE_ROWS_V=plan.transition_rows_v,
-        W_U_FORMED=not plan.w_u_in_recurrence, DOT_PRECISION=plan.dot_precision, EMULATE=emulate, PDL=pdl,
-        launch_pdl=pdl, num_warps=plan.transition_warps, num_stages=plan.recurrence_stages,
+        W_U_FORMED=not plan.w_u_in_recurrence, DOT_PRECISION=plan.dot_precision, EMULATE=emulate,
+        num_warps=plan.transition_warps, num_stages=plan.recurrence_stages,
     )

@@ -17,7 +17,7 @@ It also counts malformed ``cu_seqlens`` (:mod:`fastkda.errors`), once per sequen
 import triton
 import triton.language as tl
 
-from ..common import dependent_launch, launch, release_dependents, wait_for_prior_kernels
+from ..common import launch
 from ..tiles import tile_offsets
 from .layout import entry_state, first_slot, segment_exit, sequence_span
 
@@ -26,9 +26,8 @@ from .layout import entry_state, first_slot, segment_exit, sequence_span
 def segment_scan_kernel(ws_fp32, transitions_at, entries_at, initial_state, cu_seqlens, errors, seq_len,
                         segment_chunks, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, SW: tl.constexpr,
                         C: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_INITIAL: tl.constexpr,
-                        DOT_PRECISION: tl.constexpr, PDL: tl.constexpr):
+                        DOT_PRECISION: tl.constexpr):
     """One (column slice, head, sequence): the entry state of each of the sequence's segments after the first."""
-    release_dependents(PDL)
     vs = tl.program_id(0)
     h = tl.program_id(1)
     n = tl.program_id(2)
@@ -37,7 +36,6 @@ def segment_scan_kernel(ws_fp32, transitions_at, entries_at, initial_state, cu_s
     first = first_slot(n, bos, seq_len, C * segment_chunks, IS_VARLEN)
     rows = tile_offsets(vs * SW + tl.arange(0, SW), tl.arange(0, K), K, 1)  # [SW, K] of a state's [v, k]
     matrix = tile_offsets(V + tl.arange(0, K), tl.arange(0, K), K, 1)  # the transition's rows, 𝒜ᵀ [K, K]
-    wait_for_prior_kernels(PDL)  # the transitions
     if segments > 1:  # the first segment's entry (the rerun of a sequence of one reads the initial state itself)
         if HAS_INITIAL:
             S = tl.load(initial_state + ((n * H + h) * V).to(tl.int64) * K + rows).to(tl.float32)
@@ -55,13 +53,12 @@ def segment_scan_kernel(ws_fp32, transitions_at, entries_at, initial_state, cu_s
         tl.atomic_add(errors + 2, 1, mask=(vs == 0) & (h == 0) & ~in_order, sem="relaxed")
 
 
-def launch_scan(plan, ws, initial_state, errors, emulate):
+def launch_scan(plan, ws, initial_state, errors):
     """Launch :func:`segment_scan_kernel` over ``plan.scan_grid``, between the transitions and the rerun."""
     layout = ws.layout
-    pdl = dependent_launch(plan, errors.device, emulate)
     launch(segment_scan_kernel, plan.scan_grid, ws.fp32, layout.transitions, layout.entries,
            initial_state if initial_state is not None else ws.fp32, ws.cu_seqlens if plan.varlen else ws.fp32,
            errors, plan.seq_len, plan.segment_chunks, H=plan.heads, K=plan.key_dim, V=plan.value_dim,
            SW=plan.scan_width, C=plan.chunk, IS_VARLEN=plan.varlen, HAS_INITIAL=initial_state is not None,
-           DOT_PRECISION=plan.dot_precision, PDL=pdl, launch_pdl=pdl, num_warps=plan.scan_warps,
+           DOT_PRECISION=plan.dot_precision, num_warps=plan.scan_warps,
            num_stages=plan.scan_stages)

@@ -11,7 +11,7 @@ over the scratch.
 import triton
 import triton.language as tl
 
-from ..common import dependent_launch, launch, release_dependents, wait_for_prior_kernels
+from ..common import launch
 from ..tiles import load_tile, store_tile
 from .inputs import beta_rows
 from .layout import chunk_of_slot
@@ -41,11 +41,10 @@ def solve_kernel(
     stride_v, stride_beta_tok, stride_beta_head, seq_len, num_seqs,
     H, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
     IS_VARLEN: tl.constexpr, BETA_SIGMOID: tl.constexpr, DOT_PRECISION: tl.constexpr, EMULATE: tl.constexpr,
-    FORM_W_U: tl.constexpr, PDL: tl.constexpr,
+    FORM_W_U: tl.constexpr,
 ):
     """One (chunk slot, head): T from the scratch's 16×16 blocks (diagonal ones strictly lower), then w and u
     (``FORM_W_U``) or T·diag(β) over the scratch (module docstring)."""
-    release_dependents(PDL)
     slot = tl.program_id(0)
     h = tl.program_id(1)
     chunk_start, eos = chunk_of_slot(slot, cu_seqlens, seq_len, num_seqs, C, IS_VARLEN)
@@ -60,12 +59,11 @@ def solve_kernel(
     u_c = ws_bf16 + u_at + row0 * (H * V) + h * V
     v_c = v + row0 * stride_v + h * V
     beta_c = beta + row0 * stride_beta_tok + h * stride_beta_head
-    b0 = beta_rows(beta_c, rows0, ok0, stride_beta_tok, BETA_SIGMOID)
-    b1 = beta_rows(beta_c, rows1, ok1, stride_beta_tok, BETA_SIGMOID)
-    wait_for_prior_kernels(PDL)  # the first kernel's β·L and kd
     L00 = load_tile(L_c, rows0, ok0, cb, C, H * C)
     L10 = load_tile(L_c, rows1, ok1, cb, C, H * C)
     L11 = load_tile(L_c, rows1, ok1, BC + cb, C, H * C)
+    b0 = beta_rows(beta_c, rows0, ok0, stride_beta_tok, BETA_SIGMOID)
+    b1 = beta_rows(beta_c, rows1, ok1, stride_beta_tok, BETA_SIGMOID)
     # T = (I + β·L)⁻¹ by blocks; then w = T·β·kd over the kd parked in the w section (row block 1 first: w_1
     # overwrites kd_1, which row block 0 does not need) and u = T·β·v, in the same channel steps
     T00 = unit_lower_inverse_block(L00, BC, DOT_PRECISION)
@@ -98,13 +96,11 @@ def solve_kernel(
 def launch_solve(plan, ws, v, beta, use_beta_sigmoid, emulate):
     """Launch :func:`solve_kernel` over the plan's grid on the workspace ``ws``."""
     layout = ws.layout
-    pdl = dependent_launch(plan, v.device, emulate)
     launch(
         solve_kernel, plan.prepare_grid,
         v, beta, ws.cu_seqlens if plan.varlen else ws.fp32, ws.bf16, ws.fp32, layout.u, layout.scratch,
         v.stride(1), beta.stride(1), beta.stride(2), plan.seq_len, plan.num_seqs, plan.heads,
         K=plan.key_dim, V=plan.value_dim, C=plan.chunk, BC=plan.block, BK=plan.solve_channels,
         IS_VARLEN=plan.varlen, BETA_SIGMOID=use_beta_sigmoid, DOT_PRECISION=plan.dot_precision, EMULATE=emulate,
-        FORM_W_U=not plan.w_u_in_recurrence, PDL=pdl, launch_pdl=pdl, num_warps=plan.solve_warps,
-        num_stages=plan.solve_stages,
+        FORM_W_U=not plan.w_u_in_recurrence, num_warps=plan.solve_warps, num_stages=plan.solve_stages,
     )
