@@ -83,8 +83,9 @@ class PrefillPlan:
     u = T·β·v itself (the solve kernel then only inverts; the same bits either way); ``state_rows_v``: the state is
     held transposed (rows = V), so that a slice's columns are each product's rows; warps and pipeline stages.
     Preparation: warps, stages, key channels per step and ``prepare_token_run`` (consecutive tokens per thread,
-    which keeps the in-chunk cumulative sum inside threads; it sets that sum's order, so it is the one number here
-    besides ``chunk`` and ``dot_precision`` that changes the results' last bits) of the first kernel, and
+    which keeps the in-chunk cumulative sum inside threads; it sets that sum's order, so it and, under the
+    lower-bound gate, the channels per step are the numbers here besides ``chunk`` and ``dot_precision`` that
+    change the results' last bits) of the first kernel, and
     ``prepare_registers``, its cap on registers per thread (0: the compiler's choice; a cap fits more programs on
     an SM at the price of spills); warps, stages and channels per step of the solve kernel. Sequence parallelism
     (``docs/sequence-parallel.md``): ``segment_chunks`` (0: off) cuts every sequence, from its first token, into
@@ -149,9 +150,9 @@ class PrefillPlan:
             _check(getattr(self, name) >= 1, f"{name} must be >= 1, got {getattr(self, name)}")
         _check(self.prepare_channels in (16, 32, 64, 128) and self.key_dim % self.prepare_channels == 0,
                f"prepare_channels must be 16, 32, 64 or 128 and divide K={self.key_dim}, got {self.prepare_channels}")
-        _check(not self.lower_bound_gate or self.prepare_channels == self.key_dim,
-               f"under the lower-bound gate the first kernel takes all K={self.key_dim} channels in one step, "
-               f"got prepare_channels={self.prepare_channels}")
+        _check(not self.lower_bound_gate or self.prepare_channels >= 32,
+               f"under the lower-bound gate the first kernel's channel steps take at least 32 channels (two halves "
+               f"of 16 per product), got prepare_channels={self.prepare_channels}")
         _check(self.prepare_token_run >= 1 and self.chunk % self.prepare_token_run == 0,
                f"prepare_token_run must divide the chunk ({self.chunk}), got {self.prepare_token_run}")
         _check(self.solve_channels in (16, 32, 64, 128),

@@ -11,8 +11,10 @@ No factor it forms spans more than 16 tokens of decay, so nothing overflows:
   token 15, so M and β·L are one ``[C, C]`` product each of factors within ``2^±116`` (16 tokens at λ = −5); a
   product of two overflows only above the diagonal, which is discarded. Each thread holds ``RUN`` consecutive
   tokens (the plan's ``prepare_token_run``: the cumulative sum stays in-thread but for the run totals), the
-  products take K in two halves, and M and β·L get their columns back in token order before the store (so that
-  stores stay 128-bit and row-contiguous).
+  products take each channel step in two interleaved halves, and M and β·L get their columns back in token
+  order before the store (so that stores stay 128-bit and row-contiguous). The channels go in one step or in
+  ``BK``-channel steps (the plan's ``prepare_channels``), which reload their rows after the norms and hold a
+  fraction of the registers.
 * Precomputed gate (unbounded below): ``BK`` channels per step, M and L accumulated as two 16-column blocks; the
   off-diagonal blocks from ``exp(G_i − G_end(J))·exp(G_end(J) − G_j)`` (both ≤ 1), the diagonal ones from
   element-wise decays (``diagonal_elementwise``).
@@ -104,17 +106,18 @@ def columns_in_token_order(x, C: tl.constexpr, RUN: tl.constexpr):
 
 
 @triton.jit
-def midpoint_products(q_b, k_b, g_c, r, valid, stride_g, h, kk, A_log, dt_bias, lower_bound, bv, qg_c, kd_c, kg_c,
-                      A_c, L_c, decay_c, H, K: tl.constexpr, C: tl.constexpr, BC: tl.constexpr, RUN: tl.constexpr,
-                      DOT_PRECISION: tl.constexpr, EMULATE: tl.constexpr):
-    """The first kernel's work under the lower-bound gate (module docstring), from a chunk's normalised ``[C, K]``
-    q and k rows (row i holding token ``r[i]``): M = lower_incl((q̂·2^(G - G_mid))·(k̂·2^(G_mid - G))ᵀ), β·L
-    likewise, and qg, kd, kg as the same factors times per-channel decays."""
+def midpoint_factors(q_b, k_b, g_c, r, valid, stride_g, h, kk, A_log, dt_bias, lower_bound, qg_c, kd_c, kg_c,
+                     decay_c, H, K: tl.constexpr, C: tl.constexpr, BC: tl.constexpr, RUN: tl.constexpr,
+                     EMULATE: tl.constexpr):
+    """Channels ``kk`` of a chunk under the lower-bound gate (module docstring), from its normalised ``[C, BK]``
+    q and k rows (row i holding token ``r[i]``): stores qg, kd and kg (the factors times per-channel decays) and
+    the chunk decay, and returns the products' factors q̂·2^(G - G_mid), k̂·2^(G - G_mid) and k̂·2^(G_mid - G)."""
     RUNS: tl.constexpr = C // RUN
+    BK: tl.constexpr = q_b.shape[1]
     a = tl.reshape(log2_decay_block(g_c, r, valid, stride_g, h, kk, A_log, dt_bias, lower_bound, K, True, EMULATE),
-                   (RUN, RUNS, K))  # [j, s]: token s·RUN + j
+                   (RUN, RUNS, BK))  # [j, s]: token s·RUN + j
     run_total = tl.sum(a, axis=0)
-    G = tl.reshape(tl.cumsum(a, axis=0) + (tl.cumsum(run_total, axis=0) - run_total)[None, :, :], (C, K))
+    G = tl.reshape(tl.cumsum(a, axis=0) + (tl.cumsum(run_total, axis=0) - run_total)[None, :, :], (C, BK))
     G_mid = tl.sum(tl.where((tl.arange(0, RUNS) < BC // RUN)[:, None], run_total, 0.0), axis=0)
     G_last = tl.sum(run_total, axis=0)
     up = fast_exp2(G - G_mid[None, :], EMULATE)
@@ -126,14 +129,54 @@ def midpoint_products(q_b, k_b, g_c, r, valid, stride_g, h, kk, A_log, dt_bias, 
     store_rows(kd_c, r, valid, kk, H * K, k_up * at_mid, EMULATE)  # kd, until the solve kernel makes it w
     store_rows(kg_c, r, valid, kk, H * K, k_down * fast_exp2(G_last - G_mid, EMULATE)[None, :], EMULATE)
     tl.store(decay_c + kk, fast_exp2(G_last, EMULATE))
-    q_even, q_odd = tl.split(tl.reshape(q_up, (C, K // 2, 2)))
-    k_even, k_odd = tl.split(tl.reshape(k_up, (C, K // 2, 2)))
-    down_even, down_odd = tl.split(tl.reshape(k_down, (C, K // 2, 2)))
+    return q_up, k_up, k_down
+
+
+@triton.jit
+def midpoint_dots(q_up, k_up, k_down, M, L, FIRST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                  EMULATE: tl.constexpr):
+    """``M += q_up·k_downᵀ`` (tf32) and ``L += k_up·k_downᵀ`` (bf16 operands) over one channel step, its
+    channels taken in two interleaved halves (``FIRST``: M and L start here)."""
+    C: tl.constexpr = q_up.shape[0]
+    BK: tl.constexpr = q_up.shape[1]
+    q_even, q_odd = tl.split(tl.reshape(q_up, (C, BK // 2, 2)))
+    k_even, k_odd = tl.split(tl.reshape(k_up, (C, BK // 2, 2)))
+    down_even, down_odd = tl.split(tl.reshape(k_down, (C, BK // 2, 2)))
     # both products of one half before the other's: M, M, L, L would keep every operand alive at once
-    M = tl.dot(q_even, tl.trans(down_even), input_precision=DOT_PRECISION)
-    L = tl.dot(bf16_operand(k_even, EMULATE), bf16_operand(tl.trans(down_even), EMULATE))
+    if FIRST:
+        M = tl.dot(q_even, tl.trans(down_even), input_precision=DOT_PRECISION)
+        L = tl.dot(bf16_operand(k_even, EMULATE), bf16_operand(tl.trans(down_even), EMULATE))
+    else:
+        M = tl.dot(q_even, tl.trans(down_even), M, input_precision=DOT_PRECISION)
+        L = tl.dot(bf16_operand(k_even, EMULATE), bf16_operand(tl.trans(down_even), EMULATE), L)
     M = tl.dot(q_odd, tl.trans(down_odd), M, input_precision=DOT_PRECISION)
     L = tl.dot(bf16_operand(k_odd, EMULATE), bf16_operand(tl.trans(down_odd), EMULATE), L)
+    return M, L
+
+
+@triton.jit
+def midpoint_products(q_c, k_c, q_t, k_t, qs, ks, stride_q, stride_k, g_c, r, valid, stride_g, h, A_log, dt_bias,
+                      lower_bound, bv, qg_c, kd_c, kg_c, A_c, L_c, decay_c, H, K: tl.constexpr, C: tl.constexpr,
+                      BC: tl.constexpr, BK: tl.constexpr, RUN: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                      EMULATE: tl.constexpr):
+    """The first kernel's work under the lower-bound gate (module docstring): M = lower_incl((q̂·2^(G - G_mid))·
+    (k̂·2^(G_mid - G))ᵀ), β·L likewise, and qg, kd, kg, in ``K / BK`` channel steps. One step takes the whole
+    rows ``q_t``, ``k_t`` the norms were formed from; several reload their channels from ``q_c``, ``k_c`` (held
+    by L1 since the norms' loads), so that each step's tiles are a fraction of the registers."""
+    M = tl.zeros((C, C), dtype=tl.float32)
+    L = tl.zeros((C, C), dtype=tl.float32)
+    for c in tl.static_range(K // BK):
+        if BK == K:
+            kk = tl.arange(0, K)
+            q_b = q_t * qs[:, None]
+            k_b = k_t * ks[:, None]
+        else:
+            kk = c * BK + tl.arange(0, BK)
+            q_b = load_rows(q_c, r, valid, kk, stride_q).to(tl.float32) * qs[:, None]
+            k_b = load_rows(k_c, r, valid, kk, stride_k).to(tl.float32) * ks[:, None]
+        q_up, k_up, k_down = midpoint_factors(q_b, k_b, g_c, r, valid, stride_g, h, kk, A_log, dt_bias, lower_bound,
+                                              qg_c, kd_c, kg_c, decay_c, H, K, C, BC, RUN, EMULATE)
+        M, L = midpoint_dots(q_up, k_up, k_down, M, L, c == 0, DOT_PRECISION, EMULATE)
     cc = tl.arange(0, C)
     M = columns_in_token_order(tl.where(r[:, None] >= r[None, :], M, 0.0), C, RUN)
     L = columns_in_token_order(tl.where(r[:, None] > r[None, :], L * bv[:, None], 0.0), C, RUN)
@@ -150,8 +193,8 @@ def prepare_kernel(
     RUN: tl.constexpr, DOT_PRECISION: tl.constexpr, EMULATE: tl.constexpr,
 ):
     """One (chunk slot, head): norms, gate, cumulative decays, qg, kg, kd, the chunk decay, M and β·L (module
-    docstring). Under the lower-bound gate all K channels at once (:func:`midpoint_products`); under a
-    precomputed gate ``BK`` channels at a time, M and L accumulated as ``C / BC`` ``[C, BC]`` column blocks."""
+    docstring), ``BK`` channels at a time: under the lower-bound gate :func:`midpoint_products`; under a
+    precomputed gate M and L accumulated as ``C / BC`` ``[C, BC]`` column blocks."""
     NB: tl.constexpr = C // BC
     tl.static_assert(NB == 2)
     slot = tl.program_id(0)
@@ -180,9 +223,9 @@ def prepare_kernel(
     A_c = ws_bf16 + A_at + row0 * (H * C) + h * C  # the chunk's first row in the [tokens, H, C] A and scratch
     L_c = ws_fp32 + scratch_at + row0 * (H * C) + h * C
     if LOWER_BOUND_GATE:
-        midpoint_products(q_t * qs[:, None], k_t * ks[:, None], g_c, r, valid, stride_g, h, kall, A_log, dt_bias,
-                          lower_bound, bv, qg_c, kd_c, kg_c, A_c, L_c, decay_c, H, K, C, BC, RUN, DOT_PRECISION,
-                          EMULATE)
+        midpoint_products(q_c, k_c, q_t, k_t, qs, ks, stride_q, stride_k, g_c, r, valid, stride_g, h, A_log,
+                          dt_bias, lower_bound, bv, qg_c, kd_c, kg_c, A_c, L_c, decay_c, H, K, C, BC, BK, RUN,
+                          DOT_PRECISION, EMULATE)
     else:
         zero = tl.zeros((C, BC), dtype=tl.float32)
         M0, M1, L0, L1 = zero, zero, zero, zero
