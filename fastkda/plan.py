@@ -67,6 +67,11 @@ def segment_slot_count(seq_len: int, num_seqs: int, segment_tokens: int, varlen:
     return num_seqs * -(-seq_len // segment_tokens)
 
 
+def _counted(count: int, noun: str) -> str:
+    """``"1 warp"``, ``"4 warps"``."""
+    return f"{count} {noun}" + ("" if count == 1 else "s")
+
+
 def _check(condition, message):
     if not condition:
         raise ValueError(f"fastkda plan: {message}")
@@ -83,11 +88,12 @@ class PrefillPlan:
     u = T·β·v itself (the solve kernel then only inverts; the same bits either way); ``state_rows_v``: the state is
     held transposed (rows = V), so that a slice's columns are each product's rows; warps and pipeline stages.
     Preparation: warps, stages, key channels per step and ``prepare_token_run`` (consecutive tokens per thread,
-    which keeps the in-chunk cumulative sum inside threads; it sets that sum's order, so it and, under the
-    lower-bound gate, the channels per step are the numbers here besides ``chunk`` and ``dot_precision`` that
-    change the results' last bits) of the first kernel, and
+    which keeps the in-chunk cumulative sum inside threads; it sets that sum's order, so it and the channels per
+    step, which order the norms' and products' sums, are the numbers here besides ``chunk`` and
+    ``dot_precision`` that change the results' last bits) of the first kernel, and
     ``prepare_registers``, its cap on registers per thread (0: the compiler's choice; a cap fits more programs on
-    an SM at the price of spills); warps, stages and channels per step of the solve kernel. Sequence parallelism
+    an SM at the price of spills; derived from the warps, so a plan changed to other warps keeps the old cap unless
+    it is changed too); warps, stages and channels per step of the solve kernel. Sequence parallelism
     (``docs/sequence-parallel.md``): ``segment_chunks`` (0: off) cuts every sequence, from its first token, into
     segments of that many chunks; the transition kernel runs each segment from a zero state over the V value
     columns and K identity columns in slices of ``transition_width``, the scan (``scan_warps``, ``scan_stages``:
@@ -278,11 +284,12 @@ class PrefillPlan:
             f"shape: {layout}, {self.heads} heads, K={self.key_dim}, V={self.value_dim}, {gate}, {self.sms} SMs",
             f"chunks: {self.chunk} tokens per serial step (inverse blocks of {self.block}); the longest sequence "
             f"walks at most {chain} chunk(s) in order",
-            f"preparation: {self.chunk_slots} chunk slots x {self.heads} heads; first kernel {self.prepare_warps} warps, {self.prepare_stages} stages, "
+            f"preparation: {self.chunk_slots} chunk slots x {self.heads} heads; first kernel on "
+            f"{_counted(self.prepare_warps, 'warp')}, {self.prepare_stages} stages, "
             f"{self.prepare_channels} key channels per step, {self.prepare_token_run} consecutive tokens per thread"
             + (f", at most {self.prepare_registers} registers a thread" if self.prepare_registers else "") + "; "
-            f"solve kernel {self.solve_warps} warps, {self.solve_stages} stages, {self.solve_channels} channels per "
-            f"step, " + ("T·diag(β) only (the recurrence forms w and u)" if self.w_u_in_recurrence
+            f"solve kernel on {_counted(self.solve_warps, 'warp')}, {self.solve_stages} stages, "
+            f"{self.solve_channels} channels per step, " + ("T·diag(β) only (the recurrence forms w and u)" if self.w_u_in_recurrence
                          else "forming w and u"),
             f"recurrence: v_slices={self.v_slices} (V cut into {self.v_slices} slice(s) of {self.slice_width} "
             f"columns): {self.programs} programs "
@@ -387,14 +394,14 @@ def prepare_registers(lower_bound_gate: bool, warps: int) -> int:
     Under the precomputed gate, 0 (the compiler's choice): its shared memory admits two programs per SM anyway."""
     if not lower_bound_gate:
         return 0
-    return REGISTERS_PER_SM // (PREPARE_PROGRAMS_PER_SM * warps * 32) // 8 * 8
+    return min(REGISTERS_PER_SM // (PREPARE_PROGRAMS_PER_SM * warps * 32) // 8 * 8, 255)
 
 
-def prepare_token_run(chunk: int, key_dim: int, warps: int) -> int:
-    """Consecutive tokens per thread in the first preparation kernel: Triton lays a ``[chunk, K]`` bf16 tile over
-    the warps in 8-element rows of K / 8 threads, so each thread holds chunk·K / (warps·256) rows, which the kernel
-    fills with consecutive tokens."""
-    return max(min(chunk * key_dim // (warps * 256), chunk), 1)
+def prepare_token_run(chunk: int, channels: int, warps: int) -> int:
+    """Consecutive tokens per thread in the first preparation kernel: Triton lays a ``[chunk, channels]`` bf16
+    tile (one channel step) over the warps in 8-element rows of channels / 8 threads, so each thread holds
+    chunk·channels / (warps·256) rows, which the kernel fills with consecutive tokens."""
+    return max(min(chunk * channels // (warps * 256), chunk), 1)
 
 
 def parse_sequence_parallel(value, source: str):
@@ -590,7 +597,8 @@ def _choose_plan(num_seqs, heads, seq_len, key_dim, value_dim, sms, varlen, lowe
         recurrence_warps=recurrence_warps(width), recurrence_stages=3,
         prepare_warps=prepare_warps, prepare_stages=3, prepare_channels=prepare_channels(key_dim, lower_bound_gate),
         prepare_token_run=prepare_token_run(CHUNK, key_dim, prepare_warps),
-        prepare_registers=prepare_registers(lower_bound_gate, prepare_warps), solve_warps=SOLVE_WARPS, solve_stages=3, solve_channels=max(key_dim, value_dim), segment_chunks=segment_chunks,
+        prepare_registers=prepare_registers(lower_bound_gate, prepare_warps), solve_warps=SOLVE_WARPS,
+        solve_stages=3, solve_channels=max(key_dim, value_dim), segment_chunks=segment_chunks,
         transition_width=transition_width, scan_warps=8 if key_dim >= 128 else 4, reason=reason)
 
 

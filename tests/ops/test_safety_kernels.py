@@ -93,6 +93,35 @@ def test_malformed_cu_seqlens_stay_inside_the_buffers(offsets, segments):
     assert errors[2] >= 1 and errors[:2].tolist() == [0, 0]
 
 
+SCRAMBLED = {64: [0] + [(53 * i) % 100 for i in range(1, 64)] + [100],  # a slot's sequence in one load
+             70: [0] + [(37 * i) % 100 for i in range(1, 70)] + [100]}  # by a binary search
+
+
+@pytest.mark.parametrize("sequences", sorted(SCRAMBLED))
+@pytest.mark.parametrize("segments", [False, 32], ids=["serial", "segments"])
+def test_scrambled_offsets_of_many_sequences_stay_inside_the_buffers(sequences, segments):
+    """Offsets in no order over many sequences (both forms of the slot lookup): nothing outside the buffers, the
+    error counted. Known gap (docs/perf-notes.md, "Serving-path safety"): the serial recurrence can then read token
+    rows that no preparation program wrote (the workspace is not cleared), so its outputs may not be finite;
+    the segmented form's are."""
+    from fastkda.ops.prefill import chunk_kda_forward
+
+    offsets = SCRAMBLED[sequences]
+    inp = make_inputs([1] * (sequences - 1) + [101 - sequences], heads=2, key_dim=64, seed=54)
+    plan = plan_for(inp, 1, sequence_parallel=segments)
+    out, out_whole = guarded(inp["v"].shape, torch.zeros(inp["v"].shape), torch.bfloat16)
+    final, final_whole = guarded(inp["initial_state"].shape, torch.full(inp["initial_state"].shape, float("nan")))
+    errors = torch.zeros(3, dtype=torch.int32)
+    chunk_kda_forward(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], plan=plan, A_log=inp["A_log"],
+                      dt_bias=inp["dt_bias"], lower_bound=inp["lower_bound"], scale=0.125,
+                      initial_state=inp["initial_state"], cu_seqlens=torch.tensor(offsets, dtype=torch.int32),
+                      use_qk_l2norm=True, use_beta_sigmoid=True, out=out, final_state=final, errors=errors)
+    assert guards_intact(out_whole) and guards_intact(final_whole)
+    assert errors[2] >= 1 and errors[:2].tolist() == [0, 0]
+    if segments:
+        assert torch.isfinite(out).all() and torch.isfinite(final).all()
+
+
 @pytest.mark.parametrize("segments", [False, 32], ids=["serial", "segments"])
 def test_checkpoint_offsets_that_never_match(segments):
     """Offsets the contract excludes (-1, and an int64 offset that truncates to 64) are never written, also where a

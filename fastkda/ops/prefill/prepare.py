@@ -8,8 +8,8 @@ and ``β·L = strictly_lower(β·kd·kiᵀ)`` to the fp32 scratch.
 No factor it forms spans more than 16 tokens of decay, so nothing overflows:
 
 * Lower-bound gate (``midpoint_products``): every decay is referred to ``G_mid``, the cumulative decay through
-  token 15, so M and β·L are one ``[C, C]`` product each of factors within ``2^±116`` (16 tokens at λ = −5); a
-  product of two overflows only above the diagonal, which is discarded. Each thread holds ``RUN`` consecutive
+  token 15, so M and β·L are a ``[C, C]`` product each (summed over the channel steps) of factors within
+  ``2^±116`` (16 tokens at λ = −5); a product of two overflows only above the diagonal, which is discarded. Each thread holds ``RUN`` consecutive
   tokens (the plan's ``prepare_token_run``: the cumulative sum stays in-thread but for the run totals), the
   products take each channel step in two interleaved halves, and M and β·L get their columns back in token
   order before the store (so that stores stay 128-bit and row-contiguous). The channels go in one step or in
@@ -133,22 +133,17 @@ def midpoint_factors(q_b, k_b, g_c, r, valid, stride_g, h, kk, A_log, dt_bias, l
 
 
 @triton.jit
-def midpoint_dots(q_up, k_up, k_down, M, L, FIRST: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                  EMULATE: tl.constexpr):
-    """``M += q_up·k_downᵀ`` (tf32) and ``L += k_up·k_downᵀ`` (bf16 operands) over one channel step, its
-    channels taken in two interleaved halves (``FIRST``: M and L start here)."""
+def midpoint_dots(q_up, k_up, k_down, M, L, DOT_PRECISION: tl.constexpr, EMULATE: tl.constexpr):
+    """``M += q_up·k_downᵀ`` (at the plan's fp32 product precision) and ``L += k_up·k_downᵀ`` (bf16 operands) over
+    one channel step, its channels taken in two interleaved halves."""
     C: tl.constexpr = q_up.shape[0]
     BK: tl.constexpr = q_up.shape[1]
     q_even, q_odd = tl.split(tl.reshape(q_up, (C, BK // 2, 2)))
     k_even, k_odd = tl.split(tl.reshape(k_up, (C, BK // 2, 2)))
     down_even, down_odd = tl.split(tl.reshape(k_down, (C, BK // 2, 2)))
     # both products of one half before the other's: M, M, L, L would keep every operand alive at once
-    if FIRST:
-        M = tl.dot(q_even, tl.trans(down_even), input_precision=DOT_PRECISION)
-        L = tl.dot(bf16_operand(k_even, EMULATE), bf16_operand(tl.trans(down_even), EMULATE))
-    else:
-        M = tl.dot(q_even, tl.trans(down_even), M, input_precision=DOT_PRECISION)
-        L = tl.dot(bf16_operand(k_even, EMULATE), bf16_operand(tl.trans(down_even), EMULATE), L)
+    M = tl.dot(q_even, tl.trans(down_even), M, input_precision=DOT_PRECISION)
+    L = tl.dot(bf16_operand(k_even, EMULATE), bf16_operand(tl.trans(down_even), EMULATE), L)
     M = tl.dot(q_odd, tl.trans(down_odd), M, input_precision=DOT_PRECISION)
     L = tl.dot(bf16_operand(k_odd, EMULATE), bf16_operand(tl.trans(down_odd), EMULATE), L)
     return M, L
@@ -161,8 +156,9 @@ def midpoint_products(q_c, k_c, q_t, k_t, qs, ks, stride_q, stride_k, g_c, r, va
                       EMULATE: tl.constexpr):
     """The first kernel's work under the lower-bound gate (module docstring): M = lower_incl((q̂·2^(G - G_mid))·
     (k̂·2^(G_mid - G))ᵀ), β·L likewise, and qg, kd, kg, in ``K / BK`` channel steps. One step takes the whole
-    rows ``q_t``, ``k_t`` the norms were formed from; several reload their channels from ``q_c``, ``k_c`` (held
-    by L1 since the norms' loads), so that each step's tiles are a fraction of the registers."""
+    rows ``q_t``, ``k_t`` the norms were formed from; several reload their channels from ``q_c``, ``k_c`` (which
+    the norms' loads, where there are norms, read moments before), so that each step's tiles hold a fraction of
+    the registers."""
     M = tl.zeros((C, C), dtype=tl.float32)
     L = tl.zeros((C, C), dtype=tl.float32)
     for c in tl.static_range(K // BK):
@@ -176,7 +172,7 @@ def midpoint_products(q_c, k_c, q_t, k_t, qs, ks, stride_q, stride_k, g_c, r, va
             k_b = load_rows(k_c, r, valid, kk, stride_k).to(tl.float32) * ks[:, None]
         q_up, k_up, k_down = midpoint_factors(q_b, k_b, g_c, r, valid, stride_g, h, kk, A_log, dt_bias, lower_bound,
                                               qg_c, kd_c, kg_c, decay_c, H, K, C, BC, RUN, EMULATE)
-        M, L = midpoint_dots(q_up, k_up, k_down, M, L, c == 0, DOT_PRECISION, EMULATE)
+        M, L = midpoint_dots(q_up, k_up, k_down, M, L, DOT_PRECISION, EMULATE)
     cc = tl.arange(0, C)
     M = columns_in_token_order(tl.where(r[:, None] >= r[None, :], M, 0.0), C, RUN)
     L = columns_in_token_order(tl.where(r[:, None] > r[None, :], L * bv[:, None], 0.0), C, RUN)
