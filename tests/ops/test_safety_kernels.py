@@ -107,7 +107,7 @@ def test_scrambled_offsets_of_many_sequences_stay_inside_the_buffers(sequences, 
     from fastkda.ops.prefill import chunk_kda_forward
 
     offsets = SCRAMBLED[sequences]
-    inp = make_inputs([1] * (sequences - 1) + [101 - sequences], heads=2, key_dim=64, seed=54)
+    inp = make_inputs([1] * (sequences - 1) + [101 - sequences], heads=1, key_dim=64, seed=54)
     plan = plan_for(inp, 1, sequence_parallel=segments)
     out, out_whole = guarded(inp["v"].shape, torch.zeros(inp["v"].shape), torch.bfloat16)
     final, final_whole = guarded(inp["initial_state"].shape, torch.full(inp["initial_state"].shape, float("nan")))
