@@ -289,8 +289,8 @@ class PrefillPlan:
             f"{self.prepare_channels} key channels per step, {self.prepare_token_run} consecutive tokens per thread"
             + (f", at most {self.prepare_registers} registers a thread" if self.prepare_registers else "") + "; "
             f"solve kernel on {_counted(self.solve_warps, 'warp')}, {self.solve_stages} stages, "
-            f"{self.solve_channels} channels per step, " + ("T·diag(β) only (the recurrence forms w and u)" if self.w_u_in_recurrence
-                         else "forming w and u"),
+            f"{self.solve_channels} channels per step, "
+            + ("T·diag(β) only (the recurrence forms w and u)" if self.w_u_in_recurrence else "forming w and u"),
             f"recurrence: v_slices={self.v_slices} (V cut into {self.v_slices} slice(s) of {self.slice_width} "
             f"columns): {self.programs} programs "
             + ("per segment of each sequence" if self.segment_chunks else f"on {self.sms} SMs")

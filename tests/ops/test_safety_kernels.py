@@ -70,16 +70,11 @@ def test_accepted_counts_out_of_range_make_null_rows(counts):
     assert errors == [0, len(bad), 0]
 
 
-@pytest.mark.parametrize("offsets", [[0, 40, 200], [0, 60, 30, 100], [-7, 50, 100], [0, 30, 100, 100, 90],
-                                     [0, 100, 0, 0, 100]],
-                         ids=["last past T", "decreasing", "negative first", "short of T", "back to 0"])
-@pytest.mark.parametrize("segments", [False, 32], ids=["serial", "segments"])
-def test_malformed_cu_seqlens_stay_inside_the_buffers(offsets, segments):
+def prefill_on_offsets(inp, offsets, segments):
+    """The prefill kernels on ``inp`` with ``offsets`` as ``cu_seqlens`` (whatever they hold), into guarded output
+    and final-state buffers whose guards must stay intact: ``(out, final, errors)``."""
     from fastkda.ops.prefill import chunk_kda_forward
 
-    lengths = [100 // (len(offsets) - 1)] * (len(offsets) - 2)
-    lengths.append(100 - sum(lengths))
-    inp = make_inputs(lengths, heads=2, key_dim=64, seed=52)
     plan = plan_for(inp, 1, sequence_parallel=segments)
     out, out_whole = guarded(inp["v"].shape, torch.zeros(inp["v"].shape), torch.bfloat16)
     final, final_whole = guarded(inp["initial_state"].shape, torch.full(inp["initial_state"].shape, float("nan")))
@@ -89,6 +84,17 @@ def test_malformed_cu_seqlens_stay_inside_the_buffers(offsets, segments):
                       initial_state=inp["initial_state"], cu_seqlens=torch.tensor(offsets, dtype=torch.int32),
                       use_qk_l2norm=True, use_beta_sigmoid=True, out=out, final_state=final, errors=errors)
     assert guards_intact(out_whole) and guards_intact(final_whole)
+    return out, final, errors
+
+
+@pytest.mark.parametrize("offsets", [[0, 40, 200], [0, 60, 30, 100], [-7, 50, 100], [0, 30, 100, 100, 90],
+                                     [0, 100, 0, 0, 100]],
+                         ids=["last past T", "decreasing", "negative first", "short of T", "back to 0"])
+@pytest.mark.parametrize("segments", [False, 32], ids=["serial", "segments"])
+def test_malformed_cu_seqlens_stay_inside_the_buffers(offsets, segments):
+    lengths = [100 // (len(offsets) - 1)] * (len(offsets) - 2)
+    lengths.append(100 - sum(lengths))
+    out, final, errors = prefill_on_offsets(make_inputs(lengths, heads=2, key_dim=64, seed=52), offsets, segments)
     assert torch.isfinite(out).all() and torch.isfinite(final).all()
     assert errors[2] >= 1 and errors[:2].tolist() == [0, 0]
 
@@ -104,19 +110,8 @@ def test_scrambled_offsets_of_many_sequences_stay_inside_the_buffers(sequences, 
     error counted. Known gap (docs/perf-notes.md, "Serving-path safety"): the serial recurrence can then read token
     rows that no preparation program wrote (the workspace is not cleared), so its outputs may not be finite;
     the segmented form's are."""
-    from fastkda.ops.prefill import chunk_kda_forward
-
-    offsets = SCRAMBLED[sequences]
     inp = make_inputs([1] * (sequences - 1) + [101 - sequences], heads=1, key_dim=64, seed=54)
-    plan = plan_for(inp, 1, sequence_parallel=segments)
-    out, out_whole = guarded(inp["v"].shape, torch.zeros(inp["v"].shape), torch.bfloat16)
-    final, final_whole = guarded(inp["initial_state"].shape, torch.full(inp["initial_state"].shape, float("nan")))
-    errors = torch.zeros(3, dtype=torch.int32)
-    chunk_kda_forward(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], plan=plan, A_log=inp["A_log"],
-                      dt_bias=inp["dt_bias"], lower_bound=inp["lower_bound"], scale=0.125,
-                      initial_state=inp["initial_state"], cu_seqlens=torch.tensor(offsets, dtype=torch.int32),
-                      use_qk_l2norm=True, use_beta_sigmoid=True, out=out, final_state=final, errors=errors)
-    assert guards_intact(out_whole) and guards_intact(final_whole)
+    out, final, errors = prefill_on_offsets(inp, SCRAMBLED[sequences], segments)
     assert errors[2] >= 1 and errors[:2].tolist() == [0, 0]
     if segments:
         assert torch.isfinite(out).all() and torch.isfinite(final).all()

@@ -9,12 +9,12 @@ No factor it forms spans more than 16 tokens of decay, so nothing overflows:
 
 * Lower-bound gate (``midpoint_products``): every decay is referred to ``G_mid``, the cumulative decay through
   token 15, so M and β·L are a ``[C, C]`` product each (summed over the channel steps) of factors within
-  ``2^±116`` (16 tokens at λ = −5); a product of two overflows only above the diagonal, which is discarded. Each thread holds ``RUN`` consecutive
-  tokens (the plan's ``prepare_token_run``: the cumulative sum stays in-thread but for the run totals), the
-  products take each channel step in two interleaved halves, and M and β·L get their columns back in token
-  order before the store (so that stores stay 128-bit and row-contiguous). The channels go in one step or in
-  ``BK``-channel steps (the plan's ``prepare_channels``), which reload their rows after the norms and hold a
-  fraction of the registers.
+  ``2^±116`` (16 tokens at λ = −5); a product of two overflows only above the diagonal, which is discarded.
+  Each thread holds ``RUN`` consecutive tokens (the plan's ``prepare_token_run``: the cumulative sum stays
+  in-thread but for the run totals), the products take each channel step in two interleaved halves, and M and
+  β·L get their columns back in token order before the store (so that stores stay 128-bit and row-contiguous).
+  The channels go in one step or in ``BK``-channel steps (the plan's ``prepare_channels``), which reload their
+  rows after the norms and hold a fraction of the registers.
 * Precomputed gate (unbounded below): ``BK`` channels per step, M and L accumulated as two 16-column blocks; the
   off-diagonal blocks from ``exp(G_i − G_end(J))·exp(G_end(J) − G_j)`` (both ≤ 1), the diagonal ones from
   element-wise decays (``diagonal_elementwise``).
