@@ -87,10 +87,11 @@ class PrefillPlan:
     Recurrence: ``v_slices`` programs per (sequence, head); ``w_u_in_recurrence``: each step forms w = T·β·kd and
     u = T·β·v itself (the solve kernel then only inverts; the same bits either way); ``state_rows_v``: the state is
     held transposed (rows = V), so that a slice's columns are each product's rows; warps and pipeline stages.
-    Preparation: warps, stages, key channels per step and ``prepare_token_run`` (consecutive tokens per thread,
-    which keeps the in-chunk cumulative sum inside threads; it sets that sum's order, so it and the channels per
-    step, which order the norms' and products' sums, are the numbers here besides ``chunk`` and
-    ``dot_precision`` that change the results' last bits) of the first kernel, and
+    Preparation: warps, stages, key channels per step (all K under the lower-bound gate) and
+    ``prepare_token_run`` (consecutive tokens per thread, which keeps the in-chunk cumulative sum inside threads;
+    it sets that sum's order, so it and the precomputed gate's channels per step, which order the norms' and
+    products' sums, are the numbers here besides ``chunk`` and ``dot_precision`` that change the results' last
+    bits) of the first kernel, and
     ``prepare_registers``, its cap on registers per thread (0: the compiler's choice; a cap fits more programs on
     an SM at the price of spills; derived from the warps, so a plan changed to other warps keeps the old cap unless
     it is changed too); warps, stages and channels per step of the solve kernel. Sequence parallelism
@@ -156,9 +157,9 @@ class PrefillPlan:
             _check(getattr(self, name) >= 1, f"{name} must be >= 1, got {getattr(self, name)}")
         _check(self.prepare_channels in (16, 32, 64, 128) and self.key_dim % self.prepare_channels == 0,
                f"prepare_channels must be 16, 32, 64 or 128 and divide K={self.key_dim}, got {self.prepare_channels}")
-        _check(not self.lower_bound_gate or self.prepare_channels >= 32,
-               f"under the lower-bound gate the first kernel's channel steps take at least 32 channels (two halves "
-               f"of 16 per product), got prepare_channels={self.prepare_channels}")
+        _check(not self.lower_bound_gate or self.prepare_channels == self.key_dim,
+               f"under the lower-bound gate the first kernel takes every key channel in one step "
+               f"(prepare_channels={self.key_dim}), got prepare_channels={self.prepare_channels}")
         _check(self.prepare_token_run >= 1 and self.chunk % self.prepare_token_run == 0,
                f"prepare_token_run must divide the chunk ({self.chunk}), got {self.prepare_token_run}")
         _check(self.solve_channels in (16, 32, 64, 128),
@@ -381,7 +382,7 @@ def recurrence_warps(slice_width: int) -> int:
 
 def prepare_channels(key_dim: int, lower_bound_gate: bool) -> int:
     """Key channels per step of the first preparation kernel: all of them under the lower-bound gate (one
-    load-and-compute phase); 32 under the precomputed gate, whose element-wise diagonal blocks grow with the
+    load-and-compute phase; steps were slower, docs/perf-notes.md); 32 under the precomputed gate, whose element-wise diagonal blocks grow with the
     channels per step."""
     return key_dim if lower_bound_gate else min(32, key_dim)
 

@@ -84,8 +84,8 @@ def test_launch_numbers_round_trip_and_changes_are_validated():
     changed = chosen.replace(prepare_warps=8, recurrence_stages=2)
     assert changed.prepare_warps == 8 and "overridden: prepare_warps=8, recurrence_stages=2" in changed.reason
     for bad in (dict(v_slices=3), dict(v_slices=16), dict(prepare_warps=3), dict(solve_stages=0),
-                dict(prepare_channels=16), dict(prepare_token_run=5), dict(chunk=64), dict(dot_precision="bf16"),
-                dict(key_dim=96), dict(heads=0)):
+                dict(prepare_channels=16), dict(prepare_channels=64), dict(prepare_token_run=5), dict(chunk=64),
+                dict(dot_precision="bf16"), dict(key_dim=96), dict(heads=0)):
         with pytest.raises(ValueError, match="fastkda plan"):
             chosen.replace(**bad)
     assert DecodePlan.from_launch_numbers(choose_decode_plan(3, 4, 128, 132).launch_numbers()).v_slices == 8

@@ -76,30 +76,6 @@ def test_saturated_lower_bound_gate(key_dim):
     assert rel_err(final, ref_s) < STATE_BOUND
 
 
-@pytest.mark.parametrize("key_dim, channels", [(128, 64), (128, 32), (64, 32)])
-def test_lower_bound_gate_in_channel_steps(key_dim, channels):
-    """The first kernel under the lower-bound gate in steps of ``channels`` (the norms from whole rows, each step's
-    channels reloaded, M and β·L summed over the steps): the same function as one step, as accurate, with its
-    own bits (the sums run in another order); at the lower bound's saturation too, where the factors reach their
-    range's ends."""
-    from fastkda.plan import prepare_token_run
-
-    inp = make_inputs([0, 70, 1, 130], key_dim=key_dim, seed=7)
-    steps = dict(prepare_channels=channels, prepare_token_run=prepare_token_run(32, channels, 4))
-    out, final = run_triton(inp, **steps)
-    ref_o, ref_s = reference(inp)
-    assert rel_err(out, ref_o) < OUT_BOUND
-    assert rel_err(final, ref_s) < STATE_BOUND
-    one_o, one_s = run_triton(inp)
-    assert rel_err(out, one_o) < 2e-3 and not torch.equal(out, one_o)
-    inp["g"] = torch.full_like(inp["g"], 40.0)
-    out, final = run_triton(inp, **steps)
-    ref_o, ref_s = reference(inp)
-    assert torch.isfinite(out).all() and torch.isfinite(final).all()
-    assert rel_err(out, ref_o) < OUT_BOUND
-    assert rel_err(final, ref_s) < STATE_BOUND
-
-
 @pytest.mark.parametrize("v_slices, w_u_in_recurrence", [(1, True), (2, False), (2, True), (4, False)])
 def test_v_slices_and_w_u_forms_are_bitwise_identical(v_slices, w_u_in_recurrence):
     """Against one slice with the solve kernel's w and u: the 64-wide slice forms them itself or not, the 32-wide

@@ -7,14 +7,13 @@ and ``β·L = strictly_lower(β·kd·kiᵀ)`` to the fp32 scratch.
 
 No factor it forms spans more than 16 tokens of decay, so nothing overflows:
 
-* Lower-bound gate (``midpoint_products``): every decay is referred to ``G_mid``, the cumulative decay through
-  token 15, so M and β·L are a ``[C, C]`` product each (summed over the channel steps) of factors within
-  ``2^±116`` (16 tokens at λ = −5); a product of two overflows only above the diagonal, which is discarded.
-  Each thread holds ``RUN`` consecutive tokens (the plan's ``prepare_token_run``: the cumulative sum stays
-  in-thread but for the run totals), the products take each channel step in two interleaved halves, and M and
-  β·L get their columns back in token order before the store (so that stores stay 128-bit and row-contiguous).
-  The channels go in one step or in ``BK``-channel steps (the plan's ``prepare_channels``), which reload their
-  rows after the norms and hold a fraction of the registers.
+* Lower-bound gate (``midpoint_products``): every decay is referred to the midpoint of the chunk's log-decay,
+  ``G_last / 2`` (G runs from 0 down to ``G_last >= C·λ·log2 e``), so M and β·L are a ``[C, C]`` product each
+  over all K channels of factors within ``2^±116`` (16 tokens at λ = −5); a product of two overflows only
+  above the diagonal, which is discarded. Each thread holds ``RUN`` consecutive tokens (the plan's
+  ``prepare_token_run``: the cumulative sum stays in-thread but for the run totals), the products take the
+  channels in two interleaved halves, and M and β·L get their columns back in token order before the store (so
+  that stores stay 128-bit and row-contiguous).
 * Precomputed gate (unbounded below): ``BK`` channels per step, M and L accumulated as two 16-column blocks; the
   off-diagonal blocks from ``exp(G_i − G_end(J))·exp(G_end(J) − G_j)`` (both ≤ 1), the diagonal ones from
   element-wise decays (``diagonal_elementwise``).
@@ -106,29 +105,46 @@ def columns_in_token_order(x, C: tl.constexpr, RUN: tl.constexpr):
 
 
 @triton.jit
+def sum_over_rows(x):
+    """``tl.sum(x, axis=0)`` of a ``[R, D]`` tile whose rows cross warps, as four sums over every fourth column,
+    interleaved back. Triton stages a cross-warp sum in shared memory with a thread's columns one word per warp
+    apart, so at 8 contiguous columns a thread its lanes land 128 B apart (16-way bank conflicts); at 2 a thread
+    the replays drop by 4 (ncu in ``docs/perf-notes.md``)."""
+    R: tl.constexpr = x.shape[0]
+    D: tl.constexpr = x.shape[1]
+    even, odd = tl.split(tl.reshape(x, (R, D // 2, 2)))
+    e0, e1 = tl.split(tl.reshape(even, (R, D // 4, 2)))
+    o0, o1 = tl.split(tl.reshape(odd, (R, D // 4, 2)))
+    even_sums = tl.reshape(tl.join(tl.sum(e0, axis=0), tl.sum(e1, axis=0)), (D // 2,))
+    odd_sums = tl.reshape(tl.join(tl.sum(o0, axis=0), tl.sum(o1, axis=0)), (D // 2,))
+    return tl.reshape(tl.join(even_sums, odd_sums), (D,))
+
+
+@triton.jit
 def midpoint_factors(q_b, k_b, g_c, r, valid, stride_g, h, kk, A_log, dt_bias, lower_bound, qg_c, kd_c, kg_c,
-                     decay_c, H, K: tl.constexpr, C: tl.constexpr, BC: tl.constexpr, RUN: tl.constexpr,
-                     EMULATE: tl.constexpr):
+                     decay_c, H, K: tl.constexpr, C: tl.constexpr, RUN: tl.constexpr, EMULATE: tl.constexpr):
     """Channels ``kk`` of a chunk under the lower-bound gate (module docstring), from its normalised ``[C, BK]``
     q and k rows (row i holding token ``r[i]``): stores qg, kd and kg (the factors times per-channel decays) and
-    the chunk decay, and returns the products' factors q̂·2^(G - G_mid), k̂·2^(G - G_mid) and k̂·2^(G_mid - G)."""
+    the chunk decay, and returns the products' factors q̂·2^(G - G_last/2), k̂·2^(G - G_last/2) and
+    k̂·2^(G_last/2 - G)."""
     RUNS: tl.constexpr = C // RUN
     BK: tl.constexpr = q_b.shape[1]
     a = tl.reshape(log2_decay_block(g_c, r, valid, stride_g, h, kk, A_log, dt_bias, lower_bound, K, True, EMULATE),
                    (RUN, RUNS, BK))  # [j, s]: token s·RUN + j
-    run_total = tl.sum(a, axis=0)
-    G = tl.reshape(tl.cumsum(a, axis=0) + (tl.cumsum(run_total, axis=0) - run_total)[None, :, :], (C, BK))
-    G_mid = tl.sum(tl.where((tl.arange(0, RUNS) < BC // RUN)[:, None], run_total, 0.0), axis=0)
-    G_last = tl.sum(run_total, axis=0)
-    up = fast_exp2(G - G_mid[None, :], EMULATE)
+    run_total = tl.sum(a, axis=0)  # in-thread
+    run_end = tl.cumsum(run_total, axis=0)  # G at each run's last token
+    G = tl.reshape(tl.cumsum(a, axis=0) + (run_end - run_total)[None, :, :], (C, BK))
+    G_last = sum_over_rows(run_total)[None, :]
+    ref = 0.5 * G_last
+    up = fast_exp2(G - ref, EMULATE)
     q_up = q_b * up
     k_up = k_b * up
-    k_down = k_b * fast_exp2(G_mid[None, :] - G, EMULATE)
-    at_mid = fast_exp2(G_mid, EMULATE)[None, :]
-    store_rows(qg_c, r, valid, kk, H * K, q_up * at_mid, EMULATE)
-    store_rows(kd_c, r, valid, kk, H * K, k_up * at_mid, EMULATE)  # kd, until the solve kernel makes it w
-    store_rows(kg_c, r, valid, kk, H * K, k_down * fast_exp2(G_last - G_mid, EMULATE)[None, :], EMULATE)
-    tl.store(decay_c + kk, fast_exp2(G_last, EMULATE))
+    k_down = k_b * fast_exp2(ref - G, EMULATE)
+    at_ref = fast_exp2(ref, EMULATE)  # = 2^(G_last - ref) too
+    store_rows(qg_c, r, valid, kk, H * K, q_up * at_ref, EMULATE)
+    store_rows(kd_c, r, valid, kk, H * K, k_up * at_ref, EMULATE)  # kd, until the solve kernel makes it w
+    store_rows(kg_c, r, valid, kk, H * K, k_down * at_ref, EMULATE)
+    tl.store(decay_c + kk, tl.reshape(fast_exp2(G_last, EMULATE), (BK,)))
     return q_up, k_up, k_down
 
 
@@ -150,29 +166,18 @@ def midpoint_dots(q_up, k_up, k_down, M, L, DOT_PRECISION: tl.constexpr, EMULATE
 
 
 @triton.jit
-def midpoint_products(q_c, k_c, q_t, k_t, qs, ks, stride_q, stride_k, g_c, r, valid, stride_g, h, A_log, dt_bias,
-                      lower_bound, bv, qg_c, kd_c, kg_c, A_c, L_c, decay_c, H, K: tl.constexpr, C: tl.constexpr,
-                      BC: tl.constexpr, BK: tl.constexpr, RUN: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                      EMULATE: tl.constexpr):
-    """The first kernel's work under the lower-bound gate (module docstring): M = lower_incl((q̂·2^(G - G_mid))·
-    (k̂·2^(G_mid - G))ᵀ), β·L likewise, and qg, kd, kg, in ``K / BK`` channel steps. One step takes the whole
-    rows ``q_t``, ``k_t`` the norms were formed from; several reload their channels from ``q_c``, ``k_c`` (which
-    the norms' loads, where there are norms, read moments before), so that each step's tiles hold a fraction of
-    the registers."""
-    M = tl.zeros((C, C), dtype=tl.float32)
-    L = tl.zeros((C, C), dtype=tl.float32)
-    for c in tl.static_range(K // BK):
-        if BK == K:
-            kk = tl.arange(0, K)
-            q_b = q_t * qs[:, None]
-            k_b = k_t * ks[:, None]
-        else:
-            kk = c * BK + tl.arange(0, BK)
-            q_b = load_rows(q_c, r, valid, kk, stride_q).to(tl.float32) * qs[:, None]
-            k_b = load_rows(k_c, r, valid, kk, stride_k).to(tl.float32) * ks[:, None]
-        q_up, k_up, k_down = midpoint_factors(q_b, k_b, g_c, r, valid, stride_g, h, kk, A_log, dt_bias, lower_bound,
-                                              qg_c, kd_c, kg_c, decay_c, H, K, C, BC, RUN, EMULATE)
-        M, L = midpoint_dots(q_up, k_up, k_down, M, L, DOT_PRECISION, EMULATE)
+def midpoint_products(q_t, k_t, qs, ks, g_c, r, valid, stride_g, h, A_log, dt_bias, lower_bound, bv, qg_c, kd_c,
+                      kg_c, A_c, L_c, decay_c, H, K: tl.constexpr, C: tl.constexpr, RUN: tl.constexpr,
+                      DOT_PRECISION: tl.constexpr, EMULATE: tl.constexpr):
+    """The first kernel's work under the lower-bound gate (module docstring): M = lower_incl((q̂·2^(G - G_last/2))·
+    (k̂·2^(G_last/2 - G))ᵀ), β·L likewise, and qg, kd, kg, over all K channels at once, from the whole rows
+    ``q_t``, ``k_t`` the norms were formed from. (Channel steps, which hold a fraction of the registers, were
+    slower here: docs/perf-notes.md.)"""
+    kk = tl.arange(0, K)
+    q_up, k_up, k_down = midpoint_factors(q_t * qs[:, None], k_t * ks[:, None], g_c, r, valid, stride_g, h, kk, A_log,
+                                          dt_bias, lower_bound, qg_c, kd_c, kg_c, decay_c, H, K, C, RUN, EMULATE)
+    zero = tl.zeros((C, C), dtype=tl.float32)
+    M, L = midpoint_dots(q_up, k_up, k_down, zero, zero, DOT_PRECISION, EMULATE)
     cc = tl.arange(0, C)
     M = columns_in_token_order(tl.where(r[:, None] >= r[None, :], M, 0.0), C, RUN)
     L = columns_in_token_order(tl.where(r[:, None] > r[None, :], L * bv[:, None], 0.0), C, RUN)
@@ -219,9 +224,9 @@ def prepare_kernel(
     A_c = ws_bf16 + A_at + row0 * (H * C) + h * C  # the chunk's first row in the [tokens, H, C] A and scratch
     L_c = ws_fp32 + scratch_at + row0 * (H * C) + h * C
     if LOWER_BOUND_GATE:
-        midpoint_products(q_c, k_c, q_t, k_t, qs, ks, stride_q, stride_k, g_c, r, valid, stride_g, h, A_log,
-                          dt_bias, lower_bound, bv, qg_c, kd_c, kg_c, A_c, L_c, decay_c, H, K, C, BC, BK, RUN,
-                          DOT_PRECISION, EMULATE)
+        tl.static_assert(BK == K)  # one channel step (the plan's rule under this gate)
+        midpoint_products(q_t, k_t, qs, ks, g_c, r, valid, stride_g, h, A_log, dt_bias, lower_bound, bv, qg_c, kd_c,
+                          kg_c, A_c, L_c, decay_c, H, K, C, RUN, DOT_PRECISION, EMULATE)
     else:
         zero = tl.zeros((C, BC), dtype=tl.float32)
         M0, M1, L0, L1 = zero, zero, zero, zero
