@@ -89,8 +89,8 @@ class PrefillPlan:
     held transposed (rows = V), so that a slice's columns are each product's rows; warps and pipeline stages.
     Preparation: warps, stages, key channels per step (all K under the lower-bound gate) and
     ``prepare_token_run`` (consecutive tokens per thread, which keeps the in-chunk cumulative sum inside threads;
-    it sets that sum's order, so it and the precomputed gate's channels per step, which order the norms' and
-    products' sums, are the numbers here besides ``chunk`` and ``dot_precision`` that change the results' last
+    it sets that sum's order, so it and the precomputed gate's channels per step, which order the products' sums,
+    are the numbers here besides ``chunk`` and ``dot_precision`` that change the results' last
     bits) of the first kernel, and
     ``prepare_registers``, its cap on registers per thread (0: the compiler's choice; a cap fits more programs on
     an SM at the price of spills; derived from the warps, so a plan changed to other warps keeps the old cap unless
@@ -382,8 +382,8 @@ def recurrence_warps(slice_width: int) -> int:
 
 def prepare_channels(key_dim: int, lower_bound_gate: bool) -> int:
     """Key channels per step of the first preparation kernel: all of them under the lower-bound gate (one
-    load-and-compute phase; steps were slower, docs/perf-notes.md); 32 under the precomputed gate, whose element-wise diagonal blocks grow with the
-    channels per step."""
+    load-and-compute phase; steps were slower, docs/perf-notes.md); 32 under the precomputed gate, whose
+    element-wise diagonal blocks grow with the channels per step."""
     return key_dim if lower_bound_gate else min(32, key_dim)
 
 

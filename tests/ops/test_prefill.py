@@ -64,10 +64,12 @@ def test_kernels_match_float64(case):
 
 
 @pytest.mark.parametrize("key_dim", [64, 128])
-def test_saturated_lower_bound_gate(key_dim):
+@pytest.mark.parametrize("lengths, varlen", [([100], False), ([0, 70, 1, 130], True)])
+def test_saturated_lower_bound_gate(key_dim, lengths, varlen):
     """Every token decaying at the lower bound (-5 per token and channel): the preparation's factors reach their
-    range's ends (2^±116 across 16 tokens), and must stay finite and accurate where they are kept."""
-    inp = make_inputs([100], varlen=False, key_dim=key_dim, seed=11)
+    range's ends (2^±116 across 16 tokens), and must stay finite and accurate where they are kept, in whole
+    chunks and in short tails, empty and 1-token sequences."""
+    inp = make_inputs(lengths, varlen=varlen, key_dim=key_dim, seed=11)
     inp["g"] = torch.full_like(inp["g"], 40.0)  # σ(e^A_log·(40 + b)) = 1 in fp32
     out, final = run_triton(inp)
     ref_o, ref_s = reference(inp)
@@ -92,7 +94,7 @@ def test_v_slices_and_w_u_forms_are_bitwise_identical(v_slices, w_u_in_recurrenc
 def test_other_launch_numbers_give_the_same_bits(changes):
     """Launch numbers a sweep may set (warps, stages, register caps, the solve's channels per step, the state's
     form) change how the kernels are scheduled, never what they add in which order (``prepare_token_run`` and
-    ``prepare_channels`` do: they order the in-chunk cumulative sum and the norms' and products' sums)."""
+    ``prepare_channels`` do: they order the in-chunk cumulative sum and the products' sums)."""
     inp = make_inputs([0, 80, 1, 45], heads=2, key_dim=64, value_dim=128, seed=4)
     base_o, base_s = run_triton(inp, 4)
     out, final = run_triton(inp, 4, **changes)

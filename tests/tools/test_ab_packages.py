@@ -39,3 +39,26 @@ def test_render_writes_the_table_beside_the_json(tmp_path):
     path.write_text(json.dumps(found))
     ab_packages.render(path)
     assert "| w | graph | 1.1000 | 1.0000 | 1.100 | equal |" in (tmp_path / "ab.md").read_text()
+
+
+def test_prefill_call_passes_the_length_hint_where_the_package_takes_one():
+    """The A/B runs a varlen workload under the plan the benchmark gets (with ``max_seqlen``), and still runs a
+    package of a commit from before the hint."""
+    from types import SimpleNamespace
+
+    from tools.variants import ab_packages
+
+    seen = []
+
+    def with_hint(*tensors, max_seqlen=None, **options):
+        seen.append(max_seqlen)
+
+    def without_hint(*tensors, **options):
+        seen.append("no hint")
+
+    inp = {name: None for name in ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "lower_bound", "scale",
+                                   "initial_state", "cu_seqlens")}
+    inp["max_seqlen"] = 4096
+    for kda_prefill in (with_hint, without_hint):
+        ab_packages.prefill_call(SimpleNamespace(kda_prefill=kda_prefill), inp, None, None)()
+    assert seen == [4096, "no hint"]

@@ -5,7 +5,7 @@ the gate, forms the cumulative log-decay ``G`` (base 2) over the chunk, and writ
 (into the ``w`` section, for the solve kernel), the chunk decay ``exp(G_C)``, ``M = lower_incl(qd·kiᵀ)`` to ``A``
 and ``β·L = strictly_lower(β·kd·kiᵀ)`` to the fp32 scratch.
 
-No factor it forms spans more than 16 tokens of decay, so nothing overflows:
+No factor it forms spans more than half the chunk's decay (16 tokens at the lower bound), so nothing overflows:
 
 * Lower-bound gate (``midpoint_products``): every decay is referred to the midpoint of the chunk's log-decay,
   ``G_last / 2`` (G runs from 0 down to ``G_last >= C·λ·log2 e``), so M and β·L are a ``[C, C]`` product each
@@ -107,9 +107,9 @@ def columns_in_token_order(x, C: tl.constexpr, RUN: tl.constexpr):
 @triton.jit
 def sum_over_rows(x):
     """``tl.sum(x, axis=0)`` of a ``[R, D]`` tile whose rows cross warps, as four sums over every fourth column,
-    interleaved back. Triton stages a cross-warp sum in shared memory with a thread's columns one word per warp
-    apart, so at 8 contiguous columns a thread its lanes land 128 B apart (16-way bank conflicts); at 2 a thread
-    the replays drop by 4 (ncu in ``docs/perf-notes.md``)."""
+    interleaved back. Triton stages a cross-warp sum in shared memory with consecutive columns one word per warp
+    apart: when each thread holds 8 contiguous columns, neighbouring lanes store 128 B apart (16-way bank
+    conflicts); with 2 columns a thread in each part, the replays drop by 4 (ncu in ``docs/perf-notes.md``)."""
     R: tl.constexpr = x.shape[0]
     D: tl.constexpr = x.shape[1]
     even, odd = tl.split(tl.reshape(x, (R, D // 2, 2)))
@@ -149,11 +149,13 @@ def midpoint_factors(q_b, k_b, g_c, r, valid, stride_g, h, kk, A_log, dt_bias, l
 
 
 @triton.jit
-def midpoint_dots(q_up, k_up, k_down, M, L, DOT_PRECISION: tl.constexpr, EMULATE: tl.constexpr):
-    """``M += q_up·k_downᵀ`` (at the plan's fp32 product precision) and ``L += k_up·k_downᵀ`` (bf16 operands) over
-    one channel step, its channels taken in two interleaved halves."""
+def midpoint_dots(q_up, k_up, k_down, DOT_PRECISION: tl.constexpr, EMULATE: tl.constexpr):
+    """``M = q_up·k_downᵀ`` (at the plan's fp32 product precision) and ``L = k_up·k_downᵀ`` (bf16 operands), the
+    channels taken in two interleaved halves."""
     C: tl.constexpr = q_up.shape[0]
     BK: tl.constexpr = q_up.shape[1]
+    M = tl.zeros((C, C), dtype=tl.float32)
+    L = tl.zeros((C, C), dtype=tl.float32)
     q_even, q_odd = tl.split(tl.reshape(q_up, (C, BK // 2, 2)))
     k_even, k_odd = tl.split(tl.reshape(k_up, (C, BK // 2, 2)))
     down_even, down_odd = tl.split(tl.reshape(k_down, (C, BK // 2, 2)))
@@ -176,8 +178,7 @@ def midpoint_products(q_t, k_t, qs, ks, g_c, r, valid, stride_g, h, A_log, dt_bi
     kk = tl.arange(0, K)
     q_up, k_up, k_down = midpoint_factors(q_t * qs[:, None], k_t * ks[:, None], g_c, r, valid, stride_g, h, kk, A_log,
                                           dt_bias, lower_bound, qg_c, kd_c, kg_c, decay_c, H, K, C, RUN, EMULATE)
-    zero = tl.zeros((C, C), dtype=tl.float32)
-    M, L = midpoint_dots(q_up, k_up, k_down, zero, zero, DOT_PRECISION, EMULATE)
+    M, L = midpoint_dots(q_up, k_up, k_down, DOT_PRECISION, EMULATE)
     cc = tl.arange(0, C)
     M = columns_in_token_order(tl.where(r[:, None] >= r[None, :], M, 0.0), C, RUN)
     L = columns_in_token_order(tl.where(r[:, None] > r[None, :], L * bv[:, None], 0.0), C, RUN)
@@ -194,8 +195,8 @@ def prepare_kernel(
     RUN: tl.constexpr, DOT_PRECISION: tl.constexpr, EMULATE: tl.constexpr,
 ):
     """One (chunk slot, head): norms, gate, cumulative decays, qg, kg, kd, the chunk decay, M and β·L (module
-    docstring), ``BK`` channels at a time: under the lower-bound gate :func:`midpoint_products`; under a
-    precomputed gate M and L accumulated as ``C / BC`` ``[C, BC]`` column blocks."""
+    docstring): under the lower-bound gate :func:`midpoint_products`, over all K channels at once; under a
+    precomputed gate ``BK`` channels at a time, M and L accumulated as ``C / BC`` ``[C, BC]`` column blocks."""
     NB: tl.constexpr = C // BC
     tl.static_assert(NB == 2)
     slot = tl.program_id(0)
