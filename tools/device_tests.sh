@@ -47,4 +47,5 @@ step checkpoint-cost "${CKPT_S:-0}" python3 tools/sweeps/checkpoint_cost.py
 step ncu "${NCU_S:-0}" bash -c 'ncu --clock-control none --set full --import-source yes -k regex:prepare_kernel \
   --launch-count 1 -f -o /tmp/prep python3 tools/profiling/ncu_prepare.py && ncu -i /tmp/prep.ncu-rep --page details \
   && ncu -i /tmp/prep.ncu-rep --page source --print-source sass --csv > /tmp/prep-sass.csv \
-  && python3 tools/profiling/ncu_hotspots.py /tmp/prep-sass.csv'
+  && python3 tools/profiling/ncu_hotspots.py /tmp/prep-sass.csv \
+  && python3 tools/profiling/ncu_lines.py prepare /tmp/prep-sass.csv --workload H96_B1_T8192'

@@ -10,6 +10,7 @@ the next kernel change can aim at the phase that holds the time."""
 
 import argparse
 import csv
+import gzip
 import re
 import sys
 
@@ -39,6 +40,15 @@ def columns(rows):
     return samples, source, column(header, "address") or column(header, "pc")
 
 
+def read_page(path):
+    """The rows of an ncu source page written with ``--csv`` (its preamble lines skipped; gzip read as well)."""
+    opener = gzip.open if str(path).endswith(".gz") else open
+    with opener(path, "rt", newline="") as f:
+        lines = f.read().splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith('"') and "Source" in line)
+    return list(csv.DictReader(lines[start:]))
+
+
 def hotspots(rows, top):
     """``(share, samples, address, source)`` of the ``top`` lines with the most stall samples."""
     samples, source, address = columns(rows)
@@ -63,10 +73,7 @@ def main(argv=None):
     parser.add_argument("csv_path")
     parser.add_argument("--top", type=int, default=40)
     args = parser.parse_args(argv)
-    with open(args.csv_path, newline="") as f:
-        lines = f.read().splitlines()
-    start = next(i for i, line in enumerate(lines) if line.startswith('"') and "Source" in line)  # skip ncu's preamble
-    rows = list(csv.DictReader(lines[start:]))
+    rows = read_page(args.csv_path)
     by_opcode = opcode_totals(rows)
     total = sum(s for _, s in by_opcode) or 1.0
     print("[ncu] stall samples by opcode: " + ", ".join(f"{op} {s / total:.1%}" for op, s in by_opcode[:15]))
