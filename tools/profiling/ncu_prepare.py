@@ -1,5 +1,5 @@
-"""One prefill call for Nsight Compute to count, to tell where the preparation's time goes (H96 B1 T8192 unless
-``--only`` names another workload).
+"""One prefill call for Nsight Compute to count, to tell where a kernel's time goes (``-k`` picks the kernel; H96 B1
+T8192 unless ``--only`` names another workload).
 
 ncu --clock-control none -k regex:prepare_kernel --section ... python tools/profiling/ncu_prepare.py [--only NAME]"""
 
