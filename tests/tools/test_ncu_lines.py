@@ -2,11 +2,13 @@
 ncu's CSV shape and a listing in nvdisasm's, no GPU)."""
 
 import gzip
+import os
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: the tools package
 
+INTERPRET_BEFORE = os.environ.get("TRITON_INTERPRET")
 from tools.profiling import ncu_lines  # noqa: E402
 from tools.profiling.ncu_hotspots import read_page  # noqa: E402
 from tools.profiling.sass_lines import instructions  # noqa: E402
@@ -51,3 +53,9 @@ def test_page_summed_per_line_with_conflicts_and_stall_reasons(tmp_path):
     out = ncu_lines.report(rows, line_of, top=2)
     assert "shared-memory wavefronts 0.00 M" in out[1] and len(out) == 4
     assert "60.0%" in out[2] and "std.py:293" in out[2] and "kernel.py:10" in out[3]
+
+
+def test_importing_the_tool_leaves_the_interpreter_setting_alone():
+    """Importing it at collection must not clear ``TRITON_INTERPRET`` (``hopper.py`` does, for compiling), or the
+    kernels that later tests import would be made for a GPU."""
+    assert os.environ.get("TRITON_INTERPRET") == INTERPRET_BEFORE

@@ -18,7 +18,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: fastkda and tools
 
 from tools.profiling.ncu_hotspots import column, number, read_page  # noqa: E402
-from tools.profiling.sass_count import parser_for, sass_of_arguments  # noqa: E402
 from tools.profiling.sass_lines import instructions, source_text  # noqa: E402
 
 SAMPLES = ("warp stall sampling", "all")
@@ -75,6 +74,10 @@ def report(rows, line_of, top):
 
 
 def main(argv=None):
+    # imported here: sass_count clears TRITON_INTERPRET (hopper.py), which an importer of the functions above (a
+    # test on the interpreter) needs kept
+    from tools.profiling.sass_count import parser_for, sass_of_arguments
+
     parser = parser_for(__doc__.split("\n\n")[0])
     parser.add_argument("page", help="ncu's SASS source page of the kernel, as --csv (.gz or plain)")
     parser.add_argument("--top", type=int, default=25)

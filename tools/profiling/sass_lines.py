@@ -12,8 +12,6 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: fastkda and tools
 
-from tools.profiling.sass_count import parser_for, sass_of_arguments  # noqa: E402
-
 
 def instructions(text):
     """``(address, (file, line), opcode)`` of each instruction of an ``nvdisasm -g`` listing that has a source
@@ -42,6 +40,9 @@ def source_text(path, line):
     return Path(path).read_text().splitlines()[line - 1].strip() if Path(path).exists() else ""
 
 def main(argv=None):
+    # imported here: sass_count clears TRITON_INTERPRET (hopper.py), which an importer of the parsers above may need
+    from tools.profiling.sass_count import parser_for, sass_of_arguments
+
     parser = parser_for(__doc__.split("\n\n")[0])
     parser.add_argument("--top", type=int, default=25)
     args = parser.parse_args(argv)
