@@ -398,11 +398,11 @@ def prepare_registers(lower_bound_gate: bool, warps: int) -> int:
     return min(REGISTERS_PER_SM // (PREPARE_PROGRAMS_PER_SM * warps * 32) // 8 * 8, 255)
 
 
-def prepare_token_run(chunk: int, channels: int, warps: int) -> int:
-    """Consecutive tokens per thread in the first preparation kernel: Triton lays a ``[chunk, channels]`` bf16
-    tile (one channel step) over the warps in 8-element rows of channels / 8 threads, so each thread holds
-    chunk·channels / (warps·256) rows, which the kernel fills with consecutive tokens."""
-    return max(min(chunk * channels // (warps * 256), chunk), 1)
+def prepare_token_run(chunk: int, key_dim: int, warps: int) -> int:
+    """Consecutive tokens per thread in the first preparation kernel: Triton lays a ``[chunk, K]`` bf16 tile over
+    the warps in 8-element rows of K / 8 threads, so each thread holds chunk·K / (warps·256) rows, which the kernel
+    fills with consecutive tokens."""
+    return max(min(chunk * key_dim // (warps * 256), chunk), 1)
 
 
 def parse_sequence_parallel(value, source: str):

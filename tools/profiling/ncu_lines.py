@@ -17,11 +17,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: fastkda and tools
 
-from tools.profiling.ncu_hotspots import column, number, read_page  # noqa: E402
+from tools.profiling.ncu_hotspots import column, columns, number, read_page  # noqa: E402
 from tools.profiling.sass_lines import instructions, source_text  # noqa: E402
 
-SAMPLES = ("warp stall sampling", "all")
-SHARED = ("l1 wavefronts shared",)
 EXCESSIVE = ("l1 wavefronts shared excessive",)
 
 
@@ -44,11 +42,12 @@ def per_source_line(rows, line_of):
     of their address (``line_of``: offset from the kernel's first instruction -> (file, line)); None holds the
     rows the table does not know."""
     header = list(rows[0])
-    samples, shared, excessive = column(header, *SAMPLES), shared_column(header), column(header, *EXCESSIVE)
-    base = int(rows[0]["Address"], 16)
+    samples, _, address = columns(rows)
+    shared, excessive = shared_column(header), column(header, *EXCESSIVE)
+    base = int(rows[0][address], 16)
     found = collections.defaultdict(lambda: dict(samples=0.0, shared=0.0, excessive=0.0))
     for r in rows:
-        where = line_of.get(int(r["Address"], 16) - base)
+        where = line_of.get(int(r[address], 16) - base)
         for key, name in (("samples", samples), ("shared", shared), ("excessive", excessive)):
             if name:
                 found[where][key] += number(r[name])

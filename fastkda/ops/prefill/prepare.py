@@ -121,19 +121,19 @@ def sum_over_rows(x):
 
 
 @triton.jit
-def midpoint_factors(q_b, k_b, g_c, r, valid, stride_g, h, kk, A_log, dt_bias, lower_bound, qg_c, kd_c, kg_c,
-                     decay_c, H, K: tl.constexpr, C: tl.constexpr, RUN: tl.constexpr, EMULATE: tl.constexpr):
-    """Channels ``kk`` of a chunk under the lower-bound gate (module docstring), from its normalised ``[C, BK]``
-    q and k rows (row i holding token ``r[i]``): stores qg, kd and kg (the factors times per-channel decays) and
-    the chunk decay, and returns the products' factors q̂·2^(G - G_last/2), k̂·2^(G - G_last/2) and
-    k̂·2^(G_last/2 - G)."""
+def midpoint_products(q_b, k_b, g_c, r, valid, stride_g, h, kk, A_log, dt_bias, lower_bound, bv, qg_c, kd_c, kg_c,
+                      A_c, L_c, decay_c, H, K: tl.constexpr, C: tl.constexpr, RUN: tl.constexpr,
+                      DOT_PRECISION: tl.constexpr, EMULATE: tl.constexpr):
+    """The first kernel's work under the lower-bound gate (module docstring), from a chunk's normalised ``[C, K]``
+    q and k rows (row i holding token ``r[i]``): M = lower_incl((q̂·2^(G - G_last/2))·(k̂·2^(G_last/2 - G))ᵀ), β·L
+    likewise, and qg, kd, kg as the same factors times per-channel decays, all K channels at once (channel steps,
+    which hold a fraction of the registers, were slower: docs/perf-notes.md)."""
     RUNS: tl.constexpr = C // RUN
-    BK: tl.constexpr = q_b.shape[1]
     a = tl.reshape(log2_decay_block(g_c, r, valid, stride_g, h, kk, A_log, dt_bias, lower_bound, K, True, EMULATE),
-                   (RUN, RUNS, BK))  # [j, s]: token s·RUN + j
+                   (RUN, RUNS, K))  # [j, s]: token s·RUN + j
     run_total = tl.sum(a, axis=0)  # in-thread
     run_end = tl.cumsum(run_total, axis=0)  # G at each run's last token
-    G = tl.reshape(tl.cumsum(a, axis=0) + (run_end - run_total)[None, :, :], (C, BK))
+    G = tl.reshape(tl.cumsum(a, axis=0) + (run_end - run_total)[None, :, :], (C, K))
     G_last = sum_over_rows(run_total)[None, :]
     ref = 0.5 * G_last
     up = fast_exp2(G - ref, EMULATE)
@@ -144,41 +144,17 @@ def midpoint_factors(q_b, k_b, g_c, r, valid, stride_g, h, kk, A_log, dt_bias, l
     store_rows(qg_c, r, valid, kk, H * K, q_up * at_ref, EMULATE)
     store_rows(kd_c, r, valid, kk, H * K, k_up * at_ref, EMULATE)  # kd, until the solve kernel makes it w
     store_rows(kg_c, r, valid, kk, H * K, k_down * at_ref, EMULATE)
-    tl.store(decay_c + kk, tl.reshape(fast_exp2(G_last, EMULATE), (BK,)))
-    return q_up, k_up, k_down
-
-
-@triton.jit
-def midpoint_dots(q_up, k_up, k_down, DOT_PRECISION: tl.constexpr, EMULATE: tl.constexpr):
-    """``M = q_up·k_downᵀ`` (at the plan's fp32 product precision) and ``L = k_up·k_downᵀ`` (bf16 operands), the
-    channels taken in two interleaved halves."""
-    C: tl.constexpr = q_up.shape[0]
-    BK: tl.constexpr = q_up.shape[1]
+    tl.store(decay_c + kk, tl.reshape(fast_exp2(G_last, EMULATE), (K,)))
     M = tl.zeros((C, C), dtype=tl.float32)
     L = tl.zeros((C, C), dtype=tl.float32)
-    q_even, q_odd = tl.split(tl.reshape(q_up, (C, BK // 2, 2)))
-    k_even, k_odd = tl.split(tl.reshape(k_up, (C, BK // 2, 2)))
-    down_even, down_odd = tl.split(tl.reshape(k_down, (C, BK // 2, 2)))
+    q_even, q_odd = tl.split(tl.reshape(q_up, (C, K // 2, 2)))
+    k_even, k_odd = tl.split(tl.reshape(k_up, (C, K // 2, 2)))
+    down_even, down_odd = tl.split(tl.reshape(k_down, (C, K // 2, 2)))
     # both products of one half before the other's: M, M, L, L would keep every operand alive at once
     M = tl.dot(q_even, tl.trans(down_even), M, input_precision=DOT_PRECISION)
     L = tl.dot(bf16_operand(k_even, EMULATE), bf16_operand(tl.trans(down_even), EMULATE), L)
     M = tl.dot(q_odd, tl.trans(down_odd), M, input_precision=DOT_PRECISION)
     L = tl.dot(bf16_operand(k_odd, EMULATE), bf16_operand(tl.trans(down_odd), EMULATE), L)
-    return M, L
-
-
-@triton.jit
-def midpoint_products(q_t, k_t, qs, ks, g_c, r, valid, stride_g, h, A_log, dt_bias, lower_bound, bv, qg_c, kd_c,
-                      kg_c, A_c, L_c, decay_c, H, K: tl.constexpr, C: tl.constexpr, RUN: tl.constexpr,
-                      DOT_PRECISION: tl.constexpr, EMULATE: tl.constexpr):
-    """The first kernel's work under the lower-bound gate (module docstring): M = lower_incl((q̂·2^(G - G_last/2))·
-    (k̂·2^(G_last/2 - G))ᵀ), β·L likewise, and qg, kd, kg, over all K channels at once, from the whole rows
-    ``q_t``, ``k_t`` the norms were formed from. (Channel steps, which hold a fraction of the registers, were
-    slower here: docs/perf-notes.md.)"""
-    kk = tl.arange(0, K)
-    q_up, k_up, k_down = midpoint_factors(q_t * qs[:, None], k_t * ks[:, None], g_c, r, valid, stride_g, h, kk, A_log,
-                                          dt_bias, lower_bound, qg_c, kd_c, kg_c, decay_c, H, K, C, RUN, EMULATE)
-    M, L = midpoint_dots(q_up, k_up, k_down, DOT_PRECISION, EMULATE)
     cc = tl.arange(0, C)
     M = columns_in_token_order(tl.where(r[:, None] >= r[None, :], M, 0.0), C, RUN)
     L = columns_in_token_order(tl.where(r[:, None] > r[None, :], L * bv[:, None], 0.0), C, RUN)
@@ -226,8 +202,9 @@ def prepare_kernel(
     L_c = ws_fp32 + scratch_at + row0 * (H * C) + h * C
     if LOWER_BOUND_GATE:
         tl.static_assert(BK == K)  # one channel step (the plan's rule under this gate)
-        midpoint_products(q_t, k_t, qs, ks, g_c, r, valid, stride_g, h, A_log, dt_bias, lower_bound, bv, qg_c, kd_c,
-                          kg_c, A_c, L_c, decay_c, H, K, C, RUN, DOT_PRECISION, EMULATE)
+        midpoint_products(q_t * qs[:, None], k_t * ks[:, None], g_c, r, valid, stride_g, h, kall, A_log, dt_bias,
+                          lower_bound, bv, qg_c, kd_c, kg_c, A_c, L_c, decay_c, H, K, C, RUN, DOT_PRECISION,
+                          EMULATE)
     else:
         zero = tl.zeros((C, BC), dtype=tl.float32)
         M0, M1, L0, L1 = zero, zero, zero, zero
