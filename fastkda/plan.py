@@ -36,6 +36,7 @@ DECODE_SLICE_WIDTH = 16  # state columns per decode program
 WARP_CHOICES = (1, 2, 4, 8, 16)
 REGISTERS_PER_SM = 65536  # 32-bit registers of one SM's register file (sm_80 and sm_90 alike)
 PREPARE_PROGRAMS_PER_SM = 3  # first preparation kernel programs an SM holds, by the register cap
+PREPARE_TOKEN_RUN = 2  # consecutive tokens per thread in the first preparation kernel, at most (prepare_token_run)
 SOLVE_WARPS = 1  # the inverse works in 16x16 blocks: one warp holds them, and more programs per SM hide latency
 ENV_SEQUENCE_PARALLEL = "FASTKDA_SEQUENCE_PARALLEL"
 SCAN_WIDTH = 32  # state columns per program of the segment scan: fixed, so the scan's bits never depend on the plan
@@ -400,9 +401,11 @@ def prepare_registers(lower_bound_gate: bool, warps: int) -> int:
 
 def prepare_token_run(chunk: int, key_dim: int, warps: int) -> int:
     """Consecutive tokens per thread in the first preparation kernel: Triton lays a ``[chunk, K]`` bf16 tile over
-    the warps in 8-element rows of K / 8 threads, so each thread holds chunk·K / (warps·256) rows, which the kernel
-    fills with consecutive tokens."""
-    return max(min(chunk * key_dim // (warps * 256), chunk), 1)
+    the warps in 8-element rows of K / 8 threads, so each thread holds chunk·K / (warps·256) rows, filled with runs
+    of :data:`PREPARE_TOKEN_RUN` consecutive tokens (or one run, if it holds fewer rows). Runs of two rather than
+    one run of all four rows keep fewer values of the in-thread cumulative sum live at the register cap, so fewer
+    spill, and the kernel is faster (docs/perf-notes.md, "token runs of two")."""
+    return max(min(chunk * key_dim // (warps * 256), chunk, PREPARE_TOKEN_RUN), 1)
 
 
 def parse_sequence_parallel(value, source: str):

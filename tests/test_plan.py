@@ -64,7 +64,7 @@ def test_who_forms_w_and_u_and_the_states_form():
 
 def test_preparation_numbers_follow_the_gate_and_key_dim():
     lower = choose_plan(1, 12, 8192, 128, 128, 132)
-    assert (lower.prepare_channels, lower.prepare_token_run, lower.solve_channels) == (128, 4, 128)
+    assert (lower.prepare_channels, lower.prepare_token_run, lower.solve_channels) == (128, 2, 128)
     precomputed = choose_plan(1, 12, 8192, 64, 64, 132, lower_bound_gate=False)
     assert (precomputed.prepare_channels, precomputed.prepare_token_run, precomputed.solve_channels) == (32, 2, 64)
 
