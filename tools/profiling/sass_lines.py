@@ -39,6 +39,7 @@ def source_text(path, line):
     """Line ``line`` of the file ``path``, stripped ("" where the file is not on this machine)."""
     return Path(path).read_text().splitlines()[line - 1].strip() if Path(path).exists() else ""
 
+
 def main(argv=None):
     # imported here: sass_count clears TRITON_INTERPRET (hopper.py), which an importer of the parsers above may need
     from tools.profiling.sass_count import parser_for, sass_of_arguments
