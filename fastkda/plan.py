@@ -85,8 +85,7 @@ class PrefillPlan:
     Facts: ``num_seqs`` sequences, each a row of ``seq_len`` tokens or, when ``varlen``, the ``cu_seqlens`` spans
     of one row of ``seq_len`` tokens; ``heads`` heads, key and value dimensions, the gate mode, the SM count.
     Chunking: ``chunk`` tokens per serial step, ``block`` tokens per inverse block, ``cpu_chunk`` for the CPU path.
-    Recurrence: ``v_slices`` programs per (sequence, head); ``w_u_in_recurrence``: each step forms w = T·β·kd and
-    u = T·β·v itself (the solve kernel then only inverts; the same bits either way); ``state_rows_v``: the state is
+    Recurrence: ``v_slices`` programs per (sequence, head); ``state_rows_v``: the state is
     held transposed (rows = V), so that a slice's columns are each product's rows; warps and pipeline stages.
     Preparation: warps, stages, key channels per step (all K under the lower-bound gate) and
     ``prepare_token_run`` (consecutive tokens per thread, which keeps the in-chunk cumulative sum inside threads;
@@ -95,7 +94,7 @@ class PrefillPlan:
     bits) of the first kernel, and
     ``prepare_registers``, its cap on registers per thread (0: the compiler's choice; a cap fits more programs on
     an SM at the price of spills; derived from the warps, so a plan changed to other warps keeps the old cap unless
-    it is changed too); warps, stages and channels per step of the solve kernel. Sequence parallelism
+    it is changed too); warps and stages of the solve kernel. Sequence parallelism
     (``docs/sequence-parallel.md``): ``segment_chunks`` (0: off) cuts every sequence, from its first token, into
     segments of that many chunks; the transition kernel runs each segment from a zero state over the V value
     columns and K identity columns in slices of ``transition_width``, the scan (``scan_warps``, ``scan_stages``:
@@ -115,7 +114,6 @@ class PrefillPlan:
     block: int
     cpu_chunk: int
     v_slices: int
-    w_u_in_recurrence: bool
     state_rows_v: bool
     recurrence_warps: int
     recurrence_stages: int
@@ -125,7 +123,6 @@ class PrefillPlan:
     prepare_token_run: int
     solve_warps: int
     solve_stages: int
-    solve_channels: int
     prepare_registers: int = 0
     segment_chunks: int = 0
     transition_width: int = 0
@@ -163,8 +160,6 @@ class PrefillPlan:
                f"(prepare_channels={self.key_dim}), got prepare_channels={self.prepare_channels}")
         _check(self.prepare_token_run >= 1 and self.chunk % self.prepare_token_run == 0,
                f"prepare_token_run must divide the chunk ({self.chunk}), got {self.prepare_token_run}")
-        _check(self.solve_channels in (16, 32, 64, 128),
-               f"solve_channels must be 16, 32, 64 or 128, got {self.solve_channels}")
         _check(self.segment_chunks >= 0, f"segment_chunks must be >= 0, got {self.segment_chunks}")
         if self.segment_chunks:
             narrow = min(self.key_dim, self.value_dim)
@@ -290,16 +285,14 @@ class PrefillPlan:
             f"{_counted(self.prepare_warps, 'warp')}, {self.prepare_stages} stages, "
             f"{self.prepare_channels} key channels per step, {self.prepare_token_run} consecutive tokens per thread"
             + (f", at most {self.prepare_registers} registers a thread" if self.prepare_registers else "") + "; "
-            f"solve kernel on {_counted(self.solve_warps, 'warp')}, {self.solve_stages} stages, "
-            f"{self.solve_channels} channels per step, "
-            + ("T·diag(β) only (the recurrence forms w and u)" if self.w_u_in_recurrence else "forming w and u"),
+            f"solve kernel on {_counted(self.solve_warps, 'warp')}, {self.solve_stages} stages: T·diag(β)",
             f"recurrence: v_slices={self.v_slices} (V cut into {self.v_slices} slice(s) of {self.slice_width} "
             f"columns): {self.programs} programs "
             + ("per segment of each sequence" if self.segment_chunks else f"on {self.sms} SMs")
             + f", {self.recurrence_warps} warps, "
             f"{self.recurrence_stages} stages, state held as "
             + ("Sᵀ (rows = V)" if self.state_rows_v else "S (rows = K)")
-            + (", forming w and u each step" if self.w_u_in_recurrence else ""),
+            + ", v_new = T·β·(v − kd·S) each step",
             ("sequence parallelism: off" if not self.segment_chunks else
              f"sequence parallelism: segments of {self.segment_chunks} chunks ({self.segment_tokens} tokens) from "
              f"each sequence's first token, {self.segment_slots} segment slots; transitions over V+K="
@@ -357,15 +350,6 @@ def _requested(argument, parse, name, env):
 def requested_v_slices(argument="auto"):
     """The caller's choice: the argument unless it is ``"auto"``, then ``$FASTKDA_V_SLICES``, then auto."""
     return _requested(argument, parse_v_slices, "v_slices", ENV_V_SLICES)
-
-
-def w_u_in_recurrence(slice_width: int, pairs: int) -> bool:
-    """Whether each recurrence step forms w = T·β·kd and u = T·β·v itself instead of loading the solve kernel's.
-    It saves the solve kernel's w and u traffic, spread over the whole GPU, and adds two products to every step of
-    the serial chain (more per step the wider the slice; at 32 columns every slice forms all of w). So it pays
-    when there are many chains to share the saving: from one (sequence, head) pair per two columns of slice width,
-    never in slices under 64 columns."""
-    return slice_width >= 2 * NARROW_SLICE_WIDTH and 2 * pairs >= slice_width
 
 
 def state_rows_v(slice_width: int) -> bool:
@@ -584,25 +568,16 @@ def _choose_plan(num_seqs, heads, seq_len, key_dim, value_dim, sms, varlen, lowe
     else:
         reason += f"; {serial_reason}"
     width = value_dim // slices
-    if segment_chunks:  # the chains the segments shorten: no step of theirs forms w and u
-        in_recurrence = False
-        reason += "; the solve kernel forms w and u (the segments' steps stay short)"
-    else:
-        in_recurrence = w_u_in_recurrence(width, pairs)
-        reason += (f"; {pairs} pairs for {width}-column slices: "
-                   + ("enough to share the saving, so each recurrence step forms w and u itself" if in_recurrence
-                      else "the solve kernel forms w and u (each recurrence step would, from 64-column slices "
-                           "and one pair per two columns)"))
     prepare_warps = 4
     return PrefillPlan(
         seq_len=seq_len, num_seqs=num_seqs, varlen=varlen, heads=heads, key_dim=key_dim, value_dim=value_dim,
         lower_bound_gate=lower_bound_gate, sms=sms, chunk=CHUNK, block=BLOCK, cpu_chunk=CPU_CHUNK,
-        v_slices=slices, w_u_in_recurrence=in_recurrence, state_rows_v=state_rows_v(width),
+        v_slices=slices, state_rows_v=state_rows_v(width),
         recurrence_warps=recurrence_warps(width), recurrence_stages=3,
         prepare_warps=prepare_warps, prepare_stages=3, prepare_channels=prepare_channels(key_dim, lower_bound_gate),
         prepare_token_run=prepare_token_run(CHUNK, key_dim, prepare_warps),
         prepare_registers=prepare_registers(lower_bound_gate, prepare_warps), solve_warps=SOLVE_WARPS,
-        solve_stages=3, solve_channels=max(key_dim, value_dim), segment_chunks=segment_chunks,
+        solve_stages=3, segment_chunks=segment_chunks,
         transition_width=transition_width, scan_warps=8 if key_dim >= 128 else 4, reason=reason)
 
 

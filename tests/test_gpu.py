@@ -208,5 +208,7 @@ def test_bench_kernel_breakdown_times_each_kernel():
     assert [r["kernel"] for r in rows] == [name for name in KERNELS if name in work]
     assert rows[0]["v_slices"] == plan.v_slices
     for r in rows:
-        assert r["ms"] > 0 and r["gbps"] == pytest.approx(work[r["kernel"]][0] / r["ms"] / 1e6, rel=1e-3, abs=0.1)
+        # the rate is computed before ms is rounded to 5 decimals: a short kernel's rounding sets the tolerance
+        rounding = max(1e-3, 0.5e-5 / r["ms"])
+        assert r["ms"] > 0 and r["gbps"] == pytest.approx(work[r["kernel"]][0] / r["ms"] / 1e6, rel=rounding, abs=0.1)
         assert r["pct_copy"] == pytest.approx(100 * r["gbps"] / copy_gbps, abs=0.1)

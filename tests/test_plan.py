@@ -46,27 +46,18 @@ def test_rule_boundaries():
     assert "fit one per SM" in plan(5, 12).reason and "4 slices would put 240 programs" in plan(5, 12).reason
 
 
-def test_who_forms_w_and_u_and_the_states_form():
-    """The recurrence forms w and u from one (sequence, head) pair per two columns of slice width, never in 32-wide
-    slices; slices from 64 columns hold the state transposed, 128-column ones on 8 warps."""
-    assert plan(1, 96).w_u_in_recurrence  # 96 pairs, 128 columns
-    assert plan(4, 12).w_u_in_recurrence  # two 64-wide slices, 48 pairs
-    assert not plan(1, 12, v_slices=1).w_u_in_recurrence  # 12 pairs for 128 columns
-    assert not plan(1, 32, v_slices=1).w_u_in_recurrence  # 32 pairs, 2 * 32 < 128
-    assert plan(1, 64).w_u_in_recurrence
-    assert not plan(1, 12).w_u_in_recurrence  # four 32-wide slices
-    assert not plan(64, 96, v_slices=4).w_u_in_recurrence
-    assert "forms w and u itself" in plan(1, 96).reason
-    assert "the solve kernel forms w and u" in plan(1, 12).reason
+def test_the_states_form():
+    """Slices from 64 columns hold the state transposed, 128-column ones on 8 warps; every plan's steps form
+    v_new from kd and v, the solve kernel only inverts."""
     assert plan(1, 96).state_rows_v and plan(1, 96).recurrence_warps == 8
     assert not plan(1, 12).state_rows_v and plan(1, 12).recurrence_warps == 4
 
 
 def test_preparation_numbers_follow_the_gate_and_key_dim():
     lower = choose_plan(1, 12, 8192, 128, 128, 132)
-    assert (lower.prepare_channels, lower.prepare_token_run, lower.solve_channels) == (128, 2, 128)
+    assert (lower.prepare_channels, lower.prepare_token_run) == (128, 2)
     precomputed = choose_plan(1, 12, 8192, 64, 64, 132, lower_bound_gate=False)
-    assert (precomputed.prepare_channels, precomputed.prepare_token_run, precomputed.solve_channels) == (32, 2, 64)
+    assert (precomputed.prepare_channels, precomputed.prepare_token_run) == (32, 2)
 
 
 def test_grids_and_slots():
@@ -151,7 +142,7 @@ def test_sequence_parallelism_where_the_chain_leaves_sms_idle():
     assert one.sequence_parallel and 4 <= one.segment_chunks < 8192 // 32
     assert one.transition_grid[0] == 256 // one.transition_width and one.scan_grid == (4, 12, 1)
     assert one.recurrence_grid == (one.v_slices, 12, 1 + one.segment_slots) == (one.v_slices, 12, one.segment_programs)
-    assert not one.w_u_in_recurrence and "sequence parallelism: segments of" in one.describe()
+    assert "sequence parallelism: segments of" in one.describe() and "v_new = T·β·(v − kd·S)" in one.describe()
     for facts in ((8, 96, 8 * 8192, 132), (1, 12, 8192, 1), (1, 12, 200, 132), (1, 12, 1024, 132)):
         num_seqs, heads, tokens, sms = facts
         assert choose_plan(num_seqs, heads, tokens, 128, 128, sms).segment_chunks == 0, facts

@@ -27,10 +27,9 @@ def plan_for_inputs(inp, sms=None, v_slices="auto", sequence_parallel="auto"):
 
 def kernel_work(workload, plan):
     """Bytes each fastkda kernel moves and tensor-core FLOPs it issues in one call of ``workload`` under ``plan``
-    (bf16 inputs, fp32 states in and out): ``{kernel: (bytes, flops)}``. The chunk, the inverse's blocks, the
-    V-slices and which kernel forms w and u come from the plan. Each chunk's products are counted at full chunk
-    size (the kernels compute them so); the solve kernel's 16x16 inverse is left out (a small share of its products
-    when it forms w and u, its only products when the recurrence does)."""
+    (bf16 inputs, fp32 states in and out): ``{kernel: (bytes, flops)}``. The chunk and the V-slices come from the
+    plan. Each chunk's products are counted at full chunk size (the kernels compute them so); the solve kernel's
+    16x16 inverse, its only products, is left out."""
     heads, lengths = workload["H"], workload["lengths"]
     if (heads, len(lengths)) != (plan.heads, plan.num_seqs):
         raise ValueError(f"the plan is for {plan.num_seqs} sequence(s) of {plan.heads} heads, the workload has "
@@ -38,21 +37,13 @@ def kernel_work(workload, plan):
     K, V, C, s = plan.key_dim, plan.value_dim, plan.chunk, plan.v_slices
     rows = heads * sum(lengths)  # (token, head) pairs
     chunks = heads * sum(-(-n // C) for n in lengths)  # (chunk, head) pairs
-    blocks = C // plan.block
-    block_pairs = blocks * (blocks + 1) // 2  # the blocks of T on and below the diagonal
     state = len(lengths) * heads * V * K * 4
     prepare = (rows * (3 * K * 2 + 2 + 3 * K * 2 + C * 2 + C * 4) + chunks * K * 4, chunks * 2 * 2 * C * C * K)
     recurrence_flops = chunks * 2 * (3 * C * K + C * C) * V
-    if plan.w_u_in_recurrence:  # the solve kernel writes T·diag(β) over β·L, and each slice loads it (fp32) with kd
-        # and its v columns and forms w (all K columns) and its u columns
-        solve = (rows * (C * 4 + 2 + C * 4), 0)
-        recurrence = (rows * (s * (3 * K * 2 + C * 2 + C * 4) + V * 2 + V * 2) + chunks * s * K * 4 + 2 * state,
-                      recurrence_flops + chunks * 2 * C * C * (s * K + V))
-    else:
-        solve = (rows * (C * 4 + K * 2 + V * 2 + 2 + K * 2 + V * 2),
-                 chunks * block_pairs * 2 * plan.block * plan.block * (K + V))
-        recurrence = (rows * (s * (3 * K * 2 + C * 2) + V * 2 + V * 2) + chunks * s * K * 4 + 2 * state,
-                      recurrence_flops)
+    # the solve kernel writes T·diag(β) over β·L; each slice loads it (fp32) with kd, qg, kg, A and its v columns
+    solve = (rows * (C * 4 + 2 + C * 4), 0)
+    recurrence = (rows * (s * (3 * K * 2 + C * 2 + C * 4) + V * 2 + V * 2) + chunks * s * K * 4 + 2 * state,
+                  recurrence_flops + chunks * 2 * 2 * C * C * V)  # v_new = T·β·Y as two bf16 products (hi + lo)
     work = dict(prepare=prepare, solve=solve)
     if plan.sequence_parallel:  # every segment but each sequence's last runs once more, over V + K columns
         L = plan.segment_tokens
@@ -60,9 +51,9 @@ def kernel_work(workload, plan):
         moved = heads * sum(n - (n - 1) // L * L for n in lengths if n)  # the tokens of the last segments
         rows_t, chunks_t = rows - moved, chunks - heads * sum(-(-(n - (n - 1) // L * L) // C) for n in lengths if n)
         columns = V + K
-        work["transition"] = (rows_t * (columns // plan.transition_width * (2 * K * 2) + V * 2)
+        work["transition"] = (rows_t * (columns // plan.transition_width * (2 * K * 2 + C * 4) + V * 2)
                               + chunks_t * columns // plan.transition_width * K * 4 + segments * columns * K * 4,
-                              chunks_t * 2 * 2 * C * K * columns)
+                              chunks_t * 2 * (2 * C * K + 2 * C * C) * columns)
         work["scan"] = (segments * (columns * K * 4 + 2 * V * K * 4), segments * 2 * K * K * V)
         recurrence = (recurrence[0] + segments * V * K * 4, recurrence[1])
     work["recurrence"] = recurrence

@@ -78,13 +78,13 @@ def test_saturated_lower_bound_gate(key_dim, lengths, varlen):
     assert rel_err(final, ref_s) < STATE_BOUND
 
 
-@pytest.mark.parametrize("v_slices, w_u_in_recurrence", [(1, True), (2, False), (2, True), (4, False)])
-def test_v_slices_and_w_u_forms_are_bitwise_identical(v_slices, w_u_in_recurrence):
-    """Against one slice with the solve kernel's w and u: the 64-wide slice forms them itself or not, the 32-wide
-    ones (the untransposed form) either way, the 16-wide ones as the plan has it."""
+@pytest.mark.parametrize("v_slices, state_rows_v", [(2, True), (2, False), (4, False)])
+def test_v_slices_and_state_forms_are_bitwise_identical(v_slices, state_rows_v):
+    """Against one slice (the transposed form): the 64-wide slices in either form, the 32-wide ones (the
+    untransposed form) as the plan has it."""
     inp = make_inputs([0, 80, 1, 45], heads=2, key_dim=64, seed=3)
-    base_o, base_s = run_triton(inp, 1, w_u_in_recurrence=False)
-    out, final = run_triton(inp, v_slices, w_u_in_recurrence=w_u_in_recurrence)
+    base_o, base_s = run_triton(inp, 1)
+    out, final = run_triton(inp, v_slices, state_rows_v=state_rows_v)
     assert torch.equal(out, base_o) and torch.equal(final, base_s)
 
 
@@ -96,11 +96,10 @@ def four_slice_run():
 
 
 @pytest.mark.parametrize("changes", [dict(state_rows_v=True), dict(prepare_warps=2),
-                                     dict(solve_channels=32, solve_warps=2), dict(recurrence_stages=1),
+                                     dict(solve_warps=2), dict(recurrence_stages=1),
                                      dict(prepare_registers=128)])
 def test_other_launch_numbers_give_the_same_bits(changes, four_slice_run):
-    """Launch numbers a sweep may set (warps, stages, register caps, the solve's channels per step, the state's
-    form) change how the kernels are scheduled, never what they add in which order (``prepare_token_run`` and
+    """Launch numbers a sweep may set (warps, stages, register caps, the state's form) change how the kernels are scheduled, never what they add in which order (``prepare_token_run`` and
     ``prepare_channels`` do: they order the in-chunk cumulative sum and the products' sums)."""
     inp, (base_o, base_s) = four_slice_run
     out, final = run_triton(inp, 4, **changes)
@@ -127,23 +126,23 @@ def test_every_launch_number_comes_from_the_plan(monkeypatch):
             kernel.__name__, (grid, meta)))
     inp = make_inputs([40, 90], heads=3, key_dim=64, value_dim=128, gate="precomputed", seed=5)
     plan = plan_for(inp, 2, prepare_warps=2, prepare_stages=1, prepare_channels=16, prepare_token_run=2,
-                    solve_warps=1, solve_stages=2, solve_channels=32, recurrence_warps=8, recurrence_stages=2,
-                    state_rows_v=False, w_u_in_recurrence=True, dot_precision="ieee")
+                    solve_warps=1, solve_stages=2, recurrence_warps=8, recurrence_stages=2,
+                    state_rows_v=False, dot_precision="ieee")
     chunk_kda_forward(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], plan=plan, A_log=None, dt_bias=None,
                       lower_bound=None, scale=0.125, initial_state=None, cu_seqlens=inp["cu_seqlens"],
                       use_qk_l2norm=True, use_beta_sigmoid=True, out=torch.empty_like(inp["v"]), final_state=None)
     expected = {
         "prepare_kernel": (plan.prepare_grid, dict(num_warps=2, num_stages=1, BK=16, RUN=2, C=32, BC=16, K=64)),
-        "solve_kernel": (plan.prepare_grid, dict(num_warps=1, num_stages=2, BK=32, C=32, BC=16, K=64, V=128,
-                                                 FORM_W_U=False)),
+        "solve_kernel": (plan.prepare_grid, dict(num_warps=1, num_stages=2, C=32, BC=16)),
         "recurrence_kernel": (plan.recurrence_grid, dict(num_warps=8, num_stages=2, BV=64, C=32, K=64, V=128,
-                                                         STATE_ROWS_V=False, W_U_FORMED=False)),
+                                                         STATE_ROWS_V=False)),
     }
     assert set(launched) == set(expected)
     for name, (grid, numbers) in expected.items():
         assert launched[name][0] == grid, name
         assert {key: launched[name][1][key] for key in numbers} == numbers, name
-        assert launched[name][1]["DOT_PRECISION"] == "ieee", name
+        if name != "recurrence_kernel":  # the recurrence's products all have bf16 operands
+            assert launched[name][1]["DOT_PRECISION"] == "ieee", name
     assert plan.prepare_grid == (plan.chunk_slots, 3, 1) and plan.recurrence_grid == (2, 3, 2)
 
 

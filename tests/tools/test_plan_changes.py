@@ -14,8 +14,8 @@ from tools.plan_changes import add_set_argument, changeable_fields, combined, de
 
 def test_changes_take_the_types_of_the_plans_fields():
     assert parse_changes("prepare_warps=8, solve_stages=2") == dict(prepare_warps=8, solve_stages=2)
-    assert parse_changes("w_u_in_recurrence=0,state_rows_v=true,dot_precision=ieee") == dict(
-        w_u_in_recurrence=False, state_rows_v=True, dot_precision="ieee")
+    assert parse_changes("state_rows_v=0,dot_precision=ieee") == dict(state_rows_v=False, dot_precision="ieee")
+    assert parse_changes("state_rows_v=true") == dict(state_rows_v=True)
     assert parse_changes("warps=4,v_slices=2", DecodePlan) == dict(warps=4, v_slices=2)
     assert parse_changes("") == {}
     assert combined([dict(prepare_warps=8), dict(prepare_warps=2, solve_warps=1)]) == dict(prepare_warps=2,
@@ -30,7 +30,7 @@ def test_changes_take_the_types_of_the_plans_fields():
     ("reason=x", "no launch number 'reason'"),
     ("prepare_warps", "not NAME=VALUE"),
     ("prepare_warps=eight", "takes an integer"),
-    ("w_u_in_recurrence=maybe", "takes 0/1"),
+    ("state_rows_v=maybe", "takes 0/1"),
 ])
 def test_anything_but_a_launch_number_is_rejected(text, message):
     with pytest.raises(ValueError, match=message):
@@ -53,6 +53,6 @@ def test_changes_apply_to_a_plan_which_checks_the_values():
     assert (changed.prepare_warps, changed.solve_stages) == (8, 2) and "overridden" in changed.reason
     with pytest.raises(ValueError, match="prepare_warps"):
         plan.replace(**parse_changes("prepare_warps=3"))
-    assert set(changeable_fields()) >= {"v_slices", "prepare_warps", "recurrence_stages", "w_u_in_recurrence"}
+    assert set(changeable_fields()) >= {"v_slices", "prepare_warps", "recurrence_stages", "state_rows_v"}
     decode = choose_decode_plan(4, 12, 128, 132)
     assert decode.replace(**parse_changes("warps=8", DecodePlan)).warps == 8

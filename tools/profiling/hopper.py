@@ -77,26 +77,25 @@ def prefill_launches(plan, checkpoints=0, l2norm=True, beta_sigmoid=True):
     H, K, V, gate = plan.heads, plan.key_dim, plan.value_dim, plan.lower_bound_gate
     at = workspace_layout(plan.batch * plan.seq_len * H, plan.chunk_slots, H, K, V, plan.chunk, plan.segment_slots)
     cu = I32 if plan.varlen else F32  # an absent tensor is the fp32 workspace
-    shared = dict(ws_bf16=BF16, ws_fp32=F32, seq_len=plan.seq_len, C=plan.chunk, IS_VARLEN=plan.varlen,
-                  DOT_PRECISION=plan.dot_precision, EMULATE=False)
+    shared = dict(ws_bf16=BF16, ws_fp32=F32, seq_len=plan.seq_len, C=plan.chunk, IS_VARLEN=plan.varlen, EMULATE=False)
+    precision = dict(DOT_PRECISION=plan.dot_precision)  # the kernels with fp32 products
     beta = dict(beta=BF16, stride_beta_tok=H, stride_beta_head=1, BETA_SIGMOID=beta_sigmoid)
     prepare_args = dict(
-        shared, **beta, q=BF16, k=BF16, g=BF16 if gate else F32, A_log=F32, dt_bias=F32, cu_seqlens=cu, qg_at=at.qg,
+        shared, **beta, **precision, q=BF16, k=BF16, g=BF16 if gate else F32, A_log=F32, dt_bias=F32, cu_seqlens=cu, qg_at=at.qg,
         kg_at=at.kg, A_at=at.A, scratch_at=at.scratch, stride_q=H * K, stride_k=H * K, stride_g=H * K,
         num_seqs=plan.num_seqs, lower_bound=LOWER_BOUND if gate else 0.0, scale=K ** -0.5, H=H, K=K, BC=plan.block,
         BK=plan.prepare_channels, LOWER_BOUND_GATE=gate, L2NORM=l2norm, RUN=plan.prepare_token_run)
     solve_args = dict(
-        shared, **beta, v=BF16, cu_seqlens=cu, u_at=at.u, scratch_at=at.scratch, stride_v=H * V,
-        num_seqs=plan.num_seqs, H=H, K=K, V=V, BC=plan.block, BK=plan.solve_channels,
-        FORM_W_U=not plan.w_u_in_recurrence)
+        {name: value for name, value in shared.items() if name != "ws_bf16"}, **beta, **precision, cu_seqlens=cu,
+        scratch_at=at.scratch, num_seqs=plan.num_seqs, H=H, BC=plan.block)
     recurrence_args = dict(
-        shared, qg_at=at.qg, kg_at=at.kg, u_at=at.u, A_at=at.A, scratch_at=at.scratch, entries_at=at.entries,
+        shared, qg_at=at.qg, kg_at=at.kg, A_at=at.A, scratch_at=at.scratch, entries_at=at.entries,
         out=BF16, initial_state=F32, final_state=F32, cu_seqlens=cu, errors=I32,
         ckpt_offsets=I32 if checkpoints else F32, ckpt_states=F32, stride_out=H * V, num_seqs=plan.num_seqs,
         stride_ckpt_n=checkpoints if checkpoints > 1 else int(checkpoints == 1),
         stride_ckpt_j=int(checkpoints > 0), v=BF16, stride_v=H * V, H=H, K=K, V=V, BV=plan.slice_width,
         HAS_INITIAL=True, HAS_FINAL=True, NUM_CKPT=checkpoints, STATE_ROWS_V=plan.state_rows_v,
-        W_U_FORMED=not plan.w_u_in_recurrence, segment_chunks=plan.segment_chunks, SEGMENTED=plan.sequence_parallel)
+        segment_chunks=plan.segment_chunks, SEGMENTED=plan.sequence_parallel)
     found = dict(prepare=(prepare.prepare_kernel, prepare_args, plan.prepare_warps, plan.prepare_stages,
                           plan.prepare_registers or None),
                  solve=(solve.solve_kernel, solve_args, plan.solve_warps, plan.solve_stages, None),
@@ -104,10 +103,9 @@ def prefill_launches(plan, checkpoints=0, l2norm=True, beta_sigmoid=True):
                              plan.recurrence_stages, None))
     if plan.sequence_parallel:
         transition_args = dict(
-            shared, kg_at=at.kg, u_at=at.u, scratch_at=at.scratch, transitions_at=at.transitions, initial_state=F32,
+            shared, kg_at=at.kg, scratch_at=at.scratch, transitions_at=at.transitions, initial_state=F32,
             cu_seqlens=cu, num_seqs=plan.num_seqs, v=BF16, stride_v=H * V, H=H, K=K, V=V, BV=plan.transition_width,
-            HAS_INITIAL=True, STATE_ROWS_V=plan.transition_rows_v, W_U_FORMED=not plan.w_u_in_recurrence,
-            segment_chunks=plan.segment_chunks)
+            HAS_INITIAL=True, STATE_ROWS_V=plan.transition_rows_v, segment_chunks=plan.segment_chunks)
         scan_args = dict(ws_fp32=F32, transitions_at=at.transitions, entries_at=at.entries, initial_state=F32,
                          cu_seqlens=cu, errors=I32, seq_len=plan.seq_len, segment_chunks=plan.segment_chunks, H=H,
                          K=K, V=V, SW=plan.scan_width, C=plan.chunk, IS_VARLEN=plan.varlen, HAS_INITIAL=True,

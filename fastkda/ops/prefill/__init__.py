@@ -4,9 +4,9 @@ Spec §2 in the WY form, over chunks of ``C`` tokens (the plan's ``chunk``, two 
 
 1. ``prepare.py``: everything of a chunk that does not depend on the state but the inverse (gate, cumulative
    decays, normalised q and k, the in-chunk matrices M and β·L), token-parallel over (chunk, head);
-2. ``solve.py``: the in-chunk inverse ``T = (I + β·L)⁻¹``, then ``w = T·β·kd`` and ``u = T·β·v`` (or T·diag(β)
-   alone, for the recurrence to form them), token-parallel;
-3. ``recurrence.py``: the serial recurrence over chunks, one program per (sequence, head, V-slice).
+2. ``solve.py``: the in-chunk inverse ``T = (I + β·L)⁻¹``, stored as T·diag(β), token-parallel;
+3. ``recurrence.py``: the serial recurrence over chunks, one program per (sequence, head, V-slice); each step forms
+   ``v_new = T·β·(v − kd·S)`` (w and u are never formed).
 
 Under sequence parallelism (the plan's ``segment_chunks``) the third stage is three launches: the segments'
 transitions (``recurrence.py`` over V + K columns from zero and identity states), the scan over each sequence's
@@ -37,7 +37,7 @@ def chunk_kda_forward(q, k, v, g, beta, *, plan, A_log, dt_bias, lower_bound, sc
     if plan.chunk_slots:
         launch_prepare(plan, ws, q, k, g, beta, A_log, dt_bias, lower_bound, scale, use_qk_l2norm, use_beta_sigmoid,
                        emulate)
-        launch_solve(plan, ws, v, beta, use_beta_sigmoid, emulate)
+        launch_solve(plan, ws, beta, use_beta_sigmoid, emulate)
     if plan.num_seqs:
         errors = counters(q.device) if errors is None else errors
         if plan.sequence_parallel:

@@ -19,12 +19,11 @@ Workspace (:class:`Workspace`). What the preparation writes for the recurrence, 
 =========  =====  ==============  ======================================================================
 section    dtype  per row         holds
 =========  =====  ==============  ======================================================================
-``w``      bf16   K               kd = k̂·exp(G) until the solve kernel replaces it with w = T·β·kd
+``w``      bf16   K               kd = k̂·exp(G) (the recurrence forms T·β·(v − kd·S), never w itself)
 ``qg``     bf16   K               qd = s·q̂·exp(G)
 ``kg``     bf16   K               kr = k̂·exp(G_C − G)
-``u``      bf16   V               u = T·β·v (unused when the recurrence forms w and u itself)
 ``A``      bf16   C               M = lower_incl(qd·kiᵀ)
-``scratch`` fp32  C               β·L from the first kernel; T·diag(β) when the recurrence forms w and u
+``scratch`` fp32  C               β·L from the first kernel; T·diag(β) from the solve kernel
 =========  =====  ==============  ======================================================================
 
 and per (chunk slot, head), the fp32 chunk decay ``decay = exp(G_C)`` (K values) at the start of the fp32 buffer.
@@ -136,7 +135,6 @@ class WorkspaceLayout:
 
     qg: int
     kg: int
-    u: int
     A: int
     scratch: int
     transitions: int
@@ -152,12 +150,11 @@ def workspace_layout(rows: int, slots: int, heads: int, key_dim: int, value_dim:
     (``w`` and ``decay`` at offset 0)."""
     qg = rows * key_dim
     kg = qg + rows * key_dim
-    u = kg + rows * key_dim
-    A = u + rows * value_dim
+    A = kg + rows * key_dim
     scratch = slots * heads * key_dim
     transitions = scratch + rows * chunk
     entries = transitions + segment_slots * heads * (value_dim + key_dim) * key_dim
-    return WorkspaceLayout(qg=qg, kg=kg, u=u, A=A, scratch=scratch, transitions=transitions, entries=entries,
+    return WorkspaceLayout(qg=qg, kg=kg, A=A, scratch=scratch, transitions=transitions, entries=entries,
                            bf16_elements=A + rows * chunk,
                            fp32_elements=entries + segment_slots * heads * value_dim * key_dim)
 
@@ -165,7 +162,7 @@ def workspace_layout(rows: int, slots: int, heads: int, key_dim: int, value_dim:
 @dataclass
 class Workspace:
     """The preparation's output for one call: the two buffers, their :class:`WorkspaceLayout`, and what the
-    recurrence needs besides (``v`` when it forms u itself, ``cu_seqlens``)."""
+    recurrence needs besides (``v``, ``cu_seqlens``)."""
 
     bf16: torch.Tensor
     fp32: torch.Tensor

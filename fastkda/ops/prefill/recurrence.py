@@ -14,8 +14,12 @@ Two forms of the same arithmetic (the plan's ``state_rows_v``):
   the step, or left to Triton's pipeliner, the step waited on them);
 * narrower slices hold ``S [K, BV]``, whose products have the chunk's C rows as M.
 
-Unless the solve kernel formed them (``W_U_FORMED``), each step forms ``w = T·β·kd`` and ``u = T·β·v`` itself from
-the T·diag(β) scratch, kd and v, with the solve kernel's products in the same order: the same bits either way.
+Each step takes kd (the ``w`` section) and v as they are and the solve kernel's T·diag(β): w = T·β·kd and u = T·β·v
+enter only as ``v_new = u − w·S = T·β·(v − kd·S)``, so it forms ``Y = v − kd·S`` (the state's K-wide product) and
+then ``v_new = T·β·Y``, a product over the chunk's C tokens, with T·β split into two bf16 tiles (hi + lo: its
+diagonal holds β, which one bf16 tile would round) and Y rounded to bf16 as v_new is for the state's products.
+Every operand is bf16, as in the state's products, so the wide forms' wgmma and the narrow form's mma.sync give
+the same bits.
 """
 
 import triton
@@ -41,6 +45,21 @@ def store_checkpoint(ckpt_offsets, ckpt_states, n, j, stride_n, stride_j, done, 
 
 
 @triton.jit
+def concat_columns(a, b, R: tl.constexpr, D: tl.constexpr):
+    """``[a | b]`` for two ``[R, D]`` tiles, as one ``[R, 2D]`` operand: on the tensor cores a product over it
+    accumulates a's columns, then b's, as two chained products do (the same bits, checked on the GPU), in one wgmma
+    group with one wait instead of two (faster in 64-wide slices, docs/perf-notes.md "v_new from kd and v")."""
+    return tl.reshape(tl.permute(tl.join(a, b), (0, 2, 1)), (R, 2 * D))
+
+
+@triton.jit
+def split_bf16(x, EMULATE: tl.constexpr):
+    """fp32 ``x`` as two bf16 operands ``hi + lo`` (about 16 significant bits)."""
+    hi = bf16_operand(x, EMULATE)
+    return hi, bf16_operand(x - hi.to(tl.float32), EMULATE)
+
+
+@triton.jit
 def initial_or_zero(initial_state, state_offsets, HAS_INITIAL: tl.constexpr, STATE_ROWS_V: tl.constexpr,
                     BV: tl.constexpr, K: tl.constexpr):
     """A slice's starting state from ``initial_state`` (fp32), or zeros, in the slice's form."""
@@ -54,22 +73,20 @@ def initial_or_zero(initial_state, state_offsets, HAS_INITIAL: tl.constexpr, STA
 
 @triton.jit
 def walk_chunks(
-    ws_bf16, ws_fp32, qg_at, kg_at, u_at, A_at, scratch_at, transitions_at, entries_at, out, initial_state,
+    ws_bf16, ws_fp32, qg_at, kg_at, A_at, scratch_at, transitions_at, entries_at, out, initial_state,
     final_state, cu_seqlens, errors, ckpt_offsets, ckpt_states, stride_out, seq_len, num_seqs, stride_ckpt_n,
     stride_ckpt_j, v, stride_v, segment_chunks,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
     IS_VARLEN: tl.constexpr, HAS_INITIAL: tl.constexpr, HAS_FINAL: tl.constexpr, NUM_CKPT: tl.constexpr,
-    STATE_ROWS_V: tl.constexpr, W_U_FORMED: tl.constexpr, DOT_PRECISION: tl.constexpr, EMULATE: tl.constexpr,
-    SEGMENTED: tl.constexpr, TRANSITION: tl.constexpr,
+    STATE_ROWS_V: tl.constexpr, EMULATE: tl.constexpr, SEGMENTED: tl.constexpr, TRANSITION: tl.constexpr,
 ):
     """One (V-slice, head, sequence), or under sequence parallelism one (slice, head, segment slot): the chunks
     in order (module docstring); ``TRANSITION``: the segment's transition instead (:func:`transition_kernel`)."""
     vs = tl.program_id(0)
     h = tl.program_id(1)
-    w_ws = ws_bf16 + h * K  # each section's rows from head h's first column
+    kd_ws = ws_bf16 + h * K  # each section's rows from head h's first column
     qg_ws = ws_bf16 + qg_at + h * K
     kg_ws = ws_bf16 + kg_at + h * K
-    u_ws = ws_bf16 + u_at + h * V
     A_ws = ws_bf16 + A_at + h * C
     T_ws = ws_fp32 + scratch_at + h * C
     v_h = v + h * V
@@ -136,10 +153,12 @@ def walk_chunks(
     else:
         S = initial_or_zero(initial_state, state_offsets, HAS_INITIAL, STATE_ROWS_V, BV, K)
     decay_h = ws_fp32 + h * K  # the chunk decays [slots, H, K]
-    if STATE_ROWS_V:  # the first chunk's uᵀ and decay; each step then loads the next chunk's (below)
-        if W_U_FORMED:
-            first = (bos + c0 * C + r).to(tl.int64)
-            u_T = load_tile_t(u_ws, first, first < eos, vv, V, H * V)
+    # the next chunk's vᵀ is carried over the step as fp32 in 128-wide slices, as bf16 in narrower ones (each
+    # measured faster than the other there; docs/perf-notes.md, "v_new from kd and v")
+    V_CARRIED: tl.constexpr = tl.float32 if BV >= 128 else tl.bfloat16
+    if STATE_ROWS_V:  # the first chunk's vᵀ and decay; each step then loads the next chunk's (below)
+        first = (bos + c0 * C + r).to(tl.int64)
+        v_T = load_tile_t(v_h, first, first < eos, vv, V, stride_v).to(V_CARRIED)
         decay = tl.load(decay_h + (slot0 + c0) * (H * K) + kk, mask=(kk < K) & (c_end > c0), other=1.0)
     for c in range(c0, c_end):
         if not TRANSITION:
@@ -150,37 +169,32 @@ def walk_chunks(
                                  eos - bos, S, state_offsets, H, V, K, EMULATE)
         tok = (bos + c * C + r).to(tl.int64)
         valid = tok < eos
-        if W_U_FORMED:
-            w = bf16_operand(load_tile(w_ws, tok, valid, kk, K, H * K), EMULATE)
-        else:  # w = T·β·kd and u = T·β·v, rounded to bf16 as the workspace would hold them
-            T_beta = load_tile(T_ws, tok, valid, cc, C, H * C)
-            kd = load_tile(w_ws, tok, valid, kk, K, H * K).to(tl.float32)
-            w = bf16_operand(tl.dot(T_beta, kd, input_precision=DOT_PRECISION), EMULATE)
-            v_c = load_tile(v_h, tok, valid, vv, V, stride_v).to(tl.float32)
-            u = bf16_operand(tl.dot(T_beta, v_c, input_precision=DOT_PRECISION), EMULATE).to(tl.float32)
+        T_hi, T_lo = split_bf16(load_tile(T_ws, tok, valid, cc, C, H * C), EMULATE)
+        kd = bf16_operand(load_tile(kd_ws, tok, valid, kk, K, H * K), EMULATE)
         if not TRANSITION:
             qg = bf16_operand(load_tile(qg_ws, tok, valid, kk, K, H * K), EMULATE)
             A = bf16_operand(load_tile(A_ws, tok, valid, cc, C, H * C), EMULATE)
         kg = bf16_operand(load_tile(kg_ws, tok, valid, kk, K, H * K), EMULATE)
         S_op = bf16_operand(S, EMULATE)
-        if STATE_ROWS_V:  # v_newᵀ = uᵀ - Sᵀwᵀ, oᵀ = Sᵀqgᵀ + v_newᵀAᵀ, Sᵀ = Sᵀ·diag(decay) + v_newᵀ·kg
+        if STATE_ROWS_V:  # v_newᵀ = (vᵀ - Sᵀkdᵀ)·(T·β)ᵀ, oᵀ = Sᵀqgᵀ + v_newᵀAᵀ, Sᵀ = Sᵀ·diag(decay) + v_newᵀ·kg
             S_decayed = S * decay[None, :]
             decay = tl.load(decay_h + (slot0 + tl.minimum(c + 1, c1 - 1)) * (H * K) + kk)
-            if W_U_FORMED:
-                v_new = u_T.to(tl.float32) - tl.dot(S_op, tl.trans(w))
-                u_T = load_tile_t(u_ws, tok + C, tok + C < eos, vv, V, H * V)
+            Y = bf16_operand(v_T.to(tl.float32) - tl.dot(S_op, tl.trans(kd)), EMULATE)
+            v_T = load_tile_t(v_h, tok + C, tok + C < eos, vv, V, stride_v).to(V_CARRIED)
+            if EMULATE:  # the interpreter's one product would not add the halves as the tensor cores' k-steps do
+                v_new = tl.dot(Y, tl.trans(T_hi), tl.dot(Y, tl.trans(T_lo)))
             else:
-                v_new = tl.trans(u) - tl.dot(S_op, tl.trans(w))
+                v_new = tl.dot(concat_columns(Y, Y, BV, C), tl.trans(concat_columns(T_lo, T_hi, C, C)))
             v_op = bf16_operand(v_new, EMULATE)
             if not TRANSITION:
                 o = tl.dot(S_op, tl.trans(qg)) + tl.dot(v_op, tl.trans(A))
                 store_tile_t(out_h, tok, valid, vv, V, stride_out, o, EMULATE)
             S = S_decayed + tl.dot(v_op, kg)
-        else:  # v_new = u - w·S, o = qg·S + A·v_new, S = diag(decay)·S + kgᵀ·v_new
+        else:  # v_new = T·β·(v - kd·S), o = qg·S + A·v_new, S = diag(decay)·S + kgᵀ·v_new
             chunk_decay = tl.load(decay_h + (slot0 + c) * (H * K) + kk)
-            if W_U_FORMED:
-                u = load_tile(u_ws, tok, valid, vv, V, H * V).to(tl.float32)
-            v_new = u - tl.dot(w, S_op)
+            v_c = load_tile(v_h, tok, valid, vv, V, stride_v).to(tl.float32)
+            Y = bf16_operand(v_c - tl.dot(kd, S_op), EMULATE)
+            v_new = tl.dot(T_hi, Y, tl.dot(T_lo, Y))  # as the wide forms' one product over [T_lo | T_hi]
             v_op = bf16_operand(v_new, EMULATE)
             if not TRANSITION:
                 o = tl.dot(qg, S_op) + tl.dot(A, v_op)
@@ -210,35 +224,32 @@ def walk_chunks(
 
 @triton.jit
 def recurrence_kernel(
-    ws_bf16, ws_fp32, qg_at, kg_at, u_at, A_at, scratch_at, entries_at, out, initial_state, final_state, cu_seqlens,
+    ws_bf16, ws_fp32, qg_at, kg_at, A_at, scratch_at, entries_at, out, initial_state, final_state, cu_seqlens,
     errors, ckpt_offsets, ckpt_states, stride_out, seq_len, num_seqs, stride_ckpt_n, stride_ckpt_j, v, stride_v,
     segment_chunks, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
     IS_VARLEN: tl.constexpr, HAS_INITIAL: tl.constexpr, HAS_FINAL: tl.constexpr, NUM_CKPT: tl.constexpr,
-    STATE_ROWS_V: tl.constexpr, W_U_FORMED: tl.constexpr, DOT_PRECISION: tl.constexpr, EMULATE: tl.constexpr,
-    SEGMENTED: tl.constexpr,
+    STATE_ROWS_V: tl.constexpr, EMULATE: tl.constexpr, SEGMENTED: tl.constexpr,
 ):
     """The recurrence: one (V-slice, head, sequence) over its chunks, or under sequence parallelism one (V-slice,
     head, segment slot) from the segment's entry state; outputs, checkpoints and final states."""
-    walk_chunks(ws_bf16, ws_fp32, qg_at, kg_at, u_at, A_at, scratch_at, 0, entries_at, out, initial_state,
+    walk_chunks(ws_bf16, ws_fp32, qg_at, kg_at, A_at, scratch_at, 0, entries_at, out, initial_state,
                 final_state, cu_seqlens, errors, ckpt_offsets, ckpt_states, stride_out, seq_len, num_seqs,
                 stride_ckpt_n, stride_ckpt_j, v, stride_v, segment_chunks, H, K, V, BV, C, IS_VARLEN, HAS_INITIAL,
-                HAS_FINAL, NUM_CKPT, STATE_ROWS_V, W_U_FORMED, DOT_PRECISION, EMULATE, SEGMENTED, False)
+                HAS_FINAL, NUM_CKPT, STATE_ROWS_V, EMULATE, SEGMENTED, False)
 
 
 @triton.jit
 def transition_kernel(
-    ws_bf16, ws_fp32, kg_at, u_at, scratch_at, transitions_at, initial_state, cu_seqlens, seq_len, num_seqs, v,
+    ws_bf16, ws_fp32, kg_at, scratch_at, transitions_at, initial_state, cu_seqlens, seq_len, num_seqs, v,
     stride_v, segment_chunks, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
-    IS_VARLEN: tl.constexpr, HAS_INITIAL: tl.constexpr, STATE_ROWS_V: tl.constexpr, W_U_FORMED: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, EMULATE: tl.constexpr,
+    IS_VARLEN: tl.constexpr, HAS_INITIAL: tl.constexpr, STATE_ROWS_V: tl.constexpr, EMULATE: tl.constexpr,
 ):
     """Sequence parallelism's first phase: one (slice of the V + K columns, head, segment slot), every segment but
     its sequence's last, from a zero state (the first segment from the initial state) and identity columns,
     steps without outputs; writes the segment's exit and transition (``scan.py``)."""
-    walk_chunks(ws_bf16, ws_fp32, 0, kg_at, u_at, 0, scratch_at, transitions_at, 0, ws_fp32, initial_state, ws_fp32,
+    walk_chunks(ws_bf16, ws_fp32, 0, kg_at, 0, scratch_at, transitions_at, 0, ws_fp32, initial_state, ws_fp32,
                 cu_seqlens, ws_fp32, ws_fp32, ws_fp32, 0, seq_len, num_seqs, 0, 0, v, stride_v, segment_chunks, H, K,
-                V, BV, C, IS_VARLEN, HAS_INITIAL, False, 0, STATE_ROWS_V, W_U_FORMED, DOT_PRECISION, EMULATE, True,
-                True)
+                V, BV, C, IS_VARLEN, HAS_INITIAL, False, 0, STATE_ROWS_V, EMULATE, True, True)
 
 
 def launch_recurrence(plan, ws, out, initial_state, final_state, checkpoint_offsets, checkpoint_states, errors,
@@ -253,7 +264,7 @@ def launch_recurrence(plan, ws, out, initial_state, final_state, checkpoint_offs
     layout = ws.layout
     launch(
         recurrence_kernel, plan.recurrence_grid,
-        ws.bf16, ws.fp32, layout.qg, layout.kg, layout.u, layout.A, layout.scratch, layout.entries, out,
+        ws.bf16, ws.fp32, layout.qg, layout.kg, layout.A, layout.scratch, layout.entries, out,
         initial_state if initial_state is not None else absent,
         final_state if final_state is not None else absent,
         ws.cu_seqlens if plan.varlen else absent, errors,
@@ -263,8 +274,7 @@ def launch_recurrence(plan, ws, out, initial_state, final_state, checkpoint_offs
         ws.v, ws.v.stride(1), plan.segment_chunks, H=plan.heads, K=plan.key_dim, V=plan.value_dim,
         BV=plan.slice_width, C=plan.chunk, IS_VARLEN=plan.varlen, HAS_INITIAL=initial_state is not None,
         HAS_FINAL=final_state is not None, NUM_CKPT=checkpoints, STATE_ROWS_V=plan.state_rows_v,
-        W_U_FORMED=not plan.w_u_in_recurrence, DOT_PRECISION=plan.dot_precision, EMULATE=emulate,
-        SEGMENTED=plan.sequence_parallel,
+        EMULATE=emulate, SEGMENTED=plan.sequence_parallel,
         num_warps=plan.recurrence_warps, num_stages=plan.recurrence_stages,
     )
 
@@ -273,11 +283,10 @@ def launch_transitions(plan, ws, initial_state, emulate):
     """Launch :func:`transition_kernel` over ``plan.transition_grid`` (sequence parallelism's first phase)."""
     launch(
         transition_kernel, plan.transition_grid,
-        ws.bf16, ws.fp32, ws.layout.kg, ws.layout.u, ws.layout.scratch, ws.layout.transitions,
+        ws.bf16, ws.fp32, ws.layout.kg, ws.layout.scratch, ws.layout.transitions,
         initial_state if initial_state is not None else ws.fp32, ws.cu_seqlens if plan.varlen else ws.fp32,
         plan.seq_len, plan.num_seqs, ws.v, ws.v.stride(1), plan.segment_chunks, H=plan.heads, K=plan.key_dim,
         V=plan.value_dim, BV=plan.transition_width, C=plan.chunk, IS_VARLEN=plan.varlen,
         HAS_INITIAL=initial_state is not None, STATE_ROWS_V=plan.transition_rows_v,
-        W_U_FORMED=not plan.w_u_in_recurrence, DOT_PRECISION=plan.dot_precision, EMULATE=emulate,
-        num_warps=plan.transition_warps, num_stages=plan.recurrence_stages,
+        EMULATE=emulate, num_warps=plan.transition_warps, num_stages=plan.recurrence_stages,
     )
