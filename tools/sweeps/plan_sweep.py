@@ -1,8 +1,7 @@
 """Sweep of the launch plan: prefill time for V-slices s in {1, 2, 4} over N x H x tokens, on the GPU.
 
 The whole call is timed for each s (CUDA-graph replay, median of do_bench) under the plan made for that s (the
-slice width and the pair count also decide whether the solve kernel or the recurrence forms w and u), with the
-``--set`` changes on top; outputs and final states are compared bitwise across s. Rows go to
+slice width also decides the state's form), with the ``--set`` changes on top; outputs and final states are compared bitwise across s. Rows go to
 ``OUT/<date>-<gpu>-plan-sweep.json`` after every configuration, so a run cut short keeps what it measured. Then it
 prints how often the automatic plan is within 2% of the best.
 
