@@ -40,8 +40,9 @@ def kernel_work(workload, plan):
     state = len(lengths) * heads * V * K * 4
     prepare = (rows * (3 * K * 2 + 2 + 3 * K * 2 + C * 2 + C * 4) + chunks * K * 4, chunks * 2 * 2 * C * C * K)
     recurrence_flops = chunks * 2 * (3 * C * K + C * C) * V
-    # the solve kernel writes T·diag(β) over β·L; each slice loads it (fp32) with kd, qg, kg, A and its v columns
-    solve = (rows * (C * 4 + 2 + C * 4), 0)
+    # the solve kernel reads three of β·L's four 16x16 blocks (the upper-right one is zero) and writes T·diag(β) over
+    # them; each slice loads T's whole rows (fp32) with kd, qg, kg, A and its v columns
+    solve = (rows * (2 * (3 * C // 4) * 4 + 2), 0)
     recurrence = (rows * (s * (3 * K * 2 + C * 2 + C * 4) + V * 2 + V * 2) + chunks * s * K * 4 + 2 * state,
                   recurrence_flops + chunks * 2 * 2 * C * C * V)  # v_new = T·β·Y as two bf16 products (hi + lo)
     work = dict(prepare=prepare, solve=solve)

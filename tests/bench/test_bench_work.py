@@ -42,10 +42,12 @@ def test_kernel_work_follows_the_kernels_shapes():
 
 
 def test_kernel_work_counts_the_solve_as_the_inverse_alone():
-    # the solve kernel reads β·L and writes T·diag(β) (fp32, C values a row each way) and β, multiplying nothing
-    # counted; the recurrence loads T with kd and multiplies T·β·Y (two bf16 products) on top of the state's
+    # the solve kernel reads β (2 B) and three 16x16 fp32 blocks of β·L per 32 rows (24 values a row), writes T·diag(β)
+    # over them, and multiplies nothing counted; the recurrence loads T with kd and multiplies T·β·Y (two bf16
+    # products) on top of the state's
+    assert CHUNK == 32
     work = kernel_work(dict(H=4, lengths=[CHUNK]), plan_of(dict(H=4, lengths=[CHUNK]), 1))
-    assert work["solve"] == (4 * CHUNK * (CHUNK * 4 + 2 + CHUNK * 4), 0)
+    assert work["solve"] == (4 * CHUNK * (24 * 4 + 24 * 4 + 2), 0)
     assert work["recurrence"][1] == 4 * 2 * (3 * CHUNK * 128 + CHUNK * CHUNK) * 128 + 4 * 2 * 2 * CHUNK * CHUNK * 128
 
 

@@ -78,14 +78,38 @@ def test_saturated_lower_bound_gate(key_dim, lengths, varlen):
     assert rel_err(final, ref_s) < STATE_BOUND
 
 
-@pytest.mark.parametrize("v_slices, state_rows_v", [(2, True), (2, False), (4, False)])
-def test_v_slices_and_state_forms_are_bitwise_identical(v_slices, state_rows_v):
-    """Against one slice (the transposed form): the 64-wide slices in either form, the 32-wide ones (the
-    untransposed form) as the plan has it."""
-    inp = make_inputs([0, 80, 1, 45], heads=2, key_dim=64, seed=3)
+@pytest.mark.parametrize("value_dim, v_slices, state_rows_v", [
+    (64, 1, False), (64, 2, True), (64, 2, False), (64, 4, False),
+    (128, 2, True), (128, 2, False), (128, 4, False)])
+def test_v_slices_and_state_forms_are_bitwise_identical(value_dim, v_slices, state_rows_v):
+    """Against one whole slice in the transposed form (64 or 128 columns wide): every narrower slice, in either
+    form (rows = V or rows = K), and the whole slice untransposed."""
+    inp = make_inputs([0, 80, 1, 45], heads=2, key_dim=64, value_dim=value_dim, seed=3)
     base_o, base_s = run_triton(inp, 1)
     out, final = run_triton(inp, v_slices, state_rows_v=state_rows_v)
     assert torch.equal(out, base_o) and torch.equal(final, base_s)
+
+
+def test_fp32_inputs_are_bitwise_identical_across_slice_widths():
+    """fp32 q, k, v (which the kernels take too): the 64-wide slices subtract the same v as the 128-wide one (the
+    next chunk's v is carried as bf16 only when v is bf16)."""
+    inp = make_inputs([80, 45], heads=1, key_dim=64, value_dim=128, seed=7)
+    inp = dict(inp, **{name: inp[name].float() + 1e-3 * torch.randn(inp[name].shape) for name in ("q", "k", "v")})
+    base_o, base_s = run_triton(inp, 1)
+    out, final = run_triton(inp, 2)
+    assert torch.equal(out, base_o) and torch.equal(final, base_s)
+    assert rel_err(out, reference(inp)[0]) < OUT_BOUND
+
+
+def test_split_bf16_keeps_sixteen_bits():
+    """T·β's two bf16 halves rebuild it to about 2^-16 (one bf16 tile keeps 2^-9, which costs the state its bar)."""
+    from split_kernel import split_kernel
+
+    x = torch.randn(1024, generator=torch.Generator().manual_seed(8)) * 10.0 ** torch.arange(-4, 4).repeat(128)
+    hi, lo = torch.empty_like(x), torch.empty_like(x)
+    split_kernel[(1,)](x, hi, lo, N=1024)
+    assert torch.equal(hi, x.to(torch.bfloat16).float()) and torch.equal(lo, (x - hi).to(torch.bfloat16).float())
+    assert ((hi + lo - x).abs() <= x.abs() * 2.0 ** -15).all() and ((hi - x).abs() > x.abs() * 2.0 ** -12).any()
 
 
 @pytest.fixture(scope="module")
@@ -99,8 +123,9 @@ def four_slice_run():
                                      dict(solve_warps=2), dict(recurrence_stages=1),
                                      dict(prepare_registers=128)])
 def test_other_launch_numbers_give_the_same_bits(changes, four_slice_run):
-    """Launch numbers a sweep may set (warps, stages, register caps, the state's form) change how the kernels are scheduled, never what they add in which order (``prepare_token_run`` and
-    ``prepare_channels`` do: they order the in-chunk cumulative sum and the products' sums)."""
+    """Launch numbers a sweep may set (warps, stages, register caps, the state's form) change how the kernels are
+    scheduled, never what they add in which order (``prepare_token_run`` and ``prepare_channels`` do: they order
+    the in-chunk cumulative sum and the products' sums)."""
     inp, (base_o, base_s) = four_slice_run
     out, final = run_triton(inp, 4, **changes)
     assert torch.equal(out, base_o) and torch.equal(final, base_s)

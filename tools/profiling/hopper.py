@@ -81,8 +81,8 @@ def prefill_launches(plan, checkpoints=0, l2norm=True, beta_sigmoid=True):
     precision = dict(DOT_PRECISION=plan.dot_precision)  # the kernels with fp32 products
     beta = dict(beta=BF16, stride_beta_tok=H, stride_beta_head=1, BETA_SIGMOID=beta_sigmoid)
     prepare_args = dict(
-        shared, **beta, **precision, q=BF16, k=BF16, g=BF16 if gate else F32, A_log=F32, dt_bias=F32, cu_seqlens=cu, qg_at=at.qg,
-        kg_at=at.kg, A_at=at.A, scratch_at=at.scratch, stride_q=H * K, stride_k=H * K, stride_g=H * K,
+        shared, **beta, **precision, q=BF16, k=BF16, g=BF16 if gate else F32, A_log=F32, dt_bias=F32, cu_seqlens=cu,
+        qg_at=at.qg, kg_at=at.kg, A_at=at.A, scratch_at=at.scratch, stride_q=H * K, stride_k=H * K, stride_g=H * K,
         num_seqs=plan.num_seqs, lower_bound=LOWER_BOUND if gate else 0.0, scale=K ** -0.5, H=H, K=K, BC=plan.block,
         BK=plan.prepare_channels, LOWER_BOUND_GATE=gate, L2NORM=l2norm, RUN=plan.prepare_token_run)
     solve_args = dict(

@@ -19,7 +19,7 @@ Workspace (:class:`Workspace`). What the preparation writes for the recurrence, 
 =========  =====  ==============  ======================================================================
 section    dtype  per row         holds
 =========  =====  ==============  ======================================================================
-``w``      bf16   K               kd = k̂·exp(G) (the recurrence forms T·β·(v − kd·S), never w itself)
+``kd``     bf16   K               kd = k̂·exp(G) (the recurrence forms T·β·(v − kd·S), never w = T·β·kd)
 ``qg``     bf16   K               qd = s·q̂·exp(G)
 ``kg``     bf16   K               kr = k̂·exp(G_C − G)
 ``A``      bf16   C               M = lower_incl(qd·kiᵀ)
@@ -147,7 +147,7 @@ class WorkspaceLayout:
 def workspace_layout(rows: int, slots: int, heads: int, key_dim: int, value_dim: int, chunk: int,
                      segment_slots: int = 0) -> WorkspaceLayout:
     """The layout for ``rows`` (token, head) rows, ``slots`` chunk slots and ``segment_slots`` segment slots
-    (``w`` and ``decay`` at offset 0)."""
+    (``kd`` and ``decay`` at offset 0)."""
     qg = rows * key_dim
     kg = qg + rows * key_dim
     A = kg + rows * key_dim

@@ -2,7 +2,7 @@
 
 One program per (chunk slot, head) (``layout.py``). It loads the chunk's q, k, g and β rows, applies the norms and
 the gate, forms the cumulative log-decay ``G`` (base 2) over the chunk, and writes ``qg = qd``, ``kg = kr``, kd
-(into the ``w`` section, for the solve kernel), the chunk decay ``exp(G_C)``, ``M = lower_incl(qd·kiᵀ)`` to ``A``
+(into the ``kd`` section, for the recurrence), the chunk decay ``exp(G_C)``, ``M = lower_incl(qd·kiᵀ)`` to ``A``
 and ``β·L = strictly_lower(β·kd·kiᵀ)`` to the fp32 scratch.
 
 No factor it forms spans more than half the chunk's decay (16 tokens at the lower bound), so nothing overflows:

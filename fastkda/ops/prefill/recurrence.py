@@ -9,12 +9,12 @@ Two forms of the same arithmetic (the plan's ``state_rows_v``):
 
 * slices from 64 columns hold the state transposed, ``Sᵀ [BV, K]``, and compute every product transposed, so that
   the slice's columns are each product's M (a wgmma from 64 rows) and its first operand, the state or
-  ``v_newᵀ``, stays in registers. The next chunk's ``uᵀ`` and decay are loaded right after their last use in the
+  ``v_newᵀ``, stays in registers. The next chunk's ``vᵀ`` and decay are loaded right after their last use in the
   current step, so that the loads land in the loop-carried registers and overlap the step (loaded at the top of
   the step, or left to Triton's pipeliner, the step waited on them);
 * narrower slices hold ``S [K, BV]``, whose products have the chunk's C rows as M.
 
-Each step takes kd (the ``w`` section) and v as they are and the solve kernel's T·diag(β): w = T·β·kd and u = T·β·v
+Each step takes kd (the ``kd`` section) and v as they are and the solve kernel's T·diag(β): w = T·β·kd and u = T·β·v
 enter only as ``v_new = u − w·S = T·β·(v − kd·S)``, so it forms ``Y = v − kd·S`` (the state's K-wide product) and
 then ``v_new = T·β·Y``, a product over the chunk's C tokens, with T·β split into two bf16 tiles (hi + lo: its
 diagonal holds β, which one bf16 tile would round) and Y rounded to bf16 as v_new is for the state's products.
@@ -153,9 +153,10 @@ def walk_chunks(
     else:
         S = initial_or_zero(initial_state, state_offsets, HAS_INITIAL, STATE_ROWS_V, BV, K)
     decay_h = ws_fp32 + h * K  # the chunk decays [slots, H, K]
-    # the next chunk's vᵀ is carried over the step as fp32 in 128-wide slices, as bf16 in narrower ones (each
-    # measured faster than the other there; docs/perf-notes.md, "v_new from kd and v")
-    V_CARRIED: tl.constexpr = tl.float32 if BV >= 128 else tl.bfloat16
+    # the next chunk's vᵀ is carried over the step as fp32 in 128-wide slices and, for bf16 v, as bf16 in narrower
+    # ones (each measured faster than the other there; docs/perf-notes.md, "v_new from kd and v"); fp16 or fp32 v
+    # stays fp32, so that every slice width subtracts the same values
+    V_CARRIED: tl.constexpr = tl.bfloat16 if (BV < 128) and (v.dtype.element_ty == tl.bfloat16) else tl.float32
     if STATE_ROWS_V:  # the first chunk's vᵀ and decay; each step then loads the next chunk's (below)
         first = (bos + c0 * C + r).to(tl.int64)
         v_T = load_tile_t(v_h, first, first < eos, vv, V, stride_v).to(V_CARRIED)
@@ -181,7 +182,7 @@ def walk_chunks(
             decay = tl.load(decay_h + (slot0 + tl.minimum(c + 1, c1 - 1)) * (H * K) + kk)
             Y = bf16_operand(v_T.to(tl.float32) - tl.dot(S_op, tl.trans(kd)), EMULATE)
             v_T = load_tile_t(v_h, tok + C, tok + C < eos, vv, V, stride_v).to(V_CARRIED)
-            if EMULATE:  # the interpreter's one product would not add the halves as the tensor cores' k-steps do
+            if EMULATE:  # the interpreter's one product would not add the halves in the tensor cores' order
                 v_new = tl.dot(Y, tl.trans(T_hi), tl.dot(Y, tl.trans(T_lo)))
             else:
                 v_new = tl.dot(concat_columns(Y, Y, BV, C), tl.trans(concat_columns(T_lo, T_hi, C, C)))
