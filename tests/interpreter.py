@@ -5,9 +5,10 @@ Without a GPU the tests run fastkda's Triton kernels on Triton's interpreter (``
 (OpenBLAS picks one per processor; ``OPENBLAS_CORETYPE`` changes it): the same kernel then gives bits that differ
 from one machine to another and, worse, between two tile shapes on one machine, which the bitwise tests across
 V-slices would take for a kernel bug. :func:`install_ordered_dot` makes the interpreter's products add their
-terms in one fixed order, k = 0, 1, ..., with plain fp32 multiplies and adds (exact IEEE operations on any CPU),
-so the interpreter's results are the same everywhere and a product's element depends on its row and column
-alone, as it does on the GPU. The GPU tests keep their own bitwise checks on the real tensor cores.
+terms onto the accumulator in one fixed order, k = 0, 1, ..., with plain fp32 multiplies and adds (exact IEEE
+operations on any CPU), so the interpreter's results are the same everywhere and a product's element depends on
+its row and column alone, as it does on the GPU. Adding onto the accumulator, as the tensor cores' k-steps do,
+also makes one product over a concatenated K add what two chained products add (``recurrence.py``). The GPU tests keep their own bitwise checks on the real tensor cores.
 """
 
 import os
@@ -46,12 +47,12 @@ def install_ordered_dot():
         lhs, rhs, acc = a.data, b.data, d.data
         if lhs.dtype not in (np.float32, np.float64) or rhs.dtype != lhs.dtype:
             return matmul_dot(self, a, b, d, input_precision, max_num_imprecise_acc)
-        total = np.zeros(lhs.shape[:-1] + rhs.shape[-1:], dtype=acc.dtype)
+        total = np.array(np.broadcast_to(acc, lhs.shape[:-1] + rhs.shape[-1:]), dtype=acc.dtype)
         # the preparation's products overflow above their diagonal, which the kernel discards (prepare.py)
         with np.errstate(over="ignore", invalid="ignore"):
             for i in range(lhs.shape[-1]):
                 total += lhs[..., i:i + 1].astype(acc.dtype) * rhs[..., i:i + 1, :].astype(acc.dtype)
-            return interpreter.TensorHandle(total + acc, d.dtype.scalar)
+            return interpreter.TensorHandle(total, d.dtype.scalar)
 
     create_dot.ordered = True
     builder.create_dot = create_dot

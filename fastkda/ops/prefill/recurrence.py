@@ -182,10 +182,7 @@ def walk_chunks(
             decay = tl.load(decay_h + (slot0 + tl.minimum(c + 1, c1 - 1)) * (H * K) + kk)
             Y = bf16_operand(v_T.to(tl.float32) - tl.dot(S_op, tl.trans(kd)), EMULATE)
             v_T = load_tile_t(v_h, tok + C, tok + C < eos, vv, V, stride_v).to(V_CARRIED)
-            if EMULATE:  # the interpreter's one product would not add the halves in the tensor cores' order
-                v_new = tl.dot(Y, tl.trans(T_hi), tl.dot(Y, tl.trans(T_lo)))
-            else:
-                v_new = tl.dot(concat_columns(Y, Y, BV, C), tl.trans(concat_columns(T_lo, T_hi, C, C)))
+            v_new = tl.dot(concat_columns(Y, Y, BV, C), tl.trans(concat_columns(T_lo, T_hi, C, C)))
             v_op = bf16_operand(v_new, EMULATE)
             if not TRANSITION:
                 o = tl.dot(S_op, tl.trans(qg)) + tl.dot(v_op, tl.trans(A))
