@@ -2,8 +2,8 @@
 
 The whole call is timed for each s (CUDA-graph replay, median of do_bench) under the plan made for that s (the
 slice width also decides the state's form), with the ``--set`` changes on top; outputs and final states are
-compared bitwise across s. Rows go to ``OUT/<date>-<gpu>-plan-sweep.json`` after every configuration, so a run cut short keeps what it measured. Then it
-prints how often the automatic plan is within 2% of the best.
+compared bitwise across s. Rows go to ``OUT/<date>-<gpu>-plan-sweep.json`` after every configuration, so a run
+cut short keeps what it measured. Then it prints how often the automatic plan is within 2% of the best.
 
 python tools/sweeps/plan_sweep.py [--out DIR] [--budget-s 400] [--rep-ms 25] [--seqs 1 2 ...] [--heads 4 8 ...]
     [--tokens 256 1024 8192] [--set NAME=VALUE,...]
