@@ -26,31 +26,33 @@ def test_slices_never_decrease_as_parallelism_drops(sms):
 
 
 def test_slices_respect_value_width():
-    assert plan(1, 1, value_dim=64).slice_width >= 32
+    assert plan(1, 1, value_dim=64).slice_width == 64
     assert choose_plan(1, 1, 8192, 64, 64, 132, v_slices=4).slice_width == 16  # asked for: the narrowest allowed
     with pytest.raises(ValueError, match="at least 16 columns"):
         choose_plan(1, 1, 8192, 64, 64, 132).replace(v_slices=8)
 
 
 def test_rule_boundaries():
-    """The most slices of at least 32 columns whose s·N·H programs fit one per SM."""
-    assert plan(2, 12).v_slices == 4  # 4*12*2 = 96 <= 132
-    assert plan(3, 12).v_slices == 2  # 4*36 = 144 > 132, 2*36 = 72
+    """The most slices of at least 64 columns whose s·N·H programs fit one per SM."""
+    assert plan(1, 12).v_slices == 2  # 2*12 = 24: four 32-wide slices would fit, but their step is the slower one
+    assert plan(2, 12).v_slices == 2
+    assert plan(3, 12).v_slices == 2  # 2*36 = 72
     assert plan(5, 12).v_slices == 2  # 2*60 = 120 <= 132
     assert plan(6, 12).v_slices == 1  # 2*72 = 144 > 132
     assert plan(4, 16).v_slices == 2  # 2*64 = 128
     assert plan(1, 96).v_slices == 1  # 2*96 = 192 > 132
-    assert plan(5, 12, value_dim=64).v_slices == 2  # V = 64: two 32-wide slices at most, 120 programs
-    assert plan(6, 12, value_dim=64).v_slices == 1
+    assert plan(1, 1, value_dim=64).v_slices == 1  # V = 64 stays whole: no slice of 64 columns is narrower
     assert "2 slices would put 144 programs on 132 SMs" in plan(6, 12).reason
-    assert "fit one per SM" in plan(5, 12).reason and "4 slices would put 240 programs" in plan(5, 12).reason
+    assert "fit one per SM" in plan(5, 12).reason and "4 slices" not in plan(1, 12).reason
+    assert plan(1, 12, v_slices=4).v_slices == 4  # asked for: 32-wide slices still run
 
 
 def test_the_states_form():
     """Slices from 64 columns hold the state transposed, 128-column ones on 8 warps; every plan's steps form
     v_new from kd and v, the solve kernel only inverts."""
     assert plan(1, 96).state_rows_v and plan(1, 96).recurrence_warps == 8
-    assert not plan(1, 12).state_rows_v and plan(1, 12).recurrence_warps == 4
+    assert plan(1, 12).state_rows_v and plan(1, 12).recurrence_warps == 4
+    assert not plan(1, 12, v_slices=4).state_rows_v and plan(1, 12, v_slices=4).recurrence_warps == 4
 
 
 def test_preparation_numbers_follow_the_gate_and_key_dim():

@@ -28,7 +28,7 @@ def tiny_model(kind="kimi_linear", *, head_dim=64, heads=2, layers=2, moe=True, 
             q_lora_rank=None, qk_rope_head_dim=8, num_local_experts=4, bos_token_id=1)
         model = transformers.KimiLinearForCausalLM(config)
     else:
-        text = dict(common, layer_types=[("linear_attention", "indexed_attention")[i % 2] for i in range(layers)],
+        text = dict(common, layer_types=[("linear_attention", "full_attention")[i % 2] for i in range(layers)],
                     q_lora_rank=32, qk_rope_head_dim=0, n_routed_experts=4, index_topk=16, index_kpool=4,
                     index_head_dim=16, index_n_heads=2, hc_mult=2, linear_lower_bound=-5.0)
         config = transformers.Glm5NextConfig(
