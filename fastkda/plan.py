@@ -49,11 +49,11 @@ SP_GAIN = 0.9  # the sequence-parallel form only where the model predicts at lea
 # The step model behind the choice of segment length (docs/sequence-parallel.md §3.1; perf-notes "Recurrence"):
 # the latency of one step of one program alone by slice width (µs), what a step costs per SM at full occupancy
 # per 32 columns, the transition-only steps' share of a full step, a scan step, and the gap per kernel boundary.
-# Fitted to the segment sweep of 2026-12-01 (docs/perf-notes.md, "Sequence parallelism").
-STEP_LATENCY_US = {16: 1.1, 32: 1.1, 64: 1.1, 128: 1.3}
-STEP_THROUGHPUT_US = 0.42
+# Refitted to the segment sweep at 420010d, after the reassociated step (docs/perf-notes.md, "Sequence parallelism").
+STEP_LATENCY_US = {16: 1.5, 32: 1.5, 64: 1.3, 128: 1.3}
+STEP_THROUGHPUT_US = 0.35
 TRANSITION_SHARE = 0.55
-SCAN_STEP_US = 3.0
+SCAN_STEP_US = 4.0
 LAUNCH_GAP_US = 2.5
 TRANSITION_WIDTHS = (64,)  # the sweep's winner everywhere (128 columns: 1-6% slower)
 RERUN_SLICE_CHOICES = (1, 2)  # slices of the rerun the auto plan weighs (64 columns and up)
@@ -416,31 +416,35 @@ def requested_sequence_parallel(argument="auto"):
     return _requested(argument, parse_sequence_parallel, "sequence_parallel", ENV_SEQUENCE_PARALLEL)
 
 
-def phase_us(programs: int, steps: int, width: int, sms: int, share: float = 1.0) -> float:
+def phase_us(programs: int, steps: int, width: int, sms: int, share: float = 1.0, other_steps: int = 0) -> float:
     """Modelled time of a phase of ``programs`` equal programs of ``steps`` chunk steps on ``width``-column
     slices: the busiest SM runs ``ceil(programs / sms)`` of them, two at a time up to 64 columns (4 warps) and one
     at a time beyond; each step takes the longer of one program's latency and the SM's throughput for the programs
-    it runs together (``share``: a transition-only step's fraction of a full one)."""
+    it runs together (``share``: a transition-only step's fraction of a full one). ``other_steps``: the program
+    steps of shorter programs beside them (other sequences of a batch), which fill idle SMs before they add time."""
     if not programs or not steps:
         return 0.0
     per_sm = -(-programs // sms)
     together = 1 if width >= 128 else 2
     step = max(STEP_LATENCY_US[width], min(per_sm, together) * width / 32 * STEP_THROUGHPUT_US) * share
-    return -(-per_sm // together) * steps * step
+    rounds = max(-(-per_sm // together), (programs * steps + other_steps) / (sms * together * steps))
+    return rounds * steps * step
 
 
 def segmented_us(sequences: int, chunks: int, segment_chunks: int, heads: int, key_dim: int, value_dim: int,
-                 transition_width: int, v_slices: int, sms: int) -> float:
+                 transition_width: int, v_slices: int, sms: int, other_chunks: int = 0) -> float:
     """Modelled time of the sequence-parallel form for ``sequences`` sequences of ``chunks`` chunks each: the
     transitions of all but each sequence's last segment (the first over the value columns alone), the scan, and
-    the rerun of every segment, with the gaps between the three kernels."""
+    the rerun of every segment, with the gaps between the three kernels. ``other_chunks``: chunks per head of the
+    batch's other, shorter sequences, whose reruns share the SMs (one segment each, at most)."""
     segments = -(-chunks // segment_chunks)
     transitions = sequences * heads * (value_dim // transition_width * (segments - 1)
                                        + key_dim // transition_width * max(segments - 2, 0))
     rerun = sequences * heads * v_slices * segments
     return (phase_us(transitions, segment_chunks, transition_width, sms, TRANSITION_SHARE)
             + (segments - 1) * SCAN_STEP_US + 2 * LAUNCH_GAP_US
-            + phase_us(rerun, segment_chunks, value_dim // v_slices, sms))
+            + phase_us(rerun, segment_chunks, value_dim // v_slices, sms,
+                       other_steps=heads * v_slices * other_chunks))
 
 
 def _segmentation(num_seqs, heads, seq_len, key_dim, value_dim, sms, varlen, serial_slices, requested, choice,
@@ -457,12 +461,16 @@ def _segmentation(num_seqs, heads, seq_len, key_dim, value_dim, sms, varlen, ser
     else:
         longest, worst = seq_len, 1 if varlen else num_seqs
     chunks = -(-longest // CHUNK)
+    others = num_seqs - worst if varlen and max_seqlen else 0  # shorter sequences beside the longest ones
+    other_chunks = -(-max(seq_len - worst * longest, 0) // CHUNK) + others if others > 0 else 0  # at most
     widths = [w for w in TRANSITION_WIDTHS if w <= min(key_dim, value_dim)] or [min(key_dim, value_dim)]
     slices = [requested] if requested != "auto" else [s for s in RERUN_SLICE_CHOICES if value_dim // s >= 64]
-    serial = phase_us(worst * heads * serial_slices, chunks, value_dim // serial_slices, sms)
+    serial = phase_us(worst * heads * serial_slices, chunks, value_dim // serial_slices, sms,
+                      other_steps=heads * serial_slices * other_chunks)
 
-    def best(segment_chunks, sequences, chunk_count):
-        return min((segmented_us(sequences, chunk_count, segment_chunks, heads, key_dim, value_dim, w, s, sms), w, s)
+    def best(segment_chunks, sequences, chunk_count, other_count=0):
+        return min((segmented_us(sequences, chunk_count, segment_chunks, heads, key_dim, value_dim, w, s, sms,
+                                 other_count), w, s)
                    for w in widths for s in slices)
 
     reading = (f"{worst} sequence(s) of {chunks} chunks" + (f" (max_seqlen={max_seqlen})" if varlen and max_seqlen
@@ -471,7 +479,7 @@ def _segmentation(num_seqs, heads, seq_len, key_dim, value_dim, sms, varlen, ser
         return None
     if choice != "auto":
         segment_chunks = choice // CHUNK
-        predicted, width, v_slices = best(segment_chunks, worst, chunks)
+        predicted, width, v_slices = best(segment_chunks, worst, chunks, other_chunks)
         return segment_chunks, width, v_slices, (
             f"sequence_parallel={choice} requested: segments of {segment_chunks} chunks, predicted {predicted:.0f} µs "
             f"against {serial:.0f} µs serial for {reading}")
@@ -482,7 +490,7 @@ def _segmentation(num_seqs, heads, seq_len, key_dim, value_dim, sms, varlen, ser
         segment_chunks = -(-chunks // segments)
         if segment_chunks < MIN_SEGMENT_CHUNKS:
             break
-        candidates.append((*best(segment_chunks, worst, chunks), segment_chunks))
+        candidates.append((*best(segment_chunks, worst, chunks, other_chunks), segment_chunks))
     predicted, width, v_slices, segment_chunks = min(candidates)
     if predicted > SP_GAIN * serial:
         return None

@@ -5,7 +5,7 @@ import dataclasses
 import pytest
 
 from fastkda.plan import (V_SLICE_CHOICES, DecodePlan, PrefillPlan, choose_decode_plan, choose_decode_step_plan,
-                          choose_plan, conv_update_launch, parse_v_slices, requested_v_slices)
+                          choose_plan, conv_update_launch, parse_v_slices, phase_us, requested_v_slices)
 
 
 def plan(num_seqs, heads, value_dim=128, sms=132, **kw):
@@ -208,10 +208,20 @@ def test_sequence_parallel_values_and_environment(monkeypatch):
         choose_plan(1, 12, 8192, 64, 64, 132, sequence_parallel=1024).replace(transition_width=128)
 
 
+def test_shorter_sequences_share_the_rerun():
+    """With a max_seqlen hint the other sequences' programs fill idle SMs before they add time (a chunked-prefill
+    batch: one 6144-token chunk beside twelve short sequences runs segments of at most 32 chunks, where 48 measured
+    13% slower at 420010d)."""
+    assert phase_us(48, 48, 128, 132, other_steps=48 * 80) == phase_us(48, 48, 128, 132)
+    assert phase_us(120, 48, 128, 132, other_steps=48 * 100) > phase_us(120, 48, 128, 132)
+    mix = choose_plan(13, 12, 8192, 128, 128, 132, max_seqlen=6144)
+    assert 0 < mix.segment_chunks <= 32
+
+
 def test_segments_stay_within_the_grid_and_need_tokens():
     """Segment programs past CUDA's grid limit fall back to the serial recurrence (or, forced, raise); an empty
     batch has no segments."""
-    many = choose_plan(33000, 16, 98536, 128, 128, 132, max_seqlen=65536)
+    many = choose_plan(65000, 1, 2_000_000 + 64999, 128, 128, 132, max_seqlen=2_000_000)  # one long, many 1-token
     assert many.segment_chunks == 0 and "grid rows" in many.reason
     with pytest.raises(ValueError, match="grid"):
         choose_plan(33000, 16, 98536, 128, 128, 132, sequence_parallel=64)
