@@ -151,7 +151,7 @@ def kda_prefill(
         sequence_parallel: ``"auto"`` (default; then ``$FASTKDA_SEQUENCE_PARALLEL``), ``False``, or tokens per
             segment (a multiple of 32). Cuts each sequence, from its first token, into segments that run on
             separate SMs and are joined by a scan over their transitions (``docs/sequence-parallel.md``): the auto
-            plan does so where it predicts at least 10% off the serial recurrence for the longest sequence the
+            plan does so where it predicts at least 25% off the serial recurrence for the longest sequence the
             call's shape allows. Results then depend on the segment length (deterministic, bitwise identical
             across ``v_slices``, within the same accuracy bound); ``False`` keeps the serial recurrence and its
             bits. Checkpoints equal a prefix run's final state bit for bit when both runs use the same segment

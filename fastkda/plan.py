@@ -45,7 +45,8 @@ MIN_SEGMENT_CHUNKS = 4  # chunks per segment at least (shorter ones pay two laun
 MIN_SP_CHAIN = 128  # chunks the longest possible sequence must have for the auto plan to cut it (measured: at 32
 # and 64 chunks the segments gained 0-12% or lost 5-10%, within the step model's error)
 MAX_GRID_Z = 65535  # CUDA's limit on a grid's third axis (sequences, or segment programs)
-SP_GAIN = 0.9  # the sequence-parallel form only where the model predicts at least 10% off the serial recurrence
+SP_GAIN = 0.75  # segments only where the model predicts at least 25% off the serial recurrence: at two segments it
+# is that far off (predicted 16% off at H12 N4/N5 T8192 and H64 B1 T8192, measured 10-11% slower at 420010d+refit)
 # The step model behind the choice of segment length (docs/sequence-parallel.md §3.1; perf-notes "Recurrence"):
 # the latency of one step of one program alone by slice width (µs), what a step costs per SM at full occupancy
 # per 32 columns, the transition-only steps' share of a full step, a scan step, and the gap per kernel boundary.
@@ -513,7 +514,7 @@ def choose_plan(num_seqs: int, heads: int, seq_len: int, key_dim: int, value_dim
     ``v_slices``: ``"auto"`` (then ``$FASTKDA_V_SLICES`` if set) takes the most slices, at least
     :data:`NARROW_SLICE_WIDTH` columns wide, whose ``s·N·H`` programs fit one per SM, else one slice; or one of
     :data:`V_SLICE_CHOICES`. ``sequence_parallel``: ``"auto"`` (then ``$FASTKDA_SEQUENCE_PARALLEL`` if set) cuts
-    sequences into segments where the step model predicts at least 10% off the serial recurrence for the longest
+    sequences into segments where the step model predicts at least 25% off the serial recurrence for the longest
     sequence the facts allow; ``False`` keeps the serial recurrence; an int forces segments of that many tokens.
     ``max_seqlen`` (varlen): the longest sequence's length if the caller knows it (as flash-attn takes it), a hint
     for the segment length only (a wrong one costs time, never correctness); without it the plan assumes one
@@ -562,7 +563,7 @@ def _choose_plan(num_seqs, heads, seq_len, key_dim, value_dim, sms, varlen, lowe
                                      sp_choice, max_seqlen)
     segment_chunks, transition_width = 0, 0
     serial_reason = ("sequence parallelism off (requested)" if sp_choice is False
-                     else "the serial recurrence (segments are not predicted to gain 10%)")
+                     else "the serial recurrence (segments are not predicted to gain 25%)")
     if segmentation:
         programs = num_seqs + segment_slot_count(seq_len, num_seqs, CHUNK * segmentation[0], varlen)
         if programs > MAX_GRID_Z:  # the segmented kernels' grid would not launch
