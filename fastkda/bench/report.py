@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 PEERS = ("flashkda", "fla", "fla_cp")  # the implementations fastkda's rows are compared with, by name
-KERNEL_FIELDS = ("workload", "kernel")  # what identifies a kernel-breakdown row
+KERNEL_FIELDS = ("workload",)  # a workload's breakdown is replaced whole: the plan decides which kernels run
 ROW_FIELDS = ("workload", "impl", "mode")  # what identifies a timing row
 
 
@@ -266,7 +266,8 @@ def render_results(meta, rows, stem, kernels=()):
 def write_results(rows, out_dir, errors, run, copy_gbps=None, earlier=None, kernels=(), matmul=None):
     """Write ``<out_dir>/<date>-<gpu>.json/.md/.png`` for this run's ``rows`` and kernel breakdown (each row given
     this ``run`` and the commit), merged after the ``earlier`` results' (``--append``: a (workload,
-    implementation, mode) or (workload, kernel) this run measured replaces its earlier row, the others are kept);
+    implementation, mode) this run measured replaces its earlier row, a workload's breakdown its whole earlier one,
+    the others are kept);
     returns the markdown."""
     import torch
     import triton

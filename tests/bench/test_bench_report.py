@@ -77,23 +77,28 @@ def test_merge_keeps_earlier_rows_and_replaces_remeasured_ones(tmp_path):
 def test_kernel_table_and_merge_of_kernel_rows(tmp_path):
     meta = dict(META, copy_gbps=4000.0, matmul_tflops=600.0)
 
-    def kernel(name, ms, commit, run):
-        return dict(workload="w", kernel=name, v_slices=2, ms=ms, gbps=1.0, pct_copy=10.0, tflops=2.0,
+    def kernel(name, ms, commit, run, workload="w"):
+        return dict(workload=workload, kernel=name, v_slices=2, ms=ms, gbps=1.0, pct_copy=10.0, tflops=2.0,
                     pct_matmul=20.0, commit=commit, run=run)
-    rows = [row("w", 0.9, "new", run="r2")]
+    rows = [row("w", 0.9, "new", run="r2"), row("x", 0.7, "old", run="r1")]
     earlier, later = tmp_path / "earlier.json", tmp_path / "later.json"
-    earlier.write_text(json.dumps(dict(meta=meta, rows=rows, kernels=[kernel("prepare", 0.5, "old", "r1"),
-                                                                      kernel("solve", 0.1, "old", "r1")])))
+    earlier.write_text(json.dumps(dict(meta=meta, rows=rows, kernels=[
+        kernel("prepare", 0.5, "old", "r1"), kernel("transition", 0.1, "old", "r1"),
+        kernel("prepare", 0.6, "old", "r1", workload="x")])))
     later.write_text(json.dumps(dict(meta=meta, rows=rows, kernels=[kernel("prepare", 0.4, "new", "r2"),
                                                                     kernel("recurrence", 0.3, "new", "r2")])))
     assert main(["--merge", str(earlier), str(later)]) == 0
     merged = json.loads(later.read_text())["kernels"]
-    assert [(k["kernel"], k["ms"]) for k in merged] == [("solve", 0.1), ("prepare", 0.4), ("recurrence", 0.3)]
+    # a workload's later breakdown replaces all of its earlier one: another plan may run other kernels (here no
+    # transition), and a cell left from the earlier run would add to a sum that no call ran
+    assert [(k["workload"], k["kernel"], k["ms"]) for k in merged] == [
+        ("x", "prepare", 0.6), ("w", "prepare", 0.4), ("w", "recurrence", 0.3)]
     md = (tmp_path / "later.md").read_text()
     assert "where fastkda's time goes" in md and "4000.0 GB/s, 600.0 TFLOP/s" in md
-    # runs are numbered in order of first appearance (the timing rows first): the solve row came from the earlier
-    # run, the graph time is the one measured in the run of the line's first kernel
-    assert "| w | 2 | 0.400 (10%, 20%) | 0.100 (10%, 20%) [2] | — | — | 0.300 (10%, 20%) | 0.800 | 0.900 | new | 1 |" in md
+    # runs are numbered in order of first appearance (the timing rows first); the graph time is the one measured in
+    # the run of the line's first kernel
+    assert "| w | 2 | 0.400 (10%, 20%) | — | — | — | 0.300 (10%, 20%) | 0.700 | 0.900 | new | 1 |" in md
+    assert "| x | 2 | 0.600 (10%, 20%) | — | — | — | — | 0.600 | 0.700 | old | 2 |" in md
     assert "- [1] r2, commit new" in md and "- [2] r1, commit old" in md
     one_run = [kernel(k, 0.2, "new", "r2") for k in ("prepare", "solve", "recurrence")]
     assert "| w | 2 | 0.200 (10%, 20%) | 0.200 (10%, 20%) | — | — | 0.200 (10%, 20%) | 0.600 | 0.900 | new |" in kernel_table(
