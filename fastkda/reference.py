@@ -333,15 +333,18 @@ def _as(x, dtype):
 def _decode_inputs(q, k, v, g, beta, *, A_log, dt_bias, lower_bound, scale, use_qk_l2norm, use_beta_sigmoid, dtype):
     """:func:`prepare_inputs` for the decode path in few (tiny) torch ops, token-major over (sequence, head) rows
     ``r = n·H + h``: ``kq [T, R, 2, K]`` (rows k̂ and s·q̂), ``exp(a) [T, R, 1, K]``, ``β [T, R, 1]``,
-    ``β·v [T, R, V]`` and ``k̂·s·q̂ [T, R, 1]``."""
-    num_seqs, tokens, heads = q.shape[:3]
+    ``β·v [T, R, V]`` and ``k̂·s·q̂ [T, R, 1]``, without the T dimension for one token. Each elementwise op runs
+    on the inputs' own layout and its fresh result is regrouped into rows (a view when N or T is 1, as in a decode
+    step), so no input is copied only to be regrouped: an eager step's time is the number of ops it dispatches."""
+    num_seqs, tokens, heads, key_dim = q.shape
+    leading = (num_seqs * heads,) if tokens == 1 else (tokens, num_seqs * heads)
 
-    def rows(x):  # [N, T, H, ...] -> [T, N·H, ...]
-        x = x if num_seqs == 1 or tokens == 1 else x.transpose(0, 1)
-        return x.reshape(tokens, num_seqs * heads, *x.shape[3:])
+    def rows(x, *trailing):  # [N, T, H, ...] -> [T, N·H, *trailing], or [N·H, *trailing] for one token
+        return (x if num_seqs == 1 or tokens == 1 else x.transpose(0, 1)).reshape(*leading, *trailing)
 
-    kq = _as(rows(torch.stack((k, q) if k.dtype == q.dtype else (_as(k, dtype), _as(q, dtype)), -2)), dtype)  # fresh
-    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    kq = torch.stack((k, q) if k.dtype == q.dtype else (_as(k, dtype), _as(q, dtype)), -2)
+    kq = _as(rows(kq, 2, key_dim), dtype)  # fresh
+    scale = key_dim ** -0.5 if scale is None else scale
     if use_qk_l2norm:
         factor = torch.linalg.vector_norm(kq, dim=-1, keepdim=True).square_().add_(1e-6).rsqrt_()
         factor.select(-2, 1).mul_(scale)
@@ -350,14 +353,15 @@ def _decode_inputs(q, k, v, g, beta, *, A_log, dt_bias, lower_bound, scale, use_
         kq.select(-2, 1).mul_(scale)
     g = _as(g, dtype)
     if lower_bound is None:
-        decay = rows(g).clamp(max=0.0).exp_()
+        a = g.clamp(max=0.0)
     else:
         A = _as(A_log, dtype).exp().view(heads, 1)
-        decay = rows(torch.sigmoid(A * (g + _as(dt_bias, dtype).reshape(heads, -1))).mul_(lower_bound)).exp_()
-    beta = rows(_as(beta, dtype))
-    beta = (torch.sigmoid(beta) if use_beta_sigmoid else beta).unsqueeze(-1)
-    kdotq = (kq.select(-2, 0) * kq.select(-2, 1)).sum(-1, keepdim=True)
-    return kq, decay.unsqueeze(-2), beta, rows(_as(v, dtype)) * beta, kdotq
+        a = torch.sigmoid(A * (g + _as(dt_bias, dtype).reshape(heads, -1))).mul_(lower_bound)
+    beta = _as(beta, dtype)
+    beta = torch.sigmoid(beta) if use_beta_sigmoid else beta
+    beta_v = rows(_as(v, dtype) * beta.unsqueeze(-1), v.shape[-1])
+    kdotq = kq.prod(-2).sum(-1, keepdim=True)  # k̂·s·q̂: the pair's product rounds once, as k̂ ⊙ s·q̂ does
+    return kq, rows(a, 1, key_dim).exp_(), rows(beta, 1), beta_v, kdotq
 
 
 def kda_decode_reference(
@@ -366,12 +370,15 @@ def kda_decode_reference(
 ):
     """Decode over a state pool, token by token in ``dtype`` (the CPU path; float64 is the truth).
 
-    q, k, g ``[N, T, H, K]``, v ``[N, T, H, V]``, beta ``[N, T, H]``; ``state_pool [P, H, V, K]`` updated in
-    place; ``slots [N]`` or ``[N, T]`` (see :mod:`fastkda.ops.decode`). Returns o ``[N, T, H, V]`` in ``dtype``.
+    q, k, g ``[N, T, H, K]``, v ``[N, T, H, V]``, beta ``[N, T, H]`` (any strides); ``state_pool [P, H, V, K]``
+    updated in place; ``slots [N]`` or ``[N, T]`` (see :mod:`fastkda.ops.decode`). Returns o ``[N, T, H, V]`` in
+    ``dtype``.
 
     The state stays V-first (``S[v, k]``), one ``[V, K]`` matrix per (sequence, head), and a token passes over it
     three times: ``S ← S·diag(exp(a))``, ``[Sk̂, s·Sq̂] = S·[k̂, s·q̂]``, then ``u = β(v − Sk̂)``,
-    ``o = s·Sq̂ + u(k̂·s·q̂)`` (the output of the updated state) and ``S ← S + u·k̂ᵀ``."""
+    ``o = s·Sq̂ + u(k̂·s·q̂)`` (the output of the updated state) and ``S ← S + u·k̂ᵀ``. The read slots are read on
+    the host once: where every sequence is live and they are consecutive (a batch that took its slots together,
+    as transformers' cache rows are), the pool rows are updated in place, an fp32 pool's without a copy."""
     num_seqs, tokens, heads, key_dim = q.shape
     value_dim = v.shape[-1]
     kq, decay, beta, beta_v, kdotq = _decode_inputs(
@@ -385,34 +392,27 @@ def kda_decode_reference(
         read_slot = slots[:, 0]
     else:
         read_slot = slots.gather(1, num_accepted_tokens.long().sub(1).unsqueeze(1)).squeeze(1)
-    if num_seqs == 1:  # one sequence: its slot is read on the host, and an fp32 slot is updated in place
-        slot = int(read_slot)
-        all_live = slot >= 0
-        in_place = all_live and not per_token and state_pool.dtype == dtype and state_pool.is_contiguous()
-        row = state_pool[max(slot, 0):max(slot, 0) + 1]
-        S = row if in_place else row.to(dtype, copy=True)
+    reads = read_slot.tolist()
+    first = reads[0] if reads else 0
+    all_live = all(slot >= 0 for slot in reads)
+    in_place = (all_live and not per_token and state_pool.dtype == dtype and state_pool.is_contiguous()
+                and reads == list(range(first, first + num_seqs)))
+    if in_place:
+        S = state_pool[first:first + num_seqs]  # a view: the updates below reach the pool
     else:
         read_slot = read_slot.long()
-        live = read_slot >= 0
-        all_live = bool(live.all())
-        first = int(read_slot[0])
-        # slots first, first + 1, ... (a batch that took its slots together): a view, updated in place
-        in_place = all_live and not per_token and state_pool.dtype == dtype and state_pool.is_contiguous() and bool(
-            (read_slot == torch.arange(first, first + num_seqs, device=read_slot.device)).all())
-        if in_place:
-            S = state_pool[first:first + num_seqs]
-        else:
-            S = state_pool.index_select(0, read_slot if all_live else read_slot.clamp(min=0)).to(dtype)  # [N, H, V, K]
+        S = state_pool.index_select(0, read_slot if all_live else read_slot.clamp(min=0)).to(dtype)  # [N, H, V, K]
     if not all_live:
         live = read_slot >= 0
         S = torch.where(live.view(-1, 1, 1, 1), S, 0)
     rows = S.view(num_seqs * heads, value_dim, key_dim)  # S itself: the updates below reach S (and a pool slot)
     outs = []
-    for t in range(tokens):
-        kq_t = kq[t]
-        y = torch.bmm(kq_t, rows.mul_(decay[t]).transpose(-1, -2))  # [R, 2, V]: S·k̂, s·S·q̂ of the decayed state
-        u = torch.addcmul(beta_v[t], beta[t], y.select(1, 0), value=-1)
-        outs.append(torch.addcmul(y.select(1, 1), u, kdotq[t]))
+    steps = [(kq, decay, beta, beta_v, kdotq)] if tokens == 1 else zip(kq, decay, beta, beta_v, kdotq)
+    for t, (kq_t, decay_t, beta_t, beta_v_t, kdotq_t) in enumerate(steps):
+        y = torch.bmm(kq_t, rows.mul_(decay_t).transpose(-1, -2))  # [R, 2, V]: S·k̂, s·S·q̂ of the decayed state
+        state_k, state_q = y.unbind(1)
+        u = torch.addcmul(beta_v_t, beta_t, state_k, value=-1)
+        outs.append(torch.addcmul(state_q, u, kdotq_t))
         rows.addcmul_(u.unsqueeze(-1), kq_t.narrow(1, 0, 1))
         if per_token:
             slot_t = slots[:, t].long()
@@ -422,7 +422,6 @@ def kda_decode_reference(
             elif bool(write.any()):
                 state_pool[slot_t[write]] = S[write].to(state_pool.dtype)
     if not per_token and not in_place:
-        read_slot = read_slot.long()
         if all_live:
             state_pool.index_copy_(0, read_slot, S.to(state_pool.dtype))
         elif bool(live.any()):
