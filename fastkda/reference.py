@@ -437,8 +437,8 @@ def kda_decode_reference(
 
 def causal_conv1d_reference(x, weight, bias=None, *, conv_states=None, slots=None, has_initial_state=None,
                             cu_seqlens=None, activation="silu", dtype=torch.float32):
-    """Depthwise causal conv of the KDA layer (spec §9 step 2), sequence by sequence in ``dtype``; the truth for
-    the conv kernel and its CPU path. Returns the output, shape of ``x``, in ``dtype``.
+    """Depthwise causal conv of the KDA layer (spec §9 step 2) in ``dtype``; the truth for the conv kernel and its
+    CPU path. Returns the output, shape of ``x``, in ``dtype``.
 
     ``x``: ``[T, C]`` packed tokens (``cu_seqlens [N+1]`` offsets, or one sequence without) or ``[B, T, C]`` (B
     sequences of T tokens); ``weight [C, W]``; ``bias [C]`` or None. A sequence's inputs are preceded by W−1
@@ -446,33 +446,65 @@ def causal_conv1d_reference(x, weight, bias=None, *, conv_states=None, slots=Non
     ``has_initial_state[n]`` is not False; zeros otherwise), and
     ``out[t, c] = act(bias[c] + Σ_j weight[c, j]·u[t − (W−1) + j, c])``, act being SiLU or none. The row (a
     ``slots`` entry outside ``[0, P)`` names none; ``slots`` None: sequence n's row is n) then takes the last W−1 of
-    those inputs, in place: the old row's tail shifted by the sequence's tokens."""
-    width = weight.shape[1]
+    those inputs, in place: the old row's tail shifted by the sequence's tokens. Sequences of one length (all but
+    packed ones) run together, as one batch of torch ops: a decode step's time is the number of ops it dispatches."""
     rows = x if x.dim() == 3 else x.unsqueeze(0)
+    num_seqs = rows.shape[0] if cu_seqlens is None else cu_seqlens.numel() - 1
+    pool_size = 0 if conv_states is None else conv_states.shape[0]
+    pool_rows = [row if 0 <= row < pool_size else -1 for row in (slots.tolist() if slots is not None else
+                                                                 range(num_seqs))]
+    reads = has_initial_state.tolist() if has_initial_state is not None else [True] * num_seqs
+    conv = dict(weight=_as(weight, dtype), bias=None if bias is None else _as(bias, dtype), conv_states=conv_states,
+                activation=activation, dtype=dtype)
+    if cu_seqlens is None:
+        return _conv_sequences(rows, pool_rows, reads, **conv).view(x.shape)
     out = torch.zeros(rows.shape, dtype=dtype, device=x.device)
-    bounds = sequence_bounds(rows.shape[0], rows.shape[1], cu_seqlens)
-    taps = weight.to(dtype)
-    shift = torch.zeros(rows.shape[-1], dtype=dtype, device=x.device) if bias is None else bias.to(dtype)
-    rows_of = slots.tolist() if slots is not None else range(len(bounds))
-    reads = has_initial_state.tolist() if has_initial_state is not None else [True] * len(bounds)
-    for n, (b, start, end) in enumerate(bounds):
-        slot = rows_of[n]
-        live = conv_states is not None and 0 <= slot < conv_states.shape[0]
-        earlier = torch.zeros(width - 1, rows.shape[-1], dtype=dtype, device=x.device)
-        if live and reads[n]:
-            earlier = conv_states[slot].to(dtype).t()
-        inputs = torch.cat((earlier, rows[b, start:end].to(dtype)))
-        if end > start:
-            y = (inputs.unfold(0, width, 1) * taps).sum(-1) + shift  # windows [L, C, W] of W consecutive inputs
-            out[b, start:end] = torch.nn.functional.silu(y) if activation == "silu" else y
-        if live:
-            conv_states[slot] = inputs[-(width - 1):].t().to(conv_states.dtype)
+    offsets = cu_seqlens.tolist()
+    for n in range(num_seqs):
+        span = slice(offsets[n], offsets[n + 1])
+        out[:, span] = _conv_sequences(rows[:, span], pool_rows[n:n + 1], reads[n:n + 1], **conv)
     return out.view(x.shape)
+
+
+def _conv_sequences(tokens, pool_rows, reads, *, weight, bias, conv_states, activation, dtype):
+    """:func:`causal_conv1d_reference` over B sequences of one length, ``tokens [B, L, C]``: sequence b's earlier
+    inputs are pool row ``pool_rows[b]`` where that is not -1 and ``reads[b]``, else zeros; each such row then takes
+    its sequence's last W−1 inputs. Rows taken together (consecutive, all live and read: transformers' cache) are
+    read and written as one slice of the pool. Returns ``[B, L, C]`` in ``dtype``."""
+    batch, length, channels = tokens.shape
+    width = weight.shape[1]
+    first = pool_rows[0] if pool_rows else 0
+    together = (conv_states is not None and first >= 0 and all(reads)
+                and pool_rows == list(range(first, first + batch)))
+    if together:  # the pool's rows first, first + 1, ...: one block, the whole pool for transformers' cache
+        block = conv_states if batch == conv_states.shape[0] else conv_states[first:first + batch]
+        earlier = _as(block, dtype)
+    else:
+        earlier = torch.zeros(batch, channels, width - 1, dtype=dtype, device=tokens.device)
+        for b, (row, read) in enumerate(zip(pool_rows, reads)):
+            if row >= 0 and read:
+                earlier[b] = conv_states[row]
+    inputs = torch.cat((earlier.transpose(1, 2), _as(tokens, dtype)), 1)  # [B, W−1+L, C]
+    if length:
+        y = (inputs.unfold(1, width, 1) * weight).sum(-1)  # windows [B, L, C, W] of W consecutive inputs
+        if bias is not None:
+            y = y + bias
+        out = torch.nn.functional.silu(y) if activation == "silu" else y
+    else:
+        out = torch.zeros(batch, 0, channels, dtype=dtype, device=tokens.device)
+    last = inputs[:, -(width - 1):].transpose(1, 2)
+    if together:
+        block.copy_(last)
+    else:
+        for b, row in enumerate(pool_rows):
+            if row >= 0:
+                conv_states[row] = last[b]
+    return out
 
 
 def gated_rmsnorm_reference(x, gate, weight, eps=1e-6, *, activation="sigmoid", dtype=torch.float32):
     """The KDA layer's output norm (spec §9 step 6) over the last dimension, in ``dtype``:
     ``x·rsqrt(mean(x²) + eps)·weight ⊙ act(gate)``, act being sigmoid or SiLU."""
-    x, gate = x.to(dtype), gate.to(dtype)
-    y = x * torch.rsqrt(x.square().mean(-1, keepdim=True) + eps) * weight.to(dtype)
-    return y * (torch.sigmoid(gate) if activation == "sigmoid" else torch.nn.functional.silu(gate))
+    gate = _as(gate, dtype)
+    y = torch.nn.functional.rms_norm(_as(x, dtype), x.shape[-1:], _as(weight, dtype), eps)  # x·rsqrt(..)·weight
+    return y.mul_(torch.sigmoid(gate) if activation == "sigmoid" else torch.nn.functional.silu(gate))
