@@ -397,8 +397,8 @@ def kda_decode_reference(
     all_live = all(slot >= 0 for slot in reads)
     in_place = (all_live and not per_token and state_pool.dtype == dtype and state_pool.is_contiguous()
                 and reads == list(range(first, first + num_seqs)))
-    if in_place:
-        S = state_pool[first:first + num_seqs]  # a view: the updates below reach the pool
+    if in_place:  # a view (the whole pool for transformers' cache): the updates below reach the pool
+        S = state_pool if num_seqs == state_pool.shape[0] else state_pool[first:first + num_seqs]
     else:
         read_slot = read_slot.long()
         S = state_pool.index_select(0, read_slot if all_live else read_slot.clamp(min=0)).to(dtype)  # [N, H, V, K]
