@@ -2,7 +2,9 @@
 
 Each validates what the host can see (:mod:`fastkda.validation`), makes the launch plan (:mod:`fastkda.plan`) and
 calls its custom op (``fastkda::prefill``, ``fastkda::decode``): the Triton kernels on CUDA tensors, the PyTorch
-path on CPU tensors. Nothing is written when validation fails. Without checked mode nothing synchronises host and
+path on CPU tensors. Eager CPU calls of decode, the conv and the norm return that path's result itself, without the
+op and an output buffer to copy it into: a CPU decode step is many tiny ops, and its host time is what a model's
+generation waits for. Nothing is written when validation fails. Without checked mode nothing synchronises host and
 device, so calls are CUDA-graph capturable; on the GPU, bad values inside index tensors are made harmless and
 counted (:mod:`fastkda.errors`), and checked mode (:mod:`fastkda.checks`) raises for them instead.
 """
@@ -56,6 +58,8 @@ def _cpu_path(run, name, shape):
     """Run the CPU path, turning an allocation that cannot succeed into a ``ValueError`` naming the input. It runs
     without autograd, as the GPU's custom ops do (fastkda is inference-only: outputs never require grad)."""
     try:
+        if not torch.is_grad_enabled():  # generation and inference already run without autograd
+            return run()
         with torch.no_grad():
             return run()
     except RuntimeError as exc:
@@ -237,14 +241,7 @@ def _decode_impl(
     :func:`_prefill_impl` takes it."""
     if take_views:
         q, k, v, g, beta = addressable_inputs(q, k, v, g, beta)
-    if checks or not q.is_cuda:
-        if checks:
-            _checked_mode_may_sync(q)
-        value_checks.decode_indices(slots, num_accepted_tokens, state_pool.shape[0], q.shape[1])
-    if checks:
-        if lower_bound is None:
-            value_checks.precomputed_gate_values(g)
-        value_checks.finite(q=q, k=k, v=v, g=g, beta=beta)
+    _check_decode_values(q, k, v, g, beta, state_pool, slots, lower_bound, num_accepted_tokens, checks)
     kw = dict(A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, scale=scale,
               num_accepted_tokens=num_accepted_tokens, use_qk_l2norm=use_qk_l2norm, use_beta_sigmoid=use_beta_sigmoid)
     if q.is_cuda:
@@ -253,7 +250,25 @@ def _decode_impl(
         plan = DecodePlan.from_launch_numbers(launch_numbers)
         recurrent_kda_decode(q, k, v, g, beta, state_pool, slots, plan=plan, **kw, out=out, errors=errors)
         return
-    out.copy_(_cpu_path(lambda: kda_decode_reference(q, k, v, g, beta, state_pool, slots, **kw), "q", q.shape))
+    out.copy_(_decode_on_cpu(q, k, v, g, beta, state_pool, slots, **kw))
+
+
+def _check_decode_values(q, k, v, g, beta, state_pool, slots, lower_bound, num_accepted_tokens, checks):
+    """The values a decode call depends on: the slots and accepted counts always on the CPU (free there), on the
+    GPU in checked mode, which also checks the gate and the inputs (:mod:`fastkda.checks`)."""
+    if checks or not q.is_cuda:
+        if checks:
+            _checked_mode_may_sync(q)
+        value_checks.decode_indices(slots, num_accepted_tokens, state_pool.shape[0], q.shape[1])
+    if checks:
+        if lower_bound is None:
+            value_checks.precomputed_gate_values(g)
+        value_checks.finite(q=q, k=k, v=v, g=g, beta=beta)
+
+
+def _decode_on_cpu(q, k, v, g, beta, state_pool, slots, **options):
+    """The CPU path of decode (:func:`fastkda.reference.kda_decode_reference`, fp32): o ``[N, T, H, V]``."""
+    return _cpu_path(lambda: kda_decode_reference(q, k, v, g, beta, state_pool, slots, **options), "q", q.shape)
 
 
 _decode_op = torch.library.custom_op("fastkda::decode", mutates_args=("state_pool", "out", "errors"))(_decode_impl)
@@ -302,7 +317,10 @@ def kda_decode(
     """
     scale, lower_bound = scalar_defaults(q, scale, lower_bound)
     given = q, k, v, g, beta  # what the op takes under torch.compile (_decode_impl's take_views)
-    q, k, v, g, beta = addressable_inputs(q, k, v, g, beta)  # engines' views: no copy where strides allow
+    compiling = torch.compiler.is_compiling()
+    cpu_eager = isinstance(q, torch.Tensor) and not q.is_cuda and not compiling
+    if not cpu_eager:  # engines' views as the kernels address them, no copy where strides allow (the CPU reads any)
+        q, k, v, g, beta = addressable_inputs(q, k, v, g, beta)
     extents = remembered(validate_decode, q, k, v, g, beta, state_pool, slots, A_log, dt_bias, lower_bound, scale,
                          num_accepted_tokens, out)
     if out is not None:
@@ -311,13 +329,18 @@ def kda_decode(
     num_seqs, tokens, heads, _ = q.shape
     plan = _decode_plan(plan, v_slices, num_seqs, heads, v.shape[-1], tokens, q)
     errors = _error_counters(errors, q)
+    checks = value_checks.requested(checks)
+    if cpu_eager:  # the CPU path's result is the output: no op, no buffer to copy it into
+        _check_decode_values(q, k, v, g, beta, state_pool, slots, lower_bound, num_accepted_tokens, checks)
+        o = _decode_on_cpu(q, k, v, g, beta, state_pool, slots, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
+                           scale=float(scale), num_accepted_tokens=num_accepted_tokens, use_qk_l2norm=use_qk_l2norm,
+                           use_beta_sigmoid=use_beta_sigmoid)
+        return o.to(v.dtype) if out is None else out.copy_(o)
     if out is None:
         out = torch.empty_like(v, memory_format=torch.contiguous_format)
-    compiling = torch.compiler.is_compiling()
     _opaque_when_compiling(_decode_op, _decode_impl)(
         *(given if compiling else (q, k, v, g, beta)), state_pool, slots, A_log, dt_bias, lower_bound, float(scale),
-        num_accepted_tokens, use_qk_l2norm, use_beta_sigmoid, plan.launch_numbers(), value_checks.requested(checks),
-        compiling, out, errors)
+        num_accepted_tokens, use_qk_l2norm, use_beta_sigmoid, plan.launch_numbers(), checks, compiling, out, errors)
     return out
 
 
@@ -396,11 +419,17 @@ def _conv_impl(
 
         causal_conv1d_forward(x, weight, bias, conv_states, slots, has_initial_state, cu_seqlens, silu, out)
         return
+    out.copy_(_conv_on_cpu(x, weight, bias, conv_states, slots, has_initial_state, cu_seqlens, silu))
+
+
+def _conv_on_cpu(x, weight, bias, conv_states, slots, has_initial_state, cu_seqlens, silu):
+    """The CPU path of the conv (:func:`fastkda.reference.causal_conv1d_reference`, fp32), after checking
+    ``cu_seqlens``' values (free on the CPU)."""
     if cu_seqlens is not None:
         value_checks.cu_seqlens_values(cu_seqlens, x.shape[0])
-    out.copy_(_cpu_path(lambda: causal_conv1d_reference(
+    return _cpu_path(lambda: causal_conv1d_reference(
         x, weight, bias, conv_states=conv_states, slots=slots, has_initial_state=has_initial_state,
-        cu_seqlens=cu_seqlens, activation="silu" if silu else None), "x", x.shape))
+        cu_seqlens=cu_seqlens, activation="silu" if silu else None), "x", x.shape)
 
 
 _conv_op = torch.library.custom_op("fastkda::causal_conv1d", mutates_args=("conv_states", "out"))(_conv_impl)
@@ -413,9 +442,13 @@ def _conv_fake(x, weight, bias, conv_states, slots, has_initial_state, cu_seqlen
 
 def _run_conv(x, weight, bias, conv_states, slots, has_initial_state, cu_seqlens, activation, extents):
     """The conv op on validated inputs into a fresh contiguous output, the pool checked not to overlap an input
-    (eagerly: torch.compile traces without addresses)."""
-    if conv_states is not None and not torch.compiler.is_compiling():
+    (eagerly: torch.compile traces without addresses); eagerly on the CPU, the CPU path's own result."""
+    compiling = torch.compiler.is_compiling()
+    if conv_states is not None and not compiling:
         check_disjoint("conv_states", conv_states, extents[3], zip(("x", "weight", "bias"), (x, weight, bias), extents))
+    if not x.is_cuda and not compiling:
+        return _conv_on_cpu(x, weight, bias, conv_states, slots, has_initial_state, cu_seqlens,
+                            activation == "silu").to(x.dtype)
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     _opaque_when_compiling(_conv_op, _conv_impl)(x, weight, bias, conv_states, slots, has_initial_state, cu_seqlens,
                                                  activation == "silu", out)
@@ -483,9 +516,9 @@ def causal_conv1d_update(x, conv_states, weight, bias=None, *, slots, activation
     ``activation`` as there. Equal to :func:`causal_conv1d` over the same tokens as ``[N, T, C]``.
     """
     extents = remembered(_validate_conv_update, x, conv_states, weight, bias, slots, activation)
-    rows = x.unsqueeze(1) if x.dim() == 2 else x
-    out = _run_conv(rows, weight, bias, conv_states, slots, None, None, activation, extents)
-    return out.view(x.shape)
+    if x.dim() == 3:
+        return _run_conv(x, weight, bias, conv_states, slots, None, None, activation, extents)
+    return _run_conv(x.unsqueeze(1), weight, bias, conv_states, slots, None, None, activation, extents).view(x.shape)
 
 
 def _row_levels(x, gate):
@@ -535,8 +568,13 @@ def _norm_impl(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: f
 
         gated_rmsnorm_forward(x, gate, weight, eps, silu, (levels[0:3], levels[3:6], levels[6:9]), out)
         return
-    out.copy_(_cpu_path(lambda: gated_rmsnorm_reference(x, gate, weight, eps, activation="silu" if silu else "sigmoid"),
-                        "x", x.shape))
+    out.copy_(_norm_on_cpu(x, gate, weight, eps, silu))
+
+
+def _norm_on_cpu(x, gate, weight, eps, silu):
+    """The CPU path of the norm (:func:`fastkda.reference.gated_rmsnorm_reference`, fp32)."""
+    return _cpu_path(lambda: gated_rmsnorm_reference(x, gate, weight, eps, activation="silu" if silu else "sigmoid"),
+                     "x", x.shape)
 
 
 _norm_op = torch.library.custom_op("fastkda::gated_rmsnorm", mutates_args=("out",))(_norm_impl)
@@ -562,6 +600,8 @@ def gated_rmsnorm(x, gate, weight, eps=1e-6, *, activation="sigmoid"):
     synchronisation on the GPU (CUDA-graph capturable).
     """
     levels = remembered(_validate_norm, x, gate, weight, eps, activation)
+    if not x.is_cuda and not torch.compiler.is_compiling():  # the CPU path's result is the output
+        return _norm_on_cpu(x, gate, weight, float(eps), activation == "silu").to(x.dtype)
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     _opaque_when_compiling(_norm_op, _norm_impl)(x, gate, weight, float(eps), activation == "silu", levels, out)
     return out

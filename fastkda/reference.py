@@ -333,15 +333,18 @@ def _as(x, dtype):
 def _decode_inputs(q, k, v, g, beta, *, A_log, dt_bias, lower_bound, scale, use_qk_l2norm, use_beta_sigmoid, dtype):
     """:func:`prepare_inputs` for the decode path in few (tiny) torch ops, token-major over (sequence, head) rows
     ``r = n·H + h``: ``kq [T, R, 2, K]`` (rows k̂ and s·q̂), ``exp(a) [T, R, 1, K]``, ``β [T, R, 1]``,
-    ``β·v [T, R, V]`` and ``k̂·s·q̂ [T, R, 1]``."""
-    num_seqs, tokens, heads = q.shape[:3]
+    ``β·v [T, R, V]`` and ``k̂·s·q̂ [T, R, 1]``, without the T dimension for one token. Each elementwise op runs
+    on the inputs' own layout and its fresh result is regrouped into rows (a view when N or T is 1, as in a decode
+    step), so no input is copied only to be regrouped: an eager step's time is the number of ops it dispatches."""
+    num_seqs, tokens, heads, key_dim = q.shape
+    leading = (num_seqs * heads,) if tokens == 1 else (tokens, num_seqs * heads)
 
-    def rows(x):  # [N, T, H, ...] -> [T, N·H, ...]
-        x = x if num_seqs == 1 or tokens == 1 else x.transpose(0, 1)
-        return x.reshape(tokens, num_seqs * heads, *x.shape[3:])
+    def rows(x, *trailing):  # [N, T, H, ...] -> [T, N·H, *trailing], or [N·H, *trailing] for one token
+        return (x if num_seqs == 1 or tokens == 1 else x.transpose(0, 1)).reshape(*leading, *trailing)
 
-    kq = _as(rows(torch.stack((k, q) if k.dtype == q.dtype else (_as(k, dtype), _as(q, dtype)), -2)), dtype)  # fresh
-    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    kq = torch.stack((k, q) if k.dtype == q.dtype else (_as(k, dtype), _as(q, dtype)), -2)
+    kq = _as(rows(kq, 2, key_dim), dtype)  # fresh
+    scale = key_dim ** -0.5 if scale is None else scale
     if use_qk_l2norm:
         factor = torch.linalg.vector_norm(kq, dim=-1, keepdim=True).square_().add_(1e-6).rsqrt_()
         factor.select(-2, 1).mul_(scale)
@@ -350,14 +353,15 @@ def _decode_inputs(q, k, v, g, beta, *, A_log, dt_bias, lower_bound, scale, use_
         kq.select(-2, 1).mul_(scale)
     g = _as(g, dtype)
     if lower_bound is None:
-        decay = rows(g).clamp(max=0.0).exp_()
+        a = g.clamp(max=0.0)
     else:
         A = _as(A_log, dtype).exp().view(heads, 1)
-        decay = rows(torch.sigmoid(A * (g + _as(dt_bias, dtype).reshape(heads, -1))).mul_(lower_bound)).exp_()
-    beta = rows(_as(beta, dtype))
-    beta = (torch.sigmoid(beta) if use_beta_sigmoid else beta).unsqueeze(-1)
-    kdotq = (kq.select(-2, 0) * kq.select(-2, 1)).sum(-1, keepdim=True)
-    return kq, decay.unsqueeze(-2), beta, rows(_as(v, dtype)) * beta, kdotq
+        a = torch.sigmoid(A * (g + _as(dt_bias, dtype).reshape(heads, -1))).mul_(lower_bound)
+    beta = _as(beta, dtype)
+    beta = torch.sigmoid(beta) if use_beta_sigmoid else beta
+    beta_v = rows(_as(v, dtype) * beta.unsqueeze(-1), v.shape[-1])
+    kdotq = kq.prod(-2).sum(-1, keepdim=True)  # k̂·s·q̂: the pair's product rounds once, as k̂ ⊙ s·q̂ does
+    return kq, rows(a, 1, key_dim).exp_(), rows(beta, 1), beta_v, kdotq
 
 
 def kda_decode_reference(
@@ -366,12 +370,15 @@ def kda_decode_reference(
 ):
     """Decode over a state pool, token by token in ``dtype`` (the CPU path; float64 is the truth).
 
-    q, k, g ``[N, T, H, K]``, v ``[N, T, H, V]``, beta ``[N, T, H]``; ``state_pool [P, H, V, K]`` updated in
-    place; ``slots [N]`` or ``[N, T]`` (see :mod:`fastkda.ops.decode`). Returns o ``[N, T, H, V]`` in ``dtype``.
+    q, k, g ``[N, T, H, K]``, v ``[N, T, H, V]``, beta ``[N, T, H]`` (any strides); ``state_pool [P, H, V, K]``
+    updated in place; ``slots [N]`` or ``[N, T]`` (see :mod:`fastkda.ops.decode`). Returns o ``[N, T, H, V]`` in
+    ``dtype``.
 
     The state stays V-first (``S[v, k]``), one ``[V, K]`` matrix per (sequence, head), and a token passes over it
     three times: ``S ← S·diag(exp(a))``, ``[Sk̂, s·Sq̂] = S·[k̂, s·q̂]``, then ``u = β(v − Sk̂)``,
-    ``o = s·Sq̂ + u(k̂·s·q̂)`` (the output of the updated state) and ``S ← S + u·k̂ᵀ``."""
+    ``o = s·Sq̂ + u(k̂·s·q̂)`` (the output of the updated state) and ``S ← S + u·k̂ᵀ``. The read slots are read on
+    the host once: where every sequence is live and they are consecutive (a batch that took its slots together,
+    as transformers' cache rows are), the pool rows are updated in place, an fp32 pool's without a copy."""
     num_seqs, tokens, heads, key_dim = q.shape
     value_dim = v.shape[-1]
     kq, decay, beta, beta_v, kdotq = _decode_inputs(
@@ -385,34 +392,27 @@ def kda_decode_reference(
         read_slot = slots[:, 0]
     else:
         read_slot = slots.gather(1, num_accepted_tokens.long().sub(1).unsqueeze(1)).squeeze(1)
-    if num_seqs == 1:  # one sequence: its slot is read on the host, and an fp32 slot is updated in place
-        slot = int(read_slot)
-        all_live = slot >= 0
-        in_place = all_live and not per_token and state_pool.dtype == dtype and state_pool.is_contiguous()
-        row = state_pool[max(slot, 0):max(slot, 0) + 1]
-        S = row if in_place else row.to(dtype, copy=True)
+    reads = read_slot.tolist()
+    first = reads[0] if reads else 0
+    all_live = all(slot >= 0 for slot in reads)
+    in_place = (all_live and not per_token and state_pool.dtype == dtype and state_pool.is_contiguous()
+                and reads == list(range(first, first + num_seqs)))
+    if in_place:  # a view (the whole pool for transformers' cache): the updates below reach the pool
+        S = state_pool if num_seqs == state_pool.shape[0] else state_pool[first:first + num_seqs]
     else:
         read_slot = read_slot.long()
-        live = read_slot >= 0
-        all_live = bool(live.all())
-        first = int(read_slot[0])
-        # slots first, first + 1, ... (a batch that took its slots together): a view, updated in place
-        in_place = all_live and not per_token and state_pool.dtype == dtype and state_pool.is_contiguous() and bool(
-            (read_slot == torch.arange(first, first + num_seqs, device=read_slot.device)).all())
-        if in_place:
-            S = state_pool[first:first + num_seqs]
-        else:
-            S = state_pool.index_select(0, read_slot if all_live else read_slot.clamp(min=0)).to(dtype)  # [N, H, V, K]
+        S = state_pool.index_select(0, read_slot if all_live else read_slot.clamp(min=0)).to(dtype)  # [N, H, V, K]
     if not all_live:
         live = read_slot >= 0
         S = torch.where(live.view(-1, 1, 1, 1), S, 0)
     rows = S.view(num_seqs * heads, value_dim, key_dim)  # S itself: the updates below reach S (and a pool slot)
     outs = []
-    for t in range(tokens):
-        kq_t = kq[t]
-        y = torch.bmm(kq_t, rows.mul_(decay[t]).transpose(-1, -2))  # [R, 2, V]: S·k̂, s·S·q̂ of the decayed state
-        u = torch.addcmul(beta_v[t], beta[t], y.select(1, 0), value=-1)
-        outs.append(torch.addcmul(y.select(1, 1), u, kdotq[t]))
+    steps = [(kq, decay, beta, beta_v, kdotq)] if tokens == 1 else zip(kq, decay, beta, beta_v, kdotq)
+    for t, (kq_t, decay_t, beta_t, beta_v_t, kdotq_t) in enumerate(steps):
+        y = torch.bmm(kq_t, rows.mul_(decay_t).transpose(-1, -2))  # [R, 2, V]: S·k̂, s·S·q̂ of the decayed state
+        state_k, state_q = y.unbind(1)
+        u = torch.addcmul(beta_v_t, beta_t, state_k, value=-1)
+        outs.append(torch.addcmul(state_q, u, kdotq_t))
         rows.addcmul_(u.unsqueeze(-1), kq_t.narrow(1, 0, 1))
         if per_token:
             slot_t = slots[:, t].long()
@@ -422,7 +422,6 @@ def kda_decode_reference(
             elif bool(write.any()):
                 state_pool[slot_t[write]] = S[write].to(state_pool.dtype)
     if not per_token and not in_place:
-        read_slot = read_slot.long()
         if all_live:
             state_pool.index_copy_(0, read_slot, S.to(state_pool.dtype))
         elif bool(live.any()):
@@ -438,8 +437,8 @@ def kda_decode_reference(
 
 def causal_conv1d_reference(x, weight, bias=None, *, conv_states=None, slots=None, has_initial_state=None,
                             cu_seqlens=None, activation="silu", dtype=torch.float32):
-    """Depthwise causal conv of the KDA layer (spec §9 step 2), sequence by sequence in ``dtype``; the truth for
-    the conv kernel and its CPU path. Returns the output, shape of ``x``, in ``dtype``.
+    """Depthwise causal conv of the KDA layer (spec §9 step 2) in ``dtype``; the truth for the conv kernel and its
+    CPU path. Returns the output, shape of ``x``, in ``dtype``.
 
     ``x``: ``[T, C]`` packed tokens (``cu_seqlens [N+1]`` offsets, or one sequence without) or ``[B, T, C]`` (B
     sequences of T tokens); ``weight [C, W]``; ``bias [C]`` or None. A sequence's inputs are preceded by W−1
@@ -447,33 +446,65 @@ def causal_conv1d_reference(x, weight, bias=None, *, conv_states=None, slots=Non
     ``has_initial_state[n]`` is not False; zeros otherwise), and
     ``out[t, c] = act(bias[c] + Σ_j weight[c, j]·u[t − (W−1) + j, c])``, act being SiLU or none. The row (a
     ``slots`` entry outside ``[0, P)`` names none; ``slots`` None: sequence n's row is n) then takes the last W−1 of
-    those inputs, in place: the old row's tail shifted by the sequence's tokens."""
-    width = weight.shape[1]
+    those inputs, in place: the old row's tail shifted by the sequence's tokens. Sequences of one length (all but
+    packed ones) run together, as one batch of torch ops: a decode step's time is the number of ops it dispatches."""
     rows = x if x.dim() == 3 else x.unsqueeze(0)
+    num_seqs = rows.shape[0] if cu_seqlens is None else cu_seqlens.numel() - 1
+    pool_size = 0 if conv_states is None else conv_states.shape[0]
+    pool_rows = [row if 0 <= row < pool_size else -1 for row in (slots.tolist() if slots is not None else
+                                                                 range(num_seqs))]
+    reads = has_initial_state.tolist() if has_initial_state is not None else [True] * num_seqs
+    conv = dict(weight=_as(weight, dtype), bias=None if bias is None else _as(bias, dtype), conv_states=conv_states,
+                activation=activation, dtype=dtype)
+    if cu_seqlens is None:
+        return _conv_sequences(rows, pool_rows, reads, **conv).view(x.shape)
     out = torch.zeros(rows.shape, dtype=dtype, device=x.device)
-    bounds = sequence_bounds(rows.shape[0], rows.shape[1], cu_seqlens)
-    taps = weight.to(dtype)
-    shift = torch.zeros(rows.shape[-1], dtype=dtype, device=x.device) if bias is None else bias.to(dtype)
-    rows_of = slots.tolist() if slots is not None else range(len(bounds))
-    reads = has_initial_state.tolist() if has_initial_state is not None else [True] * len(bounds)
-    for n, (b, start, end) in enumerate(bounds):
-        slot = rows_of[n]
-        live = conv_states is not None and 0 <= slot < conv_states.shape[0]
-        earlier = torch.zeros(width - 1, rows.shape[-1], dtype=dtype, device=x.device)
-        if live and reads[n]:
-            earlier = conv_states[slot].to(dtype).t()
-        inputs = torch.cat((earlier, rows[b, start:end].to(dtype)))
-        if end > start:
-            y = (inputs.unfold(0, width, 1) * taps).sum(-1) + shift  # windows [L, C, W] of W consecutive inputs
-            out[b, start:end] = torch.nn.functional.silu(y) if activation == "silu" else y
-        if live:
-            conv_states[slot] = inputs[-(width - 1):].t().to(conv_states.dtype)
+    offsets = cu_seqlens.tolist()
+    for n in range(num_seqs):
+        span = slice(offsets[n], offsets[n + 1])
+        out[:, span] = _conv_sequences(rows[:, span], pool_rows[n:n + 1], reads[n:n + 1], **conv)
     return out.view(x.shape)
+
+
+def _conv_sequences(tokens, pool_rows, reads, *, weight, bias, conv_states, activation, dtype):
+    """:func:`causal_conv1d_reference` over B sequences of one length, ``tokens [B, L, C]``: sequence b's earlier
+    inputs are pool row ``pool_rows[b]`` where that is not -1 and ``reads[b]``, else zeros; each such row then takes
+    its sequence's last W−1 inputs. Rows taken together (consecutive, all live and read: transformers' cache) are
+    read and written as one slice of the pool. Returns ``[B, L, C]`` in ``dtype``."""
+    batch, length, channels = tokens.shape
+    width = weight.shape[1]
+    first = pool_rows[0] if pool_rows else 0
+    together = (conv_states is not None and first >= 0 and all(reads)
+                and pool_rows == list(range(first, first + batch)))
+    if together:  # the pool's rows first, first + 1, ...: one block, the whole pool for transformers' cache
+        block = conv_states if batch == conv_states.shape[0] else conv_states[first:first + batch]
+        earlier = _as(block, dtype)
+    else:
+        earlier = torch.zeros(batch, channels, width - 1, dtype=dtype, device=tokens.device)
+        for b, (row, read) in enumerate(zip(pool_rows, reads)):
+            if row >= 0 and read:
+                earlier[b] = conv_states[row]
+    inputs = torch.cat((earlier.transpose(1, 2), _as(tokens, dtype)), 1)  # [B, W−1+L, C]
+    if length:
+        y = (inputs.unfold(1, width, 1) * weight).sum(-1)  # windows [B, L, C, W] of W consecutive inputs
+        if bias is not None:
+            y = y + bias
+        out = torch.nn.functional.silu(y) if activation == "silu" else y
+    else:
+        out = torch.zeros(batch, 0, channels, dtype=dtype, device=tokens.device)
+    last = inputs[:, -(width - 1):].transpose(1, 2)
+    if together:
+        block.copy_(last)
+    else:
+        for b, row in enumerate(pool_rows):
+            if row >= 0:
+                conv_states[row] = last[b]
+    return out
 
 
 def gated_rmsnorm_reference(x, gate, weight, eps=1e-6, *, activation="sigmoid", dtype=torch.float32):
     """The KDA layer's output norm (spec §9 step 6) over the last dimension, in ``dtype``:
     ``x·rsqrt(mean(x²) + eps)·weight ⊙ act(gate)``, act being sigmoid or SiLU."""
-    x, gate = x.to(dtype), gate.to(dtype)
-    y = x * torch.rsqrt(x.square().mean(-1, keepdim=True) + eps) * weight.to(dtype)
-    return y * (torch.sigmoid(gate) if activation == "sigmoid" else torch.nn.functional.silu(gate))
+    gate = _as(gate, dtype)
+    y = torch.nn.functional.rms_norm(_as(x, dtype), x.shape[-1:], _as(weight, dtype), eps)  # x·rsqrt(..)·weight
+    return y.mul_(torch.sigmoid(gate) if activation == "sigmoid" else torch.nn.functional.silu(gate))

@@ -143,3 +143,23 @@ def test_cpu_path_updates_consecutive_slots_in_place():
                                 dtype=torch.float64)
     assert rel_err(out, want) < 1e-5 and rel_err(pool[1:4], truth_pool[1:4]) < 1e-5
     assert torch.equal(pool[[0, 4]], truth_pool[[0, 4]].float())
+
+
+def test_cpu_decode_reads_transformers_views_as_they_are():
+    """q, k, v as transformers hands them to a decode step: thirds of one conv output ``[N, 1, 3·H·K]``, viewed
+    ``[N, 1, H, K]`` (a token stride that is not the batch stride): the CPU path reads them in place, with the
+    contiguous inputs' bits, into a fresh output of v's dtype or into ``out``."""
+    inp = make_inputs([1] * 3, heads=2, varlen=False, seed=33)
+    mixed = torch.cat([inp[x].flatten(-2) for x in "qkv"], -1)  # [3, 1, 384]
+    q, k, v = (part.view(3, 1, 2, 64) for part in mixed.split(128, -1))
+    assert q.stride(1) != q.stride(0) and not q.is_contiguous()
+    gate = dict(A_log=inp["A_log"], dt_bias=inp["dt_bias"], lower_bound=inp["lower_bound"])
+    pools = [torch.randn(3, 2, 64, 64, generator=torch.Generator().manual_seed(2)) for _ in range(3)]
+    slots = torch.arange(3, dtype=torch.int32)
+    want = fastkda.kda_decode(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], pools[0], slots, **gate)
+    got = fastkda.kda_decode(q, k, v, inp["g"], inp["beta"], pools[1], slots, **gate)
+    out = torch.full_like(inp["v"], float("nan"))
+    into = fastkda.kda_decode(q, k, v, inp["g"], inp["beta"], pools[2], slots, **gate, out=out)
+    assert got.dtype == v.dtype and got.is_contiguous() and into is out
+    assert torch.equal(got, want) and torch.equal(out, want)
+    assert torch.equal(pools[1], pools[0]) and torch.equal(pools[2], pools[0])

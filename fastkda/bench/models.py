@@ -1,7 +1,10 @@
 """``python -m fastkda.bench.models``: transformers' tiny Kimi-Linear and GLM-5.3-Flash models run three ways in one
 process: transformers' PyTorch path, FLA's kernels where transformers found FLA at import (CUDA only), and fastkda
 (:mod:`fastkda.integrations.transformers`). Times the forward over a prompt and each generated token (greedy,
-with the model's cache), median of repeats with the paths taking turns, eager; writes ``OUT/<date>-<device>-models.{json,md}``.
+with the model's cache), median of repeats with the paths taking turns, eager; writes
+``OUT/<date>-<device>-models.{json,md}``. A token's time is read inside one generation, between the first
+generated token's logits and the last's, so the prompt's prefill (whose spread from run to run, at T2048 on a CPU,
+exceeds what 48 tokens take) stays out of it.
 
 transformers binds FLA or its PyTorch fallback when the modeling module is imported; the fallback stays reachable
 as the bound function's ``__wrapped__``, which is how the PyTorch path is timed beside FLA here.
@@ -13,6 +16,7 @@ import argparse
 import importlib
 import json
 import statistics
+import time
 from datetime import date
 from pathlib import Path
 
@@ -56,15 +60,39 @@ def use_path(module, path, bound):
         fastkda_transformers.enable()
 
 
+def step_clock(stamps, device):
+    """A logits processor for ``generate`` that appends to ``stamps`` the time at which each step's logits are
+    ready (the device synchronised first on a GPU): the stamps after the first one time the generated tokens."""
+    from transformers import LogitsProcessor
+
+    class StepClock(LogitsProcessor):
+        def __call__(self, input_ids, scores):
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            stamps.append(time.perf_counter())
+            return scores
+
+    return StepClock()
+
+
 def measure_case(kind, paths, model, module, bound, batch, length, device, repeats):
     """Rows for one (batch, prompt length) case, one per path: the paths take turns within every repeat, each
     round starting with the next path, so that a drift of the host's or the card's clocks falls on all of them
-    alike; medians of the forward, and of the time per generated token (48 tokens against 1)."""
+    alike; medians of the forward, and of the time per generated token (the 48 tokens after the first of one
+    generation, :func:`step_clock`)."""
+    from transformers import LogitsProcessorList
+
     ids = torch.randint(3, 128, (batch, length), generator=torch.Generator().manual_seed(0)).to(device)
 
-    def generate(tokens):
-        return model.generate(ids, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False, eos_token_id=None)
-    times = {path: dict(forward=[], short=[], long=[]) for path in paths}
+    def generate(tokens, processors=()):
+        return model.generate(ids, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False, eos_token_id=None,
+                              logits_processor=LogitsProcessorList(processors))
+
+    def per_token_ms():
+        stamps = []
+        generate(1 + NEW_TOKENS, [step_clock(stamps, device)])
+        return (stamps[-1] - stamps[0]) * 1e3 / NEW_TOKENS
+    times = {path: dict(forward=[], per_token=[]) for path in paths}
     with torch.no_grad():
         for path in paths:  # warm-up: compiles and autotunes
             use_path(module, path, bound)
@@ -74,13 +102,12 @@ def measure_case(kind, paths, model, module, bound, batch, length, device, repea
             for path in paths[round_ % len(paths):] + paths[:round_ % len(paths)]:
                 use_path(module, path, bound)
                 times[path]["forward"].append(synced_median_ms(lambda: model(ids), device, 1))
-                times[path]["short"].append(synced_median_ms(lambda: generate(1), device, 1))
-                times[path]["long"].append(synced_median_ms(lambda: generate(1 + NEW_TOKENS), device, 1))
+                times[path]["per_token"].append(per_token_ms())
     rows = []
     for path in paths:
         median = {name: statistics.median(values) for name, values in times[path].items()}
         rows.append(dict(model=kind, path=path, batch=batch, length=length, forward_ms=median["forward"],
-                         per_token_ms=(median["long"] - median["short"]) / NEW_TOKENS))
+                         per_token_ms=median["per_token"]))
     return rows
 
 
@@ -130,8 +157,9 @@ def markdown(rows):
     paths = [p for p in ("fastkda", "fla", "pytorch") if any(r["path"] == p for r in rows)]
     head = ["model", "B", "T"] + [f"{p} forward ms" for p in paths] + [f"{p} ms/token" for p in paths] + ["commit"]
     lines = [f"# Tiny transformers models with KDA layers, {rows[0]['device']}, {rows[0]['date']}, {rows[0]['dtype']}",
-             "", "Eager, median of repeats in which the paths take turns; generation: greedy with the model's cache, time "
-             "per token past the first.", "",
+             "", "Eager, median of repeats in which the paths take turns; generation: greedy with the model's cache, "
+             "time per token past the first (between the first token's logits and the last's, without the prefill).",
+             "",
              "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     keys = sorted({(r["model"], r["batch"], r["length"]) for r in rows}, key=lambda k: (k[0], k[2], k[1]))
     for model, batch, length in keys:

@@ -20,6 +20,7 @@ call takes that path anyway.
     model.generate(...)
 """
 
+import functools
 import importlib
 
 import torch
@@ -37,6 +38,20 @@ _replaced = {}  # (module name, attribute) -> transformers' original, while enab
 
 def _v_first(state):
     return None if state is None else state.transpose(-1, -2).contiguous()
+
+
+def _sequence_slots(batch, device):
+    """Pool rows ``0 .. B−1`` (int32), the slots of transformers' per-sequence states. On the CPU made once per
+    batch size (fastkda only reads them; a CPU step's time is the ops it dispatches); on a GPU made each call, since
+    a tensor kept from one call could come from a CUDA graph's private memory pool."""
+    if device.type == "cpu":
+        return _cpu_sequence_slots(batch)
+    return torch.arange(batch, dtype=torch.int32, device=device)
+
+
+@functools.lru_cache(maxsize=64)
+def _cpu_sequence_slots(batch):
+    return torch.arange(batch, dtype=torch.int32)
 
 
 def _fp32_on_gpu(q):
@@ -61,15 +76,23 @@ def chunk_kimi_delta_attention(q, k, v, *, g, beta, initial_state=None, output_f
 def recurrent_kimi_delta_attention(q, k, v, *, g, beta, initial_state=None, output_final_state=False,
                                    use_qk_l2norm_in_kernel=False, **unused):
     """transformers' decode KDA call (one token per sequence from its state) on :func:`fastkda.kda_decode`, the
-    states as a pool of one row per sequence; arguments and result as :func:`chunk_kimi_delta_attention`."""
+    states as a pool of one row per sequence; arguments and result as :func:`chunk_kimi_delta_attention`.
+
+    transformers' cache keeps the state it was first given, the prefill's K-first view of fastkda's V-first state,
+    so the state arrives V-first in memory and is decoded in place, without a copy either way; the final state
+    returned is then the cache's own tensor, whose copy into itself the cache skips."""
     if initial_state is None or _fp32_on_gpu(q):
         return chunk_kimi_delta_attention(q, k, v, g=g, beta=beta, initial_state=initial_state,
                                           output_final_state=output_final_state,
                                           use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
-    pool = _v_first(initial_state).float()
-    slots = torch.arange(q.shape[0], dtype=torch.int32, device=q.device)
-    o = kda_decode(q, k, v, g, beta, pool, slots, use_qk_l2norm=use_qk_l2norm_in_kernel, use_beta_sigmoid=False)
-    return o, pool.transpose(-1, -2) if output_final_state else None
+    pool = _v_first(initial_state)
+    if pool.dtype != torch.float32:
+        pool = pool.float()
+    o = kda_decode(q, k, v, g, beta, pool, _sequence_slots(q.shape[0], q.device), use_qk_l2norm=use_qk_l2norm_in_kernel,
+                   use_beta_sigmoid=False)
+    if not output_final_state:
+        return o, None
+    return o, initial_state if pool.data_ptr() == initial_state.data_ptr() else pool.transpose(-1, -2)
 
 
 def causal_conv1d_fn(x, weight, bias=None, activation=None, **unused):
@@ -86,10 +109,13 @@ def causal_conv1d_update_fn(x, conv_state, weight, bias=None, activation=None, *
     extra = conv_state.shape[-1] - keep
     tokens = x.shape[-1]
     if extra > 0:  # columns older than the conv reads: shifted by the new tokens, as transformers' own update
-        conv_state[..., :extra].copy_(torch.cat([conv_state, x.to(conv_state.dtype)], -1)[..., tokens:tokens + extra])
-    slots = torch.arange(x.shape[0], dtype=torch.int32, device=x.device)
-    out = causal_conv1d_update(x.transpose(1, 2), conv_state[..., extra:], weight, bias, slots=slots,
-                               activation=activation)
+        if extra <= tokens <= keep:  # all from the old state, none both read and written (a decode step)
+            older = conv_state[..., tokens:tokens + extra]
+        else:
+            older = torch.cat([conv_state, x.to(conv_state.dtype)], -1)[..., tokens:tokens + extra]
+        conv_state[..., :extra].copy_(older)
+    out = causal_conv1d_update(x.transpose(1, 2), conv_state[..., extra:], weight, bias,
+                               slots=_sequence_slots(x.shape[0], x.device), activation=activation)
     return out.transpose(1, 2)
 
 

@@ -16,5 +16,5 @@ def test_models_bench_runs(tmp_path):
     rows = json.loads(results.read_text())["rows"]
     assert {(r["model"], r["path"]) for r in rows} == {(m, p) for m in models.MODEL_KINDS for p in ("pytorch",
                                                                                                   "fastkda")}
-    assert all(r["forward_ms"] > 0 and r["commit"] for r in rows)
+    assert all(r["forward_ms"] > 0 and r["per_token_ms"] > 0 and r["commit"] for r in rows)
     assert "| kimi_linear | 1 | 8 |" in (tmp_path / results.name.replace(".json", ".md")).read_text()

@@ -69,14 +69,34 @@ def test_disable_restores_transformers_functions(routed):
     assert not routed.enabled()
 
 
-def test_conv_update_keeps_transformers_state_layout():
-    """transformers keeps the last W inputs as the conv state, fastkda's update the last W − 1: the whole state
-    shifts by the new token, and the output is the conv over the last W inputs."""
-    gen = torch.Generator().manual_seed(0)
-    x, state, weight = (torch.randn(2, 6, 1, generator=gen), torch.randn(2, 6, 4, generator=gen),
+@pytest.mark.parametrize("columns,tokens", [(4, 1), (4, 3), (4, 5), (6, 1), (6, 3)])
+def test_conv_update_keeps_transformers_state_layout(columns, tokens):
+    """transformers keeps the last S >= W inputs as the conv state, fastkda's update the last W − 1: the whole
+    state shifts by the new tokens (the older columns from the old state, or from the new tokens once they
+    outnumber W − 1), and each output is the conv over the W inputs up to its token."""
+    gen = torch.Generator().manual_seed(columns + tokens)
+    x, state, weight = (torch.randn(2, 6, tokens, generator=gen), torch.randn(2, 6, columns, generator=gen),
                         torch.randn(6, 4, generator=gen))
-    window = torch.cat([state, x], -1)[..., 1:]
-    want = torch.nn.functional.silu((window * weight).sum(-1, keepdim=True))
+    inputs = torch.cat([state, x], -1)
+    want = torch.nn.functional.silu((inputs.unfold(-1, 4, 1)[..., -tokens:, :] * weight[:, None]).sum(-1))
     got = fastkda_transformers.causal_conv1d_update_fn(x, state, weight, None, "silu")
     assert torch.allclose(got, want, atol=1e-6)
-    assert torch.equal(state, window)
+    assert torch.equal(state, inputs[..., -columns:])
+
+
+def test_decode_step_updates_transformers_state_in_place():
+    """The cache's state as transformers keeps it after fastkda's prefill (a K-first view of a V-first tensor) is
+    decoded in place and handed back as the final state itself, so the cache's copy of it into itself is skipped; a
+    K-first contiguous state is decoded from a copy, left as it was, with the same result."""
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(2, 1, 2, 64, generator=gen) for _ in range(3))
+    g, beta = -torch.rand(2, 1, 2, 64, generator=gen), torch.rand(2, 1, 2, generator=gen)
+    v_first = torch.randn(2, 2, 64, 64, generator=gen)
+    k_first = v_first.transpose(-1, -2).contiguous()
+    cached = v_first.clone().transpose(-1, -2)
+    step = dict(g=g, beta=beta, output_final_state=True, use_qk_l2norm_in_kernel=True)
+    o, final = fastkda_transformers.recurrent_kimi_delta_attention(q, k, v, initial_state=cached, **step)
+    o_copy, final_copy = fastkda_transformers.recurrent_kimi_delta_attention(q, k, v, initial_state=k_first, **step)
+    assert final is cached and final_copy is not k_first
+    assert torch.equal(k_first, v_first.transpose(-1, -2))
+    assert torch.equal(o, o_copy) and torch.equal(final, final_copy)

@@ -94,6 +94,29 @@ def test_prefill_then_updates_equals_one_prefill():
         assert torch.equal(pool, whole_pool)
 
 
+
+@pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16])
+def test_reference_batch_is_sequence_by_sequence(pool_dtype):
+    """Sequences of one length run as one batch of ops: the outputs of each sequence on its own (to rounding: the
+    CPU's vector loops and their scalar tails round SiLU differently, and the batch moves that boundary) and the
+    same pool rows, bit for bit, for consecutive live slots (one block of the pool: the whole pool or part of it)
+    and for slots out of order, null, past the pool or without an initial state."""
+    inp = conv_inputs(10, 4, 6, seed=21)
+    gen = torch.Generator().manual_seed(22)
+    for length in (1, 2, 5):
+        x = torch.randn(4, length, 10, generator=gen)
+        for slots, starts in ((torch.arange(4), None), (torch.tensor([2, 3, 4, 5]), None),
+                              (torch.tensor([5, 0, -1, 9]), torch.tensor([True, False, True, True]))):
+            for pool in (inp["pool"].to(pool_dtype), inp["pool"][:4].to(pool_dtype)):
+                batched, alone = pool.clone(), pool.clone()
+                out = causal_conv1d_reference(x, inp["weight"], inp["bias"], conv_states=batched, slots=slots,
+                                              has_initial_state=starts)
+                want = torch.cat([causal_conv1d_reference(
+                    x[n:n + 1], inp["weight"], inp["bias"], conv_states=alone, slots=slots[n:n + 1],
+                    has_initial_state=None if starts is None else starts[n:n + 1]) for n in range(4)])
+                torch.testing.assert_close(out, want, rtol=1e-6, atol=1e-6)
+                assert torch.equal(batched, alone)
+
 def run_both(x, weight, bias, pool, slots=None, has_initial_state=None, cu_seqlens=None, activation="silu"):
     """The kernel into a NaN-poisoned output, updating ``pool`` in place, and the reference on a copy of the pool
     taken before; checks that they agree and returns the kernel's output."""
