@@ -424,9 +424,11 @@ def _conv_impl(
 
 def _conv_on_cpu(x, weight, bias, conv_states, slots, has_initial_state, cu_seqlens, silu):
     """The CPU path of the conv (:func:`fastkda.reference.causal_conv1d_reference`, fp32), after checking
-    ``cu_seqlens``' values (free on the CPU)."""
+    ``cu_seqlens``' and the slots' values (free on the CPU)."""
     if cu_seqlens is not None:
         value_checks.cu_seqlens_values(cu_seqlens, x.shape[0])
+    if slots is not None and conv_states is not None:
+        value_checks.conv_slots_values(slots, conv_states.shape[0])
     return _cpu_path(lambda: causal_conv1d_reference(
         x, weight, bias, conv_states=conv_states, slots=slots, has_initial_state=has_initial_state,
         cu_seqlens=cu_seqlens, activation="silu" if silu else None), "x", x.shape)

@@ -43,6 +43,16 @@ def checkpoint_offsets_values(checkpoint_offsets, chunk):
         fail("checkpoint_offsets", f"non-negative multiples of the chunk size {chunk}", offsets)
 
 
+def conv_slots_values(slots, pool_size):
+    """No conv-state row named by two sequences (rows outside ``[0, P)`` name none): each row is read and written
+    by one sequence, else the result would depend on the order the sequences run in."""
+    owner = {}
+    for n, row in enumerate(slots.tolist()):
+        if 0 <= row < pool_size and owner.setdefault(row, n) != n:
+            fail("slots", "distinct between sequences (each conv-state row read and written by one sequence)",
+                 f"row {row} in sequences {owner[row]} and {n}")
+
+
 def decode_indices(slots, num_accepted_tokens, pool_size, tokens):
     """Accepted counts in ``[1, T]``; slots below the pool's size (negative ones are padding); no slot read or
     written by two live sequences (their updates would race)."""

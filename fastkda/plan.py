@@ -437,7 +437,8 @@ def segmented_us(sequences: int, chunks: int, segment_chunks: int, heads: int, k
     """Modelled time of the sequence-parallel form for ``sequences`` sequences of ``chunks`` chunks each: the
     transitions of all but each sequence's last segment (the first over the value columns alone), the scan, and
     the rerun of every segment, with the gaps between the three kernels. ``other_chunks``: chunks per head of the
-    batch's other, shorter sequences, whose reruns share the SMs (one segment each, at most)."""
+    batch's other, shorter sequences, whose rerun steps share the SMs (their transitions and scan steps, where they
+    are long enough to be cut too, are not counted)."""
     segments = -(-chunks // segment_chunks)
     transitions = sequences * heads * (value_dim // transition_width * (segments - 1)
                                        + key_dim // transition_width * max(segments - 2, 0))
@@ -463,7 +464,8 @@ def _segmentation(num_seqs, heads, seq_len, key_dim, value_dim, sms, varlen, ser
         longest, worst = seq_len, 1 if varlen else num_seqs
     chunks = -(-longest // CHUNK)
     others = num_seqs - worst if varlen and max_seqlen else 0  # shorter sequences beside the longest ones
-    other_chunks = -(-max(seq_len - worst * longest, 0) // CHUNK) + others if others > 0 else 0  # at most
+    rest = max(seq_len - worst * longest, 0)  # their tokens: at most one partial chunk each, none when empty
+    other_chunks = -(-rest // CHUNK) + min(others, rest) if others > 0 else 0
     widths = [w for w in TRANSITION_WIDTHS if w <= min(key_dim, value_dim)] or [min(key_dim, value_dim)]
     slices = [requested] if requested != "auto" else [s for s in RERUN_SLICE_CHOICES if value_dim // s >= 64]
     serial = phase_us(worst * heads * serial_slices, chunks, value_dim // serial_slices, sms,
@@ -563,7 +565,7 @@ def _choose_plan(num_seqs, heads, seq_len, key_dim, value_dim, sms, varlen, lowe
                                      sp_choice, max_seqlen)
     segment_chunks, transition_width = 0, 0
     serial_reason = ("sequence parallelism off (requested)" if sp_choice is False
-                     else "the serial recurrence (segments are not predicted to gain 25%)")
+                     else f"the serial recurrence (segments are not predicted to gain {1 - SP_GAIN:.0%})")
     if segmentation:
         programs = num_seqs + segment_slot_count(seq_len, num_seqs, CHUNK * segmentation[0], varlen)
         if programs > MAX_GRID_Z:  # the segmented kernels' grid would not launch

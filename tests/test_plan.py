@@ -211,11 +211,14 @@ def test_sequence_parallel_values_and_environment(monkeypatch):
 def test_shorter_sequences_share_the_rerun():
     """With a max_seqlen hint the other sequences' programs fill idle SMs before they add time (a chunked-prefill
     batch: one 6144-token chunk beside twelve short sequences runs segments of at most 32 chunks, where 48 measured
-    13% slower at 420010d)."""
+    12% slower at 420010d); empty sequences beside a hinted one add no chunks."""
     assert phase_us(48, 48, 128, 132, other_steps=48 * 80) == phase_us(48, 48, 128, 132)
     assert phase_us(120, 48, 128, 132, other_steps=48 * 100) > phase_us(120, 48, 128, 132)
     mix = choose_plan(13, 12, 8192, 128, 128, 132, max_seqlen=6144)
     assert 0 < mix.segment_chunks <= 32
+    alone = choose_plan(1, 12, 8192, 128, 128, 132, max_seqlen=8192)
+    beside_empty = choose_plan(1600, 12, 8192, 128, 128, 132, max_seqlen=8192)
+    assert beside_empty.segment_chunks == alone.segment_chunks > 0
 
 
 def test_segments_stay_within_the_grid_and_need_tokens():

@@ -276,6 +276,7 @@ def bad_conv_calls():
         ("slots shape", dict(slots=slots[:1]), "slots"),
         ("has_initial_state dtype", dict(has_initial_state=torch.ones(2, dtype=torch.int32)), "has_initial_state"),
         ("slots without a pool", dict(conv_states=None), "slots"),
+        ("a pool row named twice", dict(slots=torch.tensor([2, 2])), "distinct"),
         ("pool overlaps x", dict(x=pool.view(-1)[:54].view(9, 6), conv_states=pool), "conv_states"),
     ]
 
@@ -299,6 +300,7 @@ def test_bad_conv_call_is_rejected_before_writing(index):
     (dict(conv_states=None), "conv_states"),
     (dict(slots=None), "slots"),
     (dict(slots=torch.tensor([0, 1])), "slots"),
+    (dict(slots=torch.tensor([1, 1, 2])), "distinct"),
 ])
 def test_bad_update_call_is_rejected(overrides, word):
     kw = dict(x=torch.randn(3, 6), conv_states=torch.randn(4, 6, 3), weight=torch.randn(6, 4),
