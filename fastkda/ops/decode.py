@@ -65,7 +65,7 @@ def token_step(S, q_t, k_t, v_t, g_t, b_t, a_scale, bias, lower_bound, scale, LO
     return S, tl.sum(S * (q_t * scale)[None, :], axis=1)
 
 
-@triton.jit(do_not_specialize=["T"])
+@triton.jit
 def decode_kernel(
     q, k, v, g, beta, A_log, dt_bias, pool, slots, num_accepted, out, errors,
     stride_q, stride_k, stride_v, stride_g, stride_beta_n, stride_beta_t, stride_beta_h, stride_slot_n,

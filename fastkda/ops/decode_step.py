@@ -90,12 +90,6 @@ def decode_step_kernel(
     q_ch = h * K + kk  # the conv's channels: q | k | v, H heads each
     k_ch = H * K + h * K + kk
     v_ch = 2 * H * K + h * V + vv
-    state_cols = (h * V + vv[:, None]) * K + kk[None, :]
-    m_state = live & v_ok[:, None] & k_ok[None, :]
-    # the state is requested first, pinned there by a barrier: scheduled after the conv's arithmetic (as the
-    # compiler would), its round trip follows the conv columns' instead of overlapping it
-    S = load_f32(pool + row * (H * V * K) + state_cols, m_state)
-    tl.debug_barrier()
     q_columns = load_columns(conv_column(conv_row, q_ch, stride_cc), k_ok & live, stride_cj, W)
     k_columns = load_columns(conv_column(conv_row, k_ch, stride_cc), k_ok & live, stride_cj, W)
     v_column = conv_column(conv_row, v_ch, stride_cc)
@@ -107,6 +101,9 @@ def decode_step_kernel(
     g_t = load_f32(g + n.to(tl.int64) * stride_g + h * K + kk, k_ok)
     b_t = tl.load(beta + n * stride_beta + h * stride_beta_h).to(tl.float32)
     a_scale, bias = gate_parameters(A_log, dt_bias, h, kk, K, LOWER_BOUND_GATE)
+    state_cols = (h * V + vv[:, None]) * K + kk[None, :]
+    m_state = live & v_ok[:, None] & k_ok[None, :]
+    S = load_f32(pool + row * (H * V * K) + state_cols, m_state)
     S, o_t = token_step(S, q_t, k_t, v_t, g_t, b_t, a_scale, bias, lower_bound, scale, LOWER_BOUND_GATE, L2NORM,
                         BETA_SIGMOID)
     o_t = tl.where(live, o_t, 0.0)
