@@ -137,7 +137,7 @@ def decode_launch(plan, tokens=1, key_dim=DIM, per_token_slots=False, accepted=F
 def decode_step_launch(plan, key_dim=DIM, width=4, pool=F32):
     """``(fn, args, num_warps, num_stages, maxnreg)`` of the fused decode step as ``fused_decode_step`` launches it
     under ``plan`` (:func:`fastkda.plan.choose_decode_step_plan`'s) on contiguous inputs: the conv's input rows
-    ``[N, 2·H·K + H·V]``, an fp32 conv pool ``[slots, channels, width − 1]`` held channel-last (as
+    ``[N, 2·H·K + H·V]``, a bf16 conv pool ``[slots, channels, width − 1]`` held channel-last (the bench's, as
     ``fastkda.cache.conv_state_pool`` holds it) and a state ``pool`` of that pointer type, one slot per sequence and
     a spare."""
     from fastkda.ops.decode_step import decode_step_kernel
@@ -145,11 +145,11 @@ def decode_step_launch(plan, key_dim=DIM, width=4, pool=F32):
     H, K, V = plan.heads, key_dim, plan.value_dim
     channels = 2 * H * K + H * V
     args = dict(
-        mixed=BF16, conv_pool=F32, conv_weight=BF16, g=BF16, beta=BF16, out_gate=BF16, norm_weight=F32,
+        mixed=BF16, conv_pool=BF16, conv_weight=BF16, g=BF16, beta=BF16, out_gate=BF16, norm_weight=F32,
         A_log=F32, dt_bias=F32, pool=pool, slots=I32, partial=F32, sums=F32, tickets=I32, out=BF16, errors=I32,
         stride_mixed=channels, stride_cp=channels * (width - 1), stride_cc=1, stride_cj=channels,
         stride_wc=width, stride_wj=1, stride_g=H * K, stride_beta=H, stride_beta_h=1, stride_gate=H * V,
-        stride_slot=1, lower_bound=LOWER_BOUND, scale=K ** -0.5, eps=1e-6, pool_slots=plan.num_seqs + 1,
+        stride_slot=1, lower_bound=LOWER_BOUND, scale=K ** -0.5, eps=1e-5, pool_slots=plan.num_seqs + 1,
         H=H, K=K, V=V, BV=plan.slice_width, SLICES=plan.v_slices, W=width, LOWER_BOUND_GATE=True, L2NORM=True,
         BETA_SIGMOID=True, EMULATE=False)
     return decode_step_kernel, args, plan.warps, 3, None
@@ -187,12 +187,7 @@ def plans_from_arguments(args):
     seq_len = sum(lengths) if varlen else lengths[0]
     plan = choose_plan(len(lengths), heads, seq_len, args.dim, args.dim, args.sms, varlen=varlen,
                        lower_bound_gate=not args.precomputed_gate)
-    if getattr(args, "kernel", None) == "decode_step":
-        decode = choose_decode_step_plan(len(lengths), heads, args.dim, args.sms)
-        if decode is None:
-            raise SystemExit(f"the fused decode step does not run at H={heads}, N={len(lengths)}")
-    else:
-        decode = choose_decode_plan(len(lengths), heads, args.dim, args.sms)
+    decode = choose_decode_plan(len(lengths), heads, args.dim, args.sms)
     changes, decode_changes = combined(args.set), combined(args.decode_set)
     return (plan.replace(**changes) if changes else plan,
             decode.replace(**decode_changes) if decode_changes else decode)
@@ -203,8 +198,10 @@ def launches(plan, decode_plan, kernels=KERNELS, checkpoints=0):
     found = prefill_launches(plan, checkpoints) if set(kernels) & set(PREFILL_KERNELS) else {}
     if "decode" in kernels:
         found["decode"] = decode_launch(decode_plan, key_dim=plan.key_dim)
-    if "decode_step" in kernels:
-        found["decode_step"] = decode_step_launch(decode_plan, key_dim=plan.key_dim)
+    if "decode_step" in kernels:  # the fused step's own plan for decode's shape (none past four heads an SM)
+        step = choose_decode_step_plan(decode_plan.num_seqs, decode_plan.heads, decode_plan.value_dim, plan.sms)
+        if step is not None:
+            found["decode_step"] = decode_step_launch(step, key_dim=plan.key_dim)
     return {name: found[name] for name in kernels if name in found}  # the SP kernels only under an SP plan
 
 

@@ -2,7 +2,7 @@
 instruction count, compiled exactly as a launch under the plan of a shape compiles it (``hopper.py``).
 
 python tools/profiling/sass_count.py KERNEL [--workload NAME | --heads H --seqs N --tokens T] [--set NAME=VALUE,...]
-KERNEL: prepare, solve, recurrence or decode; e.g. ``sass_count.py prepare --set prepare_warps=8``."""
+KERNEL: prepare, solve, recurrence, transition, scan, decode or decode_step; e.g. ``sass_count.py prepare --set prepare_warps=8``."""
 
 import argparse
 import re
@@ -27,7 +27,10 @@ def parser_for(description):
 def sass_of_arguments(args, line_info=False):
     """The SASS of ``args.kernel`` under the plan ``args`` describe."""
     plan, decode_plan = plans_from_arguments(args)
-    fn, kernel_args, warps, stages, maxnreg = launches(plan, decode_plan, [args.kernel], args.checkpoints)[args.kernel]
+    found = launches(plan, decode_plan, [args.kernel], args.checkpoints)
+    if args.kernel not in found:  # an SP kernel under a serial plan, or the fused step past four heads an SM
+        raise SystemExit(f"{args.kernel} does not run under this shape's plans")
+    fn, kernel_args, warps, stages, maxnreg = found[args.kernel]
     return sass(fn, kernel_args, warps, stages, maxnreg, line_info)
 
 
