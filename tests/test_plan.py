@@ -142,7 +142,7 @@ def test_sequence_parallelism_where_the_chain_leaves_sms_idle():
     """Few long chains on many SMs get segments; a GPU full of chains, a one-SM CPU and short inputs do not."""
     one = choose_plan(1, 12, 8192, 128, 128, 132)
     assert one.sequence_parallel and 4 <= one.segment_chunks < 8192 // 32
-    assert one.transition_grid[0] == 256 // one.transition_width and one.scan_grid == (4, 12, 1)
+    assert one.transition_grid[0] == 256 // one.transition_width and one.scan_grid == (8, 12, 1)
     assert one.recurrence_grid == (one.v_slices, 12, 1 + one.segment_slots) == (one.v_slices, 12, one.segment_programs)
     assert "sequence parallelism: segments of" in one.describe() and "v_new = T·β·(v − kd·S)" in one.describe()
     for facts in ((8, 96, 8 * 8192, 132), (1, 12, 8192, 1), (1, 12, 200, 132), (1, 12, 1024, 132)):

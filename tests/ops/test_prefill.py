@@ -244,6 +244,6 @@ def test_sequence_parallel_launches_follow_the_plan(monkeypatch):
     assert grid == plan.transition_grid == (6, 3, 2 + 330 // 96 + 3) and meta["BV"] == 32
     assert meta["num_warps"] == plan.transition_warps
     _, grid, meta = launched[3]
-    assert grid == plan.scan_grid == (4, 3, 2) and meta["num_warps"] == 2 and meta["SW"] == plan.scan_width
+    assert grid == plan.scan_grid == (8, 3, 2) and meta["num_warps"] == 2 and meta["SW"] == plan.scan_width
     _, grid, meta = launched[4]
     assert grid == plan.recurrence_grid == (2, 3, 2 + plan.segment_slots) and meta["SEGMENTED"]
