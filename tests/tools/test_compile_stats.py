@@ -68,11 +68,12 @@ from fastkda.ops import decode_step
 from fastkda.plan import choose_decode_step_plan
 decode_step.launch = record
 step, step_plan = _step_inputs(dec), choose_decode_step_plan(2, 3, 128, 132)
-decode_step.fused_decode_step(step["mixed"], step["conv_states"], step["conv_weight"], dec["g"][:, 0], dec["beta"][:, 0],
-                              step["output_gate"], step["norm_weight"], dec["pool"], dec["slots"], plan=step_plan,
-                              A_log=dec["A_log"], dt_bias=dec["dt_bias"], lower_bound=-5.0, scale=dec["scale"],
-                              eps=1e-5, use_qk_l2norm=True, use_beta_sigmoid=True,
-                              tickets=torch.zeros(6, dtype=torch.int32), out=torch.empty(2, 3, 128, dtype=torch.bfloat16),
+decode_step.fused_decode_step(step["mixed"], step["conv_states"], step["conv_weight"], dec["g"][:, 0],
+                              dec["beta"][:, 0], step["output_gate"], step["norm_weight"], dec["pool"], dec["slots"],
+                              plan=step_plan, A_log=dec["A_log"], dt_bias=dec["dt_bias"], lower_bound=-5.0,
+                              scale=dec["scale"], eps=1e-5, use_qk_l2norm=True, use_beta_sigmoid=True,
+                              tickets=torch.zeros(6, dtype=torch.int32),
+                              out=torch.empty(2, 3, 128, dtype=torch.bfloat16),
                               errors=torch.zeros(3, dtype=torch.int32))
 described = {fn.__name__: [args, warps, stages, maxnreg]
              for fn, args, warps, stages, maxnreg in hopper.launches(plan, decode_plan, checkpoints=2).values()}

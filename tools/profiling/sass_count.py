@@ -2,7 +2,8 @@
 instruction count, compiled exactly as a launch under the plan of a shape compiles it (``hopper.py``).
 
 python tools/profiling/sass_count.py KERNEL [--workload NAME | --heads H --seqs N --tokens T] [--set NAME=VALUE,...]
-KERNEL: prepare, solve, recurrence, transition, scan, decode or decode_step; e.g. ``sass_count.py prepare --set prepare_warps=8``."""
+KERNEL: prepare, solve, recurrence, transition, scan, decode or decode_step;
+e.g. ``sass_count.py prepare --set prepare_warps=8``."""
 
 import argparse
 import re
