@@ -36,9 +36,10 @@ HEAD_DIM = 128
 
 class StackedCache:
     """transformers' linear-attention cache interface for one layer (``get_conv_state``, ``get_recurrent_state``,
-    ``update_conv_state``, ``update_recurrent_state``) over plain tensors, so that sequences prefilled one at a time
-    can decode as one batch (:meth:`stack`). Conv state ``[B, C, W]`` (the last W inputs), recurrent ``[B, H, K,
-    V]`` fp32, as transformers keeps them."""
+    ``update_conv_state``, ``update_recurrent_state``, and since transformers 5.25 ``is_recording_past``,
+    ``increase_count`` and ``get_recurrent_states_to_keep``) over plain tensors, so that sequences prefilled one at
+    a time can decode as one batch (:meth:`stack`). Conv state ``[B, C, W]`` (the last W inputs), recurrent ``[B,
+    H, K, V]`` fp32, as transformers keeps them; one state per layer (``state_idx`` 0), no past recorded."""
 
     def __init__(self, conv=None, recurrent=None):
         self.conv, self.recurrent = conv, recurrent
@@ -49,7 +50,16 @@ class StackedCache:
     def get_recurrent_state(self, layer_idx, state_idx=0):
         return self.recurrent
 
-    def update_conv_state(self, mixed, layer_idx, conv_kernel_size):
+    def is_recording_past(self, layer_idx):
+        return False
+
+    def increase_count(self, layer_idx, state_idx=0):
+        """transformers counts the tokens a decode step's in-place conv update adds; nothing here reads a count."""
+
+    def get_recurrent_states_to_keep(self, layer_idx=None):
+        return 0
+
+    def update_conv_state(self, mixed, layer_idx, conv_kernel_size, state_idx=0):
         """The conv's input with the W earlier inputs in front (zeros on a first prefill, as transformers pads);
         keeps the last W inputs."""
         earlier = self.conv if self.conv is not None else mixed.new_zeros(*mixed.shape[:2], conv_kernel_size)

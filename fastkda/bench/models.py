@@ -7,7 +7,9 @@ generated token's logits and the last's, so the prompt's prefill (whose spread f
 exceeds what 48 tokens take) stays out of it.
 
 transformers binds FLA or its PyTorch fallback when the modeling module is imported; the fallback stays reachable
-as the bound function's ``__wrapped__``, which is how the PyTorch path is timed beside FLA here.
+as the ``__wrapped__`` of transformers' wrapper, which is how the PyTorch path is timed beside FLA here. Since
+transformers 5.25 (which requires the ``kernels`` package) the module holds that wrapper inside a ``kernels``
+function module (:func:`transformers_wrapper`).
 """
 
 from __future__ import annotations
@@ -37,11 +39,24 @@ def modeling_module(kind):
     return importlib.import_module(next(name for name in fastkda_transformers.MODELS if kind in name))
 
 
+def closure_cells(function):
+    """``{name: value}`` of the variables ``function`` closes over."""
+    return dict(zip(function.__code__.co_freevars, (cell.cell_contents for cell in function.__closure__ or ())))
+
+
+def transformers_wrapper(bound):
+    """transformers' wrapper behind a KDA function bound in a modeling module: ``bound`` itself, or, where the
+    ``kernels`` package made it an ``nn.Module`` (transformers >= 5.25), the function its ``forward`` calls."""
+    if isinstance(bound, torch.nn.Module):
+        return closure_cells(type(bound).forward)["func"]
+    return bound
+
+
 def binds_fla(function):
     """Whether a KDA function transformers bound at import is FLA's (else its PyTorch fallback): the
     implementation its wrapper closes over."""
-    cells = dict(zip(function.__code__.co_freevars, (cell.cell_contents for cell in function.__closure__ or ())))
-    return getattr(cells.get("implementation"), "__module__", "").startswith("fla")
+    implementation = closure_cells(transformers_wrapper(function)).get("implementation")
+    return getattr(implementation, "__module__", "").startswith("fla")
 
 
 def bound_functions(module):
@@ -55,7 +70,7 @@ def use_path(module, path, bound):
     fallbacks behind the bound functions)."""
     fastkda_transformers.disable()
     for name in KDA_FUNCTIONS:
-        setattr(module, name, bound[name] if path != "pytorch" else bound[name].__wrapped__)
+        setattr(module, name, bound[name] if path != "pytorch" else transformers_wrapper(bound[name]).__wrapped__)
     if path == "fastkda":
         fastkda_transformers.enable()
 
