@@ -50,11 +50,11 @@ def print_profile(run, calls, label):
 
 
 def main(argv=None):
+    workloads = {w["name"]: w for w in load_workloads()["prefill"]}
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--only", nargs="*", default=["H12_N1_T1024"])
+    parser.add_argument("--only", nargs="*", default=["H12_N1_T1024"], choices=list(workloads), metavar="NAME")
     parser.add_argument("--calls", type=int, default=300)
     args = parser.parse_args(argv)
-    workloads = {w["name"]: w for w in load_workloads()["prefill"]}
     for name in args.only:
         run = fastkda_runner(make_prefill_inputs(workloads[name], "cuda"))
         for _ in range(20):
