@@ -19,11 +19,13 @@ import torch
 from . import checks as value_checks
 from .errors import KINDS, counters
 from .ops.decode_step import fused_decode_step
-from .plan import CHUNK, DecodePlan, PrefillPlan, choose_decode_plan, choose_decode_step_plan, choose_plan, sm_count
-from .reference import causal_conv1d_reference, gated_rmsnorm_reference, kda_chunked, kda_decode_reference
-from .validation import (FLOAT_DTYPES, INDEX_DTYPES, _describe, addressable_inputs, byte_extent, check_contiguous,
-                         check_disjoint, check_tensor, fail, remembered, scalar_defaults, validate_decode,
-                         validate_prefill)
+from .plan import (CHUNK, DecodePlan, PrefillPlan, choose_decode_plan, choose_decode_step_plan,
+                   choose_open_entry_plan, choose_plan, sm_count)
+from .reference import (causal_conv1d_reference, compose_segment_maps, gated_rmsnorm_reference, kda_chunked,
+                        kda_decode_reference, open_segment_maps, run_from_segment_maps)
+from .validation import (FLOAT_DTYPES, INDEX_DTYPES, STATE_DTYPES, _describe, addressable_inputs, byte_extent,
+                         check_contiguous, check_disjoint, check_tensor, fail, remembered, scalar_defaults,
+                         validate_decode, validate_prefill)
 
 
 def _sms_of(q):
@@ -227,6 +229,106 @@ def _check_plan_fits(plan, facts, varlen, lower_bound_gate, v_slices, sequence_p
         names = ("num_seqs", "heads", "seq_len", "key_dim", "value_dim", "varlen", "lower_bound_gate")
         fail("plan", f"made for this call ({', '.join(f'{n}={x}' for n, x in zip(names, needed))})",
              ", ".join(f"{n}={x}" for n, x in zip(names, made_for)))
+
+
+class OpenEntryPrefill:
+    """A prefill whose entry state is not known when it starts (:func:`kda_prefill_open`): its ``exit_map`` is
+    ready at once; :meth:`finish` runs the rest from the entry state once that is known.
+
+    ``exit_map [B, H, V + K, K]`` (fp32): for row b and an entry state ``X [H, V, K]`` (V-first, as
+    :func:`kda_prefill` takes ``initial_state``), the state after the row's tokens is ``X·𝒜ᵀ + ℬᵀ``, with
+    ``ℬᵀ = exit_map[b, :, :V]`` (the exit from a zero state) and ``𝒜ᵀ = exit_map[b, :, V:]`` (the transition).
+    ``plan``: the segmented :class:`fastkda.plan.PrefillPlan` both halves run (None for rows of no tokens)."""
+
+    def __init__(self, inputs, options, plan, exit_map, halfway):
+        self._inputs, self._options, self.plan, self.exit_map, self._halfway = inputs, options, plan, exit_map, halfway
+
+    def finish(self, entry_state=None):
+        """``(o, final_state)`` from ``entry_state [B, H, V, K]`` (bf16 or fp32, contiguous; None: zeros): o
+        ``[B, T, H, V]`` in v's dtype and the fp32 state after the tokens, what :func:`kda_prefill` with that
+        ``initial_state`` gives, within its accuracy bound. It may be called again with another entry state."""
+        q, k, v, g, beta = self._inputs
+        batch, length, heads, key_dim = q.shape
+        value_dim = v.shape[-1]
+        if entry_state is not None:
+            check_tensor("entry_state", entry_state, (batch, heads, value_dim, key_dim), STATE_DTYPES, q.device)
+            check_contiguous("entry_state", entry_state)
+        out = torch.empty_like(v, memory_format=torch.contiguous_format)
+        final_state = torch.zeros(batch, heads, value_dim, key_dim, dtype=torch.float32, device=q.device)
+        if self.plan is None:  # no tokens: the state passes through
+            if entry_state is not None:
+                final_state.copy_(entry_state)
+            return out, final_state
+        if q.is_cuda:
+            from .ops.prefill import open_entry_finish
+
+            open_entry_finish(self.plan, self._halfway, entry_state, out, final_state, _error_counters(None, q))
+            return out, final_state
+
+        def run_rest():
+            for b, maps in enumerate(self._halfway):
+                state = final_state[b].transpose(-1, -2).contiguous()  # the CPU path's [H, K, V]
+                if entry_state is not None:
+                    state.copy_(entry_state[b].transpose(-1, -2))
+                rows = torch.empty(length, heads, value_dim, dtype=torch.float32)
+                run_from_segment_maps(q[b], k[b], v[b], g[b], beta[b], maps, self.plan.segment_tokens, state, rows,
+                                      **self._options)
+                out[b] = rows
+                final_state[b] = state.transpose(-1, -2)
+        _cpu_path(run_rest, "q", q.shape)
+        return out, final_state
+
+
+def kda_prefill_open(q, k, v, g, beta, *, A_log=None, dt_bias=None, lower_bound=None, scale=None,
+                     use_qk_l2norm=True, use_beta_sigmoid=True, sequence_parallel="auto", checks=None):
+    """The first half of a prefill whose entry state comes later: context parallelism, where the tokens before
+    these run on another GPU (:mod:`fastkda.distributed`, spec §8). Returns an :class:`OpenEntryPrefill` whose
+    ``exit_map`` maps any entry state to the state after the tokens, and whose ``finish(entry_state)`` gives the
+    prefill's ``(o, final_state)`` from it.
+
+    q, k, g ``[B, T, H, K]``, v ``[B, T, H, V]``, beta ``[B, T, H]``, the gate, the flags and ``checks`` as in
+    :func:`kda_prefill`; each of the B rows is one sequence (no ``cu_seqlens``). The tokens always run in
+    segments (:func:`fastkda.plan.choose_open_entry_plan`; ``sequence_parallel``: ``"auto"`` or tokens per
+    segment): each segment's transition is formed here once, from a zero state and identity columns, composed
+    into ``exit_map``, and reused by ``finish``, which composes every segment's entry from the given state and
+    reruns the segments from there; the two halves cost about one sequence-parallel :func:`kda_prefill` of the
+    same tokens. Eager only (no custom op: it does not go through torch.compile)."""
+    scale, lower_bound = scalar_defaults(q, scale, lower_bound)
+    q, k, v, g, beta = addressable_inputs(q, k, v, g, beta)
+    remembered(validate_prefill, q, k, v, g, beta, A_log, dt_bias, lower_bound, scale, None, None, None, None, None,
+               None, CHUNK)
+    if value_checks.requested(checks):
+        _checked_mode_may_sync(q)
+        if lower_bound is None:
+            value_checks.precomputed_gate_values(g)
+        value_checks.finite(q=q, k=k, v=v, g=g, beta=beta)
+    batch, length, heads, key_dim = q.shape
+    value_dim = v.shape[-1]
+    exit_map = torch.zeros(batch, heads, value_dim + key_dim, key_dim, dtype=torch.float32, device=q.device)
+    options = dict(A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, scale=float(scale),
+                   use_qk_l2norm=use_qk_l2norm, use_beta_sigmoid=use_beta_sigmoid)
+    if not batch or not length:  # the identity map
+        exit_map[:, :, value_dim:] = torch.eye(key_dim, device=q.device)
+        return OpenEntryPrefill((q, k, v, g, beta), options, None, exit_map, None)
+    plan = choose_open_entry_plan(batch, heads, length, key_dim, value_dim, _sms_of(q),
+                                  lower_bound_gate=lower_bound is not None, sequence_parallel=sequence_parallel)
+    if q.is_cuda:
+        from .ops.prefill import open_entry_transitions
+
+        workspace = open_entry_transitions(q, k, v, g, beta, plan=plan, **options, exit_maps=exit_map,
+                                           errors=_error_counters(None, q))
+        return OpenEntryPrefill((q, k, v, g, beta), options, plan, exit_map, workspace)
+    options["chunk"] = plan.cpu_chunk
+
+    def open_rows():
+        maps = [open_segment_maps(q[b], k[b], v[b], g[b], beta[b], plan.segment_tokens, **options)
+                for b in range(batch)]
+        for b, row_maps in enumerate(maps):
+            offset, transition = compose_segment_maps(row_maps, heads, key_dim, value_dim)
+            exit_map[b, :, :value_dim] = offset.transpose(-1, -2)
+            exit_map[b, :, value_dim:] = transition.transpose(-1, -2)
+        return maps
+    return OpenEntryPrefill((q, k, v, g, beta), options, plan, exit_map, _cpu_path(open_rows, "q", q.shape))
 
 
 def _decode_impl(

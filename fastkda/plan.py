@@ -433,18 +433,25 @@ def phase_us(programs: int, steps: int, width: int, sms: int, share: float = 1.0
 
 
 def segmented_us(sequences: int, chunks: int, segment_chunks: int, heads: int, key_dim: int, value_dim: int,
-                 transition_width: int, v_slices: int, sms: int, other_chunks: int = 0) -> float:
+                 transition_width: int, v_slices: int, sms: int, other_chunks: int = 0,
+                 open_entry: bool = False) -> float:
     """Modelled time of the sequence-parallel form for ``sequences`` sequences of ``chunks`` chunks each: the
     transitions of all but each sequence's last segment (the first over the value columns alone), the scan, and
     the rerun of every segment, with the gaps between the three kernels. ``other_chunks``: chunks per head of the
     batch's other, shorter sequences, whose rerun steps share the SMs (their transitions and scan steps, where they
-    are long enough to be cut too, are not counted)."""
+    are long enough to be cut too, are not counted). ``open_entry`` (:func:`choose_open_entry_plan`): every
+    segment's transition over all V + K columns, and two scans over every segment."""
     segments = -(-chunks // segment_chunks)
-    transitions = sequences * heads * (value_dim // transition_width * (segments - 1)
-                                       + key_dim // transition_width * max(segments - 2, 0))
+    if open_entry:
+        transitions = sequences * heads * (value_dim + key_dim) // transition_width * segments
+        scan_steps = 2 * segments
+    else:
+        transitions = sequences * heads * (value_dim // transition_width * (segments - 1)
+                                           + key_dim // transition_width * max(segments - 2, 0))
+        scan_steps = segments - 1
     rerun = sequences * heads * v_slices * segments
     return (phase_us(transitions, segment_chunks, transition_width, sms, TRANSITION_SHARE)
-            + (segments - 1) * SCAN_STEP_US + 2 * LAUNCH_GAP_US
+            + scan_steps * SCAN_STEP_US + 2 * LAUNCH_GAP_US
             + phase_us(rerun, segment_chunks, value_dim // v_slices, sms,
                        other_steps=heads * v_slices * other_chunks))
 
@@ -590,6 +597,37 @@ def _choose_plan(num_seqs, heads, seq_len, key_dim, value_dim, sms, varlen, lowe
         prepare_registers=prepare_registers(lower_bound_gate, prepare_warps), solve_warps=SOLVE_WARPS,
         solve_stages=3, segment_chunks=segment_chunks,
         transition_width=transition_width, scan_warps=8 if key_dim >= 128 else 4, reason=reason)
+
+
+def choose_open_entry_plan(num_seqs: int, heads: int, seq_len: int, key_dim: int, value_dim: int, sms: int, *,
+                           lower_bound_gate: bool = True, sequence_parallel="auto") -> PrefillPlan:
+    """The plan of a prefill whose entry state is not known when it starts (:func:`fastkda.kda_prefill_open`:
+    ``num_seqs`` rows of ``seq_len`` tokens): always segmented, since the sequence's map is needed whatever its
+    length. ``sequence_parallel``: ``"auto"`` (then ``$FASTKDA_SEQUENCE_PARALLEL`` if set, unless that says off)
+    takes the segment length of 1 to :data:`MAX_SEGMENTS` segments that the step model predicts fastest, every
+    segment's transition over the V + K columns counted (``segmented_us(open_entry=True)``); an int forces
+    segments of that many tokens."""
+    _check(isinstance(seq_len, int) and seq_len >= 1, f"seq_len must be an integer >= 1, got {seq_len!r}")
+    choice = requested_sequence_parallel(sequence_parallel)
+    _check(choice is not False, "a prefill whose entry state comes later runs in segments: sequence_parallel must "
+                                "be 'auto' or tokens per segment, not False")
+    chunks = max(-(-seq_len // CHUNK), 1)
+    width = min(TRANSITION_WIDTHS[0], key_dim, value_dim)
+    slices = [s for s in RERUN_SLICE_CHOICES if value_dim // s >= 64] or [1]
+    if choice == "auto":
+        predicted, segment_chunks, v_slices = min(
+            (segmented_us(num_seqs, chunks, -(-chunks // segments), heads, key_dim, value_dim, width, s, sms,
+                          open_entry=True), -(-chunks // segments), s)
+            for segments in range(1, MAX_SEGMENTS + 1) for s in slices)
+        reason = f"entry state later: segments of {segment_chunks} chunks, predicted {predicted:.0f} µs"
+    else:
+        segment_chunks = choice // CHUNK
+        v_slices = min(slices, key=lambda s: segmented_us(num_seqs, chunks, segment_chunks, heads, key_dim,
+                                                          value_dim, width, s, sms, open_entry=True))
+        reason = f"entry state later: sequence_parallel={choice} requested"
+    plan = _choose_plan(num_seqs, heads, seq_len, key_dim, value_dim, sms, False, bool(lower_bound_gate), v_slices,
+                        segment_chunks * CHUNK, 0)
+    return dataclasses.replace(plan, reason=f"{reason}, reruns in {plan.v_slices} slice(s)")
 
 
 @dataclass(frozen=True)

@@ -257,6 +257,61 @@ def kda_chunked_span(q, k, v, g, beta, S, out, start, end, *, A_log=None, dt_bia
         target.copy_(S.transpose(-1, -2))
 
 
+def _walk_segment(q, k, v, g, beta, span, state, **prep):
+    """Walk the tokens ``span`` of one sequence's rows (``[T, H, ·]``) from ``state [H, K, V + E]`` (updated in
+    place), outputs discarded: the value columns take v, the E columns past them (a transition's identity columns)
+    take zeros."""
+    tokens = span.stop - span.start
+    heads, width = state.shape[0], state.shape[-1]
+    columns = v[span]
+    if width > v.shape[-1]:
+        columns = torch.cat((columns, v.new_zeros(tokens, heads, width - v.shape[-1])), -1)
+    discard = torch.empty(tokens, heads, width, dtype=state.dtype)
+    kda_chunked_span(q[span], k[span], columns, g[span], beta[span], state, discard, 0, tokens, **prep)
+
+
+def segment_map(q, k, v, g, beta, span, **prep):
+    """``(ℬ [H, K, V], 𝒜 [H, K, K])`` of the tokens ``span`` of one sequence's rows: the state after them is
+    ``𝒜·S + ℬ`` for an entry state ``S [H, K, V]`` (the exit from a zero state, and that of K identity columns,
+    walked together)."""
+    heads, key_dim, value_dim = q.shape[1], q.shape[2], v.shape[2]
+    state = torch.zeros(heads, key_dim, value_dim + key_dim, dtype=prep.get("dtype", torch.float32))
+    state[:, :, value_dim:] = torch.eye(key_dim, dtype=state.dtype)
+    _walk_segment(q, k, v, g, beta, span, state, **prep)
+    return state[:, :, :value_dim], state[:, :, value_dim:]
+
+
+def open_segment_maps(q, k, v, g, beta, segment_tokens, **prep):
+    """The maps :func:`segment_map` of one sequence's segments of ``segment_tokens`` tokens from its first (rows
+    ``[T, H, ·]``), every one from a zero state, the first too: the CPU path of a prefill whose entry state comes
+    later (:func:`fastkda.kda_prefill_open`; on the GPU :func:`fastkda.ops.prefill.open_entry_transitions`)."""
+    length = q.shape[0]
+    return [segment_map(q, k, v, g, beta, slice(first, min(first + segment_tokens, length)), **prep)
+            for first in range(0, length, segment_tokens)]
+
+
+def compose_segment_maps(maps, heads, key_dim, value_dim, dtype=torch.float32):
+    """``(ℬ, 𝒜)`` of segments one after the other, from their maps in order (the identity map for none)."""
+    offset = torch.zeros(heads, key_dim, value_dim, dtype=dtype)
+    transition = torch.eye(key_dim, dtype=dtype).expand(heads, key_dim, key_dim).clone()
+    for segment_offset, segment_transition in maps:
+        offset = torch.baddbmm(segment_offset, segment_transition, offset)
+        transition = torch.bmm(segment_transition, transition)
+    return offset, transition
+
+
+def run_from_segment_maps(q, k, v, g, beta, maps, segment_tokens, S, out, **prep):
+    """The rest of :func:`open_segment_maps`'s prefill once its entry state ``S [H, K, V]`` is known (updated in
+    place to the exit state): each segment's entry composed from the one before by its map, then every segment
+    walked from its entry, writing its rows of ``out [T, H, V]``."""
+    entry = S.clone()
+    length = q.shape[0]
+    for first, (segment_offset, segment_transition) in zip(range(0, length, segment_tokens), maps):
+        S.copy_(entry)
+        kda_chunked_span(q, k, v, g, beta, S, out, first, min(first + segment_tokens, length), **prep)
+        entry = torch.baddbmm(segment_offset, segment_transition, entry)
+
+
 def kda_segmented_span(q, k, v, g, beta, S, out, start, end, segment_tokens, *, checkpoints=None, **prep):
     """:func:`kda_chunked_span` in the sequence-parallel form (``docs/sequence-parallel.md``), the GPU's
     segmentation on the CPU: the tokens ``[start, end)`` cut into segments of ``segment_tokens`` from ``start``;
@@ -266,23 +321,17 @@ def kda_segmented_span(q, k, v, g, beta, S, out, start, end, segment_tokens, *, 
     checkpoints (offsets from ``start``, as :func:`kda_chunked_span` takes them) and, into ``S``, the exit
     state."""
     checkpoints = checkpoints or {}
-    heads, key_dim, value_dim = q.shape[1], q.shape[2], v.shape[2]
     firsts = list(range(start, end, segment_tokens))
     entries = [S.clone()]
     for j, first in enumerate(firsts[:-1]):
         span = slice(first, first + segment_tokens)
-        identity = j > 0  # the first segment starts from the true entry state: its exit needs no transition
-        state = torch.zeros(heads, key_dim, value_dim + (key_dim if identity else 0), dtype=S.dtype)
-        if identity:
-            state[:, :, value_dim:] = torch.eye(key_dim, dtype=S.dtype)
-            columns = torch.cat((v[span], v.new_zeros(segment_tokens, heads, key_dim)), -1)
+        if j == 0:  # the first segment starts from the true entry state: its exit needs no transition
+            state = entries[0].clone()
+            _walk_segment(q, k, v, g, beta, span, state, **prep)
+            entries.append(state)
         else:
-            state.copy_(entries[0])
-            columns = v[span]
-        discard = torch.empty(segment_tokens, heads, state.shape[-1], dtype=S.dtype)
-        kda_chunked_span(q[span], k[span], columns, g[span], beta[span], state, discard, 0, segment_tokens, **prep)
-        exit_state = state[:, :, :value_dim]
-        entries.append(exit_state if not identity else torch.baddbmm(exit_state, state[:, :, value_dim:], entries[-1]))
+            exit_state, transition = segment_map(q, k, v, g, beta, span, **prep)
+            entries.append(torch.baddbmm(exit_state, transition, entries[-1]))
     for first, entry in zip(firsts, entries):
         last = min(first + segment_tokens, end)
         offset = first - start

@@ -215,3 +215,43 @@ def test_bad_sequence_parallel_arguments_are_rejected():
             fastkda.kda_prefill(*args, **kw, **{name: bad})
     with pytest.raises(ValueError, match="sequence_parallel"):
         fastkda.kda_prefill(*args, **kw, plan=plan_for(inp, sms=1), sequence_parallel=64)
+
+
+def test_open_entry_prefill_equals_the_prefill_from_its_entry():
+    """The two halves of a prefill whose entry state comes later (several segments, K != V, two rows, bf16 entry)
+    give what kda_prefill gives from that entry state, and its map gives the final state of any entry; the second
+    half runs again with another entry; no tokens: the identity map."""
+    inp = make_inputs([200, 200], varlen=False, key_dim=64, value_dim=128, gate="weak", seed=11)
+    inp["beta"] = inp["beta"] - 3.0  # the entry outlives the tokens, so a wrong map shows
+    tensors = [inp[name] for name in ("q", "k", "v", "g", "beta")]
+    opened = fastkda.kda_prefill_open(*tensors, sequence_parallel=64)
+    assert opened.plan.segment_tokens == 64 and opened.exit_map.shape == (2, 2, 192, 64)
+    for entry in (inp["initial_state"], torch.randn(2, 2, 128, 64).to(torch.bfloat16)):
+        want_o, want_s = fastkda.kda_prefill(*tensors, initial_state=entry, output_final_state=True)
+        o, state = opened.finish(entry)
+        assert rel_err(o, want_o) < 1e-3 and rel_err(state, want_s) < 1e-5  # o: bf16, rounded once here and there
+        mapped = entry.float() @ opened.exit_map[:, :, 128:] + opened.exit_map[:, :, :128]
+        assert rel_err(mapped, want_s) < 1e-5
+        _, alone = fastkda.kda_prefill(*tensors, output_final_state=True)
+        assert rel_err(alone, want_s) > 0.1  # the entry matters
+    empty = fastkda.kda_prefill_open(*(x[:, :0] for x in tensors))
+    entry = inp["initial_state"]
+    assert torch.equal(empty.exit_map[:, :, 128:], torch.eye(64).expand(2, 2, 64, 64))
+    assert not empty.exit_map[:, :, :128].any()
+    o, state = empty.finish(entry)
+    assert o.shape == (2, 0, 2, 128) and torch.equal(state, entry)
+
+
+def test_open_entry_prefill_rejects_bad_arguments():
+    inp = make_inputs([64], varlen=False, seed=12)
+    tensors = [inp[name] for name in ("q", "k", "v", "g", "beta")]
+    gate = dict(A_log=inp["A_log"], dt_bias=inp["dt_bias"], lower_bound=inp["lower_bound"])
+    with pytest.raises(ValueError, match="sequence_parallel"):
+        fastkda.kda_prefill_open(*tensors, **gate, sequence_parallel=False)
+    with pytest.raises(ValueError, match="beta"):
+        fastkda.kda_prefill_open(*tensors[:4], tensors[4][:, :3], **gate)
+    opened = fastkda.kda_prefill_open(*tensors, **gate)
+    with pytest.raises(ValueError, match="entry_state"):
+        opened.finish(torch.zeros(1, 2, 64, 32))
+    with pytest.raises(ValueError, match="entry_state"):
+        opened.finish(torch.zeros(1, 2, 64, 64, dtype=torch.float16))

@@ -1,8 +1,9 @@
-"""GPU test of context parallelism's arithmetic (run on the H200; skipped without CUDA): the transitions of three
-parts of one H12 sequence, formed on the GPU by ``segment_transition`` (one prefill over a batch of expanded
-inputs and identity entry rows), composed in order, against the float64 recurrence of the whole sequence: within
+"""GPU tests of context parallelism's arithmetic (run on the H200; skipped without CUDA): the transitions of three
+parts of one H12 sequence, formed on the GPU by ``segment_transition`` (the map of
+:func:`fastkda.kda_prefill_open`), composed in order, against the float64 recurrence of the whole sequence: within
 the accuracy bar and within twice the error of the GPU's own prefill of the whole sequence (the two differ by their
-bf16 roundings, up to 4e-3 here, so neither is the other's reference)."""
+bf16 roundings, up to 4e-3 here, so neither is the other's reference); and the open-entry prefill's second half
+from an entry state against the float64 prefill from it."""
 
 import pytest
 import torch
@@ -45,3 +46,35 @@ def test_composed_transitions_equal_the_whole_prefill(key_dim, value_dim):
         state = torch.baddbmm(offset, state, transition)
     composed_err = rel_err(state.cpu(), exact[0])
     assert composed_err < 4e-3 and composed_err < 2 * whole_err, (composed_err, whole_err)
+
+
+@pytest.mark.parametrize("key_dim,value_dim,segment_tokens", [(128, 128, "auto"), (128, 128, 512), (64, 128, 320)])
+def test_open_entry_prefill_from_its_entry(key_dim, value_dim, segment_tokens):
+    """``kda_prefill_open`` then ``finish(entry)`` on the GPU (several segments, a partial last one) against the
+    float64 prefill from that entry: within the bar and within 1.1x of kda_prefill's own error from it; its map
+    applied to the entry, alike; finishing twice gives the same bits."""
+    heads, tokens = 12, 3000
+    gen = torch.Generator().manual_seed(1)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen).to("cuda", torch.bfloat16)
+    q, k, g = (randn(1, tokens, heads, key_dim) for _ in range(3))
+    v, beta = randn(1, tokens, heads, value_dim), randn(1, tokens, heads) - 3.0
+    gate = dict(A_log=torch.zeros(heads, device="cuda"), dt_bias=torch.full((heads, key_dim), -10.0, device="cuda"),
+                lower_bound=-5.0)
+    entry = 0.1 * torch.randn(1, heads, value_dim, key_dim, device="cuda")
+    cpu = {name: x.cpu() for name, x in gate.items() if isinstance(x, torch.Tensor)}
+    exact_o, exact_s = kda_reference(*(x.cpu() for x in (q, k, v, g, beta)), **cpu, lower_bound=gate["lower_bound"],
+                                     initial_state=entry.cpu())
+    whole_o, whole_s = fastkda.kda_prefill(q, k, v, g, beta, initial_state=entry, output_final_state=True, **gate)
+    opened = fastkda.kda_prefill_open(q, k, v, g, beta, sequence_parallel=segment_tokens, **gate)
+    assert -(-tokens // opened.plan.segment_tokens) > 1
+    o, state = opened.finish(entry)
+    for got, want, whole, bar in ((o, exact_o, whole_o, 4e-3), (state, exact_s, whole_s, 3e-3)):
+        err = rel_err(got.cpu(), want)
+        assert err < bar and err < 1.1 * max(rel_err(whole.cpu(), want), 1e-3), (err, rel_err(whole.cpu(), want))
+    mapped = entry @ opened.exit_map[:, :, value_dim:] + opened.exit_map[:, :, :value_dim]
+    assert rel_err(mapped.cpu(), exact_s) < 3e-3
+    assert rel_err(opened.exit_map[:, :, :value_dim].cpu(), exact_s) > 0.1  # the entry matters
+    again_o, again_state = opened.finish(entry)
+    assert torch.equal(again_o, o) and torch.equal(again_state, state)

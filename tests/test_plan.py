@@ -229,3 +229,21 @@ def test_segments_stay_within_the_grid_and_need_tokens():
     with pytest.raises(ValueError, match="grid"):
         choose_plan(33000, 16, 98536, 128, 128, 132, sequence_parallel=64)
     assert choose_plan(2, 4, 0, 64, 64, 132, varlen=False, sequence_parallel=64).segment_chunks == 0
+
+
+def test_open_entry_plans_are_always_segmented():
+    """A prefill whose entry state comes later runs in segments at any length (1 to MAX_SEGMENTS of them), the
+    forced length when one is given; no tokens, or sequence_parallel=False, is refused."""
+    from fastkda.plan import MAX_SEGMENTS, choose_open_entry_plan
+
+    for tokens in (1, 100, 4096, 262144):
+        plan = choose_open_entry_plan(1, 12, tokens, 128, 128, 132)
+        assert plan.segment_chunks and not plan.varlen
+        assert -(-tokens // plan.segment_tokens) <= MAX_SEGMENTS
+    long = choose_open_entry_plan(1, 12, 262144, 128, 128, 132)
+    assert -(-262144 // long.segment_tokens) > 8  # a long part is cut across the SMs
+    assert choose_open_entry_plan(2, 4, 1000, 64, 64, 132, sequence_parallel=96).segment_tokens == 96
+    with pytest.raises(ValueError, match="seq_len"):
+        choose_open_entry_plan(1, 12, 0, 128, 128, 132)
+    with pytest.raises(ValueError, match="sequence_parallel"):
+        choose_open_entry_plan(1, 12, 100, 128, 128, 132, sequence_parallel=False)

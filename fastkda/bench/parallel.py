@@ -6,6 +6,13 @@ Two workloads, each at every world size from 1 to ``--world`` (processes of one 
 - tensor parallelism (:class:`fastkda.layers.TensorParallelKimiDeltaAttention`): the layer's packed prefill of the
   chunked mix's lengths (scaled by ``--scale``), its heads split over the ranks.
 
+``--one-device`` measures instead, on this one device and without a process group, what context parallelism's
+scaling is made of: the single-device prefill of the whole sequence (:func:`fastkda.kda_prefill`, its automatic
+plan), and for each of ``--worlds`` the work of one rank of that many (a part of ``--tokens / world`` tokens: the
+first half of :func:`fastkda.kda_prefill_open`, the composition of an entry state from ``world − 1`` maps, and the
+second half), so that ``scaling`` is the whole prefill's time over ``world`` times a rank's: what NCCL runs would
+reach but for the one all-gather of each rank's map (``H·(K + V)·K`` fp32 values).
+
 Each call is timed on every rank between barriers (the slowest rank's time, as a caller sees it), median of
 ``--repeats``; the rows give ms per call, tokens per second per rank and the scaling against one process
 (tokens/s per rank over one process's tokens/s: 1.0 is linear). NCCL over the machine's GPUs where it
@@ -99,6 +106,75 @@ def _tensor_call(args, rank, world, device):
 WORKLOADS = {"context": _context_call, "tensor": _tensor_call}
 
 
+def _sequence_part(args, tokens, device):
+    """Random inputs of one sequence's ``tokens`` tokens (bf16 on a GPU) and the lower-bound gate's keywords."""
+    gen = torch.Generator().manual_seed(0)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen).to(device, dtype)
+    inputs = [randn(1, tokens, args.heads, args.dim) for _ in range(4)] + [randn(1, tokens, args.heads)]
+    gate = dict(A_log=torch.rand(args.heads, device=device), dt_bias=torch.rand(args.heads, args.dim, device=device),
+                lower_bound=-5.0)
+    return inputs, gate
+
+
+def _timed_alone(run, device, repeats):
+    """Median ms of ``run`` over ``repeats`` calls after a warm-up one, synchronised around each."""
+    run()
+    times = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        run()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+def _whole_prefill_ms(args, device):
+    """Median ms of the single-device prefill of the whole ``--tokens`` sequence."""
+    from ..api import kda_prefill
+
+    inputs, gate = _sequence_part(args, args.tokens, device)
+    return _timed_alone(lambda: kda_prefill(*inputs, **gate), device, args.repeats)
+
+
+def _rank_work_ms(args, world, device):
+    """Median ms of one rank's work among ``world``: the open-entry prefill of its part, its entry composed from
+    ``world − 1`` maps, and the second half from it."""
+    from ..api import kda_prefill_open
+
+    inputs, gate = _sequence_part(args, args.tokens // world, device)
+    earlier = torch.randn(max(world - 1, 1), args.heads, 2 * args.dim, args.dim, device=device) * 0.01
+
+    def rank_work():
+        opened = kda_prefill_open(*inputs, **gate)
+        entry = earlier[0, :, args.dim:]
+        for exit_map in earlier[1:]:
+            entry = torch.baddbmm(exit_map[:, :args.dim], entry, exit_map[:, args.dim:])
+        return opened.finish(entry[None].contiguous())
+    return _timed_alone(rank_work, device, args.repeats)
+
+
+def one_device_rows(args, device):
+    """The ``--one-device`` rows (module docstring): the whole sequence's prefill, then one rank's work per world."""
+    ms = _whole_prefill_ms(args, device)
+    rows = [dict(workload="prefill", world=1, ms=round(ms, 4), tokens=args.tokens,
+                 tokens_per_s_per_rank=round(args.tokens / ms * 1e3, 1))]
+    for world in args.worlds:
+        part = args.tokens // world
+        ms = _rank_work_ms(args, world, device)
+        rows.append(dict(workload="context rank", world=world, ms=round(ms, 4), tokens=part * world,
+                         tokens_per_s_per_rank=round(part / ms * 1e3, 1)))
+        print(f"[parallel] {rows[-1]}", flush=True)
+    for r in rows:
+        r["scaling"] = round(r["tokens_per_s_per_rank"] / rows[0]["tokens_per_s_per_rank"], 3)
+    return rows
+
+
 def _rank_main(rank, world, port, backend, args, results):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
@@ -129,17 +205,24 @@ def main(argv=None):
     parser.add_argument("--hidden", type=int, help="the layer's width (default 2048 on GPUs, 256 on the CPU)")
     parser.add_argument("--scale", type=float, help="the chunked mix's lengths times this (default 1; 0.1 on the CPU)")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--one-device", action="store_true",
+                        help="context parallelism's parts one after another on this one device (module docstring)")
+    parser.add_argument("--worlds", type=int, nargs="*", default=[1, 2, 4, 8],
+                        help="world sizes whose rank's work --one-device measures")
     parser.add_argument("--out", default="fastkda-results")
     args = parser.parse_args(argv)
-    backend = "nccl" if on_gpu and torch.cuda.device_count() >= args.world else "gloo"
-    gpu = backend == "nccl"
+    if args.one_device:
+        backend, gpu = "one device", on_gpu
+    else:
+        backend = "nccl" if on_gpu and torch.cuda.device_count() >= args.world else "gloo"
+        gpu = backend == "nccl"
     args.tokens = args.tokens or (1 << 20 if gpu else 4096)
     args.dim = args.dim or (128 if gpu else 64)
     args.hidden = args.hidden or (2048 if gpu else 256)
     args.scale = args.scale if args.scale is not None else 1.0 if gpu else 0.1
+    rows = one_device_rows(args, torch.device("cuda" if gpu else "cpu")) if args.one_device else []
     results = mp.get_context("spawn").SimpleQueue()
-    rows = []
-    for world in range(1, args.world + 1):
+    for world in range(1, args.world + 1) if not args.one_device else ():
         chosen = [name for name in args.workloads if name != "tensor" or args.heads % world == 0]
         if chosen != args.workloads:
             print(f"[parallel] world {world}: {args.heads} heads do not split, tensor parallelism skipped", flush=True)
@@ -149,7 +232,7 @@ def main(argv=None):
             rows.append(results.get())
             print(f"[parallel] {rows[-1]}", flush=True)
     single = {r["workload"]: r["tokens_per_s_per_rank"] for r in rows if r["world"] == 1}
-    for r in rows:
+    for r in rows if not args.one_device else ():
         r["scaling"] = round(r["tokens_per_s_per_rank"] / single[r["workload"]], 3) if r["workload"] in single else None
     device = torch.device("cuda") if gpu else torch.device("cpu")
     meta = dict(backend=backend, device=device_name(device), commit=git_commit(), run=run_id(),
@@ -157,12 +240,14 @@ def main(argv=None):
                                                           ("tokens", "heads", "dim", "hidden", "scale", "repeats")})
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    stem = out / f"{meta['date']}-{meta['device'].replace(' ', '_')}-parallel"
+    stem = out / f"{meta['date']}-{meta['device'].replace(' ', '_')}-parallel{'-one-device' if args.one_device else ''}"
     stem.with_suffix(".json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
     lines = [f"# KDA across processes, {meta['device']} ({backend}), {meta['date']}, commit {meta['commit']}", "",
              f"Context parallelism: one sequence of {args.tokens} tokens at H = {args.heads}, D = {args.dim}. Tensor "
              f"parallelism: the layer's prefill of the chunked mix ×{args.scale}, hidden {args.hidden}. Median ms "
-             "between barriers; scaling = tokens/s per rank against one process's (1.0 is linear).", "",
+             "between barriers; scaling = tokens/s per rank against one process's (1.0 is linear)."
+             + (" One device (--one-device): a rank's work alone, scaling against the whole sequence's single-device "
+                "prefill (the `prefill` row), without the exchange." if args.one_device else ""), "",
              "| workload | world | ms | tokens/s per rank | scaling |", "|---|---:|---:|---:|---:|"]
     lines += [f"| {r['workload']} | {r['world']} | {r['ms']:.3f} | {r['tokens_per_s_per_rank']:.0f} | "
               f"{r['scaling'] if r['scaling'] is not None else '—'} |" for r in rows]

@@ -2,12 +2,15 @@
 across processes instead of SMs).
 
 Each token's update is affine in the state, so a rank's tokens map its entry state ``X`` (fastkda's V-first
-``[H, V, K]``, the transpose of spec §8's ``S``) to its exit state as ``X_out = X·𝒜ᵀ + ℬᵀ``. Every rank but the
-first forms its transition ``(𝒜ᵀ, ℬᵀ)`` from its own tokens (:func:`segment_transition`, one prefill call over a
-small batch), while the first runs its tokens from the sequence's initial state; one all-gather then gives every
-rank the first rank's exit state and the transitions before its own, from which it composes its true entry state,
-and runs its tokens from there. Outputs equal a single run's within fp32 rounding of the composition; the last
-rank's exit state is the sequence's final state.
+``[H, V, K]``, the transpose of spec §8's ``S``) to its exit state as ``X_out = X·𝒜ᵀ + ℬᵀ``. Every rank runs the
+first half of a prefill whose entry state comes later (:func:`fastkda.kda_prefill_open`: the preparation, each of
+its segments' transitions, composed into its map ``(𝒜ᵀ, ℬᵀ)``), the first rank applying its map to the
+sequence's initial state; one all-gather gives every rank the first rank's exit state and the maps of the ranks
+before it, from which it composes its true entry state, and the second half reruns its segments from there. A
+rank's two halves cost about one sequence-parallel prefill of its tokens (the segments' transitions, which a
+single GPU's prefill of the whole sequence forms too, are formed once), so the ranks scale with the tokens they
+hold. Outputs equal a single run's within the accuracy bound; the last rank's exit state is the sequence's final
+state.
 
 A rank whose call fails still enters each exchange, with a flag: every rank then raises at once (the failing one
 its own error, the others one naming it). A rank that dies, or never calls, leaves the others in the exchange
@@ -18,31 +21,17 @@ connection closes; on gloo they then raise an error naming the exchange (NCCL's 
 import torch
 import torch.distributed as dist
 
-from ..api import kda_prefill
+from ..api import kda_prefill_open
 
 
 def segment_transition(q, k, v, g, beta, **prefill_kw):
     """``(𝒜ᵀ [H, K, K], ℬᵀ [H, V, K])``, fp32, of one sequence's tokens (spec §8, transposed to fastkda's V-first
-    states): the state after them is ``X·𝒜ᵀ + ℬᵀ`` for an entry state ``X [H, V, K]``. One
-    :func:`fastkda.kda_prefill` over a small batch: the tokens from a zero state (``ℬᵀ``), and ``ceil(K / V)``
-    copies of them with ``v = 0`` from identity rows of the state (the rows of ``𝒜ᵀ``). q, k, g ``[1, T, H, K]``,
+    states): the state after them is ``X·𝒜ᵀ + ℬᵀ`` for an entry state ``X [H, V, K]``. q, k, g ``[1, T, H, K]``,
     v ``[1, T, H, V]``, beta ``[1, T, H]``; ``prefill_kw``: the gate's and flags' keywords of
-    :func:`fastkda.kda_prefill`."""
-    _, tokens, heads, key_dim = k.shape
+    :func:`fastkda.kda_prefill_open`, whose ``exit_map`` this is."""
+    exit_map = kda_prefill_open(q, k, v, g, beta, **prefill_kw).exit_map[0]
     value_dim = v.shape[-1]
-    blocks = -(-key_dim // value_dim)
-    entry = torch.zeros(1 + blocks, heads, value_dim, key_dim, dtype=torch.float32, device=k.device)
-    for b in range(blocks):
-        rows = torch.arange(min(value_dim, key_dim - b * value_dim), device=k.device)
-        entry[1 + b, :, rows, b * value_dim + rows] = 1.0
-
-    def repeat(x):
-        return x.expand(1 + blocks, *x.shape[1:])
-    values = torch.cat((v, v.new_zeros(blocks, tokens, heads, value_dim)))
-    _, exits = kda_prefill(repeat(q), repeat(k), values, repeat(g), repeat(beta), initial_state=entry,
-                           output_final_state=True, **prefill_kw)
-    rows_of_a = exits[1:].transpose(0, 1).reshape(heads, blocks * value_dim, key_dim)[:, :key_dim]
-    return rows_of_a.contiguous(), exits[0]
+    return exit_map[:, value_dim:].contiguous(), exit_map[:, :value_dim].contiguous()
 
 
 def _exchange(tensor, group, rank, what):
@@ -85,16 +74,12 @@ def context_parallel_prefill(q, k, v, g, beta, *, group=None, initial_state=None
     if any(not torch.equal(s, shapes[0]) for s in shapes):
         raise ValueError("context_parallel_prefill: every rank must hold the same heads and dimensions, got (H, K, "
                          f"V) = {[tuple(s.tolist()) for s in shapes]}")
-    try:
-        if rank == 0:  # runs from the true initial state now; its exit state is the next rank's entry
-            o, exit_state = _run(q, k, v, g, beta, initial_state, prefill_kw)
-            transition = torch.zeros(heads, key_dim, key_dim, dtype=torch.float32, device=device)
-            offset = exit_state[0]
-        elif tokens == 0:  # no tokens: the identity map
-            transition = torch.eye(key_dim, dtype=torch.float32, device=device).expand(heads, key_dim, key_dim)
-            offset = torch.zeros(heads, value_dim, key_dim, dtype=torch.float32, device=device)
-        else:
-            transition, offset = segment_transition(q, k, v, g, beta, **prefill_kw)
+    try:  # this rank's map, and the first rank's exit state in place of its ℬᵀ
+        opened = kda_prefill_open(q, k, v, g, beta, **prefill_kw)
+        exit_map = opened.exit_map[0]
+        transition, offset = exit_map[:, value_dim:], exit_map[:, :value_dim]
+        if rank == 0 and initial_state is not None:
+            offset = torch.baddbmm(offset, initial_state[0].float(), transition)
         payload = torch.cat((torch.cat((transition, offset), dim=1).reshape(-1), torch.zeros(1, device=device)))
     except Exception as exc:  # re-raised below, after the others have been told
         failure = exc
@@ -102,12 +87,12 @@ def context_parallel_prefill(q, k, v, g, beta, *, group=None, initial_state=None
     parts = _exchange(payload, group, rank, "segment transitions")
     _raise_together(failure, [bool(p[-1] != 0) for p in parts], rank, "the exchange of segment transitions")
     if rank == 0:
-        return o, exit_state
+        return opened.finish(initial_state)
     parts = [p[:-1].view(heads, key_dim + value_dim, key_dim) for p in parts]
     entry = parts[0][:, key_dim:]  # rank 0's exit state
     for part in parts[1:rank]:
         entry = torch.baddbmm(part[:, key_dim:], entry, part[:, :key_dim])  # X·𝒜ᵀ + ℬᵀ
-    return _run(q, k, v, g, beta, entry[None].contiguous(), prefill_kw)
+    return opened.finish(entry[None].contiguous())
 
 
 def _raise_together(failure, failed, rank, stage):
@@ -118,15 +103,3 @@ def _raise_together(failure, failed, rank, stage):
     if any(failed):
         raise RuntimeError(f"context_parallel_prefill on rank {rank}: rank(s) {[r for r, f in enumerate(failed) if f]} "
                            f"failed before {stage} (their own errors say why)")
-
-
-def _run(q, k, v, g, beta, initial_state, prefill_kw):
-    """:func:`fastkda.kda_prefill` of one part from ``initial_state`` (None: zeros): ``(o, fp32 exit state)``."""
-    if q.shape[1] == 0:
-        heads, key_dim, value_dim = k.shape[2], k.shape[3], v.shape[3]
-        exit_state = (initial_state.float().clone() if initial_state is not None else
-                      torch.zeros(1, heads, value_dim, key_dim, dtype=torch.float32, device=k.device))
-        return v.new_zeros(v.shape), exit_state
-    o, exit_state = kda_prefill(q, k, v, g, beta, initial_state=initial_state, output_final_state=True,
-                                **prefill_kw)
-    return o, exit_state.float()

@@ -247,3 +247,66 @@ def test_sequence_parallel_launches_follow_the_plan(monkeypatch):
     assert grid == plan.scan_grid == (8, 3, 2) and meta["num_warps"] == 2 and meta["SW"] == plan.scan_width
     _, grid, meta = launched[4]
     assert grid == plan.recurrence_grid == (2, 3, 2 + plan.segment_slots) and meta["SEGMENTED"]
+
+
+def run_open_entry(inp, entry, v_slices=1, segment_tokens=64, **plan_changes):
+    """The open-entry kernels (:func:`fastkda.ops.prefill.open_entry_transitions`, then ``open_entry_finish`` from
+    ``entry``) for ``inp``'s fixed-length rows, into NaN-poisoned buffers: ``(exit_map, out, final)``."""
+    from fastkda.ops.prefill import open_entry_finish, open_entry_transitions
+    from fastkda.plan import choose_open_entry_plan
+
+    q, v = inp["q"], inp["v"]
+    batch, length, heads, key_dim = q.shape
+    value_dim = v.shape[3]
+    plan = choose_open_entry_plan(batch, heads, length, key_dim, value_dim, 132,
+                                  lower_bound_gate=inp["lower_bound"] is not None, sequence_parallel=segment_tokens)
+    plan = plan.replace(v_slices=v_slices, state_rows_v=value_dim // v_slices >= 64, **plan_changes)
+    exit_map = torch.full((batch, heads, value_dim + key_dim, key_dim), float("nan"))
+    ws = open_entry_transitions(q, inp["k"], v, inp["g"], inp["beta"], plan=plan, A_log=inp["A_log"],
+                                dt_bias=inp["dt_bias"], lower_bound=inp["lower_bound"], scale=key_dim ** -0.5,
+                                use_qk_l2norm=True, use_beta_sigmoid=True, exit_maps=exit_map)
+    out = torch.full_like(v, float("nan"))
+    final = torch.full((batch, heads, value_dim, key_dim), float("nan"))
+    open_entry_finish(plan, ws, entry, out, final)
+    return exit_map, out, final
+
+
+OPEN_CASES = [  # (inputs, tokens per segment): several segments and a partial last one, one segment, K != V
+    (dict(lengths=[150, 150], varlen=False, gate="weak", heads=1), 64),
+    (dict(lengths=[40], varlen=False, gate="lower_bound"), 64),
+    (dict(lengths=[97], varlen=False, key_dim=128, value_dim=64, gate="weak", heads=1), 32),
+    (dict(lengths=[70], varlen=False, key_dim=64, value_dim=128, gate="weak", heads=1), 64),
+]
+
+
+@pytest.mark.parametrize("case,segment_tokens", OPEN_CASES)
+def test_open_entry_kernels_match_float64(case, segment_tokens):
+    """The map of every row (from the entry [0; I]) gives the float64 final state of any entry; the second half
+    from an entry state gives the float64 prefill from it, as does the map applied to it: within the bar, or
+    (where the weak gate's long-lived state takes the serial path past it) within 10% of the serial error."""
+    inp = make_inputs(seed=sum(case["lengths"]) + 2, **case)
+    inp["beta"] = inp["beta"] - 3.0  # sigmoid ~ 0.05: the entry state outlives the tokens, so a wrong 𝒜 shows
+    entry = inp.pop("initial_state")
+    exit_map, out, final = run_open_entry(inp, entry, segment_tokens=segment_tokens)
+    ref_o, ref_s = reference(dict(inp, initial_state=entry))
+    serial_o, serial_s = run_triton(dict(inp, initial_state=entry))
+    out_bound = max(OUT_BOUND, 1.1 * rel_err(serial_o, ref_o))
+    state_bound = max(STATE_BOUND, 1.1 * rel_err(serial_s, ref_s))
+    _, from_zero = reference(dict(inp, initial_state=None))
+    value_dim = inp["v"].shape[3]
+    assert rel_err(out, ref_o) < out_bound and rel_err(final, ref_s) < state_bound
+    assert rel_err(exit_map[:, :, :value_dim], from_zero) < STATE_BOUND
+    mapped = entry.float() @ exit_map[:, :, value_dim:] + exit_map[:, :, :value_dim]  # X·𝒜ᵀ + ℬᵀ
+    assert rel_err(mapped, ref_s) < state_bound
+    if case["gate"] == "weak":  # the entry outlives the tokens: the map's linear part is tested
+        assert rel_err(exit_map[:, :, :value_dim], ref_s) > 0.1
+
+
+def test_open_entry_bits_across_slices_and_widths():
+    """One segmentation, any V-slices and transition width: the same map, outputs and final state."""
+    inp = make_inputs([130, 130], varlen=False, heads=1, key_dim=64, value_dim=128, gate="weak", seed=8)
+    entry = inp.pop("initial_state")
+    base = run_open_entry(inp, entry, 1)
+    for v_slices, width in ((2, 32), (4, 64)):
+        again = run_open_entry(inp, entry, v_slices, transition_width=width)
+        assert all(torch.equal(a, b) for a, b in zip(again, base)), (v_slices, width)

@@ -105,11 +105,13 @@ def prefill_launches(plan, checkpoints=0, l2norm=True, beta_sigmoid=True):
         transition_args = dict(
             shared, kg_at=at.kg, scratch_at=at.scratch, transitions_at=at.transitions, initial_state=F32,
             cu_seqlens=cu, num_seqs=plan.num_seqs, v=BF16, stride_v=H * V, H=H, K=K, V=V, BV=plan.transition_width,
-            HAS_INITIAL=True, STATE_ROWS_V=plan.transition_rows_v, segment_chunks=plan.segment_chunks)
+            HAS_INITIAL=True, STATE_ROWS_V=plan.transition_rows_v, segment_chunks=plan.segment_chunks,
+            OPEN_ENTRY=False)
         scan_args = dict(ws_fp32=F32, transitions_at=at.transitions, entries_at=at.entries, initial_state=F32,
-                         cu_seqlens=cu, errors=I32, seq_len=plan.seq_len, segment_chunks=plan.segment_chunks, H=H,
-                         K=K, V=V, SW=plan.scan_width, C=plan.chunk, IS_VARLEN=plan.varlen, HAS_INITIAL=True,
-                         DOT_PRECISION=plan.dot_precision)
+                         exit_maps=F32, cu_seqlens=cu, errors=I32, seq_len=plan.seq_len,
+                         segment_chunks=plan.segment_chunks, H=H, K=K, V=V, SW=plan.scan_width, C=plan.chunk,
+                         IS_VARLEN=plan.varlen, HAS_INITIAL=True, DOT_PRECISION=plan.dot_precision, OPEN_ENTRY=False,
+                         COMPOSE=False)
         found.update(transition=(recurrence.transition_kernel, transition_args, plan.transition_warps,
                                  plan.recurrence_stages, None),
                      scan=(scan.segment_scan_kernel, scan_args, plan.scan_warps, plan.scan_stages, None))

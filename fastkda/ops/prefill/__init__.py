@@ -12,6 +12,11 @@ Under sequence parallelism (the plan's ``segment_chunks``) the third stage is th
 transitions (``recurrence.py`` over V + K columns from zero and identity states), the scan over each sequence's
 segments (``scan.py``), and the recurrence over every segment from its entry state.
 
+A prefill whose entry state is not known when it starts (context parallelism: the tokens before it run on
+another GPU) splits in two: :func:`open_entry_transitions` runs the preparation, every segment's transition and a
+scan that composes them into the sequence's map; :func:`open_entry_finish`, once the entry state is known, the scan
+from it and the rerun.
+
 ``layout.py`` defines where chunks and the workspace between the stages live. Every launch number comes from the
 :class:`fastkda.plan.PrefillPlan` the caller passes; nothing here decides one.
 """
@@ -45,3 +50,32 @@ def chunk_kda_forward(q, k, v, g, beta, *, plan, A_log, dt_bias, lower_bound, sc
             launch_scan(plan, ws, initial_state, errors)
         launch_recurrence(plan, ws, out, initial_state, final_state, checkpoint_offsets, checkpoint_states, errors,
                           emulate)
+
+
+def open_entry_transitions(q, k, v, g, beta, *, plan, A_log, dt_bias, lower_bound, scale, use_qk_l2norm,
+                           use_beta_sigmoid, exit_maps, errors=None):
+    """The first half of a prefill whose entry state comes later, on validated inputs (as
+    :func:`chunk_kda_forward` takes them, fixed-length rows) and a segmented ``plan``: writes each sequence's map
+    ``exit_maps [N, H, V + K, K]`` (fp32, contiguous; rows ``[ℬᵀ; 𝒜ᵀ]``: the exit from an entry ``X [V, K]`` is
+    ``X·𝒜ᵀ + ℬᵀ``) and returns the workspace :func:`open_entry_finish` takes."""
+    ws = Workspace.allocate(plan, v, None)
+    emulate = interpreting()
+    if plan.chunk_slots:
+        launch_prepare(plan, ws, q, k, g, beta, A_log, dt_bias, lower_bound, scale, use_qk_l2norm, use_beta_sigmoid,
+                       emulate)
+        launch_solve(plan, ws, beta, use_beta_sigmoid, emulate)
+    if plan.num_seqs:
+        errors = counters(q.device) if errors is None else errors
+        launch_transitions(plan, ws, None, emulate, open_entry=True)
+        launch_scan(plan, ws, None, errors, exit_maps=exit_maps)
+    return ws
+
+
+def open_entry_finish(plan, ws, entry_state, out, final_state, errors=None):
+    """The second half (:func:`open_entry_transitions`): from ``entry_state [N, H, V, K]`` (None: zeros), every
+    segment's entry, then the rerun; writes ``out`` and ``final_state`` in place. It may run again with another
+    entry state."""
+    if plan.num_seqs:
+        errors = counters(ws.v.device) if errors is None else errors
+        launch_scan(plan, ws, entry_state, errors, open_entry=True)
+        launch_recurrence(plan, ws, out, entry_state, final_state, None, None, errors, interpreting())

@@ -79,9 +79,11 @@ def walk_chunks(
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
     IS_VARLEN: tl.constexpr, HAS_INITIAL: tl.constexpr, HAS_FINAL: tl.constexpr, NUM_CKPT: tl.constexpr,
     STATE_ROWS_V: tl.constexpr, EMULATE: tl.constexpr, SEGMENTED: tl.constexpr, TRANSITION: tl.constexpr,
+    OPEN_ENTRY: tl.constexpr,
 ):
     """One (V-slice, head, sequence), or under sequence parallelism one (slice, head, segment slot): the chunks
-    in order (module docstring); ``TRANSITION``: the segment's transition instead (:func:`transition_kernel`)."""
+    in order (module docstring); ``TRANSITION``: the segment's transition instead (:func:`transition_kernel`;
+    ``OPEN_ENTRY``: of every segment, the first's and the last's too)."""
     vs = tl.program_id(0)
     h = tl.program_id(1)
     kd_ws = ws_bf16 + h * K  # each section's rows from head h's first column
@@ -113,7 +115,9 @@ def walk_chunks(
         c0 = j * segment_chunks
         c1 = tl.minimum(c0 + segment_chunks, num_chunks)
         later = ~first_segment & (j > 0)  # a slot program of a later segment (j <= 0 there: the first's, or none)
-        if TRANSITION:  # every segment but the last; the identity columns from the second
+        if TRANSITION and OPEN_ENTRY:  # the entry state is not known yet: every segment, every column
+            active = (first_segment | later) & (c0 < num_chunks)
+        elif TRANSITION:  # every segment but the last; the identity columns from the second
             active = (first_segment | later) & (c1 < num_chunks) & ((vs * BV < V) | (j > 0))
         else:  # every segment; the first also for an empty sequence (its final state and checkpoint 0)
             active = first_segment | (later & (c0 < num_chunks))
@@ -233,7 +237,7 @@ def recurrence_kernel(
     walk_chunks(ws_bf16, ws_fp32, qg_at, kg_at, A_at, scratch_at, 0, entries_at, out, initial_state,
                 final_state, cu_seqlens, errors, ckpt_offsets, ckpt_states, stride_out, seq_len, num_seqs,
                 stride_ckpt_n, stride_ckpt_j, v, stride_v, segment_chunks, H, K, V, BV, C, IS_VARLEN, HAS_INITIAL,
-                HAS_FINAL, NUM_CKPT, STATE_ROWS_V, EMULATE, SEGMENTED, False)
+                HAS_FINAL, NUM_CKPT, STATE_ROWS_V, EMULATE, SEGMENTED, False, False)
 
 
 @triton.jit
@@ -241,13 +245,16 @@ def transition_kernel(
     ws_bf16, ws_fp32, kg_at, scratch_at, transitions_at, initial_state, cu_seqlens, seq_len, num_seqs, v,
     stride_v, segment_chunks, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
     IS_VARLEN: tl.constexpr, HAS_INITIAL: tl.constexpr, STATE_ROWS_V: tl.constexpr, EMULATE: tl.constexpr,
+    OPEN_ENTRY: tl.constexpr,
 ):
     """Sequence parallelism's first phase: one (slice of the V + K columns, head, segment slot), every segment but
     its sequence's last, from a zero state (the first segment from the initial state) and identity columns,
-    steps without outputs; writes the segment's exit and transition (``scan.py``)."""
+    steps without outputs; writes the segment's exit and transition (``scan.py``). ``OPEN_ENTRY`` (the entry state
+    comes later: :func:`fastkda.ops.prefill.open_entry_transitions`): every segment from zero and identity
+    columns, the first and the last too."""
     walk_chunks(ws_bf16, ws_fp32, 0, kg_at, 0, scratch_at, transitions_at, 0, ws_fp32, initial_state, ws_fp32,
                 cu_seqlens, ws_fp32, ws_fp32, ws_fp32, 0, seq_len, num_seqs, 0, 0, v, stride_v, segment_chunks, H, K,
-                V, BV, C, IS_VARLEN, HAS_INITIAL, False, 0, STATE_ROWS_V, EMULATE, True, True)
+                V, BV, C, IS_VARLEN, HAS_INITIAL, False, 0, STATE_ROWS_V, EMULATE, True, True, OPEN_ENTRY)
 
 
 def launch_recurrence(plan, ws, out, initial_state, final_state, checkpoint_offsets, checkpoint_states, errors,
@@ -277,8 +284,9 @@ def launch_recurrence(plan, ws, out, initial_state, final_state, checkpoint_offs
     )
 
 
-def launch_transitions(plan, ws, initial_state, emulate):
-    """Launch :func:`transition_kernel` over ``plan.transition_grid`` (sequence parallelism's first phase)."""
+def launch_transitions(plan, ws, initial_state, emulate, open_entry=False):
+    """Launch :func:`transition_kernel` over ``plan.transition_grid`` (sequence parallelism's first phase; with
+    ``open_entry``, every segment's, none from ``initial_state``)."""
     launch(
         transition_kernel, plan.transition_grid,
         ws.bf16, ws.fp32, ws.layout.kg, ws.layout.scratch, ws.layout.transitions,
@@ -286,5 +294,5 @@ def launch_transitions(plan, ws, initial_state, emulate):
         plan.seq_len, plan.num_seqs, ws.v, ws.v.stride(1), plan.segment_chunks, H=plan.heads, K=plan.key_dim,
         V=plan.value_dim, BV=plan.transition_width, C=plan.chunk, IS_VARLEN=plan.varlen,
         HAS_INITIAL=initial_state is not None, STATE_ROWS_V=plan.transition_rows_v,
-        EMULATE=emulate, num_warps=plan.transition_warps, num_stages=plan.recurrence_stages,
+        EMULATE=emulate, OPEN_ENTRY=open_entry, num_warps=plan.transition_warps, num_stages=plan.recurrence_stages,
     )

@@ -12,6 +12,12 @@ stays fp32; the products run at the plan's ``dot_precision``. The scan goes in o
 an entry state depends only on the segments before it, in one order, whatever the plan's slices.
 
 It also counts malformed ``cu_seqlens`` (:mod:`fastkda.errors`), once per sequence, as the serial recurrence does.
+
+With ``OPEN_ENTRY`` (a prefill whose entry state comes later, :func:`fastkda.ops.prefill.open_entry_transitions`)
+the transition kernel has left every segment's map, the first's and the last's too, and the scan applies all of
+them from the first segment's entry. Twice: ``COMPOSE``, before the entry is known, walks V + K rows from the
+entry ``[0; I]`` (the identity rows take the maps' linear part alone) and writes the exit, ``[ℬᵀ; 𝒜ᵀ]`` of the
+whole sequence; then, given the entry state (``initial_state``), it writes every segment's entry for the rerun.
 """
 
 import triton
@@ -23,24 +29,48 @@ from .layout import entry_state, first_slot, segment_exit, sequence_span
 
 
 @triton.jit
-def segment_scan_kernel(ws_fp32, transitions_at, entries_at, initial_state, cu_seqlens, errors, seq_len,
+def initial_rows(initial_state, n, h, rows, H: tl.constexpr, V: tl.constexpr, K: tl.constexpr, SW: tl.constexpr,
+                 HAS_INITIAL: tl.constexpr):
+    """The ``[SW, K]`` rows ``rows`` of sequence n's initial state (fp32), or zeros."""
+    if HAS_INITIAL:
+        return tl.load(initial_state + ((n * H + h) * V).to(tl.int64) * K + rows).to(tl.float32)
+    else:
+        return tl.zeros((SW, K), dtype=tl.float32)
+
+
+@triton.jit
+def segment_scan_kernel(ws_fp32, transitions_at, entries_at, initial_state, exit_maps, cu_seqlens, errors, seq_len,
                         segment_chunks, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, SW: tl.constexpr,
                         C: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_INITIAL: tl.constexpr,
-                        DOT_PRECISION: tl.constexpr):
-    """One (column slice, head, sequence): the entry state of each of the sequence's segments after the first."""
+                        DOT_PRECISION: tl.constexpr, OPEN_ENTRY: tl.constexpr, COMPOSE: tl.constexpr):
+    """One (row slice, head, sequence): the entry state of each of the sequence's segments after the first; with
+    ``OPEN_ENTRY`` of every segment, or (``COMPOSE``) the sequence's exit map into ``exit_maps [N, H, V + K, K]``."""
     vs = tl.program_id(0)
     h = tl.program_id(1)
     n = tl.program_id(2)
     bos, eos, in_order = sequence_span(cu_seqlens, n, seq_len, tl.num_programs(2), IS_VARLEN)
     segments = tl.cdiv(tl.cdiv(eos - bos, C), segment_chunks)
     first = first_slot(n, bos, seq_len, C * segment_chunks, IS_VARLEN)
-    rows = tile_offsets(vs * SW + tl.arange(0, SW), tl.arange(0, K), K, 1)  # [SW, K] of a state's [v, k]
-    matrix = tile_offsets(V + tl.arange(0, K), tl.arange(0, K), K, 1)  # the transition's rows, 𝒜ᵀ [K, K]
-    if segments > 1:  # the first segment's entry (the rerun of a sequence of one reads the initial state itself)
-        if HAS_INITIAL:
-            S = tl.load(initial_state + ((n * H + h) * V).to(tl.int64) * K + rows).to(tl.float32)
+    rr = vs * SW + tl.arange(0, SW)
+    kk = tl.arange(0, K)
+    rows = tile_offsets(rr, kk, K, 1)  # [SW, K] of a state's [v, k] (COMPOSE: of the V + K rows)
+    matrix = tile_offsets(V + kk, kk, K, 1)  # the transition's rows, 𝒜ᵀ [K, K]
+    if OPEN_ENTRY:
+        if COMPOSE:  # the entry [0; I]: value rows from zero, identity rows
+            S = tl.where(rr[:, None] - V == kk[None, :], 1.0, 0.0)
         else:
-            S = tl.zeros((SW, K), dtype=tl.float32)
+            S = initial_rows(initial_state, n, h, rows, H, V, K, SW, HAS_INITIAL)
+        for j in range(0, segments):
+            slot = first + j
+            if not COMPOSE:
+                tl.store(entry_state(ws_fp32, entries_at, slot, h, H, V, K) + rows, S)
+            maps = segment_exit(ws_fp32, transitions_at, slot, h, H, V, K)
+            S = (tl.dot(S, tl.load(maps + matrix), input_precision=DOT_PRECISION)
+                 + tl.load(maps + rows, mask=rr[:, None] < V, other=0.0))  # the identity rows: the linear part
+        if COMPOSE:
+            tl.store(exit_maps + ((n * H + h) * (V + K)).to(tl.int64) * K + rows, S)
+    elif segments > 1:  # the first segment's entry (the rerun of a sequence of one reads the initial state itself)
+        S = initial_rows(initial_state, n, h, rows, H, V, K, SW, HAS_INITIAL)
         tl.store(entry_state(ws_fp32, entries_at, first, h, H, V, K) + rows, S)
         S = tl.load(segment_exit(ws_fp32, transitions_at, first, h, H, V, K) + rows)
         for j in range(1, segments):  # no branch in the loop, so that Triton prefetches the next transition
@@ -49,16 +79,22 @@ def segment_scan_kernel(ws_fp32, transitions_at, entries_at, initial_state, cu_s
             exits = segment_exit(ws_fp32, transitions_at, slot, h, H, V, K)
             # after the last segment's entry this reads its slot's unwritten transition: in the buffer, unused
             S = tl.dot(S, tl.load(exits + matrix), input_precision=DOT_PRECISION) + tl.load(exits + rows)
-    if IS_VARLEN:  # fastkda.errors: "cu_seqlens", once per sequence
+    if IS_VARLEN and not COMPOSE:  # fastkda.errors: "cu_seqlens", once per sequence
         tl.atomic_add(errors + 2, 1, mask=(vs == 0) & (h == 0) & ~in_order, sem="relaxed")
 
 
-def launch_scan(plan, ws, initial_state, errors):
-    """Launch :func:`segment_scan_kernel` over ``plan.scan_grid``, between the transitions and the rerun."""
+def launch_scan(plan, ws, initial_state, errors, open_entry=False, exit_maps=None):
+    """Launch :func:`segment_scan_kernel` between the transitions and the rerun, over ``plan.scan_grid``; with
+    ``open_entry``, over every segment's map (:func:`fastkda.ops.prefill.open_entry_transitions`), and given
+    ``exit_maps [N, H, V + K, K]`` (fp32, contiguous), composing them into it over V + K rows instead."""
     layout = ws.layout
-    launch(segment_scan_kernel, plan.scan_grid, ws.fp32, layout.transitions, layout.entries,
-           initial_state if initial_state is not None else ws.fp32, ws.cu_seqlens if plan.varlen else ws.fp32,
-           errors, plan.seq_len, plan.segment_chunks, H=plan.heads, K=plan.key_dim, V=plan.value_dim,
-           SW=plan.scan_width, C=plan.chunk, IS_VARLEN=plan.varlen, HAS_INITIAL=initial_state is not None,
-           DOT_PRECISION=plan.dot_precision, num_warps=plan.scan_warps,
-           num_stages=plan.scan_stages)
+    compose = exit_maps is not None
+    grid = plan.scan_grid
+    if compose:
+        grid = ((plan.value_dim + plan.key_dim) // plan.scan_width, *grid[1:])
+    launch(segment_scan_kernel, grid, ws.fp32, layout.transitions, layout.entries,
+           initial_state if initial_state is not None else ws.fp32, exit_maps if compose else ws.fp32,
+           ws.cu_seqlens if plan.varlen else ws.fp32, errors, plan.seq_len, plan.segment_chunks, H=plan.heads,
+           K=plan.key_dim, V=plan.value_dim, SW=plan.scan_width, C=plan.chunk, IS_VARLEN=plan.varlen,
+           HAS_INITIAL=initial_state is not None, DOT_PRECISION=plan.dot_precision, OPEN_ENTRY=open_entry or compose,
+           COMPOSE=compose, num_warps=plan.scan_warps, num_stages=plan.scan_stages)
