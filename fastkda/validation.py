@@ -199,10 +199,12 @@ _NOT_YET = object()  # a signature not validated yet (validation may return None
 def remembered(validate, *args):
     """``validate(*args)``, remembered per signature of the arguments: validation reads only each tensor's shape,
     strides, dtype and device and the other arguments' values, and an eager call's host time counts (validation
-    was a third of it). No signature holds a tensor; symbolic shapes (torch.compile) are validated afresh."""
+    was a third of it). No signature holds a tensor; symbolic shapes (torch.compile) are validated afresh. A CPU
+    tensor's device is keyed as ``True`` (``is_cpu``): hashing a ``torch.device`` costs as much as the rest of a
+    tensor's key."""
     try:
-        key = validate, tuple([(a.shape, a.stride(), a.dtype, a.device) if isinstance(a, torch.Tensor) else a
-                               for a in args])
+        key = validate, tuple([(a.shape, a.stride(), a.dtype, a.is_cpu or a.device) if isinstance(a, torch.Tensor)
+                               else a for a in args])
         result = _VALIDATED.get(key, _NOT_YET)
     except TypeError:  # an unhashable argument (a symbolic size, a list): no signature
         return validate(*args)
