@@ -20,8 +20,8 @@ from . import checks as value_checks
 from .errors import KINDS, counters
 from .ops.decode_step import fused_decode_step
 from .plan import (CHUNK, DecodePlan, PrefillPlan, choose_decode_plan, choose_decode_step_plan,
-                   choose_open_entry_plan, choose_plan, sm_count)
-from .reference import (causal_conv1d_reference, compose_segment_maps, gated_rmsnorm_reference, kda_chunked,
+                   choose_open_entry_plan, choose_plan, requested_v_slices, sm_count)
+from .reference import (_as, causal_conv1d_reference, compose_segment_maps, gated_rmsnorm_reference, kda_chunked,
                         kda_decode_reference, open_segment_maps, run_from_segment_maps)
 from .validation import (FLOAT_DTYPES, INDEX_DTYPES, STATE_DTYPES, _describe, addressable_inputs, byte_extent,
                          check_contiguous, check_disjoint, check_tensor, fail, remembered, scalar_defaults,
@@ -393,6 +393,17 @@ def _decode_plan(plan, v_slices, num_seqs, heads, value_dim, tokens, anchor):
     return plan
 
 
+def _check_cpu_decode_plan(plan, v_slices, num_seqs, heads, value_dim, tokens, anchor):
+    """What the CPU path keeps of :func:`_decode_plan`: its checks of the ``plan`` and ``v_slices`` arguments
+    (and of ``$FASTKDA_V_SLICES``), so a call that fails on the GPU fails alike on the CPU, which uses no plan. An
+    automatic plan can only fail in :func:`fastkda.plan.requested_v_slices` (validation admits V in
+    :data:`fastkda.plan.SUPPORTED_DIMS` alone, and every choice it parses slices those), so only that runs."""
+    if plan is None:
+        requested_v_slices(v_slices)
+    else:
+        _decode_plan(plan, v_slices, num_seqs, heads, value_dim, tokens, anchor)
+
+
 def kda_decode(
     q, k, v, g, beta, state_pool, slots, *, A_log=None, dt_bias=None, lower_bound=None, scale=None,
     num_accepted_tokens=None, use_qk_l2norm=True, use_beta_sigmoid=True, out=None, v_slices="auto", plan=None,
@@ -429,15 +440,21 @@ def kda_decode(
         check_disjoint("out", out, extents[6], zip(("q", "k", "v", "g", "beta", "state_pool"),
                                                    (q, k, v, g, beta, state_pool), extents))
     num_seqs, tokens, heads, _ = q.shape
-    plan = _decode_plan(plan, v_slices, num_seqs, heads, v.shape[-1], tokens, q)
-    errors = _error_counters(errors, q)
-    checks = value_checks.requested(checks)
-    if cpu_eager:  # the CPU path's result is the output: no op, no buffer to copy it into
+    if cpu_eager:  # the CPU path's result is the output: no plan, no op, no buffer to copy it into
+        _check_cpu_decode_plan(plan, v_slices, num_seqs, heads, v.shape[-1], tokens, q)
+        if errors is not None:  # checked as on the GPU; the CPU path raises for bad indices, counting none
+            _error_counters(errors, q)
+        checks = value_checks.requested(checks)
         _check_decode_values(q, k, v, g, beta, state_pool, slots, lower_bound, num_accepted_tokens, checks)
         o = _decode_on_cpu(q, k, v, g, beta, state_pool, slots, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
                            scale=float(scale), num_accepted_tokens=num_accepted_tokens, use_qk_l2norm=use_qk_l2norm,
                            use_beta_sigmoid=use_beta_sigmoid)
-        return o.to(v.dtype) if out is None else out.copy_(o)
+        if out is not None:
+            return out.copy_(o)
+        return _as(o, v.dtype)  # a same-dtype .to would still dispatch an op
+    plan = _decode_plan(plan, v_slices, num_seqs, heads, v.shape[-1], tokens, q)
+    errors = _error_counters(errors, q)
+    checks = value_checks.requested(checks)
     if out is None:
         out = torch.empty_like(v, memory_format=torch.contiguous_format)
     _opaque_when_compiling(_decode_op, _decode_impl)(

@@ -55,8 +55,13 @@ def conv_slots_values(slots, pool_size):
 
 def decode_indices(slots, num_accepted_tokens, pool_size, tokens):
     """Accepted counts in ``[1, T]``; slots below the pool's size (negative ones are padding); no slot read or
-    written by two live sequences (their updates would race)."""
-    rows = slots.reshape(slots.shape[0], -1).tolist()
+    written by two live sequences (their updates would race). ``[N]`` slots that pass take one ``tolist`` and a
+    set (an eager decode step's host time counts); any failure is found, and reported, by the loop below."""
+    if slots.dim() == 1 and num_accepted_tokens is None:
+        live = [slot for slot in slots.tolist() if slot >= 0]
+        if (not live or max(live) < pool_size) and len(set(live)) == len(live):
+            return
+    rows = slots.tolist() if slots.dim() == 2 else [[slot] for slot in slots.tolist()]
     if num_accepted_tokens is not None:
         accepted = num_accepted_tokens.tolist()
         bad = [n for n, a in enumerate(accepted) if not 1 <= a <= tokens]
