@@ -63,7 +63,8 @@ def test_open_entry_prefill_from_its_entry(key_dim, value_dim, segment_tokens):
     v, beta = randn(1, tokens, heads, value_dim), randn(1, tokens, heads) - 3.0
     gate = dict(A_log=torch.zeros(heads, device="cuda"), dt_bias=torch.full((heads, key_dim), -10.0, device="cuda"),
                 lower_bound=-5.0)
-    entry = 0.1 * torch.randn(1, heads, value_dim, key_dim, device="cuda")
+    # a large entry, so that it is a tenth or more of the final state (at 0.1 it was 0.7-3.5%: too little to test 𝒜)
+    entry = 3.0 * torch.randn(1, heads, value_dim, key_dim, device="cuda")
     cpu = {name: x.cpu() for name, x in gate.items() if isinstance(x, torch.Tensor)}
     exact_o, exact_s = kda_reference(*(x.cpu() for x in (q, k, v, g, beta)), **cpu, lower_bound=gate["lower_bound"],
                                      initial_state=entry.cpu())
