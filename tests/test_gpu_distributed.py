@@ -48,23 +48,29 @@ def test_composed_transitions_equal_the_whole_prefill(key_dim, value_dim):
     assert composed_err < 4e-3 and composed_err < 2 * whole_err, (composed_err, whole_err)
 
 
-@pytest.mark.parametrize("key_dim,value_dim,segment_tokens", [(128, 128, "auto"), (128, 128, 512), (64, 128, 320)])
-def test_open_entry_prefill_from_its_entry(key_dim, value_dim, segment_tokens):
+@pytest.mark.parametrize("key_dim,value_dim,segment_tokens,weak", [
+    (128, 128, "auto", False), (128, 128, "auto", True), (128, 128, 512, True), (64, 128, 320, True)])
+def test_open_entry_prefill_from_its_entry(key_dim, value_dim, segment_tokens, weak):
     """``kda_prefill_open`` then ``finish(entry)`` on the GPU (several segments, a partial last one) against the
-    float64 prefill from that entry: within the bar, or within 1.1x of kda_prefill's own error where the long-lived
-    state (weak decay, small β) takes that past it (4.06-4.13e-3 for the output on the H200 at 3b2be17); its map
-    applied to the entry, alike; finishing twice gives the same bits."""
+    float64 prefill from that entry: within the bar, or within 1.1x of kda_prefill's own error where a long-lived
+    state takes that past it; its map applied to the entry, alike; finishing twice gives the same bits. Inputs: the
+    benchmark's (randn, A_log and dt_bias ~ U(0, 1)), or ``weak``: a weak decay, a small β and a large entry (a
+    tenth or more of the final state, so that 𝒜 is tested; at 3b2be17, with the scans in tf32, the state's error
+    was 3.4-3.6e-3 there against kda_prefill's 2.4-3.0e-3)."""
     heads, tokens = 12, 3000
     gen = torch.Generator().manual_seed(1)
 
     def randn(*shape):
         return torch.randn(*shape, generator=gen).to("cuda", torch.bfloat16)
     q, k, g = (randn(1, tokens, heads, key_dim) for _ in range(3))
-    v, beta = randn(1, tokens, heads, value_dim), randn(1, tokens, heads) - 3.0
-    gate = dict(A_log=torch.zeros(heads, device="cuda"), dt_bias=torch.full((heads, key_dim), -10.0, device="cuda"),
-                lower_bound=-5.0)
-    # a large entry, so that it is a tenth or more of the final state (at 0.1 it was 0.7-3.5%: too little to test 𝒜)
-    entry = 3.0 * torch.randn(1, heads, value_dim, key_dim, device="cuda")
+    v, beta = randn(1, tokens, heads, value_dim), randn(1, tokens, heads) - (3.0 if weak else 0.0)
+    if weak:
+        gate = dict(A_log=torch.zeros(heads, device="cuda"), lower_bound=-5.0,
+                    dt_bias=torch.full((heads, key_dim), -10.0, device="cuda"))
+    else:
+        gate = dict(A_log=torch.rand(heads, generator=gen).cuda(), lower_bound=-5.0,
+                    dt_bias=torch.rand(heads, key_dim, generator=gen).cuda())
+    entry = (3.0 if weak else 1.0) * torch.randn(1, heads, value_dim, key_dim, device="cuda")
     cpu = {name: x.cpu() for name, x in gate.items() if isinstance(x, torch.Tensor)}
     exact_o, exact_s = kda_reference(*(x.cpu() for x in (q, k, v, g, beta)), **cpu, lower_bound=gate["lower_bound"],
                                      initial_state=entry.cpu())
@@ -77,6 +83,7 @@ def test_open_entry_prefill_from_its_entry(key_dim, value_dim, segment_tokens):
         assert err < max(bar, 1.1 * rel_err(whole.cpu(), want)), (err, rel_err(whole.cpu(), want))
     mapped = entry @ opened.exit_map[:, :, value_dim:] + opened.exit_map[:, :, :value_dim]
     assert rel_err(mapped.cpu(), exact_s) < max(3e-3, 1.1 * rel_err(whole_s.cpu(), exact_s))
-    assert rel_err(opened.exit_map[:, :, :value_dim].cpu(), exact_s) > 0.1  # the entry matters
+    if weak:
+        assert rel_err(opened.exit_map[:, :, :value_dim].cpu(), exact_s) > 0.1  # the entry matters
     again_o, again_state = opened.finish(entry)
     assert torch.equal(again_o, o) and torch.equal(again_state, state)
