@@ -18,9 +18,11 @@ the transition kernel has left every segment's map, the first's and the last's t
 them from the first segment's entry. Twice: ``COMPOSE``, before the entry is known, walks V + K rows from the
 entry ``[0; I]`` (the identity rows take the maps' linear part alone) and writes the exit, ``[ℬᵀ; 𝒜ᵀ]`` of the
 whole sequence; then, given the entry state (``initial_state``), it writes every segment's entry for the rerun.
-Both take their products in full fp32 (``"ieee"``), whatever the plan's ``dot_precision``: there the entry state,
-which dominates the exit of a part deep in a long sequence, passes through every segment's map, and tf32's 10-bit
-operands cost about 1e-3 of it (docs/perf-notes.md, "Context parallelism in one pass").
+Both take their products as three tf32 products of split operands (``"tf32x3"``, about fp32's accuracy on the
+tensor cores), whatever the plan's ``dot_precision``: there the entry state, which dominates the exit of a part
+deep in a long sequence, passes through every segment's map, and one tf32 product's 10-bit operands cost about
+1e-3 of it, where fp32 FMA products ("ieee") cost 11% of a 1M-token part's time (docs/perf-notes.md, "Context
+parallelism in one pass").
 """
 
 import triton
@@ -99,6 +101,6 @@ def launch_scan(plan, ws, initial_state, errors, open_entry=False, exit_maps=Non
            initial_state if initial_state is not None else ws.fp32, exit_maps if compose else ws.fp32,
            ws.cu_seqlens if plan.varlen else ws.fp32, errors, plan.seq_len, plan.segment_chunks, H=plan.heads,
            K=plan.key_dim, V=plan.value_dim, SW=plan.scan_width, C=plan.chunk, IS_VARLEN=plan.varlen,
-           HAS_INITIAL=initial_state is not None, DOT_PRECISION="ieee" if open_entry or compose else plan.dot_precision,
+           HAS_INITIAL=initial_state is not None, DOT_PRECISION="tf32x3" if open_entry or compose else plan.dot_precision,
            OPEN_ENTRY=open_entry or compose,
            COMPOSE=compose, num_warps=plan.scan_warps, num_stages=plan.scan_stages)
