@@ -94,6 +94,7 @@ def launch_scan(plan, ws, initial_state, errors, open_entry=False, exit_maps=Non
     ``exit_maps [N, H, V + K, K]`` (fp32, contiguous), composing them into it over V + K rows instead."""
     layout = ws.layout
     compose = exit_maps is not None
+    precision = "tf32x3" if open_entry or compose else plan.dot_precision  # the module docstring says why
     grid = plan.scan_grid
     if compose:
         grid = ((plan.value_dim + plan.key_dim) // plan.scan_width, *grid[1:])
@@ -101,6 +102,5 @@ def launch_scan(plan, ws, initial_state, errors, open_entry=False, exit_maps=Non
            initial_state if initial_state is not None else ws.fp32, exit_maps if compose else ws.fp32,
            ws.cu_seqlens if plan.varlen else ws.fp32, errors, plan.seq_len, plan.segment_chunks, H=plan.heads,
            K=plan.key_dim, V=plan.value_dim, SW=plan.scan_width, C=plan.chunk, IS_VARLEN=plan.varlen,
-           HAS_INITIAL=initial_state is not None, DOT_PRECISION="tf32x3" if open_entry or compose else plan.dot_precision,
-           OPEN_ENTRY=open_entry or compose,
+           HAS_INITIAL=initial_state is not None, DOT_PRECISION=precision, OPEN_ENTRY=open_entry or compose,
            COMPOSE=compose, num_warps=plan.scan_warps, num_stages=plan.scan_stages)
