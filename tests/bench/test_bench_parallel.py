@@ -15,3 +15,15 @@ def test_parallel_bench_runs_and_writes_its_rows(tmp_path):
     assert all(r["ms"] > 0 and r["tokens_per_s_per_rank"] > 0 for r in rows)
     assert [r["scaling"] for r in rows if r["world"] == 1] == [1.0, 1.0]
     assert (tmp_path / results.name.replace(".json", ".md")).read_text().count("| context |") == 2
+
+
+def test_one_device_rows_scale_against_the_whole_prefill(tmp_path):
+    """``--one-device``: the whole sequence's prefill, then one rank's work per world, scaling against the first."""
+    assert parallel.main(["--one-device", "--worlds", "1", "2", "--tokens", "128", "--heads", "2", "--dim", "64",
+                          "--repeats", "1", "--out", str(tmp_path)]) == 0
+    [results] = tmp_path.glob("*-parallel-one-device.json")
+    data = json.loads(results.read_text())
+    assert data["meta"]["backend"] == "one device"
+    rows = data["rows"]
+    assert [(r["workload"], r["world"]) for r in rows] == [("prefill", 1), ("context rank", 1), ("context rank", 2)]
+    assert rows[0]["scaling"] == 1.0 and all(r["ms"] > 0 and r["scaling"] > 0 for r in rows)
