@@ -240,22 +240,28 @@ class OpenEntryPrefill:
     ``ℬᵀ = exit_map[b, :, :V]`` (the exit from a zero state) and ``𝒜ᵀ = exit_map[b, :, V:]`` (the transition).
     ``plan``: the segmented :class:`fastkda.plan.PrefillPlan` both halves run (None for rows of no tokens)."""
 
-    def __init__(self, inputs, options, plan, exit_map, halfway):
+    def __init__(self, inputs, options, plan, exit_map, halfway, checks):
         self._inputs, self._options, self.plan, self.exit_map, self._halfway = inputs, options, plan, exit_map, halfway
+        self._checks = checks
 
     def finish(self, entry_state=None):
         """``(o, final_state)`` from ``entry_state [B, H, V, K]`` (bf16 or fp32, contiguous; None: zeros): o
         ``[B, T, H, V]`` in v's dtype and the fp32 state after the tokens, what :func:`kda_prefill` with that
-        ``initial_state`` gives, within its accuracy bound. It may be called again with another entry state."""
+        ``initial_state`` gives, within its accuracy bound. It may be called again with another entry state, on
+        the stream of the first call (on the GPU each call rewrites the segments' entries in the workspace)."""
         q, k, v, g, beta = self._inputs
         batch, length, heads, key_dim = q.shape
         value_dim = v.shape[-1]
         if entry_state is not None:
             check_tensor("entry_state", entry_state, (batch, heads, value_dim, key_dim), STATE_DTYPES, q.device)
             check_contiguous("entry_state", entry_state)
+            if self._checks:
+                _checked_mode_may_sync(q)
+                value_checks.finite(entry_state=entry_state)
         out = torch.empty_like(v, memory_format=torch.contiguous_format)
-        final_state = torch.zeros(batch, heads, value_dim, key_dim, dtype=torch.float32, device=q.device)
+        final_state = torch.empty(batch, heads, value_dim, key_dim, dtype=torch.float32, device=q.device)
         if self.plan is None:  # no tokens: the state passes through
+            final_state.zero_()
             if entry_state is not None:
                 final_state.copy_(entry_state)
             return out, final_state
@@ -267,7 +273,7 @@ class OpenEntryPrefill:
 
         def run_rest():
             for b, maps in enumerate(self._halfway):
-                state = final_state[b].transpose(-1, -2).contiguous()  # the CPU path's [H, K, V]
+                state = torch.zeros(heads, key_dim, value_dim, dtype=torch.float32)  # the CPU path's [H, K, V]
                 if entry_state is not None:
                     state.copy_(entry_state[b].transpose(-1, -2))
                 rows = torch.empty(length, heads, value_dim, dtype=torch.float32)
@@ -297,7 +303,8 @@ def kda_prefill_open(q, k, v, g, beta, *, A_log=None, dt_bias=None, lower_bound=
     q, k, v, g, beta = addressable_inputs(q, k, v, g, beta)
     remembered(validate_prefill, q, k, v, g, beta, A_log, dt_bias, lower_bound, scale, None, None, None, None, None,
                None, CHUNK)
-    if value_checks.requested(checks):
+    checks = value_checks.requested(checks)
+    if checks:
         _checked_mode_may_sync(q)
         if lower_bound is None:
             value_checks.precomputed_gate_values(g)
@@ -309,7 +316,7 @@ def kda_prefill_open(q, k, v, g, beta, *, A_log=None, dt_bias=None, lower_bound=
                    use_qk_l2norm=use_qk_l2norm, use_beta_sigmoid=use_beta_sigmoid)
     if not batch or not length:  # the identity map
         exit_map[:, :, value_dim:] = torch.eye(key_dim, device=q.device)
-        return OpenEntryPrefill((q, k, v, g, beta), options, None, exit_map, None)
+        return OpenEntryPrefill((q, k, v, g, beta), options, None, exit_map, None, checks)
     plan = choose_open_entry_plan(batch, heads, length, key_dim, value_dim, _sms_of(q),
                                   lower_bound_gate=lower_bound is not None, sequence_parallel=sequence_parallel)
     if q.is_cuda:
@@ -317,7 +324,7 @@ def kda_prefill_open(q, k, v, g, beta, *, A_log=None, dt_bias=None, lower_bound=
 
         workspace = open_entry_transitions(q, k, v, g, beta, plan=plan, **options, exit_maps=exit_map,
                                            errors=_error_counters(None, q))
-        return OpenEntryPrefill((q, k, v, g, beta), options, plan, exit_map, workspace)
+        return OpenEntryPrefill((q, k, v, g, beta), options, plan, exit_map, workspace, checks)
     options["chunk"] = plan.cpu_chunk
 
     def open_rows():
@@ -328,7 +335,7 @@ def kda_prefill_open(q, k, v, g, beta, *, A_log=None, dt_bias=None, lower_bound=
             exit_map[b, :, :value_dim] = offset.transpose(-1, -2)
             exit_map[b, :, value_dim:] = transition.transpose(-1, -2)
         return maps
-    return OpenEntryPrefill((q, k, v, g, beta), options, plan, exit_map, _cpu_path(open_rows, "q", q.shape))
+    return OpenEntryPrefill((q, k, v, g, beta), options, plan, exit_map, _cpu_path(open_rows, "q", q.shape), checks)
 
 
 def _decode_impl(

@@ -603,29 +603,43 @@ def choose_open_entry_plan(num_seqs: int, heads: int, seq_len: int, key_dim: int
                            lower_bound_gate: bool = True, sequence_parallel="auto") -> PrefillPlan:
     """The plan of a prefill whose entry state is not known when it starts (:func:`fastkda.kda_prefill_open`:
     ``num_seqs`` rows of ``seq_len`` tokens): always segmented, since the sequence's map is needed whatever its
-    length. ``sequence_parallel``: ``"auto"`` (then ``$FASTKDA_SEQUENCE_PARALLEL`` if set, unless that says off)
-    takes the segment length of 1 to :data:`MAX_SEGMENTS` segments that the step model predicts fastest, every
-    segment's transition over the V + K columns counted (``segmented_us(open_entry=True)``); an int forces
-    segments of that many tokens."""
-    _check(isinstance(seq_len, int) and seq_len >= 1, f"seq_len must be an integer >= 1, got {seq_len!r}")
+    length. ``sequence_parallel``: ``"auto"`` (then ``$FASTKDA_SEQUENCE_PARALLEL`` if it gives a segment length;
+    its "off", meant for :func:`fastkda.kda_prefill`, leaves this automatic) takes the segment length of 1 to
+    :data:`MAX_SEGMENTS` segments, within the grid's limit, that the step model predicts fastest, every segment's
+    transition over the V + K columns counted (``segmented_us(open_entry=True)``); an int forces segments of that
+    many tokens. Raises ``ValueError`` for ``False`` and for shapes the kernels do not take."""
+    _check(isinstance(seq_len, int) and not isinstance(seq_len, bool) and seq_len >= 1,
+           f"seq_len must be an integer >= 1, got {seq_len!r}")
+    _check(parse_sequence_parallel(sequence_parallel, "sequence_parallel") is not False,
+           "a prefill whose entry state comes later runs in segments: sequence_parallel must be 'auto' or tokens "
+           "per segment, not False")
     choice = requested_sequence_parallel(sequence_parallel)
-    _check(choice is not False, "a prefill whose entry state comes later runs in segments: sequence_parallel must "
-                                "be 'auto' or tokens per segment, not False")
-    chunks = max(-(-seq_len // CHUNK), 1)
+    return _choose_open_entry_plan(num_seqs, heads, seq_len, key_dim, value_dim, sms, bool(lower_bound_gate),
+                                   "auto" if choice is False else choice)
+
+
+@functools.lru_cache(maxsize=4096)  # an eager call's host time counts: the model is weighed at 64 points
+def _choose_open_entry_plan(num_seqs, heads, seq_len, key_dim, value_dim, sms, lower_bound_gate, choice):
+    chunks = -(-seq_len // CHUNK)
     width = min(TRANSITION_WIDTHS[0], key_dim, value_dim)
     slices = [s for s in RERUN_SLICE_CHOICES if value_dim // s >= 64] or [1]
     if choice == "auto":
+        fitting = [-(-chunks // segments) for segments in range(1, MAX_SEGMENTS + 1)
+                   if num_seqs + segment_slot_count(seq_len, num_seqs, CHUNK * -(-chunks // segments), False)
+                   <= MAX_GRID_Z]
+        _check(bool(fitting), f"{num_seqs} rows of {seq_len} tokens need more than CUDA's {MAX_GRID_Z} grid rows "
+                              f"even in one segment each: split the batch")
         predicted, segment_chunks, v_slices = min(
-            (segmented_us(num_seqs, chunks, -(-chunks // segments), heads, key_dim, value_dim, width, s, sms,
-                          open_entry=True), -(-chunks // segments), s)
-            for segments in range(1, MAX_SEGMENTS + 1) for s in slices)
+            (segmented_us(num_seqs, chunks, segment_chunks, heads, key_dim, value_dim, width, s, sms,
+                          open_entry=True), segment_chunks, s)
+            for segment_chunks in fitting for s in slices)
         reason = f"entry state later: segments of {segment_chunks} chunks, predicted {predicted:.0f} µs"
     else:
         segment_chunks = choice // CHUNK
         v_slices = min(slices, key=lambda s: segmented_us(num_seqs, chunks, segment_chunks, heads, key_dim,
                                                           value_dim, width, s, sms, open_entry=True))
         reason = f"entry state later: sequence_parallel={choice} requested"
-    plan = _choose_plan(num_seqs, heads, seq_len, key_dim, value_dim, sms, False, bool(lower_bound_gate), v_slices,
+    plan = _choose_plan(num_seqs, heads, seq_len, key_dim, value_dim, sms, False, lower_bound_gate, v_slices,
                         segment_chunks * CHUNK, 0)
     return dataclasses.replace(plan, reason=f"{reason}, reruns in {plan.v_slices} slice(s)")
 

@@ -255,3 +255,9 @@ def test_open_entry_prefill_rejects_bad_arguments():
         opened.finish(torch.zeros(1, 2, 64, 32))
     with pytest.raises(ValueError, match="entry_state"):
         opened.finish(torch.zeros(1, 2, 64, 64, dtype=torch.float16))
+    checked = fastkda.kda_prefill_open(*tensors, **gate, checks=True)
+    with pytest.raises(ValueError, match="entry_state"):
+        checked.finish(torch.full((1, 2, 64, 64), float("nan")))
+    o, state = opened.finish()  # no entry: from zeros
+    want_o, want_s = fastkda.kda_prefill(*tensors, **gate, output_final_state=True)
+    assert rel_err(o, want_o) < 1e-3 and rel_err(state, want_s) < 1e-5

@@ -247,3 +247,14 @@ def test_open_entry_plans_are_always_segmented():
         choose_open_entry_plan(1, 12, 0, 128, 128, 132)
     with pytest.raises(ValueError, match="sequence_parallel"):
         choose_open_entry_plan(1, 12, 100, 128, 128, 132, sequence_parallel=False)
+
+
+def test_open_entry_plans_ignore_the_environment_turning_segments_off(monkeypatch):
+    """$FASTKDA_SEQUENCE_PARALLEL=0 turns kda_prefill's segments off; a prefill whose entry state comes later still
+    plans its own, and takes a segment length the variable gives."""
+    from fastkda.plan import choose_open_entry_plan
+
+    monkeypatch.setenv("FASTKDA_SEQUENCE_PARALLEL", "0")
+    assert choose_open_entry_plan(1, 12, 4096, 128, 128, 132).segment_chunks
+    monkeypatch.setenv("FASTKDA_SEQUENCE_PARALLEL", "512")
+    assert choose_open_entry_plan(1, 12, 4096, 128, 128, 132).segment_tokens == 512

@@ -148,14 +148,14 @@ def _rank_work_ms(args, world, device):
     from ..api import kda_prefill_open
 
     inputs, gate = _sequence_part(args, args.tokens // world, device)
-    earlier = torch.randn(max(world - 1, 1), args.heads, 2 * args.dim, args.dim, device=device) * 0.01
+    earlier = torch.randn(world, args.heads, 2 * args.dim, args.dim, device=device) * 0.01  # exit maps [ℬᵀ; 𝒜ᵀ]
 
     def rank_work():
         opened = kda_prefill_open(*inputs, **gate)
-        entry = earlier[0, :, args.dim:]
-        for exit_map in earlier[1:]:
-            entry = torch.baddbmm(exit_map[:, :args.dim], entry, exit_map[:, args.dim:])
-        return opened.finish(entry[None].contiguous())
+        entry = earlier[0, :, :args.dim]  # the first rank's exit state
+        for exit_map in earlier[1:world - 1]:  # the ranks between it and this one, as context.py composes them
+            entry = torch.baddbmm(exit_map[:, :args.dim].double(), entry.double(), exit_map[:, args.dim:].double())
+        return opened.finish(entry[None].float().contiguous())
     return _timed_alone(rank_work, device, args.repeats)
 
 

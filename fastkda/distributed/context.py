@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from ..api import kda_prefill_open
+from ..validation import STATE_DTYPES, check_contiguous, check_tensor
 
 
 def segment_transition(q, k, v, g, beta, **prefill_kw):
@@ -52,9 +53,9 @@ def context_parallel_prefill(q, k, v, g, beta, *, group=None, initial_state=None
     is the sequence's final state).
 
     q, k, g ``[1, T_r, H, K]``, v ``[1, T_r, H, V]``, beta ``[1, T_r, H]`` as :func:`fastkda.kda_prefill` takes one
-    sequence; ``initial_state [1, H, V, K]``, read on rank 0 only; ``prefill_kw``: the gate and flags of
-    :func:`fastkda.kda_prefill` (``A_log``, ``dt_bias``, ``lower_bound``, ``scale``, ``use_qk_l2norm``,
-    ``use_beta_sigmoid``), the same on every rank. Tensors live on the device the group's backend serves (CPU for
+    sequence; ``initial_state [1, H, V, K]`` (bf16 or fp32, contiguous), read on rank 0 only; ``prefill_kw``: the
+    gate, flags and segment length of :func:`fastkda.kda_prefill_open` (``A_log``, ``dt_bias``, ``lower_bound``,
+    ``scale``, ``use_qk_l2norm``, ``use_beta_sigmoid``, ``sequence_parallel``, ``checks``), the same on every rank. Tensors live on the device the group's backend serves (CPU for
     gloo, the rank's GPU for NCCL)."""
     rank = dist.get_rank(group)
     device = next((x.device for x in (k, q, v, g, beta) if isinstance(x, torch.Tensor)), torch.device("cpu"))
@@ -75,11 +76,14 @@ def context_parallel_prefill(q, k, v, g, beta, *, group=None, initial_state=None
         raise ValueError("context_parallel_prefill: every rank must hold the same heads and dimensions, got (H, K, "
                          f"V) = {[tuple(s.tolist()) for s in shapes]}")
     try:  # this rank's map, and the first rank's exit state in place of its ℬᵀ
+        if rank == 0 and initial_state is not None:  # checked here, so that a bad one fails every rank at once
+            check_tensor("initial_state", initial_state, (1, heads, value_dim, key_dim), STATE_DTYPES, device)
+            check_contiguous("initial_state", initial_state)
         opened = kda_prefill_open(q, k, v, g, beta, **prefill_kw)
         exit_map = opened.exit_map[0]
         transition, offset = exit_map[:, value_dim:], exit_map[:, :value_dim]
         if rank == 0 and initial_state is not None:
-            offset = torch.baddbmm(offset, initial_state[0].float(), transition)
+            offset = _apply(initial_state[0], transition, offset)
         payload = torch.cat((torch.cat((transition, offset), dim=1).reshape(-1), torch.zeros(1, device=device)))
     except Exception as exc:  # re-raised below, after the others have been told
         failure = exc
@@ -91,8 +95,15 @@ def context_parallel_prefill(q, k, v, g, beta, *, group=None, initial_state=None
     parts = [p[:-1].view(heads, key_dim + value_dim, key_dim) for p in parts]
     entry = parts[0][:, key_dim:]  # rank 0's exit state
     for part in parts[1:rank]:
-        entry = torch.baddbmm(part[:, key_dim:], entry, part[:, :key_dim])  # X·𝒜ᵀ + ℬᵀ
+        entry = _apply(entry, part[:, :key_dim], part[:, key_dim:])
     return opened.finish(entry[None].contiguous())
+
+
+def _apply(entry, transition, offset):
+    """``X·𝒜ᵀ + ℬᵀ`` (fp32) for ``X [H, V, K]``, ``𝒜ᵀ [H, K, K]``, ``ℬᵀ [H, V, K]``: in float64, so that the
+    entry, which dominates the exit of a part deep in a long sequence, keeps fp32's accuracy whatever the caller's
+    matmul precision (``torch.backends.cuda.matmul.allow_tf32`` would round it to tf32)."""
+    return torch.baddbmm(offset.double(), entry.double(), transition.double()).float()
 
 
 def _raise_together(failure, failed, rank, stage):

@@ -120,3 +120,23 @@ def test_a_parts_transition_maps_its_entry_state_to_its_exit(key_dim, value_dim)
     assert transition.shape == (HEADS, key_dim, key_dim) and offset.shape == (HEADS, value_dim, key_dim)
     assert rel_err(want, from_zero) > 0.1  # the entry state matters: a wrong transition cannot hide
     assert rel_err(torch.baddbmm(offset, initial[0], transition), want[0]) < 1e-5
+
+
+def _bad_initial_main(rank, world, port):
+    from fastkda.distributed import context_parallel_prefill
+
+    _init(rank, world, port, 60)
+    try:
+        inputs, gate, initial = _sequence(64, -5.0)
+        part = slice(32 * rank, 32 * (rank + 1))
+        with pytest.raises((ValueError, RuntimeError)) as caught:
+            context_parallel_prefill(*(x[:, part] for x in inputs), initial_state=initial.half(), **gate)
+        assert ("initial_state" in str(caught.value)) == (rank == 0), str(caught.value)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_bad_initial_state_fails_every_rank():
+    """Rank 0's initial state is checked before the exchange: a bad one fails rank 0 with its own error and the
+    others with one naming rank 0, none returning a result from a wrong entry."""
+    mp.spawn(_bad_initial_main, args=(2, free_port()), nprocs=2, join=True)
