@@ -47,19 +47,22 @@ def free_port():
         return s.getsockname()[1]
 
 
-def _timed(run, device, repeats):
-    """Median ms of ``run`` over ``repeats`` calls, each between barriers (after a warm-up call)."""
+def _timed(run, device, repeats, between_barriers=True):
+    """Median ms of ``run`` over ``repeats`` calls after a warm-up one, synchronised around each and, in a process
+    group, each between barriers."""
     run()
     times = []
     for _ in range(repeats):
-        dist.barrier()
+        if between_barriers:
+            dist.barrier()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         start = time.perf_counter()
         run()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-        dist.barrier()
+        if between_barriers:
+            dist.barrier()
         times.append((time.perf_counter() - start) * 1e3)
     return statistics.median(times)
 
@@ -67,17 +70,9 @@ def _timed(run, device, repeats):
 def _context_call(args, rank, world, device):
     from ..distributed import context_parallel_prefill
 
-    gen = torch.Generator().manual_seed(0)
     part = args.tokens // world
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-
-    def randn(*shape):
-        return torch.randn(*shape, generator=gen).to(device, dtype)
-    q, k, v, g = (randn(1, part, args.heads, args.dim) for _ in range(4))
-    beta = randn(1, part, args.heads)
-    gate = dict(A_log=torch.rand(args.heads, device=device), dt_bias=torch.rand(args.heads, args.dim, device=device),
-                lower_bound=-5.0)
-    return lambda: context_parallel_prefill(q, k, v, g, beta, **gate), part * world
+    inputs, gate = _sequence_part(args, part, device)
+    return lambda: context_parallel_prefill(*inputs, **gate), part * world
 
 
 def _tensor_call(args, rank, world, device):
@@ -119,27 +114,12 @@ def _sequence_part(args, tokens, device):
     return inputs, gate
 
 
-def _timed_alone(run, device, repeats):
-    """Median ms of ``run`` over ``repeats`` calls after a warm-up one, synchronised around each."""
-    run()
-    times = []
-    for _ in range(repeats):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        start = time.perf_counter()
-        run()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
-
-
 def _whole_prefill_ms(args, device):
     """Median ms of the single-device prefill of the whole ``--tokens`` sequence."""
     from ..api import kda_prefill
 
     inputs, gate = _sequence_part(args, args.tokens, device)
-    return _timed_alone(lambda: kda_prefill(*inputs, **gate), device, args.repeats)
+    return _timed(lambda: kda_prefill(*inputs, **gate), device, args.repeats, between_barriers=False)
 
 
 def _rank_work_ms(args, world, device):
@@ -156,7 +136,7 @@ def _rank_work_ms(args, world, device):
         for exit_map in earlier[1:world - 1]:  # the ranks between it and this one, as context.py composes them
             entry = torch.baddbmm(exit_map[:, :args.dim].double(), entry.double(), exit_map[:, args.dim:].double())
         return opened.finish(entry[None].float().contiguous())
-    return _timed_alone(rank_work, device, args.repeats)
+    return _timed(rank_work, device, args.repeats, between_barriers=False)
 
 
 def one_device_rows(args, device):

@@ -30,6 +30,14 @@ from .scan import launch_scan
 from .solve import launch_solve
 
 
+def _prepare(plan, ws, q, k, g, beta, A_log, dt_bias, lower_bound, scale, use_qk_l2norm, use_beta_sigmoid, emulate):
+    """The first two stages (the preparation and the inverse) into ``ws``, where there are chunks."""
+    if plan.chunk_slots:
+        launch_prepare(plan, ws, q, k, g, beta, A_log, dt_bias, lower_bound, scale, use_qk_l2norm, use_beta_sigmoid,
+                       emulate)
+        launch_solve(plan, ws, beta, use_beta_sigmoid, emulate)
+
+
 def chunk_kda_forward(q, k, v, g, beta, *, plan, A_log, dt_bias, lower_bound, scale, initial_state, cu_seqlens,
                       use_qk_l2norm, use_beta_sigmoid, out, final_state, checkpoint_offsets=None,
                       checkpoint_states=None, errors=None):
@@ -39,10 +47,7 @@ def chunk_kda_forward(q, k, v, g, beta, *, plan, A_log, dt_bias, lower_bound, sc
     :func:`fastkda.errors.counters`)."""
     ws = Workspace.allocate(plan, v, cu_seqlens)
     emulate = interpreting()
-    if plan.chunk_slots:
-        launch_prepare(plan, ws, q, k, g, beta, A_log, dt_bias, lower_bound, scale, use_qk_l2norm, use_beta_sigmoid,
-                       emulate)
-        launch_solve(plan, ws, beta, use_beta_sigmoid, emulate)
+    _prepare(plan, ws, q, k, g, beta, A_log, dt_bias, lower_bound, scale, use_qk_l2norm, use_beta_sigmoid, emulate)
     if plan.num_seqs:
         errors = counters(q.device) if errors is None else errors
         if plan.sequence_parallel:
@@ -60,10 +65,7 @@ def open_entry_transitions(q, k, v, g, beta, *, plan, A_log, dt_bias, lower_boun
     ``X·𝒜ᵀ + ℬᵀ``) and returns the workspace :func:`open_entry_finish` takes."""
     ws = Workspace.allocate(plan, v, None)
     emulate = interpreting()
-    if plan.chunk_slots:
-        launch_prepare(plan, ws, q, k, g, beta, A_log, dt_bias, lower_bound, scale, use_qk_l2norm, use_beta_sigmoid,
-                       emulate)
-        launch_solve(plan, ws, beta, use_beta_sigmoid, emulate)
+    _prepare(plan, ws, q, k, g, beta, A_log, dt_bias, lower_bound, scale, use_qk_l2norm, use_beta_sigmoid, emulate)
     if plan.num_seqs:
         errors = counters(q.device) if errors is None else errors
         launch_transitions(plan, ws, None, emulate, open_entry=True)
