@@ -1,6 +1,7 @@
 """``python -m fastkda demo``: run the prefill on an embedded workload, check it against float64, print the plan
 and the time (GPU: 12 heads, one 8192-token sequence; CPU: 4 heads, two sequences of about 1000 tokens).
-``python -m fastkda plan --heads 12 --seqs 4 --tokens 8192 [--sms 132]``: print the launch plan of a shape and why."""
+``python -m fastkda plan --heads 12 --seqs 4 --tokens 8192 [--sms 132]``: print the launch plan of a shape and why
+(``--entry-later``: of a prefill whose entry state comes later, a context-parallel rank's part)."""
 
 import argparse
 import sys
@@ -9,7 +10,7 @@ import time
 import torch
 
 from .api import kda_prefill
-from .plan import SUPPORTED_DIMS, choose_plan, sm_count
+from .plan import SUPPORTED_DIMS, choose_open_entry_plan, choose_plan, sm_count
 from .reference import kda_reference
 
 DEMO_GPU = dict(heads=12, lengths=[8192])  # the seed's low-parallelism prefill: one sequence of TP8's local heads
@@ -79,6 +80,12 @@ def plan_command(args):
             if getattr(args, name) < 1:
                 raise ValueError(f"--{name} must be at least 1, got {getattr(args, name)}")
         varlen = args.layout == "varlen"
+        if args.entry_later:  # fixed-length rows, always segmented
+            plan = choose_open_entry_plan(args.seqs, args.heads, args.tokens, args.key_dim, args.value_dim, sms,
+                                          lower_bound_gate=args.gate == "lower-bound",
+                                          sequence_parallel=args.sequence_parallel)
+            print(plan.describe())
+            return 0
         plan = choose_plan(args.seqs, args.heads, args.tokens * args.seqs if varlen else args.tokens, args.key_dim,
                            args.value_dim, sms, varlen=varlen, lower_bound_gate=args.gate == "lower-bound",
                            v_slices=args.v_slices, sequence_parallel=args.sequence_parallel,
@@ -109,6 +116,9 @@ def main(argv=None):
     p.add_argument("--sequence-parallel", default="auto",
                    help="auto (default), off, or tokens per segment (a multiple of 32)")
     p.add_argument("--max-seqlen", type=int, help="varlen: the longest sequence's length, if known (a hint)")
+    p.add_argument("--entry-later", action="store_true",
+                   help="the plan of a prefill whose entry state comes later (fastkda.kda_prefill_open: a context-"
+                        "parallel rank's part, one row per sequence)")
     args = parser.parse_args(argv)
     return demo(args) if args.command == "demo" else plan_command(args)
 

@@ -39,3 +39,13 @@ def test_plan_command_rejects_what_the_api_rejects(args, word):
     options = {"--heads": "12", "--seqs": "1", "--tokens": "8", "--sms": "132", args[0]: args[1]}
     done = fastkda("plan", *[x for pair in options.items() for x in pair])
     assert done.returncode == 2 and word in done.stderr, done.stderr
+
+
+def test_plan_command_explains_an_open_entry_plan():
+    done = fastkda("plan", "--heads", "12", "--seqs", "1", "--tokens", "262144", "--sms", "132", "--entry-later")
+    assert done.returncode == 0, done.stderr
+    for words in ("entry state later: segments of", "sequence parallelism: segments of", "1 sequence(s) of 262144"):
+        assert words in done.stdout, words
+    done = fastkda("plan", "--heads", "12", "--seqs", "1", "--tokens", "64", "--sms", "132", "--entry-later",
+                   "--sequence-parallel", "off")
+    assert done.returncode == 2 and "sequence_parallel" in done.stderr
