@@ -575,8 +575,8 @@ def _run_conv(x, weight, bias, conv_states, slots, has_initial_state, cu_seqlens
     if conv_states is not None and not compiling:
         check_disjoint("conv_states", conv_states, extents[3], zip(("x", "weight", "bias"), (x, weight, bias), extents))
     if not x.is_cuda and not compiling:
-        return _conv_on_cpu(x, weight, bias, conv_states, slots, has_initial_state, cu_seqlens,
-                            activation == "silu").to(x.dtype)
+        return _as(_conv_on_cpu(x, weight, bias, conv_states, slots, has_initial_state, cu_seqlens,
+                                activation == "silu"), x.dtype)
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     _opaque_when_compiling(_conv_op, _conv_impl)(x, weight, bias, conv_states, slots, has_initial_state, cu_seqlens,
                                                  activation == "silu", out)
@@ -729,7 +729,7 @@ def gated_rmsnorm(x, gate, weight, eps=1e-6, *, activation="sigmoid"):
     """
     levels = remembered(_validate_norm, x, gate, weight, eps, activation)
     if not x.is_cuda and not torch.compiler.is_compiling():  # the CPU path's result is the output
-        return _norm_on_cpu(x, gate, weight, float(eps), activation == "silu").to(x.dtype)
+        return _as(_norm_on_cpu(x, gate, weight, float(eps), activation == "silu"), x.dtype)
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     _opaque_when_compiling(_norm_op, _norm_impl)(x, gate, weight, float(eps), activation == "silu", levels, out)
     return out
