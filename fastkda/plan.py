@@ -624,8 +624,8 @@ def _choose_open_entry_plan(num_seqs, heads, seq_len, key_dim, value_dim, sms, l
     width = min(TRANSITION_WIDTHS[0], key_dim, value_dim)
     slices = [s for s in RERUN_SLICE_CHOICES if value_dim // s >= 64] or [1]
     if choice == "auto":
-        fitting = [-(-chunks // segments) for segments in range(1, MAX_SEGMENTS + 1)
-                   if num_seqs + segment_slot_count(seq_len, num_seqs, CHUNK * -(-chunks // segments), False)
+        lengths = sorted({-(-chunks // segments) for segments in range(1, MAX_SEGMENTS + 1)})  # chunks a segment
+        fitting = [n for n in lengths if num_seqs + segment_slot_count(seq_len, num_seqs, CHUNK * n, False)
                    <= MAX_GRID_Z]
         _check(bool(fitting), f"{num_seqs} rows of {seq_len} tokens need more than CUDA's {MAX_GRID_Z} grid rows "
                               f"even in one segment each: split the batch")

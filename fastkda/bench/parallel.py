@@ -126,6 +126,7 @@ def _rank_work_ms(args, world, device):
     """Median ms of one rank's work among ``world``: the open-entry prefill of its part, its entry composed from
     ``world − 1`` maps, and the second half from it."""
     from ..api import kda_prefill_open
+    from ..distributed.context import apply_map
 
     inputs, gate = _sequence_part(args, args.tokens // world, device)
     earlier = torch.randn(world, args.heads, 2 * args.dim, args.dim, device=device) * 0.01  # exit maps [ℬᵀ; 𝒜ᵀ]
@@ -134,8 +135,8 @@ def _rank_work_ms(args, world, device):
         opened = kda_prefill_open(*inputs, **gate)
         entry = earlier[0, :, :args.dim]  # the first rank's exit state
         for exit_map in earlier[1:world - 1]:  # the ranks between it and this one, as context.py composes them
-            entry = torch.baddbmm(exit_map[:, :args.dim].double(), entry.double(), exit_map[:, args.dim:].double())
-        return opened.finish(entry[None].float().contiguous())
+            entry = apply_map(entry, exit_map[:, args.dim:], exit_map[:, :args.dim])
+        return opened.finish(entry[None].contiguous())
     return _timed(rank_work, device, args.repeats, between_barriers=False)
 
 
@@ -172,6 +173,26 @@ def _rank_main(rank, world, port, backend, args, results):
         dist.destroy_process_group()
 
 
+def process_rows(args, backend):
+    """The rows of every workload at each world size from 1 to ``--world`` (processes spawned here), scaling
+    against the workload's one-process row."""
+    results = mp.get_context("spawn").SimpleQueue()
+    rows = []
+    for world in range(1, args.world + 1):
+        chosen = [name for name in args.workloads if name != "tensor" or args.heads % world == 0]
+        if chosen != args.workloads:
+            print(f"[parallel] world {world}: {args.heads} heads do not split, tensor parallelism skipped", flush=True)
+        spawned = argparse.Namespace(**{**vars(args), "workloads": chosen})
+        mp.spawn(_rank_main, args=(world, free_port(), backend, spawned, results), nprocs=world, join=True)
+        while not results.empty():
+            rows.append(results.get())
+            print(f"[parallel] {rows[-1]}", flush=True)
+    single = {r["workload"]: r["tokens_per_s_per_rank"] for r in rows if r["world"] == 1}
+    for r in rows:
+        r["scaling"] = round(r["tokens_per_s_per_rank"] / single[r["workload"]], 3) if r["workload"] in single else None
+    return rows
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m fastkda.bench.parallel", description=__doc__.split("\n\n")[0])
     on_gpu = torch.cuda.is_available()
@@ -200,27 +221,18 @@ def main(argv=None):
     args.dim = args.dim or (128 if gpu else 64)
     args.hidden = args.hidden or (2048 if gpu else 256)
     args.scale = args.scale if args.scale is not None else 1.0 if gpu else 0.1
-    rows = one_device_rows(args, torch.device("cuda" if gpu else "cpu")) if args.one_device else []
-    results = mp.get_context("spawn").SimpleQueue()
-    for world in range(1, args.world + 1) if not args.one_device else ():
-        chosen = [name for name in args.workloads if name != "tensor" or args.heads % world == 0]
-        if chosen != args.workloads:
-            print(f"[parallel] world {world}: {args.heads} heads do not split, tensor parallelism skipped", flush=True)
-        spawned = argparse.Namespace(**{**vars(args), "workloads": chosen})
-        mp.spawn(_rank_main, args=(world, free_port(), backend, spawned, results), nprocs=world, join=True)
-        while not results.empty():
-            rows.append(results.get())
-            print(f"[parallel] {rows[-1]}", flush=True)
-    single = {r["workload"]: r["tokens_per_s_per_rank"] for r in rows if r["world"] == 1}
-    for r in rows if not args.one_device else ():
-        r["scaling"] = round(r["tokens_per_s_per_rank"] / single[r["workload"]], 3) if r["workload"] in single else None
+    if args.one_device:
+        rows = one_device_rows(args, torch.device("cuda" if gpu else "cpu"))
+    else:
+        rows = process_rows(args, backend)
     device = torch.device("cuda") if gpu else torch.device("cpu")
     meta = dict(backend=backend, device=device_name(device), commit=git_commit(), run=run_id(),
                 date=datetime.date.today().isoformat(), **{k: getattr(args, k) for k in
                                                           ("tokens", "heads", "dim", "hidden", "scale", "repeats")})
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    stem = out / f"{meta['date']}-{meta['device'].replace(' ', '_')}-parallel{'-one-device' if args.one_device else ''}"
+    suffix = "-one-device" if args.one_device else ""
+    stem = out / f"{meta['date']}-{meta['device'].replace(' ', '_')}-parallel{suffix}"
     stem.with_suffix(".json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
     lines = [f"# KDA across processes, {meta['device']} ({backend}), {meta['date']}, commit {meta['commit']}", "",
              f"Context parallelism: one sequence of {args.tokens} tokens at H = {args.heads}, D = {args.dim}. Tensor "

@@ -55,8 +55,8 @@ def context_parallel_prefill(q, k, v, g, beta, *, group=None, initial_state=None
     q, k, g ``[1, T_r, H, K]``, v ``[1, T_r, H, V]``, beta ``[1, T_r, H]`` as :func:`fastkda.kda_prefill` takes one
     sequence; ``initial_state [1, H, V, K]`` (bf16 or fp32, contiguous), read on rank 0 only; ``prefill_kw``: the
     gate, flags and segment length of :func:`fastkda.kda_prefill_open` (``A_log``, ``dt_bias``, ``lower_bound``,
-    ``scale``, ``use_qk_l2norm``, ``use_beta_sigmoid``, ``sequence_parallel``, ``checks``), the same on every rank. Tensors live on the device the group's backend serves (CPU for
-    gloo, the rank's GPU for NCCL)."""
+    ``scale``, ``use_qk_l2norm``, ``use_beta_sigmoid``, ``sequence_parallel``, ``checks``), the same on every
+    rank. Tensors live on the device the group's backend serves (CPU for gloo, the rank's GPU for NCCL)."""
     rank = dist.get_rank(group)
     device = next((x.device for x in (k, q, v, g, beta) if isinstance(x, torch.Tensor)), torch.device("cpu"))
     failure = None
@@ -65,7 +65,7 @@ def context_parallel_prefill(q, k, v, g, beta, *, group=None, initial_state=None
             if not isinstance(x, torch.Tensor) or x.dim() != 4 or x.shape[0] != 1:
                 raise ValueError(f"context_parallel_prefill: {name} must be [1, T, H, D] (one sequence's part), "
                                  f"got {tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
-        tokens, heads, key_dim = k.shape[1:]
+        heads, key_dim = k.shape[2:]
         value_dim = v.shape[-1]
         mine = torch.tensor([heads, key_dim, value_dim], device=device)
     except ValueError as exc:
@@ -83,7 +83,7 @@ def context_parallel_prefill(q, k, v, g, beta, *, group=None, initial_state=None
         exit_map = opened.exit_map[0]
         transition, offset = exit_map[:, value_dim:], exit_map[:, :value_dim]
         if rank == 0 and initial_state is not None:
-            offset = _apply(initial_state[0], transition, offset)
+            offset = apply_map(initial_state[0], transition, offset)
         payload = torch.cat((torch.cat((transition, offset), dim=1).reshape(-1), torch.zeros(1, device=device)))
     except Exception as exc:  # re-raised below, after the others have been told
         failure = exc
@@ -95,11 +95,11 @@ def context_parallel_prefill(q, k, v, g, beta, *, group=None, initial_state=None
     parts = [p[:-1].view(heads, key_dim + value_dim, key_dim) for p in parts]
     entry = parts[0][:, key_dim:]  # rank 0's exit state
     for part in parts[1:rank]:
-        entry = _apply(entry, part[:, :key_dim], part[:, key_dim:])
+        entry = apply_map(entry, part[:, :key_dim], part[:, key_dim:])
     return opened.finish(entry[None].contiguous())
 
 
-def _apply(entry, transition, offset):
+def apply_map(entry, transition, offset):
     """``X·𝒜ᵀ + ℬᵀ`` (fp32) for ``X [H, V, K]``, ``𝒜ᵀ [H, K, K]``, ``ℬᵀ [H, V, K]``: in float64, so that the
     entry, which dominates the exit of a part deep in a long sequence, keeps fp32's accuracy whatever the caller's
     matmul precision (``torch.backends.cuda.matmul.allow_tf32`` would round it to tf32)."""
