@@ -671,6 +671,12 @@ class DecodePlan:
     def slice_width(self) -> int:
         return self.value_dim // self.v_slices
 
+    @property
+    def walk_stages(self) -> int:
+        """Stages of Triton's pipeliner in the loop of a plan that walks a head's slices
+        (:data:`DECODE_STEP_WALK_STAGES`)."""
+        return DECODE_STEP_WALK_STAGES
+
     def launch_numbers(self) -> tuple:
         """The plan as plain integers, the form the custom op carries (:meth:`from_launch_numbers`)."""
         return (self.num_seqs, self.heads, self.value_dim, self.v_slices, self.warps, int(self.walk_slices))

@@ -30,7 +30,6 @@ import triton.language as tl
 from .common import interpreting, launch, load_f32, store_as
 from .conv import conv_sum, load_columns, store_shifted
 from .decode import gate_parameters, slice_update, token_factors
-from ..plan import DECODE_STEP_WALK_STAGES
 
 
 @triton.jit
@@ -221,7 +220,7 @@ def fused_decode_step(mixed, conv_pool, conv_weight, g, beta, out_gate, norm_wei
         conv_weight.stride(1), g.stride(0), beta.stride(0), beta.stride(1), out_gate.stride(0), slots.stride(0),
         float(lower_bound) if lower_bound_gate else 0.0, float(scale), float(eps), state_pool.shape[0],
         H=heads, K=key_dim, V=value_dim, BV=plan.slice_width, SLICES=plan.v_slices, W=width, WALK=plan.walk_slices,
-        STAGES=DECODE_STEP_WALK_STAGES,
+        STAGES=plan.walk_stages,
         LOWER_BOUND_GATE=lower_bound_gate, L2NORM=use_qk_l2norm,
         BETA_SIGMOID=use_beta_sigmoid, EMULATE=interpreting(), num_warps=plan.warps,
     )
