@@ -145,9 +145,6 @@ def decode_step_kernel(
         v_columns, v_x, S = slice_loads(mixed_row, conv_row, pool, row, live, h, vv, stride_cc, stride_cj, H, K, V, W)
     q_scaled, k_t, decay, b_t = token_factors(q_t, k_t, g_t, b_t, a_scale, bias, lower_bound, scale,
                                               LOWER_BOUND_GATE, L2NORM, BETA_SIGMOID)
-    tl.atomic_add(errors, (slot >= pool_slots).to(tl.int32),
-                  mask=(tl.program_id(0) == 0) & (h == 0) & (slot >= pool_slots),
-                  sem="relaxed")  # "slot", as the decode kernel counts it
     head = n.to(tl.int64) * H + h
     if WALK:  # the head's slices in order; Triton's pipeliner loads the next slices while one updates
         dv = tl.arange(0, V)
@@ -196,6 +193,11 @@ def decode_step_kernel(
                 store_as(out + head * V + dd, y, dd < V, EMULATE)
                 tl.store(tickets + head, 0)
 
+    # a bad slot is counted last, off the chain: a scalar atomic's result reaches every thread through shared memory
+    # and a barrier, which would hold the step's loads and updates behind its round trip
+    tl.atomic_add(errors, (slot >= pool_slots).to(tl.int32),
+                  mask=(tl.program_id(0) == 0) & (h == 0) & (slot >= pool_slots),
+                  sem="relaxed")  # "slot", as the decode kernel counts it
 
 def fused_decode_step(mixed, conv_pool, conv_weight, g, beta, out_gate, norm_weight, state_pool, slots, *, plan,
                       A_log, dt_bias, lower_bound, scale, eps, use_qk_l2norm, use_beta_sigmoid, tickets, out, errors):

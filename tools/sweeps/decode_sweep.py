@@ -45,6 +45,7 @@ def main(argv=None):
     parser.add_argument("--settings", nargs="*", metavar="COLUMNS[:WARPS]",
                         help=f"default {' '.join(SETTINGS)}; with --step {' '.join(STEP_SETTINGS)}")
     parser.add_argument("--step", action="store_true", help="sweep the fused decode step instead of decode")
+    parser.add_argument("--only", nargs="*", metavar="NAME", help="decode workloads to sweep (default: all)")
     args = parser.parse_args(argv)
     settings = args.settings or list(STEP_SETTINGS if args.step else SETTINGS)
     runner = fastkda_step_runner if args.step else fastkda_decode_runner
@@ -52,7 +53,7 @@ def main(argv=None):
 
     rows = []
     for w in load_workloads()["decode"]:
-        if args.step and w["tokens_per_seq"] != 1:
+        if (args.step and w["tokens_per_seq"] != 1) or (args.only and w["name"] not in args.only):
             continue
         inp = make_decode_inputs(w, "cuda")
         state_bytes = decode_state_bytes(w)
