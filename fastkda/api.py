@@ -389,17 +389,14 @@ def _decode_fake(q, k, v, g, beta, state_pool, slots, A_log, dt_bias, lower_boun
     return None
 
 
-def _decode_plan(plan, v_slices, num_seqs, heads, value_dim, tokens, anchor, step=False):
-    """The decode plan of a call: ``plan`` checked against the call's shape (a plan that walks a head's slices
-    only for the layer's decode ``step``), or the automatic one."""
+def _decode_plan(plan, v_slices, num_seqs, heads, value_dim, tokens, anchor):
+    """The decode plan of a call: ``plan`` checked against the call's shape, or the automatic one."""
     if plan is None:
         return choose_decode_plan(num_seqs, heads, value_dim, _sms_of(anchor), v_slices, tokens=tokens)
     if not isinstance(plan, DecodePlan) or v_slices != "auto" or (plan.num_seqs, plan.heads, plan.value_dim) != (
             num_seqs, heads, value_dim):
         fail("plan", f"a fastkda.DecodePlan for num_seqs={num_seqs}, heads={heads}, value_dim={value_dim}, with "
              "v_slices='auto'", plan)
-    if plan.walk_slices and not step:
-        fail("plan", "a plan without walk_slices (walking a head's slices is kda_decode_step's form)", plan)
     return plan
 
 
@@ -790,9 +787,9 @@ def kda_decode_step(mixed, conv_states, conv_weight, g, beta, output_gate, norm_
                     use_beta_sigmoid=True, tickets=None, plan=None):
     """The KDA layer's decode step for one token per sequence (spec §9 steps 2, 5 and 6): the conv update of q, k
     and v with SiLU, KDA decode over the state pool, and the gated RMSNorm of each head's output. Returns
-    ``[N, H, V]`` in mixed's dtype (before ``o_proj``). On the GPU one kernel (``fastkda/ops/decode_step.py``, on
-    the plan of :func:`fastkda.plan.choose_decode_step_plan`); on the CPU, and in a ``torch.compile`` trace, the
-    three ops :func:`causal_conv1d_update`, :func:`kda_decode` and :func:`gated_rmsnorm`. The fused
+    ``[N, H, V]`` in mixed's dtype (before ``o_proj``). On the GPU one kernel (``fastkda/ops/decode_step.py``)
+    where the step is latency-bound, else the three launches :func:`causal_conv1d_update`, :func:`kda_decode` and
+    :func:`gated_rmsnorm` (:func:`fastkda.plan.choose_decode_step_plan` decides); on the CPU those three. The fused
     kernel keeps the conv's output in fp32 where the three round it to mixed's dtype: outputs agree to bf16's
     rounding, not bit for bit.
 
@@ -824,7 +821,7 @@ def kda_decode_step(mixed, conv_states, conv_weight, g, beta, output_gate, norm_
     num_seqs, heads, key_dim = g.shape
     value_dim = state_pool.shape[2]
     if plan is not None:
-        plan = _decode_plan(plan, "auto", num_seqs, heads, value_dim, 1, mixed, step=True)
+        plan = _decode_plan(plan, "auto", num_seqs, heads, value_dim, 1, mixed)
     on_gpu = mixed.device.type == "cuda"
     if on_gpu and not compiling:
         plan = plan or choose_decode_step_plan(num_seqs, heads, value_dim, _sms_of(mixed))

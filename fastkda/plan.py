@@ -647,16 +647,13 @@ def _choose_open_entry_plan(num_seqs, heads, seq_len, key_dim, value_dim, sms, l
 @dataclass(frozen=True)
 class DecodePlan:
     """What the decode kernel launches with: ``v_slices`` programs per (sequence, head), each holding a
-    ``[value_dim / v_slices, key_dim]`` fp32 slice of the state on ``warps`` warps, and why. ``walk_slices`` (the
-    layer's fused decode step only, ``fastkda/ops/decode_step.py``): one program per (sequence, head) walks the
-    head's ``v_slices`` slices in order instead."""
+    ``[value_dim / v_slices, key_dim]`` fp32 slice of the state on ``warps`` warps, and why."""
 
     num_seqs: int
     heads: int
     value_dim: int
     v_slices: int
     warps: int
-    walk_slices: bool = False
     reason: str = dataclasses.field(default="", compare=False)
 
     def __post_init__(self):
@@ -665,21 +662,14 @@ class DecodePlan:
                f"v_slices={self.v_slices} leaves decode slices narrower than {MIN_SLICE_WIDTH} columns of "
                f"V={self.value_dim}")
         _check(self.warps in WARP_CHOICES, f"decode warps must be one of {WARP_CHOICES}, got {self.warps}")
-        _check(isinstance(self.walk_slices, bool), f"walk_slices must be a bool, got {self.walk_slices!r}")
 
     @property
     def slice_width(self) -> int:
         return self.value_dim // self.v_slices
 
-    @property
-    def walk_stages(self) -> int:
-        """Stages of Triton's pipeliner in the loop of a plan that walks a head's slices
-        (:data:`DECODE_STEP_WALK_STAGES`)."""
-        return DECODE_STEP_WALK_STAGES
-
     def launch_numbers(self) -> tuple:
         """The plan as plain integers, the form the custom op carries (:meth:`from_launch_numbers`)."""
-        return (self.num_seqs, self.heads, self.value_dim, self.v_slices, self.warps, int(self.walk_slices))
+        return (self.num_seqs, self.heads, self.value_dim, self.v_slices, self.warps)
 
     @staticmethod
     def from_launch_numbers(numbers) -> "DecodePlan":
@@ -692,7 +682,7 @@ class DecodePlan:
 
 @functools.lru_cache(maxsize=4096)
 def _decode_plan_from_numbers(numbers):
-    return DecodePlan(*numbers[:5], walk_slices=bool(numbers[5]))
+    return DecodePlan(*numbers)
 
 
 def decode_warps(slice_width: int) -> int:
@@ -730,32 +720,31 @@ def _choose_decode_plan(num_seqs, heads, value_dim, sms, choice, tokens):
     if value_dim // slices == DECODE_SLICE_WIDTH and single_warp_decode(num_seqs * heads * slices, tokens, sms):
         warps = 1
         reason += "; one warp a slice: one token per sequence on a grid that fills every SM"
-    return DecodePlan(num_seqs, heads, value_dim, slices, warps, reason=reason)
+    return DecodePlan(num_seqs, heads, value_dim, slices, warps, reason)
 
 
 DECODE_STEP_SLICE_WIDTH = 32  # state columns per program of the fused decode step (on DECODE_STEP_WARPS warps)
 DECODE_STEP_WARPS = 4
-# the walking form's loop over a head's slices: stages of Triton's pipeliner (each one slice's state in shared memory
-# while the slices before it update)
-DECODE_STEP_WALK_STAGES = 2
 
 
 @functools.lru_cache(maxsize=4096)  # called on every eager decode step
 def choose_decode_step_plan(num_seqs: int, heads: int, value_dim: int, sms: int):
-    """The layer's decode step on a GPU (:func:`fastkda.kda_decode_step`): the plan of its one fused kernel.
+    """The layer's decode step (:func:`fastkda.kda_decode_step`): the plan of its one fused kernel, or None where
+    it runs as three launches (the conv's decode step, KDA decode, the gated norm).
 
-    Slices of 32 columns on 4 warps (four a head at V = 128; the sweep of 68d5227 over H12 N1-N32 and H96 N1-N4:
-    the best or within 2.2% of 16 columns on 2 warps everywhere, 64 columns on 8 warps 18-31% slower). Up to one
-    head per SM the step is latency-bound: one program a slice, joined by tickets, keeps the chain short. Past that,
-    one program a head walks its slices (``walk_slices``): the q/k conv and norms once a head rather than once a
-    slice, no join, and the pipeliner keeps the next slice's state in flight, so that the step is bound by its
-    bytes (docs/perf-notes.md, "The fused decode step walking a head's slices")."""
+    Fused up to four heads per SM: there the step is latency-bound, or nearly, and two launches fewer save more
+    than the fused kernel adds (H12 N32, 384 heads: 27.1 us fused against 30.5 for the three launches at a93d5ff
+    and 13389df). Past that the step is bound by bytes, and every slice of a head repeats the conv of its q and k
+    channels, so the three launches win (H12 N256: the fused kernel's best plan 156 us, the three launches 134).
+    The fused kernel's slices: 32 columns on 4 warps (four slices a head at V = 128; the sweep of 68d5227 over
+    H12 N1-N32 and H96 N1-N4: the best or within 2.2% of 16 columns on 2 warps everywhere, 64 columns on 8 warps
+    18-31% slower, where a93d5ff had them within 1%)."""
+    if num_seqs * heads > 4 * sms:
+        return None
     slices = max(value_dim // DECODE_STEP_SLICE_WIDTH, 1)
-    walk = num_seqs * heads > sms
-    form = "one program a head walking" if walk else "one program a slice of"
-    reason = (f"fused: {num_seqs * heads} heads on {sms} SMs, {form} {slices} slice(s) a head of "
-              f"{value_dim // slices} columns on {DECODE_STEP_WARPS} warps")
-    return DecodePlan(num_seqs, heads, value_dim, slices, DECODE_STEP_WARPS, walk_slices=walk, reason=reason)
+    return DecodePlan(num_seqs, heads, value_dim, slices, DECODE_STEP_WARPS,
+                      f"fused: {num_seqs * heads} heads on {sms} SMs, {slices} slice(s) a head of "
+                      f"{value_dim // slices} columns on {DECODE_STEP_WARPS} warps")
 
 
 CONV_TOKENS = 32  # tokens per conv program in prefill (fewer for decode's few tokens per sequence)

@@ -114,10 +114,6 @@ def test_decode_rejects_bad_slots():
     with pytest.raises(ValueError, match="num_accepted_tokens"):
         fastkda.kda_decode(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], pool,
                            torch.zeros(2, 2, dtype=torch.int32), num_accepted_tokens=torch.ones(3, dtype=torch.int32))
-    walking = fastkda.DecodePlan(2, 2, 64, 2, 4, walk_slices=True)  # the layer's decode step's form only
-    with pytest.raises(ValueError, match="plan must be a plan without walk_slices"):
-        fastkda.kda_decode(inp["q"][:, :1], inp["k"][:, :1], inp["v"][:, :1], inp["g"][:, :1], inp["beta"][:, :1], pool,
-                           torch.zeros(2, dtype=torch.int32) + torch.arange(2, dtype=torch.int32), plan=walking)
 
 
 def test_decode_under_torch_compile_is_one_op():

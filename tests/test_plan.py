@@ -82,9 +82,6 @@ def test_launch_numbers_round_trip_and_changes_are_validated():
         with pytest.raises(ValueError, match="fastkda plan"):
             chosen.replace(**bad)
     assert DecodePlan.from_launch_numbers(choose_decode_plan(3, 4, 128, 132).launch_numbers()).v_slices == 8
-    walking = DecodePlan(3, 4, 128, 4, 4, True)
-    assert DecodePlan.from_launch_numbers(walking.launch_numbers()) == walking
-    assert all(type(n) is int for n in walking.launch_numbers())
 
 
 @pytest.mark.parametrize("facts", [dict(heads=0), dict(value_dim=96), dict(key_dim=32), dict(sms=0),
@@ -131,13 +128,11 @@ def test_decode_plan_uses_narrow_slices_and_honours_overrides(monkeypatch):
         dataclasses.replace(choose_decode_plan(1, 12, 64, 132), v_slices=8)
 
 
-def test_decode_step_walks_a_heads_slices_past_one_head_an_sm():
+def test_decode_step_fuses_only_where_it_is_latency_bound():
     fused = choose_decode_step_plan(1, 12, 128, 132)
-    assert (fused.v_slices, fused.warps, fused.walk_slices) == (4, 4, False)  # 32-column slices on 4 warps
-    assert not choose_decode_step_plan(11, 12, 128, 132).walk_slices  # 132 heads on 132 SMs: a program a slice
-    walking = choose_decode_step_plan(12, 12, 128, 132)
-    assert (walking.v_slices, walking.warps, walking.walk_slices) == (4, 4, True)
-    assert choose_decode_step_plan(256, 96, 128, 132).walk_slices  # bound by bytes: still one fused launch
+    assert (fused.v_slices, fused.warps) == (4, 4)  # 32-column slices on 4 warps
+    assert choose_decode_step_plan(44, 12, 128, 132) is not None  # 528 heads on 132 SMs
+    assert choose_decode_step_plan(45, 12, 128, 132) is None  # past four heads an SM: three launches
     assert choose_decode_step_plan(1, 96, 64, 132).v_slices == 2
     assert conv_update_launch(256, 4608, False) == (1, 128, 4) and conv_update_launch(256, 4608, True) == (4, 256, 4)
     assert conv_update_launch(1, 96, True)[:2] == (1, 128)

@@ -70,9 +70,10 @@ class KimiDeltaAttention(nn.Module):
             None for Kimi-Linear's softplus gate.
         norm_eps: the gated norm's epsilon (``rms_norm_eps``).
         layer_idx: which layer of a :class:`fastkda.cache.KDACache` this one uses.
-        fused_decode: run one-token decode steps through :func:`fastkda.kda_decode_step` (one kernel on the GPU)
-            instead of the conv update, KDA decode and gated norm one by one. The same math; the CPU path is the
-            same either way.
+        fused_decode: run one-token decode steps through :func:`fastkda.kda_decode_step` (on the GPU one kernel
+            where the step is latency-bound, its three launches elsewhere, as its plan decides) instead of the conv
+            update, KDA decode and gated norm always one by one. The same math; the CPU path is the same either
+            way.
     """
 
     def __init__(self, hidden_size, num_heads, head_dim, *, conv_kernel=4, lower_bound=None, norm_eps=1e-5,

@@ -1,23 +1,18 @@
 """The KDA layer's decode step in one launch (spec §9 steps 2, 5, 6 for one token per sequence): the short conv's
 update, the q/k/v split, KDA decode over the state pool, and the gated RMSNorm.
 
-Two forms (the decode plan's ``walk_slices``), the same arithmetic per slice:
+One program per (V-slice, head, sequence), as :mod:`fastkda.ops.decode`: each program runs the conv for the K q and
+K k channels of its head and its slice's v channels (the W−1 state columns of its slot and the new token), then the
+token's KDA update on its ``[BV, K]`` state slice (:func:`fastkda.ops.decode.token_step`) and writes that slice back.
 
-* One program per (V-slice, head, sequence), as :mod:`fastkda.ops.decode`: each program runs the conv for the K q
-  and K k channels of its head and its slice's v channels (the W−1 state columns of its slot and the new token),
-  then the token's KDA update on its ``[BV, K]`` state slice (:func:`fastkda.ops.decode.slice_update`) and writes
-  that slice back. Two things are shared by a head's slices. The norm needs the whole head's output: each program
-  writes its slice's output (fp32) and sum of squares to a workspace row, then takes a ticket (an atomic add,
-  acquire-release); the program that takes the last ticket reads every slice's sum in slice order
-  (deterministic), normalises the head's output, applies the gate and writes it, and puts the ticket back to 0 (so
-  a CUDA graph replays from zeros). And the q/k channels' conv state: every slice reads it, so only the last
-  program, which knows that every slice has read it (their reads come before their tickets), writes its new
-  value; each program writes its own v channels' state. With one slice per head (a plan that asks for it), the
-  program normalises its head and writes the q/k state itself, without workspace or ticket.
-* One program per (head, sequence) walking the head's slices in a loop (``walk_slices``): the q/k conv and norms
-  once a head instead of once a slice, no workspace, ticket or join, and Triton's pipeliner loads the next slice
-  while one updates. Where many heads share an SM this keeps the state's bytes in flight with a fraction of the
-  q/k work; where few do, the slices' updates follow one another on one SM's chain.
+Two things are shared by a head's slices. The norm needs the whole head's output: each program writes its slice's
+output (fp32) and sum of squares to a workspace row, then takes a ticket (an atomic add, acquire-release); the
+program that takes the last ticket reads every slice's sum in slice order (deterministic), normalises the head's
+output, applies the gate and writes it, and puts the ticket back to 0 (so a CUDA graph replays from zeros). And the
+q/k channels' conv state: every slice reads it, so only the last program, which knows that every slice has read it
+(their reads come before their tickets), writes its new value; each program writes its own v channels' state.
+With one slice per head (a plan that asks for it), the program normalises its head and writes the q/k state itself,
+without workspace or ticket.
 
 A negative slot, or one at or past the pool's size, is a padding row: zeros for the conv state and the recurrent
 state, a zero output, nothing written to either pool (counted as the decode kernel counts it).
@@ -29,7 +24,7 @@ import triton.language as tl
 
 from .common import interpreting, launch, load_f32, store_as
 from .conv import conv_sum, load_columns, store_shifted
-from .decode import gate_parameters, slice_update, token_factors
+from .decode import gate_parameters, token_step
 
 
 @triton.jit
@@ -70,44 +65,6 @@ def normalised_head(o, total, n, h, out_gate, norm_weight, stride_gate, eps, liv
 
 
 @triton.jit
-def slice_addresses(conv_row, pool, row, h, vv, stride_cc, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr):
-    """Where a head's state slice of columns ``vv`` lives: its v channels, their conv state's column 0, and its
-    ``[BV, K]`` state slice in the pool (recomputed where used: pointer tiles held across a step cost registers)."""
-    kk = tl.arange(0, K)
-    v_ch = 2 * H * K + h * V + vv
-    return v_ch, conv_column(conv_row, v_ch, stride_cc), pool + row * (H * V * K) + (h * V + vv[:, None]) * K + kk[None, :]
-
-
-@triton.jit
-def slice_loads(mixed_row, conv_row, pool, row, live, h, vv, stride_cc, stride_cj, H: tl.constexpr, K: tl.constexpr,
-                V: tl.constexpr, W: tl.constexpr):
-    """What a head's state slice of columns ``vv`` reads for one token: its v channels' conv state columns, their
-    new input, and its ``[BV, K]`` state slice (zeros for a padding row or columns past V)."""
-    kk = tl.arange(0, K)
-    v_ok = vv < V
-    v_ch, v_column, state = slice_addresses(conv_row, pool, row, h, vv, stride_cc, H, K, V)
-    v_columns = load_columns(v_column, v_ok & live, stride_cj, W)  # kept for the v state's shift
-    v_x = load_f32(mixed_row + v_ch, v_ok)
-    S = load_f32(state, live & v_ok[:, None] & (kk[None, :] < K))
-    return v_columns, v_x, S
-
-
-@triton.jit
-def slice_update_and_store(v_columns, v_x, S, conv_row, pool, row, live, h, vv, conv_weight, q_scaled, k_t, decay,
-                           b_t, stride_cc, stride_wc, stride_wj, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                           W: tl.constexpr, EMULATE: tl.constexpr):
-    """The slice's token from :func:`slice_loads`: the conv of its v channels and the state update written back to
-    the pool (the v conv state is the caller's to shift); returns its output ``[BV]`` (zeros for a padding row)."""
-    kk = tl.arange(0, K)
-    v_ok = vv < V
-    v_ch, _, state = slice_addresses(conv_row, pool, row, h, vv, stride_cc, H, K, V)
-    v_t = conv_output(v_x, v_columns, conv_weight, v_ch, v_ok, stride_wc, stride_wj, W)
-    S, o_t = slice_update(S, q_scaled, k_t, v_t, decay, b_t)
-    store_as(state, S, live & v_ok[:, None] & (kk[None, :] < K), EMULATE)
-    return tl.where(live, o_t, 0.0)
-
-
-@triton.jit
 def decode_step_kernel(
     mixed, conv_pool, conv_weight, g, beta, out_gate, norm_weight, A_log, dt_bias, pool, slots, partial, sums,
     tickets, out, errors,
@@ -115,13 +72,16 @@ def decode_step_kernel(
     stride_gate,
     stride_slot, lower_bound, scale, eps, pool_slots,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, SLICES: tl.constexpr, W: tl.constexpr,
-    WALK: tl.constexpr, STAGES: tl.constexpr, LOWER_BOUND_GATE: tl.constexpr, L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr,
+    LOWER_BOUND_GATE: tl.constexpr, L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr,
     EMULATE: tl.constexpr,
 ):
+    vs = tl.program_id(0)
     h = tl.program_id(1)
     n = tl.program_id(2)
     kk = tl.arange(0, K)
+    vv = vs * BV + tl.arange(0, BV)
     k_ok = kk < K
+    v_ok = vv < V
     slot = tl.load(slots + n * stride_slot).to(tl.int64)
     live = (slot >= 0) & (slot < pool_slots)
     row = tl.where(live, slot, 0)
@@ -129,100 +89,71 @@ def decode_step_kernel(
     conv_row = conv_pool + row * stride_cp
     q_ch = h * K + kk  # the conv's channels: q | k | v, H heads each
     k_ch = H * K + h * K + kk
-    q_column, k_column = conv_column(conv_row, q_ch, stride_cc), conv_column(conv_row, k_ch, stride_cc)
-    q_columns = load_columns(q_column, k_ok & live, stride_cj, W)
-    k_columns = load_columns(k_column, k_ok & live, stride_cj, W)
-    q_x = load_f32(mixed_row + q_ch, k_ok)
-    k_x = load_f32(mixed_row + k_ch, k_ok)
-    q_t = conv_output(q_x, q_columns, conv_weight, q_ch, k_ok, stride_wc, stride_wj, W)
-    k_t = conv_output(k_x, k_columns, conv_weight, k_ch, k_ok, stride_wc, stride_wj, W)
+    v_ch = 2 * H * K + h * V + vv
+    q_columns = load_columns(conv_column(conv_row, q_ch, stride_cc), k_ok & live, stride_cj, W)
+    k_columns = load_columns(conv_column(conv_row, k_ch, stride_cc), k_ok & live, stride_cj, W)
+    v_column = conv_column(conv_row, v_ch, stride_cc)
+    v_columns = load_columns(v_column, v_ok & live, stride_cj, W)  # kept for the v state's shift
+    v_x = load_f32(mixed_row + v_ch, v_ok)
+    q_t = conv_output(load_f32(mixed_row + q_ch, k_ok), q_columns, conv_weight, q_ch, k_ok, stride_wc, stride_wj, W)
+    k_t = conv_output(load_f32(mixed_row + k_ch, k_ok), k_columns, conv_weight, k_ch, k_ok, stride_wc, stride_wj, W)
+    v_t = conv_output(v_x, v_columns, conv_weight, v_ch, v_ok, stride_wc, stride_wj, W)
     g_t = load_f32(g + n.to(tl.int64) * stride_g + h * K + kk, k_ok)
     b_t = tl.load(beta + n * stride_beta + h * stride_beta_h).to(tl.float32)
     a_scale, bias = gate_parameters(A_log, dt_bias, h, kk, K, LOWER_BOUND_GATE)
-    if not WALK:  # the slice's loads before the q/k norms, so that the state's round trip overlaps them
-        vs = tl.program_id(0)
-        vv = vs * BV + tl.arange(0, BV)
-        v_columns, v_x, S = slice_loads(mixed_row, conv_row, pool, row, live, h, vv, stride_cc, stride_cj, H, K, V, W)
-    q_scaled, k_t, decay, b_t = token_factors(q_t, k_t, g_t, b_t, a_scale, bias, lower_bound, scale,
-                                              LOWER_BOUND_GATE, L2NORM, BETA_SIGMOID)
-    head = n.to(tl.int64) * H + h
-    if WALK:  # the head's slices in order; Triton's pipeliner loads the next slices while one updates
-        dv = tl.arange(0, V)
-        v_column = conv_column(conv_row, 2 * H * K + h * V + dv, stride_cc)  # the head's v conv state, for its shift
-        v_columns = load_columns(v_column, (dv < V) & live, stride_cj, W)
-        v_x = load_f32(mixed_row + 2 * H * K + h * V + dv, dv < V)
-        o_all = tl.zeros((SLICES, BV), dtype=tl.float32)
-        for vs in tl.range(0, SLICES, num_stages=STAGES):  # no barrier inside: one keeps the loop from pipelining
-            vv = vs * BV + tl.arange(0, BV)
-            slice_columns, slice_x, S = slice_loads(mixed_row, conv_row, pool, row, live, h, vv, stride_cc,
-                                                    stride_cj, H, K, V, W)
-            o_t = slice_update_and_store(slice_columns, slice_x, S, conv_row, pool, row, live, h, vv, conv_weight,
-                                         q_scaled, k_t, decay, b_t, stride_cc, stride_wc, stride_wj, H, K, V, W,
-                                         EMULATE)
-            o_all = tl.where((tl.arange(0, SLICES) == vs)[:, None], o_t[None, :], o_all)
-        # no other program reads this head's conv state: its new value from the registers, after every thread's
-        # reads of the old one
-        tl.debug_barrier()
-        store_shifted(q_column, q_columns, q_x, k_ok & live, stride_cj, W, EMULATE)
-        store_shifted(k_column, k_columns, k_x, k_ok & live, stride_cj, W, EMULATE)
-        store_shifted(v_column, v_columns, v_x, (dv < V) & live, stride_cj, W, EMULATE)
-        o = tl.reshape(o_all, (V,))
-        y = normalised_head(o, tl.sum(o * o), n, h, out_gate, norm_weight, stride_gate, eps, live, V)
-        store_as(out + head * V + dv, y, dv < V, EMULATE)
-    else:
-        o_t = slice_update_and_store(v_columns, v_x, S, conv_row, pool, row, live, h, vv, conv_weight, q_scaled, k_t,
-                                     decay, b_t, stride_cc, stride_wc, stride_wj, H, K, V, W, EMULATE)
-        tl.debug_barrier()  # every thread's reads of the old conv row before any thread's writes
-        _, v_column, _ = slice_addresses(conv_row, pool, row, h, vv, stride_cc, H, K, V)
-        store_shifted(v_column, v_columns, v_x, (vv < V) & live, stride_cj, W, EMULATE)
-        if SLICES == 1:  # the whole head in this program: no other program reads its q/k state or needs its output
-            shift_qk_conv_state(mixed_row, conv_row, q_ch, k_ch, k_ok & live, stride_cc, stride_cj, W, EMULATE)
-            y = normalised_head(o_t, tl.sum(o_t * o_t), n, h, out_gate, norm_weight, stride_gate, eps, live, V)
-            store_as(out + head * V + vv, y, vv < V, EMULATE)
-        else:
-            tl.store(partial + head * V + vv, o_t, mask=vv < V)
-            tl.store(sums + head * SLICES + vs, tl.sum(o_t * o_t))
-            tl.debug_barrier()  # every thread's stores and q/k state reads of this program before its ticket
-            ticket = tl.atomic_add(tickets + head, 1, sem="acq_rel")
-            if ticket == SLICES - 1:  # every slice of this head has read the q/k state and written its output
-                shift_qk_conv_state(mixed_row, conv_row, q_ch, k_ch, k_ok & live, stride_cc, stride_cj, W, EMULATE)
-                ss = tl.arange(0, SLICES)
-                dd = tl.arange(0, V)
-                y = normalised_head(tl.load(partial + head * V + dd), tl.sum(tl.load(sums + head * SLICES + ss)), n,
-                                    h, out_gate, norm_weight, stride_gate, eps, live, V)
-                store_as(out + head * V + dd, y, dd < V, EMULATE)
-                tl.store(tickets + head, 0)
-
-    # a bad slot is counted last, off the chain: a scalar atomic's result reaches every thread through shared memory
-    # and a barrier, which would hold the step's loads and updates behind its round trip
-    tl.atomic_add(errors, (slot >= pool_slots).to(tl.int32),
-                  mask=(tl.program_id(0) == 0) & (h == 0) & (slot >= pool_slots),
+    state_cols = (h * V + vv[:, None]) * K + kk[None, :]
+    m_state = live & v_ok[:, None] & k_ok[None, :]
+    S = load_f32(pool + row * (H * V * K) + state_cols, m_state)
+    S, o_t = token_step(S, q_t, k_t, v_t, g_t, b_t, a_scale, bias, lower_bound, scale, LOWER_BOUND_GATE, L2NORM,
+                        BETA_SIGMOID)
+    o_t = tl.where(live, o_t, 0.0)
+    store_as(pool + row * (H * V * K) + state_cols, S, m_state, EMULATE)
+    tl.debug_barrier()  # every thread's reads of the old conv row before any thread's writes
+    store_shifted(v_column, v_columns, v_x, v_ok & live, stride_cj, W, EMULATE)
+    tl.atomic_add(errors, (slot >= pool_slots).to(tl.int32), mask=(vs == 0) & (h == 0) & (slot >= pool_slots),
                   sem="relaxed")  # "slot", as the decode kernel counts it
+    head = n.to(tl.int64) * H + h
+    if SLICES == 1:  # the whole head in this program: no other program reads its q/k state or needs its output
+        shift_qk_conv_state(mixed_row, conv_row, q_ch, k_ch, k_ok & live, stride_cc, stride_cj, W, EMULATE)
+        y = normalised_head(o_t, tl.sum(o_t * o_t), n, h, out_gate, norm_weight, stride_gate, eps, live, V)
+        store_as(out + head * V + vv, y, v_ok, EMULATE)
+    else:
+        tl.store(partial + head * V + vv, o_t, mask=v_ok)
+        tl.store(sums + head * SLICES + vs, tl.sum(o_t * o_t))
+        tl.debug_barrier()  # every thread's stores and q/k state reads of this program before its ticket (release)
+        ticket = tl.atomic_add(tickets + head, 1, sem="acq_rel")
+        if ticket == SLICES - 1:  # every slice of this head has read the q/k state and written its output
+            shift_qk_conv_state(mixed_row, conv_row, q_ch, k_ch, k_ok & live, stride_cc, stride_cj, W, EMULATE)
+            ss = tl.arange(0, SLICES)
+            dd = tl.arange(0, V)
+            y = normalised_head(tl.load(partial + head * V + dd), tl.sum(tl.load(sums + head * SLICES + ss)), n, h,
+                                out_gate, norm_weight, stride_gate, eps, live, V)
+            store_as(out + head * V + dd, y, dd < V, EMULATE)
+            tl.store(tickets + head, 0)
+
 
 def fused_decode_step(mixed, conv_pool, conv_weight, g, beta, out_gate, norm_weight, state_pool, slots, *, plan,
                       A_log, dt_bias, lower_bound, scale, eps, use_qk_l2norm, use_beta_sigmoid, tickets, out, errors):
     """Launch :func:`decode_step_kernel` on validated inputs (``fastkda.api.kda_decode_step``) as the decode plan
-    says (``walk_slices``: one program a head walks its slices); ``out [N, H, V]`` contiguous, written; both pools
-    updated in place; ``tickets [N·H]`` int32 zeros, left as zeros."""
+    says; ``out [N, H, V]`` contiguous, written; both pools updated in place; ``tickets [N·H]`` int32 zeros, left
+    as zeros."""
     num_seqs, heads, key_dim = g.shape
     if num_seqs == 0:
         return
     value_dim = plan.value_dim
-    joined = plan.v_slices > 1 and not plan.walk_slices  # a head's slices in several programs, joined by tickets
-    partial = torch.empty(num_seqs, heads, value_dim if joined else 1, dtype=torch.float32, device=out.device)
-    sums = torch.empty(num_seqs, heads, plan.v_slices if joined else 1, dtype=torch.float32, device=out.device)
+    partial = torch.empty(num_seqs, heads, value_dim, dtype=torch.float32, device=out.device)
+    sums = torch.empty(num_seqs, heads, plan.v_slices, dtype=torch.float32, device=out.device)
     lower_bound_gate = lower_bound is not None
     width = conv_weight.shape[1]
     absent = slots  # stands for absent optional tensors; never dereferenced
     launch(
-        decode_step_kernel, (1 if plan.walk_slices else plan.v_slices, heads, num_seqs),
+        decode_step_kernel, (plan.v_slices, heads, num_seqs),
         mixed, conv_pool, conv_weight, g, beta, out_gate, norm_weight, A_log if lower_bound_gate else absent,
         dt_bias if lower_bound_gate else absent, state_pool, slots, partial, sums, tickets, out, errors,
         mixed.stride(0), conv_pool.stride(0), conv_pool.stride(1), conv_pool.stride(2), conv_weight.stride(0),
         conv_weight.stride(1), g.stride(0), beta.stride(0), beta.stride(1), out_gate.stride(0), slots.stride(0),
         float(lower_bound) if lower_bound_gate else 0.0, float(scale), float(eps), state_pool.shape[0],
-        H=heads, K=key_dim, V=value_dim, BV=plan.slice_width, SLICES=plan.v_slices, W=width, WALK=plan.walk_slices,
-        STAGES=plan.walk_stages,
+        H=heads, K=key_dim, V=value_dim, BV=plan.slice_width, SLICES=plan.v_slices, W=width,
         LOWER_BOUND_GATE=lower_bound_gate, L2NORM=use_qk_l2norm,
         BETA_SIGMOID=use_beta_sigmoid, EMULATE=interpreting(), num_warps=plan.warps,
     )

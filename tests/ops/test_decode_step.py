@@ -37,12 +37,12 @@ def cpu_step(inp, slots):
     return out, inp["conv_states"], inp["state_pool"]
 
 
-def fused_step(inp, slots, v_slices, walk=False):
+def fused_step(inp, slots, v_slices):
     from fastkda.ops.decode_step import fused_decode_step
 
     inp = {name: x.clone() if isinstance(x, torch.Tensor) else x for name, x in inp.items()}
     num_seqs = slots.shape[0]
-    plan = choose_decode_plan(num_seqs, HEADS, DIM, 132, v_slices).replace(walk_slices=walk)
+    plan = choose_decode_plan(num_seqs, HEADS, DIM, 132, v_slices)
     tickets = torch.zeros(num_seqs * HEADS, dtype=torch.int32)
     out = torch.full((num_seqs, HEADS, DIM), float("nan"))
     fused_decode_step(inp["mixed"], inp["conv_states"], inp["conv_weight"], inp["g"], inp["beta"],
@@ -56,15 +56,14 @@ def fused_step(inp, slots, v_slices, walk=False):
 
 @needs_interpreter
 @pytest.mark.parametrize("lower_bound", [-5.0, None], ids=["lower_bound", "precomputed"])
-@pytest.mark.parametrize("v_slices,walk", [(1, False), (4, False), (1, True), (4, True)],
-                         ids=["1-slice", "4-slices", "walk-1", "walk-4"])
-def test_fused_step_equals_the_three_ops(lower_bound, v_slices, walk):
+@pytest.mark.parametrize("v_slices", [1, 4])
+def test_fused_step_equals_the_three_ops(lower_bound, v_slices):
     inp = step_inputs(3, 5, lower_bound)
     if lower_bound is None:
         inp["g"] = -torch.rand(inp["g"].shape, generator=torch.Generator().manual_seed(3))
     slots = torch.tensor([4, -1, 1], dtype=torch.int32)
     want = cpu_step(inp, slots)
-    got = fused_step(inp, slots, v_slices, walk)
+    got = fused_step(inp, slots, v_slices)
     assert rel_err(got[0], want[0]) < 1e-5
     assert torch.equal(got[0][1], torch.zeros_like(got[0][1]))  # the padding row
     for got_pool, want_pool, untouched in ((got[1], want[1], inp["conv_states"]), (got[2], want[2],
@@ -74,17 +73,16 @@ def test_fused_step_equals_the_three_ops(lower_bound, v_slices, walk):
 
 
 @needs_interpreter
-@pytest.mark.parametrize("walk", [False, True], ids=["slices", "walk"])
-def test_fused_step_over_a_channel_last_conv_pool(walk):
+def test_fused_step_over_a_channel_last_conv_pool():
     """KDACache's conv pool layout (``[P, C, W−1]`` over ``[P, W−1, C]`` memory): the same outputs and pools as
     over a contiguous pool, bit for bit, the pool still channel-last."""
     inp = step_inputs(2, 4, seed=5)
     slots = torch.tensor([3, 0], dtype=torch.int32)
-    want = fused_step(inp, slots, 2, walk)
+    want = fused_step(inp, slots, 2)
     channel_last = conv_state_pool(4, channels=inp["conv_states"].shape[1], kernel=WIDTH,
                                    dtype=torch.float32)
     channel_last.copy_(inp["conv_states"])
-    got = fused_step({**inp, "conv_states": channel_last}, slots, 2, walk)
+    got = fused_step({**inp, "conv_states": channel_last}, slots, 2)
     assert got[1].stride(1) == 1
     assert all(torch.equal(a, b) for a, b in zip(got, want))
 

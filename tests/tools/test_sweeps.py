@@ -22,9 +22,6 @@ def test_decode_sweep_settings_are_decode_plans():
         decode_sweep.decode_plan(workload, "48")
     with pytest.raises(ValueError, match="warps"):
         decode_sweep.decode_plan(workload, "32:3")
-    steps = [decode_sweep.decode_plan(workload, s) for s in decode_sweep.STEP_SETTINGS]
-    assert [(p.slice_width, p.warps, p.walk_slices) for p in steps] == [
-        (16, 2, False), (32, 4, False), (16, 1, True), (16, 2, True), (32, 4, True), (64, 4, True)]
 
 
 def test_plan_sweep_times_one_plan_per_slice_count_with_the_changes():

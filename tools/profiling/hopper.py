@@ -152,8 +152,8 @@ def decode_step_launch(plan, key_dim=DIM, width=4, pool=F32):
         stride_mixed=channels, stride_cp=channels * (width - 1), stride_cc=1, stride_cj=channels,
         stride_wc=width, stride_wj=1, stride_g=H * K, stride_beta=H, stride_beta_h=1, stride_gate=H * V,
         stride_slot=1, lower_bound=LOWER_BOUND, scale=K ** -0.5, eps=1e-5, pool_slots=plan.num_seqs + 1,
-        H=H, K=K, V=V, BV=plan.slice_width, SLICES=plan.v_slices, W=width, WALK=plan.walk_slices,
-        STAGES=plan.walk_stages, LOWER_BOUND_GATE=True, L2NORM=True, BETA_SIGMOID=True, EMULATE=False)
+        H=H, K=K, V=V, BV=plan.slice_width, SLICES=plan.v_slices, W=width, LOWER_BOUND_GATE=True, L2NORM=True,
+        BETA_SIGMOID=True, EMULATE=False)
     return decode_step_kernel, args, plan.warps, 3, None
 
 

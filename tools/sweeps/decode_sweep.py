@@ -4,9 +4,8 @@ per program (and 32 columns on 8 warps), CUDA-graph replay, so that the decode p
 
 python tools/sweeps/decode_sweep.py [--out DIR] [--settings 16 32 32:8 64] [--step]
     ->  <date>-<gpu>-decode-sweep.json (or -decode-step-sweep.json)
-A setting is [w]COLUMNS[:WARPS]; without WARPS, the plan's own warps for that width (fastkda.plan.decode_warps);
-``w`` (the fused step only): one program a head walks its slices (the plan's ``walk_slices``). With --step, the
-step's automatic plan is the first setting of each workload."""
+A setting is COLUMNS[:WARPS]; without WARPS, the plan's own warps for that width (fastkda.plan.decode_warps). With
+--step, the step's automatic plan (fused or three launches, as it chooses) comes first in each workload."""
 
 import argparse
 import datetime
@@ -24,19 +23,17 @@ from fastkda.bench.workloads import DIM, load_workloads, make_decode_inputs  # n
 from fastkda.plan import DecodePlan, decode_warps  # noqa: E402
 
 SETTINGS = ("16", "32", "32:8", "64")
-STEP_SETTINGS = ("16:2", "32:4", "w16:1", "w16:2", "w32:4", "w64:4")  # the fused step's candidates
+STEP_SETTINGS = ("16:1", "16:2", "32:2", "32:4", "64:4", "64:8", "128:8")  # the fused step's candidates
 
 
 def decode_plan(workload, setting, value_dim=DIM):
-    """The :class:`fastkda.DecodePlan` of a ``[w]COLUMNS[:WARPS]`` setting for ``workload``."""
-    walk = setting.startswith("w")
-    columns, _, warps = setting.removeprefix("w").partition(":")
+    """The :class:`fastkda.DecodePlan` of a ``COLUMNS[:WARPS]`` setting for ``workload``."""
+    columns, _, warps = setting.partition(":")
     columns = int(columns)
     if columns < 1 or value_dim % columns:
         raise ValueError(f"setting {setting!r}: the columns must divide V={value_dim}")
     return DecodePlan(workload["N"], workload["H"], value_dim, value_dim // columns,
-                      int(warps) if warps else decode_warps(columns), walk_slices=walk,
-                      reason=f"decode sweep: {setting}")
+                      int(warps) if warps else decode_warps(columns), reason=f"decode sweep: {setting}")
 
 
 def main(argv=None):
@@ -67,8 +64,7 @@ def main(argv=None):
                 continue
             plan = None if setting == "auto" else decode_plan(w, setting)
             ms = time_graph(runner(inp, plan=plan))
-            label = ("the step's automatic plan" if plan is None else
-                     f"{plan.slice_width} columns, {plan.warps} warps{', walking' if plan.walk_slices else ''}")
+            label = "the step's automatic plan" if plan is None else f"{plan.slice_width} columns, {plan.warps} warps"
             rows.append(dict(workload=w["name"], setting=label, ms=round(ms, 5), gbps=round(state_bytes / ms / 1e6, 1)))
             print(f"[decode-sweep] {w['name']} {label}: {ms * 1e3:.1f} us, {state_bytes / ms / 1e6:.0f} GB/s",
                   flush=True)
