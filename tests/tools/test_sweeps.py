@@ -22,6 +22,8 @@ def test_decode_sweep_settings_are_decode_plans():
         decode_sweep.decode_plan(workload, "48")
     with pytest.raises(ValueError, match="warps"):
         decode_sweep.decode_plan(workload, "32:3")
+    with pytest.raises(SystemExit):  # a misspelt workload is refused before anything runs, not swept as none
+        decode_sweep.main(["--step", "--only", "decode_H12_N3"])
 
 
 def test_plan_sweep_times_one_plan_per_slice_count_with_the_changes():

@@ -2,7 +2,7 @@
 per program (and 32 columns on 8 warps), CUDA-graph replay, so that the decode plan rests on measurements; with
 ``--step``, the layer's fused decode step (``fastkda.kda_decode_step``) on its one-token workloads instead.
 
-python tools/sweeps/decode_sweep.py [--out DIR] [--settings 16 32 32:8 64] [--step]
+python tools/sweeps/decode_sweep.py [--out DIR] [--settings 16 32 32:8 64] [--step] [--only decode_H12_N1 ...]
     ->  <date>-<gpu>-decode-sweep.json (or -decode-step-sweep.json)
 A setting is COLUMNS[:WARPS]; without WARPS, the plan's own warps for that width (fastkda.plan.decode_warps). With
 --step, the step's automatic plan (fused or three launches, as it chooses) comes first in each workload."""
@@ -42,7 +42,8 @@ def main(argv=None):
     parser.add_argument("--settings", nargs="*", metavar="COLUMNS[:WARPS]",
                         help=f"default {' '.join(SETTINGS)}; with --step {' '.join(STEP_SETTINGS)}")
     parser.add_argument("--step", action="store_true", help="sweep the fused decode step instead of decode")
-    parser.add_argument("--only", nargs="*", metavar="NAME", help="decode workloads to sweep (default: all)")
+    parser.add_argument("--only", nargs="*", metavar="NAME", choices=[w["name"] for w in load_workloads()["decode"]],
+                        help="decode workloads to sweep (default: all)")
     args = parser.parse_args(argv)
     settings = args.settings or list(STEP_SETTINGS if args.step else SETTINGS)
     runner = fastkda_step_runner if args.step else fastkda_decode_runner
