@@ -162,7 +162,7 @@ def fla_decode_runner(inp):
     return run
 
 
-def _step_inputs(inp, seed=1):
+def step_inputs(inp, seed=1):
     """The layer's decode-step inputs around a one-token decode input set: the q | k | v projections before the
     conv ``[N, 3·H·D]``, a conv pool with a row per state slot, a width-4 conv weight, the output gate and the
     norm's weight (spec §9), drawn as the workloads draw theirs. The conv pool is bf16, the activations' dtype, as
@@ -192,7 +192,7 @@ def fastkda_step_runner(inp, plan=None):
 
     if inp["q"].shape[1] != 1:
         return None
-    step = _step_inputs(inp)
+    step = step_inputs(inp)
     tickets = torch.zeros(inp["q"].shape[0] * inp["q"].shape[2], dtype=torch.int32, device=inp["q"].device)
 
     def run():
@@ -210,7 +210,7 @@ def fastkda_three_ops_runner(inp):
 
     if inp["q"].shape[1] != 1:
         return None
-    step = _step_inputs(inp)
+    step = step_inputs(inp)
     seqs, _, heads, dim = inp["q"].shape
 
     def run():

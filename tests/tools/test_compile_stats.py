@@ -63,11 +63,11 @@ decode.recurrent_kda_decode(dec["q"], dec["k"], dec["v"], dec["g"], dec["beta"],
                             plan=decode_plan, A_log=dec["A_log"], dt_bias=dec["dt_bias"], lower_bound=-5.0,
                             scale=dec["scale"], num_accepted_tokens=None, use_qk_l2norm=True, use_beta_sigmoid=True,
                             out=torch.empty_like(dec["v"]), errors=torch.zeros(3, dtype=torch.int32))
-from fastkda.bench.runners import _step_inputs
+from fastkda.bench.runners import step_inputs
 from fastkda.ops import decode_step
 from fastkda.plan import choose_decode_step_plan
 decode_step.launch = record
-step, step_plan = _step_inputs(dec), choose_decode_step_plan(2, 3, 128, 132)
+step, step_plan = step_inputs(dec), choose_decode_step_plan(2, 3, 128, 132)
 decode_step.fused_decode_step(step["mixed"], step["conv_states"], step["conv_weight"], dec["g"][:, 0],
                               dec["beta"][:, 0], step["output_gate"], step["norm_weight"], dec["pool"], dec["slots"],
                               plan=step_plan, A_log=dec["A_log"], dt_bias=dec["dt_bias"], lower_bound=-5.0,
