@@ -100,22 +100,18 @@ def decode_kernel(
     state_cols = (h * V + vv[:, None]) * K + kk[None, :]  # S[v, k] = pool[slot, h, v, k]; int32 within a slot
     m_state = live & (vv[:, None] < V) & (kk[None, :] < K)
     S = load_f32(pool + read_slot * (H * V * K) + state_cols, m_state)
-    if PER_TOKEN_SLOTS:  # each token's write slot is requested with its inputs, a token ahead of its store
-        write_slot = tl.load(slots + n * stride_slot_n).to(tl.int64)
     for t in range(T):
         q_n, k_n, v_n, g_n, b_n = token_inputs(q, k, v, g, beta, n, t + 1, T, h, kk, vv, stride_q, stride_k,
                                                 stride_v, stride_g, stride_beta_n, stride_beta_t, stride_beta_h, K, V)
-        if PER_TOKEN_SLOTS:
-            write_n = tl.load(slots + n * stride_slot_n + (t + 1) * stride_slot_t, mask=t + 1 < T, other=-1)
         S, o_t = token_step(S, q_t, k_t, v_t, g_t, b_t, a_scale, bias, lower_bound, scale, LOWER_BOUND_GATE, L2NORM,
                             BETA_SIGMOID)
         row = (n * T + t).to(tl.int64)
         store_as(out + row * (H * V) + h * V + vv, tl.where(live, o_t, 0.0), vv < V, EMULATE)
         if PER_TOKEN_SLOTS:
+            write_slot = tl.load(slots + n * stride_slot_n + t * stride_slot_t).to(tl.int64)
             tl.atomic_add(errors, 1, mask=counting & live & (write_slot >= pool_slots), sem="relaxed")  # "slot"
             writes = m_state & (write_slot >= 0) & (write_slot < pool_slots)
             store_as(pool + write_slot * (H * V * K) + state_cols, S, writes, EMULATE)
-            write_slot = write_n.to(tl.int64)
         q_t, k_t, v_t, g_t, b_t = q_n, k_n, v_n, g_n, b_n
     if not PER_TOKEN_SLOTS:
         store_as(pool + read_slot * (H * V * K) + state_cols, S, m_state, EMULATE)

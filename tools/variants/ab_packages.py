@@ -10,7 +10,7 @@ every bit).
 Here (needs git): ``python tools/variants/ab_packages.py --make ce73160 [--make ...]`` copies the ``fastkda``
 package of each commit into ``.ab/fastkda_<commit>/`` (ignored by git; carry ``.ab`` to the device), renamed so
 that it imports beside the working tree's, its custom ops in their own namespace.
-On the device: ``python tools/variants/ab_packages.py --against ce73160 [--only NAME ...] [--out DIR]``
+On the device: ``python tools/variants/ab_packages.py --against ce73160 [--only NAME ...] [--step] [--out DIR]``
 prints one line per workload and mode (the working tree's time, each other package's, their ratios) and writes
 ``ab-<commits>.json`` under ``--out`` (the working tree's commit from ``$FASTKDA_COMMIT`` or git);
 ``--render FILE.json`` writes its table as ``FILE.md``.
@@ -72,16 +72,28 @@ def decode_call(package, inp, pool, out):
         num_accepted_tokens=inp["accepted"], out=out)
 
 
+def step_call(package, inp, step, pools, tickets):
+    """The layer's decode step (``kda_decode_step``) of a one-token decode workload through ``package``, over the
+    state and conv pools ``pools``."""
+    pool, conv = pools
+    return lambda: package.kda_decode_step(
+        step["mixed"], conv, step["conv_weight"], inp["g"][:, 0], inp["beta"][:, 0], step["output_gate"],
+        step["norm_weight"], pool, inp["slots"], A_log=inp["A_log"], dt_bias=inp["dt_bias"],
+        lower_bound=inp["lower_bound"], scale=inp["scale"], tickets=tickets)
+
+
 def compare(packages, workloads, rounds=2, on_row=lambda rows: None):
     """Rows ``{workload, mode, ms: {package: ms}, equal: {package: bool}}``: the packages' times, interleaved;
     ``on_row(rows)`` after each workload (so that a run cut short keeps what it measured)."""
     from fastkda.bench.timing import time_eager, time_graph
+    from fastkda.bench.runners import step_inputs
     from fastkda.bench.workloads import LOWER_BOUND, make_decode_inputs, make_prefill_inputs
 
     rows = []
     for kind, workload in workloads:
         inp = (make_prefill_inputs if kind == "prefill" else make_decode_inputs)(workload, "cuda")
         inp.setdefault("lower_bound", LOWER_BOUND)
+        step = step_inputs(inp) if kind == "step" else None
         calls, results = {}, {}
         for name, package in packages.items():
             if kind == "prefill":
@@ -89,7 +101,7 @@ def compare(packages, workloads, rounds=2, on_row=lambda rows: None):
                 calls[name] = prefill_call(package, inp, out, final)
                 calls[name]()
                 results[name] = (out, final)
-            else:
+            elif kind == "decode":
                 pool, out = inp["pool"].clone(), torch.empty_like(inp["v"])
                 start = pool.clone()
                 calls[name] = decode_call(package, inp, pool, out)
@@ -97,20 +109,28 @@ def compare(packages, workloads, rounds=2, on_row=lambda rows: None):
                 calls[name]()
                 results[name] = (out.clone(), pool.clone())
                 pool.copy_(start)
+            else:  # the layer's decode step: both pools from the same start for each package
+                pools = (inp["pool"].clone(), step["conv_states"].clone())
+                tickets = torch.zeros(inp["q"].shape[0] * inp["q"].shape[2], dtype=torch.int32, device="cuda")
+                calls[name] = step_call(package, inp, step, pools, tickets)
+                results[name] = (calls[name](), *(p.clone() for p in pools))
+                for p, start in zip(pools, (inp["pool"], step["conv_states"])):
+                    p.copy_(start)
         torch.cuda.synchronize()
         first = next(iter(results))
         equal = {name: all(torch.equal(a, b) for a, b in zip(results[first], results[name])) for name in results}
+        label = workload["name"] + (" layer step" if kind == "step" else "")
         for mode, timer in (("graph", time_graph), ("eager", time_eager)):
             best = {name: float("inf") for name in calls}
             order = list(calls)
             for round_index in range(rounds):
                 for name in order[round_index % len(order):] + order[:round_index % len(order)]:
                     best[name] = min(best[name], timer(calls[name]))
-            rows.append(dict(workload=workload["name"], kind=kind, mode=mode, ms={k: round(v, 5) for k, v in
+            rows.append(dict(workload=label, kind=kind, mode=mode, ms={k: round(v, 5) for k, v in
                                                                                   best.items()}, equal=equal))
             line = "  ".join(f"{name} {ms:.4f}" + ("" if name == first else f" ({ms / best[first]:.3f}x)")
                              for name, ms in best.items())
-            print(f"[ab] {workload['name']:<22} {mode:<5} {line}  bits {'equal' if all(equal.values()) else 'DIFFER'}",
+            print(f"[ab] {label:<22} {mode:<5} {line}  bits {'equal' if all(equal.values()) else 'DIFFER'}",
                   flush=True)
         del inp, calls, results
         torch.cuda.empty_cache()
@@ -146,6 +166,8 @@ def main(argv=None):
     parser.add_argument("--make", action="append", default=[], metavar="COMMIT", help="copy a commit's package")
     parser.add_argument("--against", nargs="*", default=[], metavar="COMMIT", help="packages made by --make")
     parser.add_argument("--only", nargs="*", help="workload names (default: every prefill and decode workload)")
+    parser.add_argument("--step", action="store_true",
+                        help="also the layer's decode step (kda_decode_step) on the one-token decode workloads")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--out", default="fastkda-results")
     parser.add_argument("--render", metavar="FILE", help="write an A/B JSON's table as markdown, no timing")
@@ -167,6 +189,8 @@ def main(argv=None):
     found = load_workloads()
     workloads = [(kind, w) for kind in ("prefill", "decode") for w in found[kind]
                  if not args.only or w["name"] in args.only]
+    if args.step:
+        workloads += [("step", w) for kind, w in workloads if kind == "decode" and w["tokens_per_seq"] == 1]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     from fastkda.bench.report import git_commit
