@@ -41,19 +41,16 @@ def conv_output(x_t, columns, weight, channels, ok, stride_wc, stride_wj, W: tl.
 
 
 @triton.jit
-def shift_qk_conv_state(mixed_row, conv_row, q_ch, k_ch, ok, stride_cc, stride_cj, y, y_row, y_ok,
-                        W: tl.constexpr, EMULATE: tl.constexpr):
+def shift_qk_conv_state(mixed_row, conv_row, q_ch, k_ch, ok, stride_cc, stride_cj, W: tl.constexpr,
+                        EMULATE: tl.constexpr):
     """Write a head's new q and k conv state (``ok``: live channels of a live row), read whole before any of it is
-    written (the program's threads may hold copies of one element), and the head's output ``y`` at ``y_row``.
-    ``y`` is computed before the barrier and the conv state's loads are issued before it, so the loads of the
-    join (the head's output and gate) and of the conv state share one round trip to memory."""
+    written (the program's threads may hold copies of one element)."""
     q_column, k_column = conv_column(conv_row, q_ch, stride_cc), conv_column(conv_row, k_ch, stride_cc)
     q_columns = load_columns(q_column, ok, stride_cj, W)
     k_columns = load_columns(k_column, ok, stride_cj, W)
     q_x = load_f32(mixed_row + q_ch, ok)
     k_x = load_f32(mixed_row + k_ch, ok)
     tl.debug_barrier()
-    store_as(y_row, y, y_ok, EMULATE)
     store_shifted(q_column, q_columns, q_x, ok, stride_cj, W, EMULATE)
     store_shifted(k_column, k_columns, k_x, ok, stride_cj, W, EMULATE)
 
@@ -117,21 +114,21 @@ def decode_step_kernel(
                   sem="relaxed")  # "slot", as the decode kernel counts it
     head = n.to(tl.int64) * H + h
     if SLICES == 1:  # the whole head in this program: no other program reads its q/k state or needs its output
+        shift_qk_conv_state(mixed_row, conv_row, q_ch, k_ch, k_ok & live, stride_cc, stride_cj, W, EMULATE)
         y = normalised_head(o_t, tl.sum(o_t * o_t), n, h, out_gate, norm_weight, stride_gate, eps, live, V)
-        shift_qk_conv_state(mixed_row, conv_row, q_ch, k_ch, k_ok & live, stride_cc, stride_cj, y, out + head * V + vv,
-                            v_ok, W, EMULATE)
+        store_as(out + head * V + vv, y, v_ok, EMULATE)
     else:
         tl.store(partial + head * V + vv, o_t, mask=v_ok)
         tl.store(sums + head * SLICES + vs, tl.sum(o_t * o_t))
         tl.debug_barrier()  # every thread's stores and q/k state reads of this program before its ticket (release)
         ticket = tl.atomic_add(tickets + head, 1, sem="acq_rel")
         if ticket == SLICES - 1:  # every slice of this head has read the q/k state and written its output
+            shift_qk_conv_state(mixed_row, conv_row, q_ch, k_ch, k_ok & live, stride_cc, stride_cj, W, EMULATE)
             ss = tl.arange(0, SLICES)
             dd = tl.arange(0, V)
             y = normalised_head(tl.load(partial + head * V + dd), tl.sum(tl.load(sums + head * SLICES + ss)), n, h,
                                 out_gate, norm_weight, stride_gate, eps, live, V)
-            shift_qk_conv_state(mixed_row, conv_row, q_ch, k_ch, k_ok & live, stride_cc, stride_cj, y,
-                                out + head * V + dd, dd < V, W, EMULATE)
+            store_as(out + head * V + dd, y, dd < V, EMULATE)
             tl.store(tickets + head, 0)
 
 
