@@ -1,0 +1,200 @@
+"""Source variants of the decode kernels (``--kernel decode_step``: the layer's fused decode step; ``--kernel
+decode``: KDA decode), timed beside the committed kernel, the KDA-only step and (for decode) its memory floor in
+one process (CUDA-graph replay), so that a change to a kernel, or the cost of one of its parts, is measured before
+it is made.
+
+A variant is a list of text edits to the kernel's module (``fastkda/ops/decode_step.py`` or ``decode.py``; each
+must match exactly once). The edited source is written beside the committed module as
+``fastkda/ops/_decode_variant.py``, so that its relative imports resolve to this fastkda, imported as a new module
+(Triton compiles its kernel afresh), and removed when the variant is done with; nothing in fastkda's modules is
+replaced. The variants whose names start with "without" leave out a part of the step to price it: their outputs
+are wrong, their times are what counts.
+
+python tools/variants/decode_variants.py [--kernel decode_step|decode] [--only decode_H12_N1 ...]
+    [--settings auto 32:4 16:2] [--variants NAME ...] [--out DIR]   ->  <date>-<gpu>-<kernel>-variants.json
+"""
+
+import argparse
+import contextlib
+import datetime
+import importlib
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: fastkda and tools
+
+import fastkda.ops.decode as committed_decode  # noqa: E402
+import fastkda.ops.decode_step as committed_step  # noqa: E402
+from fastkda.bench.report import git_commit, results_stem  # noqa: E402
+from fastkda.bench.runners import fastkda_decode_runner, floor_decode_runner, step_inputs  # noqa: E402
+from fastkda.bench.workloads import LOWER_BOUND, load_workloads, make_decode_inputs  # noqa: E402
+from fastkda.plan import choose_decode_plan  # noqa: E402
+from fastkda.errors import KINDS  # noqa: E402
+from tools.sweeps.decode_sweep import decode_plan  # noqa: E402
+
+MODULE = "_decode_variant"
+
+_ERRORS_COUNT = """    tl.atomic_add(errors, (slot >= pool_slots).to(tl.int32), mask=(vs == 0) & (h == 0) & (slot >= pool_slots),
+                  sem="relaxed")  # "slot", as the decode kernel counts it
+"""
+_JOIN = """            tl.store(tickets + head, 0)
+"""  # the kernel's last line
+_QK_CONV = """    q_t = conv_output(load_f32(mixed_row + q_ch, k_ok), q_columns, conv_weight, q_ch, k_ok, stride_wc, stride_wj, W)
+    k_t = conv_output(load_f32(mixed_row + k_ch, k_ok), k_columns, conv_weight, k_ch, k_ok, stride_wc, stride_wj, W)
+"""
+_STATE_LOAD = "    S = load_f32(pool + row * (H * V * K) + state_cols, m_state)\n"
+_STATE_STORE = "    store_as(pool + row * (H * V * K) + state_cols, S, m_state, EMULATE)\n"
+
+STEP_VARIANTS = {
+    "committed": [],
+    # a real candidate: the bad-slot count after the join, off the chain that ends in the ticket
+    "errors counted last": [(_ERRORS_COUNT, ""), (_JOIN, _JOIN + _ERRORS_COUNT)],
+    # prices of the parts (wrong outputs)
+    "without the q/k conv": [(_QK_CONV, "    q_t = load_f32(mixed_row + q_ch, k_ok)\n"
+                                        "    k_t = load_f32(mixed_row + k_ch, k_ok)\n")],
+    "without the join": [("    if SLICES == 1:", "    store_as(out + head * V + vv, o_t, v_ok, EMULATE)\n    if SLICES < 0:"),
+                         ("    else:\n        tl.store(partial", "    elif SLICES < 0:\n        tl.store(partial")],
+    "without the state": [(_STATE_LOAD, "    S = tl.zeros((BV, K), dtype=tl.float32)\n"), (_STATE_STORE, "")],
+}
+
+_DECODE_STATE_LOAD = "    S = load_f32(pool + read_slot * (H * V * K) + state_cols, m_state)\n"
+_DECODE_STATE_STORE = "        store_as(pool + read_slot * (H * V * K) + state_cols, S, m_state, EMULATE)\n"
+_DECODE_TOKEN_SLOT_STORE = "            store_as(pool + write_slot * (H * V * K) + state_cols, S, writes, EMULATE)\n"
+DECODE_VARIANTS = {
+    "committed": [],
+    # the state is read once and written once: L2 need not keep it
+    "state loads evict first": [(_DECODE_STATE_LOAD, "    S = tl.load(pool + read_slot * (H * V * K) + state_cols, "
+                                "mask=m_state, other=0.0, eviction_policy='evict_first').to(tl.float32)\n")],
+    "state stores streaming": [
+        (_DECODE_STATE_STORE, "        tl.store(pool + read_slot * (H * V * K) + state_cols, "
+         "S.to(pool.dtype.element_ty), mask=m_state, cache_modifier='.cs')\n"),
+        (_DECODE_TOKEN_SLOT_STORE, "            tl.store(pool + write_slot * (H * V * K) + state_cols, "
+         "S.to(pool.dtype.element_ty), mask=writes, cache_modifier='.cs')\n")],
+}
+KERNELS = {"decode_step": (committed_step, STEP_VARIANTS), "decode": (committed_decode, DECODE_VARIANTS)}
+
+
+def edited_source(edits, text):
+    """``text`` with each ``(old, new)`` of ``edits`` applied; an edit that does not match exactly once fails."""
+    for old, new in edits:
+        found = text.count(old)
+        if found != 1:
+            raise ValueError(f"an edit matches {found} times: {old.strip()[:60]!r}")
+        text = text.replace(old, new)
+    return text
+
+
+@contextlib.contextmanager
+def variant_module(committed, edits):
+    """The module ``committed`` with ``edits`` applied, imported from a copy beside it (removed and forgotten on
+    leaving)."""
+    source = Path(committed.__file__)
+    target = source.with_name(MODULE + ".py")
+    name = f"fastkda.ops.{MODULE}"
+    target.write_text(edited_source(edits, source.read_text()))
+    try:
+        yield importlib.import_module(name)
+    finally:
+        target.unlink()
+        sys.modules.pop(name, None)
+
+
+def step_runner(module, inp, plan):
+    """``run()`` of ``module.fused_decode_step`` under ``plan`` on the bench's inputs for a one-token workload, as
+    ``fastkda.kda_decode_step`` calls it after validation."""
+    import torch
+
+    step = step_inputs(inp)
+    seqs, _, heads, dim = inp["q"].shape
+    device = inp["q"].device
+    tickets = torch.zeros(seqs * heads, dtype=torch.int32, device=device)
+    errors = torch.zeros(len(KINDS), dtype=torch.int32, device=device)
+    out = torch.empty(seqs, heads, dim, dtype=step["mixed"].dtype, device=device)
+
+    def run():
+        module.fused_decode_step(step["mixed"], step["conv_states"], step["conv_weight"], inp["g"][:, 0],
+                                 inp["beta"][:, 0], step["output_gate"], step["norm_weight"], inp["pool"],
+                                 inp["slots"], plan=plan, A_log=inp["A_log"], dt_bias=inp["dt_bias"],
+                                 lower_bound=LOWER_BOUND, scale=inp["scale"], eps=1e-5, use_qk_l2norm=True,
+                                 use_beta_sigmoid=True, tickets=tickets, out=out, errors=errors)
+        return out
+    return run
+
+
+def decode_runner(module, inp, plan):
+    """``run()`` of ``module.recurrent_kda_decode`` under ``plan`` on the bench's inputs for a decode workload, as
+    ``fastkda.kda_decode`` calls it after validation."""
+    import torch
+
+    errors = torch.zeros(len(KINDS), dtype=torch.int32, device=inp["q"].device)
+    out = torch.empty_like(inp["v"])
+
+    def run():
+        module.recurrent_kda_decode(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], inp["pool"], inp["slots"],
+                                    plan=plan, A_log=inp["A_log"], dt_bias=inp["dt_bias"], lower_bound=LOWER_BOUND,
+                                    scale=inp["scale"], num_accepted_tokens=inp["accepted"], use_qk_l2norm=True,
+                                    use_beta_sigmoid=True, out=out, errors=errors)
+        return out
+    return run
+
+
+def plan_of(workload, setting):
+    """The decode plan of ``setting``: "auto" (decode's own plan for the workload) or ``COLUMNS:WARPS``."""
+    if setting == "auto":
+        return choose_decode_plan(workload["N"], workload["H"], 128, 132, tokens=workload["tokens_per_seq"])
+    return decode_plan(workload, setting)
+
+
+def main(argv=None):
+    names = [w["name"] for w in load_workloads()["decode"]]
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--kernel", choices=list(KERNELS), default="decode_step")
+    parser.add_argument("--only", nargs="*", choices=names,
+                        help="decode workloads (default: all; the fused step takes the one-token ones)")
+    parser.add_argument("--settings", nargs="*", metavar="auto|COLUMNS:WARPS",
+                        help="the kernel's slices (default: 32:4 for the step, auto for decode)")
+    parser.add_argument("--variants", nargs="*", metavar="NAME", help="default: all of the kernel's")
+    parser.add_argument("--out", default="fastkda-results", help="folder for the results file")
+    args = parser.parse_args(argv)
+    committed, variants = KERNELS[args.kernel]
+    chosen = args.variants or list(variants)
+    unknown = sorted(set(chosen) - set(variants))
+    if unknown:
+        parser.error(f"unknown {args.kernel} variants {unknown}; known: {list(variants)}")
+    settings = args.settings or (["32:4"] if args.kernel == "decode_step" else ["auto"])
+    runner = step_runner if args.kernel == "decode_step" else decode_runner
+    import torch
+
+    from fastkda.bench.timing import time_graph
+
+    rows = []
+    for w in load_workloads()["decode"]:
+        if w["name"] not in (args.only or names) or (args.kernel == "decode_step" and w["tokens_per_seq"] != 1):
+            continue
+        inp = make_decode_inputs(w, "cuda")
+        references = {"KDA-only step, auto plan": fastkda_decode_runner(inp)}
+        if args.kernel == "decode":  # what the bars of decode are held against
+            references["memory floor, auto plan"] = floor_decode_runner(inp)
+        for label, run in references.items():
+            ms = time_graph(run)
+            rows.append(dict(workload=w["name"], setting=label, variant=None, ms=round(ms, 5)))
+            print(f"[variants] {w['name']} {label}: {ms * 1e3:.1f} us", flush=True)
+        for variant in chosen:
+            with variant_module(committed, variants[variant]) as module:
+                for setting in settings:
+                    ms = time_graph(runner(module, inp, plan_of(w, setting)))
+                    rows.append(dict(workload=w["name"], setting=setting, variant=variant, ms=round(ms, 5)))
+                    print(f"[variants] {w['name']} {setting} {variant}: {ms * 1e3:.1f} us", flush=True)
+    props = torch.cuda.get_device_properties(0)
+    meta = dict(gpu=props.name, sms=props.multi_processor_count, commit=git_commit(),
+                date=datetime.date.today().isoformat())
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = Path(f"{results_stem(out, props.name)}-{args.kernel.replace('_', '-')}-variants.json")
+    path.write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
+    print(f"[variants] results in {path}")
+
+
+if __name__ == "__main__":
+    main()
