@@ -72,7 +72,7 @@ def decode_kernel(
     stride_slot_t, lower_bound, scale, T, pool_slots,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
     LOWER_BOUND_GATE: tl.constexpr, L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr,
-    PER_TOKEN_SLOTS: tl.constexpr, HAS_ACCEPTED: tl.constexpr, EMULATE: tl.constexpr,
+    PER_TOKEN_SLOTS: tl.constexpr, T_SLOTS: tl.constexpr, HAS_ACCEPTED: tl.constexpr, EMULATE: tl.constexpr,
 ):
     vs = tl.program_id(0)
     h = tl.program_id(1)
@@ -85,14 +85,25 @@ def decode_kernel(
     q_t, k_t, v_t, g_t, b_t = token_inputs(q, k, v, g, beta, n, 0, T, h, kk, vv, stride_q, stride_k, stride_v,
                                             stride_g, stride_beta_n, stride_beta_t, stride_beta_h, K, V)
     a_scale, bias = gate_parameters(A_log, dt_bias, h, kk, K, LOWER_BOUND_GATE)
+    if PER_TOKEN_SLOTS:
+        # the sequence's slots in one request beside its first inputs: the read slot is picked from them rather
+        # than loaded after the accepted count, and each token's write slot is in registers before its store
+        tt = tl.arange(0, T_SLOTS)
+        seq_slots = tl.load(slots + n * stride_slot_n + tt * stride_slot_t, mask=tt < T, other=-1).to(tl.int64)
     if HAS_ACCEPTED:
         read_t = tl.load(num_accepted + n).to(tl.int32) - 1
         accepted_ok = (read_t >= 0) & (read_t < T)
-        read_slot = tl.load(slots + n * stride_slot_n + tl.where(accepted_ok, read_t, 0) * stride_slot_t)
-        read_slot = tl.where(accepted_ok, read_slot.to(tl.int64), -1)  # a bad count: a null row
+        if PER_TOKEN_SLOTS:
+            read_slot = tl.sum(tl.where(tt == read_t, seq_slots, 0))
+        else:
+            read_slot = tl.load(slots + n * stride_slot_n).to(tl.int64)
+        read_slot = tl.where(accepted_ok, read_slot, -1)  # a bad count: a null row
         bad_counts = (~accepted_ok).to(tl.int32)
     else:
-        read_slot = tl.load(slots + n * stride_slot_n).to(tl.int64)
+        if PER_TOKEN_SLOTS:
+            read_slot = tl.sum(tl.where(tt == 0, seq_slots, 0))
+        else:
+            read_slot = tl.load(slots + n * stride_slot_n).to(tl.int64)
         bad_counts = 0
     bad_slots = (read_slot >= pool_slots).to(tl.int32)
     live = (read_slot >= 0) & (read_slot < pool_slots)
@@ -108,7 +119,7 @@ def decode_kernel(
         row = (n * T + t).to(tl.int64)
         store_as(out + row * (H * V) + h * V + vv, tl.where(live, o_t, 0.0), vv < V, EMULATE)
         if PER_TOKEN_SLOTS:
-            write_slot = tl.load(slots + n * stride_slot_n + t * stride_slot_t).to(tl.int64)
+            write_slot = tl.sum(tl.where(tt == t, seq_slots, 0))
             tl.atomic_add(errors, 1, mask=counting & live & (write_slot >= pool_slots), sem="relaxed")  # "slot"
             writes = m_state & (write_slot >= 0) & (write_slot < pool_slots)
             store_as(pool + write_slot * (H * V * K) + state_cols, S, writes, EMULATE)
@@ -141,5 +152,6 @@ def recurrent_kda_decode(q, k, v, g, beta, state_pool, slots, *, plan, A_log, dt
         float(lower_bound) if lower_bound_gate else 0.0, float(scale), tokens, state_pool.shape[0],
         H=heads, K=key_dim, V=plan.value_dim, BV=plan.slice_width, LOWER_BOUND_GATE=lower_bound_gate,
         L2NORM=use_qk_l2norm, BETA_SIGMOID=use_beta_sigmoid, PER_TOKEN_SLOTS=per_token,
-        HAS_ACCEPTED=num_accepted_tokens is not None, EMULATE=interpreting(), num_warps=plan.warps,
+        T_SLOTS=triton.next_power_of_2(tokens) if per_token else 1, HAS_ACCEPTED=num_accepted_tokens is not None,
+        EMULATE=interpreting(), num_warps=plan.warps,
     )

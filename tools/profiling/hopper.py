@@ -132,7 +132,8 @@ def decode_launch(plan, tokens=1, key_dim=DIM, per_token_slots=False, accepted=F
         stride_g=H * K, stride_beta_n=tokens * H, stride_beta_t=H, stride_beta_h=1,
         stride_slot_n=tokens if per_token_slots else 1, stride_slot_t=1 if per_token_slots else 0,
         lower_bound=LOWER_BOUND, scale=K ** -0.5, T=tokens, H=H, K=K, V=V, BV=plan.slice_width, LOWER_BOUND_GATE=True,
-        L2NORM=True, BETA_SIGMOID=True, PER_TOKEN_SLOTS=per_token_slots, HAS_ACCEPTED=accepted, EMULATE=False)
+        L2NORM=True, BETA_SIGMOID=True, PER_TOKEN_SLOTS=per_token_slots,
+        T_SLOTS=triton.next_power_of_2(tokens) if per_token_slots else 1, HAS_ACCEPTED=accepted, EMULATE=False)
     return decode_kernel, args, plan.warps, 3, None
 
 
