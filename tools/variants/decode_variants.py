@@ -72,6 +72,30 @@ DECODE_VARIANTS = {
         (_DECODE_TOKEN_SLOT_STORE, "            tl.store(pool + write_slot * (H * V * K) + state_cols, "
          "S.to(pool.dtype.element_ty), mask=writes, cache_modifier='.cs')\n")],
 }
+# the token's K-wide inputs loaded as [BV, K] tiles in the state's layout (every row the same channels), so that no
+# layout conversion (a shared-memory round trip behind a barrier) sits between one input's load and the next's
+_INPUTS_2D = [
+    ("""        q_t = q_t * tl.rsqrt(tl.sum(q_t * q_t) + 1e-6)
+        k_t = k_t * tl.rsqrt(tl.sum(k_t * k_t) + 1e-6)
+""", """        q_t = q_t * tl.rsqrt(tl.sum(q_t * q_t, axis=1, keep_dims=True) + 1e-6)
+        k_t = k_t * tl.rsqrt(tl.sum(k_t * k_t, axis=1, keep_dims=True) + 1e-6)
+"""),
+    ("""    u = b_t * (v_t - tl.sum(S * (decay * k_t)[None, :], axis=1))
+    S = S * decay[None, :] + u[:, None] * k_t[None, :]
+    return S, tl.sum(S * (q_t * scale)[None, :], axis=1)
+""", """    u = b_t * (v_t - tl.sum(S * (decay * k_t), axis=1))
+    S = S * decay + u[:, None] * k_t
+    return S, tl.sum(S * (q_t * scale), axis=1)
+"""),
+    ("""    vv = vs * BV + tl.arange(0, BV)
+    # the first token's inputs""", """    vv = vs * BV + tl.arange(0, BV)
+    kin = kk[None, :] + tl.zeros((BV, 1), dtype=tl.int32)
+    # the first token's inputs"""),
+    ("token_inputs(q, k, v, g, beta, n, 0, T, h, kk, vv,", "token_inputs(q, k, v, g, beta, n, 0, T, h, kin, vv,"),
+    ("token_inputs(q, k, v, g, beta, n, t + 1, T, h, kk, vv,", "token_inputs(q, k, v, g, beta, n, t + 1, T, h, kin, vv,"),
+    ("gate_parameters(A_log, dt_bias, h, kk, K, LOWER_BOUND_GATE)", "gate_parameters(A_log, dt_bias, h, kin, K, LOWER_BOUND_GATE)"),
+]
+DECODE_VARIANTS["inputs in the state's layout"] = _INPUTS_2D
 KERNELS = {"decode_step": (committed_step, STEP_VARIANTS), "decode": (committed_decode, DECODE_VARIANTS)}
 
 
