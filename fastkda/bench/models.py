@@ -2,9 +2,10 @@
 process: transformers' PyTorch path, FLA's kernels where transformers found FLA at import (CUDA only), and fastkda
 (:mod:`fastkda.integrations.transformers`). Times the forward over a prompt and each generated token (greedy,
 with the model's cache), median of repeats with the paths taking turns, eager; writes
-``OUT/<date>-<device>-models.{json,md}``. A token's time is read inside one generation, between the first
-generated token's logits and the last's, so the prompt's prefill (whose spread from run to run, at T2048 on a CPU,
-exceeds what 48 tokens take) stays out of it.
+``OUT/<date>-<device>-models.{json,md}``. A token's time is read inside one generation: the median of the
+intervals between consecutive generated tokens' logits. So the prompt's prefill stays out of it (its spread from
+run to run, at T2048 on a CPU, exceeds what 48 tokens take), and so do the few steps the host stalls (a
+collection, a page fault), which move a mean of 48 steps by more than the paths differ (docs/perf-notes.md).
 
 transformers binds FLA or its PyTorch fallback when the modeling module is imported; the fallback stays reachable
 as the ``__wrapped__`` of transformers' wrapper, which is how the PyTorch path is timed beside FLA here. Since
@@ -30,7 +31,7 @@ from .report import git_commit, run_id
 from .timing import synced_median_ms
 
 CASES = [(1, 64), (2, 64), (1, 2048), (2, 2048)]  # (batch, prompt length)
-NEW_TOKENS = 48  # generated tokens timed per case (past the first): enough to see past host noise
+NEW_TOKENS = 48  # generated tokens timed per case (past the first): enough for a median that host stalls miss
 KDA_FUNCTIONS = ("chunk_kimi_delta_attention", "recurrent_kimi_delta_attention", "causal_conv1d_fn",
                  "causal_conv1d_update")
 
@@ -93,8 +94,8 @@ def step_clock(stamps, device):
 def measure_case(kind, paths, model, module, bound, batch, length, device, repeats):
     """Rows for one (batch, prompt length) case, one per path: the paths take turns within every repeat, each
     round starting with the next path, so that a drift of the host's or the card's clocks falls on all of them
-    alike; medians of the forward, and of the time per generated token (the 48 tokens after the first of one
-    generation, :func:`step_clock`)."""
+    alike; medians of the forward, and of the time per generated token (the median interval between the 48 tokens
+    after the first of one generation, :func:`step_clock`)."""
     from transformers import LogitsProcessorList
 
     ids = torch.randint(3, 128, (batch, length), generator=torch.Generator().manual_seed(0)).to(device)
@@ -106,7 +107,7 @@ def measure_case(kind, paths, model, module, bound, batch, length, device, repea
     def per_token_ms():
         stamps = []
         generate(1 + NEW_TOKENS, [step_clock(stamps, device)])
-        return (stamps[-1] - stamps[0]) * 1e3 / NEW_TOKENS
+        return statistics.median(b - a for a, b in zip(stamps, stamps[1:])) * 1e3
     times = {path: dict(forward=[], per_token=[]) for path in paths}
     with torch.no_grad():
         for path in paths:  # warm-up: compiles and autotunes
@@ -173,7 +174,8 @@ def markdown(rows):
     head = ["model", "B", "T"] + [f"{p} forward ms" for p in paths] + [f"{p} ms/token" for p in paths] + ["commit"]
     lines = [f"# Tiny transformers models with KDA layers, {rows[0]['device']}, {rows[0]['date']}, {rows[0]['dtype']}",
              "", "Eager, median of repeats in which the paths take turns; generation: greedy with the model's cache, "
-             "time per token past the first (between the first token's logits and the last's, without the prefill).",
+             "time per token past the first (the median interval between consecutive tokens' logits, without the "
+             "prefill).",
              "",
              "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     keys = sorted({(r["model"], r["batch"], r["length"]) for r in rows}, key=lambda k: (k[0], k[2], k[1]))
