@@ -95,7 +95,8 @@ def measure_case(kind, paths, model, module, bound, batch, length, device, repea
     """Rows for one (batch, prompt length) case, one per path: the paths take turns within every repeat, each
     round starting with the next path, so that a drift of the host's or the card's clocks falls on all of them
     alike; medians of the forward, and of the time per generated token (the median interval between the 48 tokens
-    after the first of one generation, :func:`step_clock`)."""
+    after the first of one generation, :func:`step_clock`); and, for each path, the median over the rounds of
+    what it took beyond fastkda in the same round."""
     from transformers import LogitsProcessorList
 
     ids = torch.randint(3, 128, (batch, length), generator=torch.Generator().manual_seed(0)).to(device)
@@ -122,8 +123,13 @@ def measure_case(kind, paths, model, module, bound, batch, length, device, repea
     rows = []
     for path in paths:
         median = {name: statistics.median(values) for name, values in times[path].items()}
+        # what this path takes beyond fastkda, paired round by round: a drift of the host's clocks between rounds
+        # falls on both terms of a difference, where it moves the medians of the two paths apart
+        beyond = {name: statistics.median(a - b for a, b in zip(values, times["fastkda"][name]))
+                  for name, values in times[path].items()}
         rows.append(dict(model=kind, path=path, batch=batch, length=length, forward_ms=median["forward"],
-                         per_token_ms=median["per_token"]))
+                         per_token_ms=median["per_token"], forward_beyond_fastkda_ms=beyond["forward"],
+                         per_token_beyond_fastkda_ms=beyond["per_token"]))
     return rows
 
 
@@ -171,11 +177,16 @@ def main(argv=None):
 def markdown(rows):
     """One table: forward and per-token ms per (model, case), a column per path."""
     paths = [p for p in ("fastkda", "fla", "pytorch") if any(r["path"] == p for r in rows)]
-    head = ["model", "B", "T"] + [f"{p} forward ms" for p in paths] + [f"{p} ms/token" for p in paths] + ["commit"]
+    others = paths[1:]
+    head = (["model", "B", "T"] + [f"{p} forward ms" for p in paths] + [f"{p} ms/token" for p in paths]
+            + [f"{p} − fastkda forward ms" for p in others] + [f"{p} − fastkda ms/token" for p in others]
+            + ["commit"])
     lines = [f"# Tiny transformers models with KDA layers, {rows[0]['device']}, {rows[0]['date']}, {rows[0]['dtype']}",
              "", "Eager, median of repeats in which the paths take turns; generation: greedy with the model's cache, "
              "time per token past the first (the median interval between consecutive tokens' logits, without the "
-             "prefill).",
+             "prefill). \"p − fastkda\": the median over the rounds of what path p took beyond fastkda in the same "
+             "round (positive: fastkda faster), the figure that decides which is faster where the medians differ by "
+             "less than the host's drift between rounds.",
              "",
              "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     keys = sorted({(r["model"], r["batch"], r["length"]) for r in rows}, key=lambda k: (k[0], k[2], k[1]))
@@ -184,6 +195,8 @@ def markdown(rows):
         cells = [model, str(batch), str(length)]
         cells += [f"{by_path[p]['forward_ms']:.2f}" if p in by_path else "" for p in paths]
         cells += [f"{by_path[p]['per_token_ms']:.2f}" if p in by_path else "" for p in paths]
+        for key in ("forward_beyond_fastkda_ms", "per_token_beyond_fastkda_ms"):
+            cells += [f"{by_path[p][key]:+.3f}" if p in by_path and key in by_path[p] else "" for p in others]
         cells.append(next(iter(by_path.values()))["commit"])
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"

@@ -17,4 +17,9 @@ def test_models_bench_runs(tmp_path):
     assert {(r["model"], r["path"]) for r in rows} == {(m, p) for m in models.MODEL_KINDS for p in ("pytorch",
                                                                                                   "fastkda")}
     assert all(r["forward_ms"] > 0 and r["per_token_ms"] > 0 and r["commit"] for r in rows)
+    by_path = {(r["model"], r["path"]): r for r in rows}
+    for (model, path), row in by_path.items():  # one round: the paired difference is the difference of the times
+        fastkda = by_path[(model, "fastkda")]
+        assert row["per_token_beyond_fastkda_ms"] == pytest.approx(row["per_token_ms"] - fastkda["per_token_ms"])
+        assert row["forward_beyond_fastkda_ms"] == pytest.approx(row["forward_ms"] - fastkda["forward_ms"])
     assert "| kimi_linear | 1 | 8 |" in (tmp_path / results.name.replace(".json", ".md")).read_text()
