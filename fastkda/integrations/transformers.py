@@ -41,17 +41,17 @@ def _v_first(state):
 
 
 def _sequence_slots(batch, device):
-    """Pool rows ``0 .. B−1`` (int32), the slots of transformers' per-sequence states. On the CPU made once per
-    batch size (fastkda only reads them; a CPU step's time is the ops it dispatches); on a GPU made each call, since
-    a tensor kept from one call could come from a CUDA graph's private memory pool."""
-    if device.type == "cpu":
-        return _cpu_sequence_slots(batch)
-    return torch.arange(batch, dtype=torch.int32, device=device)
+    """Pool rows ``0 .. B−1`` (int32), the slots of transformers' per-sequence states: made once per batch size and
+    device (fastkda only reads them, and an eager decode step's host time is what it launches), except while a CUDA
+    graph is captured, where a new tensor belongs to the graph's private memory pool and must not outlive it."""
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return torch.arange(batch, dtype=torch.int32, device=device)
+    return _kept_sequence_slots(batch, device)
 
 
 @functools.lru_cache(maxsize=64)
-def _cpu_sequence_slots(batch):
-    return torch.arange(batch, dtype=torch.int32)
+def _kept_sequence_slots(batch, device):
+    return torch.arange(batch, dtype=torch.int32, device=device)
 
 
 def _fp32_on_gpu(q):
