@@ -70,6 +70,24 @@ def results_stem(out_dir, gpu=None):
     return Path(out_dir) / f"{datetime.date.today().isoformat()}-{gpu.replace(' ', '_')}"
 
 
+def tool_results_file(out_dir, suffix, **extra):
+    """``(path, meta)`` of a device tool's results file (the sweeps, variants and probes under ``tools/``):
+    ``out_dir/<date>-<gpu>-<suffix>.json`` (the folder made), and the meta it starts with: the GPU, its SM count,
+    the commit measured, the date, and ``extra``."""
+    import torch
+
+    props = torch.cuda.get_device_properties(0)
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
+    meta = dict(gpu=props.name, sms=props.multi_processor_count, commit=git_commit(),
+                date=datetime.date.today().isoformat(), **extra)
+    return Path(f"{results_stem(out_dir, props.name)}-{suffix}.json"), meta
+
+
+def write_tool_results(path, meta, rows):
+    """Write a device tool's rows under its meta (:func:`tool_results_file`), as JSON."""
+    path.write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
+
+
 def earlier_results(out_dir):
     """Today's results file for this GPU (``--append``): ``{"rows": [...], "kernels": [...]}``, empty if none."""
     path = Path(f"{results_stem(out_dir)}.json")

@@ -35,3 +35,11 @@ def test_a_variant_module_is_imported_beside_the_committed_one_and_removed():
         assert module.decode_kernel is not committed.decode_kernel
         path = module.__file__
     assert not os.path.exists(path) and module.__name__ not in sys.modules
+
+
+def test_a_variant_of_the_other_kernel_is_refused(capsys):
+    from tools.variants import decode_variants
+
+    with pytest.raises(SystemExit):
+        decode_variants.main(["--kernel", "decode", "--variants", "without the join"])
+    assert "unknown decode variants ['without the join']" in capsys.readouterr().err

@@ -8,12 +8,13 @@ import pytest
 pytest.importorskip("triton")  # decode_floor defines Triton kernels of its own
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: the tools package
 
-from tools.profiling import decode_floor, host_overhead, kernel_times, ncu_prepare  # noqa: E402
-from tools.sweeps import checkpoint_cost, conv_update_sweep, decode_sweep, exactness_matrix, plan_sweep  # noqa: E402
-from tools.variants import prepare_variants  # noqa: E402
+from tools.profiling import decode_floor, host_overhead, kernel_times, ncu_prepare, overlap_probe  # noqa: E402
+from tools.sweeps import (checkpoint_cost, conv_update_sweep, decode_sweep, exactness_matrix, plan_sweep,  # noqa: E402
+                          segment_sweep)
+from tools.variants import decode_variants, prepare_variants  # noqa: E402
 
-TOOLS = [decode_floor, host_overhead, kernel_times, ncu_prepare, checkpoint_cost, conv_update_sweep, decode_sweep,
-         exactness_matrix, plan_sweep, prepare_variants]
+TOOLS = [decode_floor, host_overhead, kernel_times, ncu_prepare, overlap_probe, checkpoint_cost, conv_update_sweep,
+         decode_sweep, exactness_matrix, plan_sweep, segment_sweep, decode_variants, prepare_variants]
 
 
 @pytest.mark.parametrize("tool", TOOLS, ids=lambda tool: tool.__name__.rsplit(".", 1)[-1])

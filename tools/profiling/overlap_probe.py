@@ -17,14 +17,12 @@ python tools/profiling/overlap_probe.py [--only NAME ...] [--out DIR]   ->  <dat
 """
 
 import argparse
-import datetime
-import json
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: fastkda and tools
 
-from fastkda.bench.report import git_commit, results_stem  # noqa: E402
+from fastkda.bench.report import tool_results_file, write_tool_results  # noqa: E402
 from fastkda.bench.work import plan_for_inputs  # noqa: E402
 from fastkda.bench.workloads import LOWER_BOUND, load_workloads, make_prefill_inputs  # noqa: E402
 
@@ -55,6 +53,41 @@ def stages(inp, plan):
     return prepare, recur, lambda: Workspace.allocate(plan, inp["v"], inp["cu_seqlens"])
 
 
+def probe(workload, side):
+    """The row of one workload (None under a sequence-parallel plan): its stages' times, serial and side by side."""
+    import torch
+
+    from fastkda.bench.timing import time_graph
+
+    inp = make_prefill_inputs(workload, "cuda")
+    plan = plan_for_inputs(inp)
+    if plan.sequence_parallel:
+        print(f"[overlap] {workload['name']}: a sequence-parallel plan, left out", flush=True)
+        return None
+    prepare, recur, allocate = stages(inp, plan)
+    first, second = allocate(), allocate()
+    prepare(first)
+
+    def serial():
+        prepare(first)
+        recur(first)
+
+    def side_by_side():
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            prepare(second)
+        recur(first)
+        torch.cuda.current_stream().wait_stream(side)
+
+    times = dict(serial=time_graph(serial), preparation=time_graph(lambda: prepare(second)),
+                 recurrence=time_graph(lambda: recur(first)), side_by_side=time_graph(side_by_side))
+    print(f"[overlap] {workload['name']}: {plan.programs} recurrence programs; "
+          + ", ".join(f"{name} {ms:.4f} ms" for name, ms in times.items())
+          + f"; side by side / serial {times['side_by_side'] / times['serial']:.3f}", flush=True)
+    return dict(workload=workload["name"], programs=plan.programs, v_slices=plan.v_slices,
+                ms={name: round(ms, 5) for name, ms in times.items()})
+
+
 def main(argv=None):
     workloads = load_workloads()["prefill"]
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -64,49 +97,17 @@ def main(argv=None):
     args = parser.parse_args(argv)
     import torch
 
-    from fastkda.bench.timing import time_graph
-
     rows = []
     side = torch.cuda.Stream()
     for w in workloads:
         if (args.only and w["name"] not in args.only) or (not args.only and w["group"] != GROUP):
             continue
-        inp = make_prefill_inputs(w, "cuda")
-        plan = plan_for_inputs(inp)
-        if plan.sequence_parallel:
-            print(f"[overlap] {w['name']}: a sequence-parallel plan, left out", flush=True)
-            continue
-        prepare, recur, allocate = stages(inp, plan)
-        first, second = allocate(), allocate()
-        prepare(first)
-
-        def serial():
-            prepare(first)
-            recur(first)
-
-        def side_by_side():
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                prepare(second)
-            recur(first)
-            torch.cuda.current_stream().wait_stream(side)
-
-        times = dict(serial=time_graph(serial), preparation=time_graph(lambda: prepare(second)),
-                     recurrence=time_graph(lambda: recur(first)), side_by_side=time_graph(side_by_side))
-        rows.append(dict(workload=w["name"], programs=plan.programs, v_slices=plan.v_slices,
-                         ms={name: round(ms, 5) for name, ms in times.items()}))
-        print(f"[overlap] {w['name']}: {plan.programs} recurrence programs; "
-              + ", ".join(f"{name} {ms:.4f} ms" for name, ms in times.items())
-              + f"; side by side / serial {times['side_by_side'] / times['serial']:.3f}", flush=True)
-        del inp, first, second
+        row = probe(w, side)
+        if row:
+            rows.append(row)
         torch.cuda.empty_cache()
-    props = torch.cuda.get_device_properties(0)
-    meta = dict(gpu=props.name, sms=props.multi_processor_count, commit=git_commit(),
-                date=datetime.date.today().isoformat())
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    path = Path(f"{results_stem(out, props.name)}-overlap-probe.json")
-    path.write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
+    path, meta = tool_results_file(args.out, "overlap-probe")
+    write_tool_results(path, meta, rows)
     print(f"[overlap] results in {path}")
 
 

@@ -8,14 +8,12 @@ A setting is COLUMNS[:WARPS]; without WARPS, the plan's own warps for that width
 --step, the step's automatic plan (fused or three launches, as it chooses) comes first in each workload."""
 
 import argparse
-import datetime
-import json
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: fastkda and tools
 
-from fastkda.bench.report import git_commit, results_stem  # noqa: E402
+from fastkda.bench.report import tool_results_file, write_tool_results  # noqa: E402
 from fastkda.bench.runners import fastkda_decode_runner, fastkda_step_runner  # noqa: E402
 from fastkda.bench.timing import time_graph  # noqa: E402
 from fastkda.bench.work import decode_state_bytes  # noqa: E402
@@ -47,8 +45,6 @@ def main(argv=None):
     args = parser.parse_args(argv)
     settings = args.settings or list(STEP_SETTINGS if args.step else SETTINGS)
     runner = fastkda_step_runner if args.step else fastkda_decode_runner
-    import torch
-
     rows = []
     for w in load_workloads()["decode"]:
         if (args.step and w["tokens_per_seq"] != 1) or (args.only and w["name"] not in args.only):
@@ -69,13 +65,8 @@ def main(argv=None):
             rows.append(dict(workload=w["name"], setting=label, ms=round(ms, 5), gbps=round(state_bytes / ms / 1e6, 1)))
             print(f"[decode-sweep] {w['name']} {label}: {ms * 1e3:.1f} us, {state_bytes / ms / 1e6:.0f} GB/s",
                   flush=True)
-    props = torch.cuda.get_device_properties(0)
-    meta = dict(gpu=props.name, sms=props.multi_processor_count, commit=git_commit(), step=args.step,
-                date=datetime.date.today().isoformat())
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    path = Path(f"{results_stem(out, props.name)}-decode{'-step' if args.step else ''}-sweep.json")
-    path.write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
+    path, meta = tool_results_file(args.out, f"decode{'-step' if args.step else ''}-sweep", step=args.step)
+    write_tool_results(path, meta, rows)
     print(f"[decode-sweep] results in {path}")
 
 

@@ -10,9 +10,7 @@ python tools/sweeps/plan_sweep.py [--out DIR] [--budget-s 400] [--rep-ms 25] [--
 """
 
 import argparse
-import datetime
 import itertools
-import json
 import sys
 import time
 from pathlib import Path
@@ -21,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository r
 
 import torch  # noqa: E402
 
-from fastkda.bench.report import git_commit, results_stem  # noqa: E402
+from fastkda.bench.report import tool_results_file, write_tool_results  # noqa: E402
 from fastkda.bench.runners import fastkda_runner  # noqa: E402
 from fastkda.bench.timing import time_graph  # noqa: E402
 from fastkda.bench.work import plan_for_inputs  # noqa: E402
@@ -61,12 +59,7 @@ def main(argv=None):
     parser.add_argument("--out", default="fastkda-results", help="folder for the results file")
     add_set_argument(parser, what="launch numbers to change in every plan", fixed=("v_slices",))
     args, changes = parse_arguments(parser, argv)
-    props = torch.cuda.get_device_properties(0)
-    out = Path(args.out)
-    path = Path(f"{results_stem(out, props.name)}-plan-sweep.json")
-    out.mkdir(parents=True, exist_ok=True)
-    meta = dict(gpu=props.name, sms=props.multi_processor_count, commit=git_commit(),
-                date=datetime.date.today().isoformat(), changes=describe(changes))
+    path, meta = tool_results_file(args.out, "plan-sweep", changes=describe(changes))
     rows, start = [], time.time()
     for tokens, heads, seqs in itertools.product(args.tokens, args.heads, args.seqs):
         if time.time() - start > args.budget_s:
@@ -76,7 +69,7 @@ def main(argv=None):
         best = min(times, key=times.get)
         rows.append(dict(H=heads, N=seqs, T=tokens, ms={str(s): round(t, 5) for s, t in times.items()}, best=best,
                          auto=auto, auto_over_best=round(times[auto] / times[best], 4)))
-        path.write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
+        write_tool_results(path, meta, rows)
     within = sum(r["auto_over_best"] <= 1.02 for r in rows)
     print(f"[sweep] {len(rows)} configurations, auto within 2% of the best in {within}; results in {path}")
     for r in rows:

@@ -12,8 +12,6 @@ python tools/sweeps/segment_sweep.py [--only NAME ...] [--segments 2 4 6 8 11 16
 """
 
 import argparse
-import datetime
-import json
 import sys
 import time
 from pathlib import Path
@@ -22,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository r
 
 import torch  # noqa: E402
 
-from fastkda.bench.report import git_commit, results_stem  # noqa: E402
+from fastkda.bench.report import tool_results_file, write_tool_results  # noqa: E402
 from fastkda.bench.runners import fastkda_runner  # noqa: E402
 from fastkda.bench.timing import time_graph  # noqa: E402
 from fastkda.bench.work import plan_for_inputs  # noqa: E402
@@ -79,12 +77,7 @@ def main(argv=None):
     parser.add_argument("--rep-ms", type=int, default=25, help="graph replay time per measurement")
     parser.add_argument("--out", default="fastkda-results", help="folder for the results file")
     args = parser.parse_args(argv)
-    props = torch.cuda.get_device_properties(0)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    path = Path(f"{results_stem(out, props.name)}-segment-sweep.json")
-    meta = dict(gpu=props.name, sms=props.multi_processor_count, commit=git_commit(),
-                date=datetime.date.today().isoformat())
+    path, meta = tool_results_file(args.out, "segment-sweep")
     by_name = {w["name"]: w for w in load_workloads()["prefill"]}
     rows, start = [], time.time()
     for name in args.only:
@@ -92,7 +85,7 @@ def main(argv=None):
             print(f"[segments] budget reached before {name}")
             break
         rows += sweep_workload(by_name[name], args.segments, args.widths, args.slices, args.rep_ms)
-        path.write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
+        write_tool_results(path, meta, rows)
     for name in dict.fromkeys(r["workload"] for r in rows):
         mine = {r["variant"]: r for r in rows if r["workload"] == name}
         best = min(mine.values(), key=lambda r: r["ms"])

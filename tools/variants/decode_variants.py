@@ -16,9 +16,7 @@ python tools/variants/decode_variants.py [--kernel decode_step|decode] [--only d
 
 import argparse
 import contextlib
-import datetime
 import importlib
-import json
 import sys
 from pathlib import Path
 
@@ -26,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository r
 
 import fastkda.ops.decode as committed_decode  # noqa: E402
 import fastkda.ops.decode_step as committed_step  # noqa: E402
-from fastkda.bench.report import git_commit, results_stem  # noqa: E402
+from fastkda.bench.report import tool_results_file, write_tool_results  # noqa: E402
 from fastkda.bench.runners import fastkda_decode_runner, floor_decode_runner, step_inputs  # noqa: E402
 from fastkda.bench.workloads import LOWER_BOUND, load_workloads, make_decode_inputs  # noqa: E402
 from fastkda.plan import choose_decode_plan  # noqa: E402
@@ -188,8 +186,6 @@ def main(argv=None):
         parser.error(f"unknown {args.kernel} variants {unknown}; known: {list(variants)}")
     settings = args.settings or (["32:4"] if args.kernel == "decode_step" else ["auto"])
     runner = step_runner if args.kernel == "decode_step" else decode_runner
-    import torch
-
     from fastkda.bench.timing import time_graph
 
     rows = []
@@ -210,13 +206,8 @@ def main(argv=None):
                     ms = time_graph(runner(module, inp, plan_of(w, setting)))
                     rows.append(dict(workload=w["name"], setting=setting, variant=variant, ms=round(ms, 5)))
                     print(f"[variants] {w['name']} {setting} {variant}: {ms * 1e3:.1f} us", flush=True)
-    props = torch.cuda.get_device_properties(0)
-    meta = dict(gpu=props.name, sms=props.multi_processor_count, commit=git_commit(),
-                date=datetime.date.today().isoformat())
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    path = Path(f"{results_stem(out, props.name)}-{args.kernel.replace('_', '-')}-variants.json")
-    path.write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
+    path, meta = tool_results_file(args.out, f"{args.kernel.replace('_', '-')}-variants")
+    write_tool_results(path, meta, rows)
     print(f"[variants] results in {path}")
 
 
