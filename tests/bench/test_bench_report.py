@@ -1,11 +1,15 @@
 """The results files: tables, merges across runs, and the run each row came from, on the CPU."""
 
+import datetime
 import importlib.util
 import json
+import types
+
+import torch
 
 from fastkda.bench import main
 from fastkda.bench.report import (decode_table, git_commit, kernel_table, markdown_table, render_results, run_id,
-                                  run_numbers, write_results)
+                                  run_numbers, tool_results_file, write_results, write_tool_results)
 
 META = dict(gpu="G", sms=1, torch="t", triton="3.6.0", commit="new", commits=["new"], date="d", peers={})
 
@@ -138,3 +142,16 @@ def test_an_eager_only_peer_has_a_column_in_the_eager_table_only():
             row("w", 4.0, "c", impl="fla_cp", mode="eager", run="r")]
     assert "fla_cp" not in markdown_table(rows, ["fastkda", "fla_cp"], "graph")
     assert "| w | 2.000 | 4.000 | 2.00× | c |" in markdown_table(rows, ["fastkda", "fla_cp"], "eager")
+
+
+def test_a_tool_results_file_is_named_by_date_and_gpu_and_carries_the_meta(tmp_path, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda index: types.SimpleNamespace(name="NVIDIA H200", multi_processor_count=132))
+    monkeypatch.setenv("FASTKDA_COMMIT", "abc1234")
+    path, meta = tool_results_file(tmp_path / "made", "plan-sweep", changes="none")
+    assert path == tmp_path / "made" / f"{datetime.date.today().isoformat()}-NVIDIA_H200-plan-sweep.json"
+    assert path.parent.is_dir()
+    assert meta == dict(gpu="NVIDIA H200", sms=132, commit="abc1234", date=datetime.date.today().isoformat(),
+                        changes="none")
+    write_tool_results(path, meta, [dict(ms=1.0)])
+    assert json.loads(path.read_text()) == dict(meta=meta, rows=[dict(ms=1.0)])
