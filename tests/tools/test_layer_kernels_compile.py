@@ -41,7 +41,7 @@ for gate in (True, False):
         q=B, k=B, v=B, g=B if gate else F, beta=B, A_log=F, dt_bias=F, pool=F, slots=I, num_accepted=I, out=B,
         errors=I, pool_slots=33, stride_q=H * K, stride_k=H * K, stride_v=H * V, stride_g=H * K, stride_beta_n=H,
         stride_beta_t=H, stride_beta_h=1, stride_slot_n=1, stride_slot_t=0, lower_bound=-5.0, scale=K ** -0.5, T=1,
-        H=H, K=K, V=V, BV=16, LOWER_BOUND_GATE=gate, L2NORM=True, BETA_SIGMOID=True, PER_TOKEN_SLOTS=False,
+        H=H, K=K, V=V, BV=16, LOWER_BOUND_GATE=gate, L2NORM=True, BETA_SIGMOID=True, PER_TOKEN_SLOTS=False, T_SLOTS=1,
         HAS_ACCEPTED=False, EMULATE=False), 1, 3)
     print("decode", gate, flush=True)
 for varlen, block_t, states in ((True, 32, True), (False, 4, True), (True, 32, False)):
