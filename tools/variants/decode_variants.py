@@ -33,14 +33,15 @@ from tools.sweeps.decode_sweep import decode_plan  # noqa: E402
 
 MODULE = "_decode_variant"
 
-_ERRORS_COUNT = """    tl.atomic_add(errors, (slot >= pool_slots).to(tl.int32), mask=(vs == 0) & (h == 0) & (slot >= pool_slots),
-                  sem="relaxed")  # "slot", as the decode kernel counts it
-"""
+_ERRORS_COUNT = ("    tl.atomic_add(errors, (slot >= pool_slots).to(tl.int32), "
+                 "mask=(vs == 0) & (h == 0) & (slot >= pool_slots),\n"
+                 '                  sem="relaxed")  # "slot", as the decode kernel counts it\n')
 _JOIN = """            tl.store(tickets + head, 0)
 """  # the kernel's last line
-_QK_CONV = """    q_t = conv_output(load_f32(mixed_row + q_ch, k_ok), q_columns, conv_weight, q_ch, k_ok, stride_wc, stride_wj, W)
-    k_t = conv_output(load_f32(mixed_row + k_ch, k_ok), k_columns, conv_weight, k_ch, k_ok, stride_wc, stride_wj, W)
-"""
+_QK_CONV = ("    q_t = conv_output(load_f32(mixed_row + q_ch, k_ok), q_columns, conv_weight, q_ch, k_ok, "
+            "stride_wc, stride_wj, W)\n"
+            "    k_t = conv_output(load_f32(mixed_row + k_ch, k_ok), k_columns, conv_weight, k_ch, k_ok, "
+            "stride_wc, stride_wj, W)\n")
 _STATE_LOAD = "    S = load_f32(pool + row * (H * V * K) + state_cols, m_state)\n"
 _STATE_STORE = "    store_as(pool + row * (H * V * K) + state_cols, S, m_state, EMULATE)\n"
 
@@ -51,7 +52,8 @@ STEP_VARIANTS = {
     # prices of the parts (wrong outputs)
     "without the q/k conv": [(_QK_CONV, "    q_t = load_f32(mixed_row + q_ch, k_ok)\n"
                                         "    k_t = load_f32(mixed_row + k_ch, k_ok)\n")],
-    "without the join": [("    if SLICES == 1:", "    store_as(out + head * V + vv, o_t, v_ok, EMULATE)\n    if SLICES < 0:"),
+    "without the join": [("    if SLICES == 1:",
+                          "    store_as(out + head * V + vv, o_t, v_ok, EMULATE)\n    if SLICES < 0:"),
                          ("    else:\n        tl.store(partial", "    elif SLICES < 0:\n        tl.store(partial")],
     "without the state": [(_STATE_LOAD, "    S = tl.zeros((BV, K), dtype=tl.float32)\n"), (_STATE_STORE, "")],
 }
@@ -90,8 +92,10 @@ _INPUTS_2D = [
     kin = kk[None, :] + tl.zeros((BV, 1), dtype=tl.int32)
     # the first token's inputs"""),
     ("token_inputs(q, k, v, g, beta, n, 0, T, h, kk, vv,", "token_inputs(q, k, v, g, beta, n, 0, T, h, kin, vv,"),
-    ("token_inputs(q, k, v, g, beta, n, t + 1, T, h, kk, vv,", "token_inputs(q, k, v, g, beta, n, t + 1, T, h, kin, vv,"),
-    ("gate_parameters(A_log, dt_bias, h, kk, K, LOWER_BOUND_GATE)", "gate_parameters(A_log, dt_bias, h, kin, K, LOWER_BOUND_GATE)"),
+    ("token_inputs(q, k, v, g, beta, n, t + 1, T, h, kk, vv,",
+     "token_inputs(q, k, v, g, beta, n, t + 1, T, h, kin, vv,"),
+    ("gate_parameters(A_log, dt_bias, h, kk, K, LOWER_BOUND_GATE)",
+     "gate_parameters(A_log, dt_bias, h, kin, K, LOWER_BOUND_GATE)"),
 ]
 DECODE_VARIANTS["inputs in the state's layout"] = _INPUTS_2D
 KERNELS = {"decode_step": (committed_step, STEP_VARIANTS), "decode": (committed_decode, DECODE_VARIANTS)}
