@@ -92,18 +92,17 @@ def decode_kernel(
         seq_slots = tl.load(slots + n * stride_slot_n + tt * stride_slot_t, mask=tt < T, other=-1).to(tl.int64)
     if HAS_ACCEPTED:
         read_t = tl.load(num_accepted + n).to(tl.int32) - 1
+    else:
+        read_t = 0
+    if PER_TOKEN_SLOTS:
+        read_slot = tl.sum(tl.where(tt == read_t, seq_slots, 0))
+    else:
+        read_slot = tl.load(slots + n * stride_slot_n).to(tl.int64)
+    if HAS_ACCEPTED:
         accepted_ok = (read_t >= 0) & (read_t < T)
-        if PER_TOKEN_SLOTS:
-            read_slot = tl.sum(tl.where(tt == read_t, seq_slots, 0))
-        else:
-            read_slot = tl.load(slots + n * stride_slot_n).to(tl.int64)
         read_slot = tl.where(accepted_ok, read_slot, -1)  # a bad count: a null row
         bad_counts = (~accepted_ok).to(tl.int32)
     else:
-        if PER_TOKEN_SLOTS:
-            read_slot = tl.sum(tl.where(tt == 0, seq_slots, 0))
-        else:
-            read_slot = tl.load(slots + n * stride_slot_n).to(tl.int64)
         bad_counts = 0
     bad_slots = (read_slot >= pool_slots).to(tl.int32)
     live = (read_slot >= 0) & (read_slot < pool_slots)
