@@ -95,8 +95,7 @@ class PrefillPlan:
     bits) of the first kernel, and
     ``prepare_registers``, its cap on registers per thread (0: the compiler's choice; a cap fits more programs on
     an SM at the price of spills; derived from the warps, so a plan changed to other warps keeps the old cap unless
-    it is changed too); warps and stages of the solve kernel, and ``solve_heads``, the heads each of its programs
-    inverts in turn (the next head's blocks loaded while the current one's are inverted). Sequence parallelism
+    it is changed too); warps and stages of the solve kernel. Sequence parallelism
     (``docs/sequence-parallel.md``): ``segment_chunks`` (0: off) cuts every sequence, from its first token, into
     segments of that many chunks; the transition kernel runs each segment from a zero state over the V value
     columns and K identity columns in slices of ``transition_width``, the scan (``scan_warps``, ``scan_stages``:
@@ -126,7 +125,6 @@ class PrefillPlan:
     solve_warps: int
     solve_stages: int
     prepare_registers: int = 0
-    solve_heads: int = 1
     segment_chunks: int = 0
     transition_width: int = 0
     scan_warps: int = 4
@@ -154,7 +152,6 @@ class PrefillPlan:
                                                         f"{getattr(self, name)}")
         _check(self.prepare_registers == 0 or 24 <= self.prepare_registers <= 255,
                f"prepare_registers must be 0 (the compiler's choice) or 24..255, got {self.prepare_registers}")
-        _check(self.solve_heads >= 1, f"solve_heads must be >= 1, got {self.solve_heads}")
         for name in ("recurrence_stages", "prepare_stages", "solve_stages"):
             _check(getattr(self, name) >= 1, f"{name} must be >= 1, got {getattr(self, name)}")
         _check(self.prepare_channels in (16, 32, 64, 128) and self.key_dim % self.prepare_channels == 0,
@@ -202,13 +199,8 @@ class PrefillPlan:
 
     @property
     def prepare_grid(self) -> tuple:
-        """Grid of the first preparation kernel: one program per (chunk slot, head)."""
+        """Grid of both preparation kernels: one program per (chunk slot, head)."""
         return (self.chunk_slots, self.heads, 1)
-
-    @property
-    def solve_grid(self) -> tuple:
-        """Grid of the solve kernel: one program per (chunk slot, run of ``solve_heads`` heads)."""
-        return (self.chunk_slots, -(-self.heads // self.solve_heads), 1)
 
     @property
     def sequence_parallel(self) -> bool:
@@ -294,8 +286,7 @@ class PrefillPlan:
             f"{_counted(self.prepare_warps, 'warp')}, {self.prepare_stages} stages, "
             f"{self.prepare_channels} key channels per step, {self.prepare_token_run} consecutive tokens per thread"
             + (f", at most {self.prepare_registers} registers a thread" if self.prepare_registers else "") + "; "
-            f"solve kernel on {_counted(self.solve_warps, 'warp')}, {self.solve_stages} stages, "
-            f"{_counted(self.solve_heads, 'head')} a program: T·diag(β)",
+            f"solve kernel on {_counted(self.solve_warps, 'warp')}, {self.solve_stages} stages: T·diag(β)",
             f"recurrence: v_slices={self.v_slices} (V cut into {self.v_slices} slice(s) of {self.slice_width} "
             f"columns): {self.programs} programs "
             + ("per segment of each sequence" if self.segment_chunks else f"on {self.sms} SMs")

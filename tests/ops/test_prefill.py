@@ -120,8 +120,7 @@ def four_slice_run():
 
 
 @pytest.mark.parametrize("changes", [dict(state_rows_v=True), dict(prepare_warps=2),
-                                     dict(solve_warps=2), dict(solve_heads=2), dict(solve_heads=3),
-                                     dict(recurrence_stages=1),
+                                     dict(solve_warps=2), dict(recurrence_stages=1),
                                      dict(prepare_registers=128)])
 def test_other_launch_numbers_give_the_same_bits(changes, four_slice_run):
     """Launch numbers a sweep may set (warps, stages, register caps, the state's form) change how the kernels are
@@ -152,14 +151,14 @@ def test_every_launch_number_comes_from_the_plan(monkeypatch):
             kernel.__name__, (grid, meta)))
     inp = make_inputs([40, 90], heads=3, key_dim=64, value_dim=128, gate="precomputed", seed=5)
     plan = plan_for(inp, 2, prepare_warps=2, prepare_stages=1, prepare_channels=16, prepare_token_run=2,
-                    solve_warps=1, solve_stages=2, solve_heads=2, recurrence_warps=8, recurrence_stages=2,
+                    solve_warps=1, solve_stages=2, recurrence_warps=8, recurrence_stages=2,
                     state_rows_v=False, dot_precision="ieee")
     chunk_kda_forward(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], plan=plan, A_log=None, dt_bias=None,
                       lower_bound=None, scale=0.125, initial_state=None, cu_seqlens=inp["cu_seqlens"],
                       use_qk_l2norm=True, use_beta_sigmoid=True, out=torch.empty_like(inp["v"]), final_state=None)
     expected = {
         "prepare_kernel": (plan.prepare_grid, dict(num_warps=2, num_stages=1, BK=16, RUN=2, C=32, BC=16, K=64)),
-        "solve_kernel": (plan.solve_grid, dict(num_warps=1, num_stages=2, C=32, BC=16, HEADS=2)),
+        "solve_kernel": (plan.prepare_grid, dict(num_warps=1, num_stages=2, C=32, BC=16)),
         "recurrence_kernel": (plan.recurrence_grid, dict(num_warps=8, num_stages=2, BV=64, C=32, K=64, V=128,
                                                          STATE_ROWS_V=False)),
     }
@@ -169,8 +168,7 @@ def test_every_launch_number_comes_from_the_plan(monkeypatch):
         assert {key: launched[name][1][key] for key in numbers} == numbers, name
         if name != "recurrence_kernel":  # the recurrence's products all have bf16 operands
             assert launched[name][1]["DOT_PRECISION"] == "ieee", name
-    assert plan.prepare_grid == (plan.chunk_slots, 3, 1) and plan.solve_grid == (plan.chunk_slots, 2, 1)
-    assert plan.recurrence_grid == (2, 3, 2)
+    assert plan.prepare_grid == (plan.chunk_slots, 3, 1) and plan.recurrence_grid == (2, 3, 2)
 
 
 def test_no_module_level_launch_constants_in_ops():

@@ -87,7 +87,7 @@ def prefill_launches(plan, checkpoints=0, l2norm=True, beta_sigmoid=True):
         BK=plan.prepare_channels, LOWER_BOUND_GATE=gate, L2NORM=l2norm, RUN=plan.prepare_token_run)
     solve_args = dict(
         {name: value for name, value in shared.items() if name != "ws_bf16"}, **beta, **precision, cu_seqlens=cu,
-        scratch_at=at.scratch, num_seqs=plan.num_seqs, H=H, BC=plan.block, HEADS=plan.solve_heads)
+        scratch_at=at.scratch, num_seqs=plan.num_seqs, H=H, BC=plan.block)
     recurrence_args = dict(
         shared, qg_at=at.qg, kg_at=at.kg, A_at=at.A, scratch_at=at.scratch, entries_at=at.entries,
         out=BF16, initial_state=F32, final_state=F32, cu_seqlens=cu, errors=I32,

@@ -33,29 +33,16 @@ def mm(a, b, DOT_PRECISION: tl.constexpr):
     return tl.dot(a, b, input_precision=DOT_PRECISION)
 
 
-@triton.jit
-def chunk_blocks(L_c, beta_c, rows0, rows1, ok0, ok1, stride_beta_tok, H, C: tl.constexpr, BC: tl.constexpr,
-                 BETA_SIGMOID: tl.constexpr):
-    """One (chunk, head)'s three β·L blocks ``L00, L10, L11`` (the diagonal ones strictly lower) and its two
-    blocks of β, from its first row and head in the scratch (``L_c``) and in β (``beta_c``)."""
-    cb = tl.arange(0, BC)
-    return (load_tile(L_c, rows0, ok0, cb, C, H * C), load_tile(L_c, rows1, ok1, cb, C, H * C),
-            load_tile(L_c, rows1, ok1, BC + cb, C, H * C),
-            beta_rows(beta_c, rows0, ok0, stride_beta_tok, BETA_SIGMOID),
-            beta_rows(beta_c, rows1, ok1, stride_beta_tok, BETA_SIGMOID))
-
-
 @triton.jit(do_not_specialize=["H"])  # one compile for every head count
 def solve_kernel(
     beta, cu_seqlens, ws_fp32, scratch_at, stride_beta_tok, stride_beta_head, seq_len, num_seqs,
     H, C: tl.constexpr, BC: tl.constexpr, IS_VARLEN: tl.constexpr, BETA_SIGMOID: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, EMULATE: tl.constexpr, HEADS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, EMULATE: tl.constexpr,
 ):
-    """One (chunk slot, run of ``HEADS`` heads): for each head in turn, T from the scratch's 16×16 blocks
-    (diagonal ones strictly lower), then T·diag(β) over the scratch (module docstring); the next head's blocks
-    are loaded before the current head's are inverted, so that their loads overlap its products."""
+    """One (chunk slot, head): T from the scratch's 16×16 blocks (diagonal ones strictly lower), then T·diag(β)
+    over the scratch (module docstring)."""
     slot = tl.program_id(0)
-    h0 = tl.program_id(1) * HEADS
+    h = tl.program_id(1)
     chunk_start, eos = chunk_of_slot(slot, cu_seqlens, seq_len, num_seqs, C, IS_VARLEN)
     cb = tl.arange(0, BC)
     rows0 = cb  # the rows of the chunk's two blocks, counted from its first token
@@ -63,35 +50,29 @@ def solve_kernel(
     ok0 = rows0 < eos - chunk_start
     ok1 = rows1 < eos - chunk_start
     row0 = chunk_start.to(tl.int64)  # 64-bit base pointers per program, 32-bit offsets inside the chunk
-    L_c = ws_fp32 + scratch_at + row0 * (H * C) + h0 * C
-    beta_c = beta + row0 * stride_beta_tok + h0 * stride_beta_head
-    L00, L10, L11, b0, b1 = chunk_blocks(L_c, beta_c, rows0, rows1, ok0, ok1, stride_beta_tok, H, C, BC,
-                                         BETA_SIGMOID)
-    for i in tl.static_range(HEADS):
-        live = h0 + i < H  # the last run may hold fewer heads
-        if i + 1 < HEADS:
-            ahead = h0 + i + 1 < H
-            next_blocks = chunk_blocks(L_c + (i + 1) * C, beta_c + (i + 1) * stride_beta_head, rows0, rows1,
-                                       ok0 & ahead, ok1 & ahead, stride_beta_tok, H, C, BC, BETA_SIGMOID)
-        T00 = unit_lower_inverse_block(L00, BC, DOT_PRECISION)
-        T11 = unit_lower_inverse_block(L11, BC, DOT_PRECISION)
-        T10 = -mm(T11, mm(L10, T00, DOT_PRECISION), DOT_PRECISION)
-        tl.debug_barrier()  # every thread's L loaded before any T overwrites it
-        # the scratch's upper-right block (rows 0, columns BC..) is zero already
-        store_tile(L_c + i * C, rows0, ok0 & live, cb, C, H * C, T00 * b0[None, :], EMULATE)
-        store_tile(L_c + i * C, rows1, ok1 & live, cb, C, H * C, T10 * b0[None, :], EMULATE)
-        store_tile(L_c + i * C, rows1, ok1 & live, BC + cb, C, H * C, T11 * b1[None, :], EMULATE)
-        if i + 1 < HEADS:
-            L00, L10, L11, b0, b1 = next_blocks
+    L_c = ws_fp32 + scratch_at + row0 * (H * C) + h * C
+    beta_c = beta + row0 * stride_beta_tok + h * stride_beta_head
+    L00 = load_tile(L_c, rows0, ok0, cb, C, H * C)
+    L10 = load_tile(L_c, rows1, ok1, cb, C, H * C)
+    L11 = load_tile(L_c, rows1, ok1, BC + cb, C, H * C)
+    b0 = beta_rows(beta_c, rows0, ok0, stride_beta_tok, BETA_SIGMOID)
+    b1 = beta_rows(beta_c, rows1, ok1, stride_beta_tok, BETA_SIGMOID)
+    T00 = unit_lower_inverse_block(L00, BC, DOT_PRECISION)
+    T11 = unit_lower_inverse_block(L11, BC, DOT_PRECISION)
+    T10 = -mm(T11, mm(L10, T00, DOT_PRECISION), DOT_PRECISION)
+    tl.debug_barrier()  # every thread's L loaded before any T overwrites it
+    # the scratch's upper-right block (rows 0, columns BC..) is zero already
+    store_tile(L_c, rows0, ok0, cb, C, H * C, T00 * b0[None, :], EMULATE)
+    store_tile(L_c, rows1, ok1, cb, C, H * C, T10 * b0[None, :], EMULATE)
+    store_tile(L_c, rows1, ok1, BC + cb, C, H * C, T11 * b1[None, :], EMULATE)
 
 
 def launch_solve(plan, ws, beta, use_beta_sigmoid, emulate):
     """Launch :func:`solve_kernel` over the plan's grid on the workspace ``ws``."""
     launch(
-        solve_kernel, plan.solve_grid,
+        solve_kernel, plan.prepare_grid,
         beta, ws.cu_seqlens if plan.varlen else ws.fp32, ws.fp32, ws.layout.scratch,
         beta.stride(1), beta.stride(2), plan.seq_len, plan.num_seqs, plan.heads,
         C=plan.chunk, BC=plan.block, IS_VARLEN=plan.varlen, BETA_SIGMOID=use_beta_sigmoid,
-        DOT_PRECISION=plan.dot_precision, EMULATE=emulate, HEADS=plan.solve_heads, num_warps=plan.solve_warps,
-        num_stages=plan.solve_stages,
+        DOT_PRECISION=plan.dot_precision, EMULATE=emulate, num_warps=plan.solve_warps, num_stages=plan.solve_stages,
     )
