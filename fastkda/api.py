@@ -473,6 +473,7 @@ def kda_decode(
 # The KDA layer around the operator (spec §9): its short causal conv (step 2) and output norm (step 6).
 
 CONV_WIDTHS = range(2, 9)  # kernel sizes W the conv takes (Kimi-Linear: 4)
+MAX_CONV_STATE = 8  # columns S of a conv state row at most (S >= W−1; transformers keeps S = W)
 MAX_NORM_DIM = 16384  # the norm holds each row of D values in registers
 
 
@@ -520,9 +521,11 @@ def _validate_conv(x, weight, bias, conv_states, slots, has_initial_state, cu_se
             if given is not None:
                 fail(name, "None when conv_states is None (no pool to index)", _describe(given))
     else:
-        if not isinstance(conv_states, torch.Tensor) or conv_states.dim() != 3:
-            fail("conv_states", f"a 3-D tensor [P, C, W-1] = [P, {channels}, {width - 1}]", _describe(conv_states))
-        _check_operand("conv_states", conv_states, (conv_states.shape[0], channels, width - 1),
+        if (not isinstance(conv_states, torch.Tensor) or conv_states.dim() != 3
+                or not width - 1 <= conv_states.shape[2] <= MAX_CONV_STATE):
+            fail("conv_states", f"a 3-D tensor [P, C, S] = [P, {channels}, S] with W-1 = {width - 1} <= S <= "
+                 f"{MAX_CONV_STATE} (the last S inputs of each row's sequence)", _describe(conv_states))
+        _check_operand("conv_states", conv_states, (conv_states.shape[0], channels, conv_states.shape[2]),
                        (x.dtype, torch.float32), device, "x")
         if slots is None and conv_states.shape[0] != num_seqs:
             fail("conv_states", f"of {num_seqs} rows (one per sequence) when slots is None", list(conv_states.shape))
@@ -599,12 +602,13 @@ def causal_conv1d(x, weight, bias=None, *, conv_states=None, slots=None, has_ini
             bf16, fp16 or fp32.
         weight: ``[C, W]`` (transformers' ``conv1d.weight [C, 1, W]`` squeezed), kernel size W in [2, 8];
             bias: ``[C]`` or None; any float dtype.
-        conv_states: the pool ``[P, C, W−1]`` (x's dtype or fp32, any strides), a row per cached sequence: its
-            last W−1 inputs per channel, oldest first. Sequence n reads row ``slots[n]`` as its earlier inputs
-            (unless ``has_initial_state[n]`` is False: zeros) and, after the call, the row holds its last W−1
-            inputs (for a sequence shorter than W−1 tokens, the old row's tail followed by its tokens, as a
-            token-by-token update leaves it; a row read as zeros is written too). It must share no memory with
-            x, weight or bias (checked on eager calls).
+        conv_states: the pool ``[P, C, S]`` (x's dtype or fp32, any strides), a row per cached sequence: its
+            last S inputs per channel, oldest first, S from W−1 (what the conv reads; vLLM's and fastkda's
+            pools) to 8 (transformers keeps S = W). Sequence n reads row ``slots[n]``'s last W−1 columns as its
+            earlier inputs (unless ``has_initial_state[n]`` is False: zeros) and, after the call, the row holds
+            its last S inputs (for a sequence shorter than S tokens, the old row's tail followed by its tokens, as
+            a token-by-token update leaves it; a row read as zeros is written too, zeros before the tokens). It
+            must share no memory with x, weight or bias (checked on eager calls).
         slots: ``[N]`` int32/int64 pool rows; None: sequence n uses row n (then P must be N). A negative slot is a
             null row: zeros before the first token, nothing written. A slot at or past P is treated the same way, so
             no slot value makes an access outside the pool. Two sequences must not share a live slot.
@@ -639,7 +643,8 @@ def causal_conv1d_update(x, conv_states, weight, bias=None, *, slots, activation
     and written back. Returns the output, x's shape and dtype, contiguous.
 
     ``x``: ``[N, C]`` (one token per sequence) or ``[N, T, C]`` (T >= 1 tokens, e.g. speculative), any strides;
-    ``conv_states [P, C, W−1]`` and ``slots [N]`` as in :func:`causal_conv1d` (every live row is read; negative or
+    ``conv_states [P, C, S]`` (S >= W−1; every column shifts by the T tokens) and ``slots [N]`` as in
+    :func:`causal_conv1d` (every live row is read; negative or
     out-of-range slots are null rows: zeros before the first token, nothing written); ``weight``, ``bias`` and
     ``activation`` as there. Equal to :func:`causal_conv1d` over the same tokens as ``[N, T, C]``.
     """
@@ -762,6 +767,9 @@ def _validate_decode_step(mixed, conv_states, conv_weight, g, beta, output_gate,
     _validate_conv_update(mixed, conv_states, conv_weight, None, slots, "silu")
     if conv_states.shape[0] != state_pool.shape[0]:  # one slot addresses a row of each pool
         fail("conv_states", f"as many rows as state_pool ({state_pool.shape[0]})", _describe(conv_states))
+    if conv_states.shape[2] != conv_weight.shape[1] - 1:  # the fused kernel keeps the W−1 columns the conv reads
+        fail("conv_states", f"[P, C, W-1] = [P, {channels}, {conv_weight.shape[1] - 1}] (the step's pools)",
+             _describe(conv_states))
     q, k, v = _token_heads(mixed, heads, key_dim, value_dim)
     beta = beta[:, None] if isinstance(beta, torch.Tensor) else beta
     validate_decode(*addressable_inputs(q, k, v, g[:, None], beta), state_pool, slots, A_log, dt_bias, lower_bound,
@@ -795,7 +803,8 @@ def kda_decode_step(mixed, conv_states, conv_weight, g, beta, output_gate, norm_
 
     Args:
         mixed: ``[N, H·(2K + V)]``, each sequence's q | k | v projections before the conv (channels contiguous).
-        conv_states ``[P, C, W−1]``, conv_weight ``[C, W]`` (no bias): as :func:`causal_conv1d_update` takes them.
+        conv_states ``[P, C, W−1]`` (exactly W−1 columns), conv_weight ``[C, W]`` (no bias): as
+            :func:`causal_conv1d_update` takes them.
         g ``[N, H, K]``, beta ``[N, H]``: the gate's and β's inputs as :func:`kda_decode` takes them (with
             ``A_log``, ``dt_bias``, ``lower_bound``, ``scale``, ``use_qk_l2norm``, ``use_beta_sigmoid``).
         output_gate ``[N, H, V]``: the norm's gate before its sigmoid; norm_weight ``[V]``; eps: the norm's.

@@ -490,11 +490,11 @@ def causal_conv1d_reference(x, weight, bias=None, *, conv_states=None, slots=Non
     CPU path. Returns the output, shape of ``x``, in ``dtype``.
 
     ``x``: ``[T, C]`` packed tokens (``cu_seqlens [N+1]`` offsets, or one sequence without) or ``[B, T, C]`` (B
-    sequences of T tokens); ``weight [C, W]``; ``bias [C]`` or None. A sequence's inputs are preceded by W−1
-    earlier ones (its pool row ``conv_states[slots[n]]``, ``[C, W−1]`` oldest first, when that row exists and
+    sequences of T tokens); ``weight [C, W]``; ``bias [C]`` or None. A sequence's inputs are preceded by S >= W−1
+    earlier ones (its pool row ``conv_states[slots[n]]``, ``[C, S]`` oldest first, when that row exists and
     ``has_initial_state[n]`` is not False; zeros otherwise), and
     ``out[t, c] = act(bias[c] + Σ_j weight[c, j]·u[t − (W−1) + j, c])``, act being SiLU or none. The row (a
-    ``slots`` entry outside ``[0, P)`` names none; ``slots`` None: sequence n's row is n) then takes the last W−1 of
+    ``slots`` entry outside ``[0, P)`` names none; ``slots`` None: sequence n's row is n) then takes the last S of
     those inputs, in place: the old row's tail shifted by the sequence's tokens. Sequences of one length (all but
     packed ones) run together, as one batch of torch ops: a decode step's time is the number of ops it dispatches."""
     rows = x if x.dim() == 3 else x.unsqueeze(0)
@@ -518,10 +518,11 @@ def causal_conv1d_reference(x, weight, bias=None, *, conv_states=None, slots=Non
 def _conv_sequences(tokens, pool_rows, reads, *, weight, bias, conv_states, activation, dtype):
     """:func:`causal_conv1d_reference` over B sequences of one length, ``tokens [B, L, C]``: sequence b's earlier
     inputs are pool row ``pool_rows[b]`` where that is not -1 and ``reads[b]``, else zeros; each such row then takes
-    its sequence's last W−1 inputs. Rows taken together (consecutive, all live and read: transformers' cache) are
+    its sequence's last S inputs. Rows taken together (consecutive, all live and read: transformers' cache) are
     read and written as one slice of the pool. Returns ``[B, L, C]`` in ``dtype``."""
     batch, length, channels = tokens.shape
     width = weight.shape[1]
+    kept = width - 1 if conv_states is None else conv_states.shape[2]  # a row's S >= W−1 columns
     first = pool_rows[0] if pool_rows else 0
     together = (conv_states is not None and first >= 0 and all(reads)
                 and pool_rows == list(range(first, first + batch)))
@@ -529,19 +530,19 @@ def _conv_sequences(tokens, pool_rows, reads, *, weight, bias, conv_states, acti
         block = conv_states if batch == conv_states.shape[0] else conv_states[first:first + batch]
         earlier = _as(block, dtype)
     else:
-        earlier = torch.zeros(batch, channels, width - 1, dtype=dtype, device=tokens.device)
+        earlier = torch.zeros(batch, channels, kept, dtype=dtype, device=tokens.device)
         for b, (row, read) in enumerate(zip(pool_rows, reads)):
             if row >= 0 and read:
                 earlier[b] = conv_states[row]
-    inputs = torch.cat((earlier.transpose(1, 2), _as(tokens, dtype)), 1)  # [B, W−1+L, C]
-    if length:
-        y = (inputs.unfold(1, width, 1) * weight).sum(-1)  # windows [B, L, C, W] of W consecutive inputs
+    inputs = torch.cat((earlier.transpose(1, 2), _as(tokens, dtype)), 1)  # [B, S+L, C]
+    if length:  # windows [B, L, C, W] of W consecutive inputs, from the last W−1 earlier ones on
+        y = (inputs[:, kept - (width - 1):].unfold(1, width, 1) * weight).sum(-1)
         if bias is not None:
             y = y + bias
         out = torch.nn.functional.silu(y) if activation == "silu" else y
     else:
         out = torch.zeros(batch, 0, channels, dtype=dtype, device=tokens.device)
-    last = inputs[:, -(width - 1):].transpose(1, 2)
+    last = inputs[:, -kept:].transpose(1, 2)
     if together:
         block.copy_(last)
     else:

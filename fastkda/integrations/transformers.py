@@ -103,18 +103,9 @@ def causal_conv1d_fn(x, weight, bias=None, activation=None, **unused):
 
 def causal_conv1d_update_fn(x, conv_state, weight, bias=None, activation=None, **unused):
     """transformers' decode conv: x ``[B, C, T]``, its conv state ``[B, C, S]`` (S >= W − 1, the last S inputs,
-    oldest first) updated in place; returns ``[B, C, T]``. fastkda's update shifts the last W − 1 columns, the
-    columns before them shift here."""
-    keep = weight.shape[-1] - 1
-    extra = conv_state.shape[-1] - keep
-    tokens = x.shape[-1]
-    if extra > 0:  # columns older than the conv reads: shifted by the new tokens, as transformers' own update
-        if extra <= tokens <= keep:  # all from the old state, none both read and written (a decode step)
-            older = conv_state[..., tokens:tokens + extra]
-        else:
-            older = torch.cat([conv_state, x.to(conv_state.dtype)], -1)[..., tokens:tokens + extra]
-        conv_state[..., :extra].copy_(older)
-    out = causal_conv1d_update(x.transpose(1, 2), conv_state[..., extra:], weight, bias,
+    oldest first; transformers keeps S = W) updated in place, every column shifted by the new tokens, as fastkda's
+    update does it; returns ``[B, C, T]``."""
+    out = causal_conv1d_update(x.transpose(1, 2), conv_state, weight, bias,
                                slots=_sequence_slots(x.shape[0], x.device), activation=activation)
     return out.transpose(1, 2)
 

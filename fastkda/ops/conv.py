@@ -7,12 +7,12 @@ program finds its sequence from ``cu_seqlens`` alone, with no host-device synchr
 an empty one too, owns a first block. Each output is ``act(bias + Σ_j w_j·u_{t−(W−1)+j})`` in fp32, from W loads
 of shifted token rows (they overlap in cache) read through x's strides.
 
-The conv state. A sequence's W−1 inputs before its first token come from its pool row ``conv_states[slot]``
-(``[C, W−1]`` through its strides, oldest first) when the slot is live (in ``[0, P)``) and its
-``has_initial_state`` flag is set, else are zeros. Only the first block's tokens reach back that far
-(``BT ≥ W−1``), so the first block's program is the only one that reads the row, and it also writes it: after a
-barrier (its threads' reads of the old row come first), the last W−1 inputs, which for a sequence shorter than
-W−1 tokens include the old row's tail. A negative slot or one at or past the pool's size reads and writes
+The conv state. A sequence's W−1 inputs before its first token are the last W−1 columns of its pool row
+``conv_states[slot]`` (``[C, S]`` through its strides, the last S >= W−1 inputs, oldest first) when the slot is
+live (in ``[0, P)``) and its ``has_initial_state`` flag is set, else are zeros. Only the first block's tokens reach
+back that far (``BT ≥ W−1``), so the first block's program is the only one that reads the row, and it also writes
+it: after a barrier (its threads' reads of the old row come first), the last S inputs, which for a sequence
+shorter than S tokens include the old row's tail. A negative slot or one at or past the pool's size reads and writes
 nothing, so whatever ``slots`` holds no access leaves the pool; ``cu_seqlens`` spans are clamped into
 ``[0, T]`` as the prefill's are. Two live sequences must not share a slot (their programs would race).
 """
@@ -31,7 +31,7 @@ def conv_kernel(
     x, weight, bias, states, slots, has_initial, cu_seqlens, out,
     stride_xb, stride_xt, stride_xc, stride_wc, stride_wj, stride_bias, stride_sp, stride_sc, stride_sj,
     stride_slot, stride_initial, seq_len, num_seqs, channels, pool_rows,
-    W: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, WP: tl.constexpr, IS_VARLEN: tl.constexpr,
+    W: tl.constexpr, S: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, SP: tl.constexpr, IS_VARLEN: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_STATES: tl.constexpr, HAS_SLOTS: tl.constexpr, HAS_INITIAL_FLAGS: tl.constexpr,
     SILU: tl.constexpr, EMULATE: tl.constexpr,
 ):
@@ -72,7 +72,7 @@ def conv_kernel(
         if block == first:  # only a sequence's first block reaches back into its state (BT >= W−1)
             for j in tl.static_range(W - 1):
                 src = pos - (W - 1 - j)
-                u = load_f32(row[None, :] + (W - 1 + src)[:, None] * stride_sj,
+                u = load_f32(row[None, :] + (S + src)[:, None] * stride_sj,
                              (t_ok & (src < 0) & reads)[:, None] & c_ok[None, :])
                 acc += u * load_f32(weight + cc * stride_wc + j * stride_wj, c_ok)[None, :]
     if SILU:
@@ -81,45 +81,46 @@ def conv_kernel(
     store_as(out + out_rows[:, None] + cc[None, :], acc, t_ok[:, None] & c_ok[None, :], EMULATE)
     if HAS_STATES:
         if block == first:
-            # the new row's column i is input length − (W−1) + i: a token, or (< 0) column i + length of the old row
-            ii = tl.arange(0, WP)
-            kept = length - (W - 1) + ii
-            cols = (ii < W - 1)[None, :] & c_ok[:, None]
+            # the new row's column i is input length − S + i: a token, or (< 0) column i + length of the old row
+            ii = tl.arange(0, SP)
+            kept = length - S + ii
+            cols = (ii < S)[None, :] & c_ok[:, None]
             new = load_f32(x_seq + kept.to(tl.int64)[None, :] * stride_xt + x_cols[:, None],
                            cols & (kept >= 0)[None, :])
-            new += load_f32(row[:, None] + (W - 1 + kept)[None, :] * stride_sj, cols & ((kept < 0) & reads)[None, :])
+            new += load_f32(row[:, None] + (S + kept)[None, :] * stride_sj, cols & ((kept < 0) & reads)[None, :])
             tl.debug_barrier()  # every read of the old row, by any thread of this program, before the writes
             store_as(row[:, None] + ii[None, :] * stride_sj, new, cols & live, EMULATE)
 
 
 @triton.jit
-def load_columns(column, ok, stride_j, W: tl.constexpr):
-    """The W−1 columns of pool rows, oldest first, from ``column`` (pointers to column 0, any shape) on: a tuple of
+def load_columns(column, ok, stride_j, S: tl.constexpr):
+    """The S columns of pool rows, oldest first, from ``column`` (pointers to column 0, any shape) on: a tuple of
     fp32 tensors, zeros where not ``ok``. The pointers advance column by column (no product j·stride past
     2**31)."""
     columns = ()
-    for j in tl.static_range(W - 1):
+    for j in tl.static_range(S):
         columns = columns + (load_f32(column, ok),)
         column += stride_j
     return columns
 
 
 @triton.jit
-def conv_sum(x_t, columns, taps, ok, stride_wj, W: tl.constexpr):
-    """``Σ_j w_j·column_j + w_{W−1}·x`` in fp32, the oldest input first (no bias, no activation): ``columns``
-    from :func:`load_columns`, ``taps`` pointers to each channel's first tap (zeros where not ``ok``)."""
+def conv_sum(x_t, columns, taps, ok, stride_wj, W: tl.constexpr, S: tl.constexpr):
+    """``Σ_j w_j·u_j + w_{W−1}·x`` in fp32 over the last W−1 of the S ``columns`` (:func:`load_columns`), the
+    oldest input first (no bias, no activation); ``taps`` pointers to each channel's first tap (zeros where not
+    ``ok``)."""
     acc = tl.zeros_like(x_t)
     for j in tl.static_range(W - 1):
-        acc += columns[j] * load_f32(taps + j * stride_wj, ok)
+        acc += columns[S - (W - 1) + j] * load_f32(taps + j * stride_wj, ok)
     return acc + x_t * load_f32(taps + (W - 1) * stride_wj, ok)
 
 
 @triton.jit
-def store_shifted(column, columns, x_t, ok, stride_j, W: tl.constexpr, EMULATE: tl.constexpr):
-    """Write the new conv state from ``column`` on: column j is the old column j + 1 (``columns``), the last the
-    token ``x_t``. Its caller stores it only after every read of the old state it must not overtake."""
-    for j in tl.static_range(W - 1):
-        if j < W - 2:
+def store_shifted(column, columns, x_t, ok, stride_j, S: tl.constexpr, EMULATE: tl.constexpr):
+    """Write the new conv state's S columns from ``column`` on: column j is the old column j + 1 (``columns``), the
+    last the token ``x_t``. Its caller stores it only after every read of the old state it must not overtake."""
+    for j in tl.static_range(S):
+        if j < S - 1:
             store_as(column, columns[j + 1], ok, EMULATE)
         else:
             store_as(column, x_t, ok, EMULATE)
@@ -130,14 +131,15 @@ def store_shifted(column, columns, x_t, ok, stride_j, W: tl.constexpr, EMULATE: 
 def conv_update_kernel(
     x, weight, bias, states, slots, out, stride_xn, stride_xc, stride_wc, stride_wj, stride_bias, stride_sp, stride_sc,
     stride_sj, stride_slot, num_seqs, channels, pool_rows,
-    W: tl.constexpr, BS: tl.constexpr, BC: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_SLOTS: tl.constexpr,
-    SILU: tl.constexpr, EMULATE: tl.constexpr,
+    W: tl.constexpr, S: tl.constexpr, BS: tl.constexpr, BC: tl.constexpr, HAS_BIAS: tl.constexpr,
+    HAS_SLOTS: tl.constexpr, SILU: tl.constexpr, EMULATE: tl.constexpr,
 ):
-    """One token per sequence (a decode step): program (sequence block, channel block) loads the W−1 columns of its
-    BS sequences' pool rows as W−1 ``[BS, BC]`` tiles held in registers (a tuple), every load issued before any
-    store so that BS slot -> row chains are in flight at once; it writes the outputs and, after a barrier, the
-    shifted columns from the same registers. Per channel and token that is W−1 loads and stores from one address,
-    where a ``[BS, BC, W−1]`` tile padded to a power of two cost several times the instructions. Any strides (a
+    """One token per sequence (a decode step): program (sequence block, channel block) loads the S columns of its
+    BS sequences' pool rows as S ``[BS, BC]`` tiles held in registers (a tuple), every load issued before any
+    store so that BS slot -> row chains are in flight at once; it writes the outputs (from the last W−1 columns)
+    and, after a barrier, the shifted columns from the same registers. Per channel and token that is S loads and
+    stores from one address, where a ``[BS, BC, S]`` tile padded to a power of two cost several times the
+    instructions. Any strides (a
     channel-last pool's columns are vector loads). A sequence past N, or whose slot is negative or at or past the
     pool's size, reads zeros and writes no row."""
     nn = tl.program_id(0) * BS + tl.arange(0, BS)
@@ -153,16 +155,16 @@ def conv_update_kernel(
     column = states + tl.where(live, slot, 0)[:, None] * stride_sp + channel[None, :] * stride_sc  # column 0's
     row_ok = live[:, None] & c_ok[None, :]
     token_ok = n_ok[:, None] & c_ok[None, :]
-    old = load_columns(column, row_ok, stride_sj, W)
+    old = load_columns(column, row_ok, stride_sj, S)
     x_t = load_f32(x + nn.to(tl.int64)[:, None] * stride_xn + channel[None, :] * stride_xc, token_ok)
-    acc = conv_sum(x_t, old, weight + channel * stride_wc, c_ok, stride_wj, W)  # taps [BC] against [BS, BC]
+    acc = conv_sum(x_t, old, weight + channel * stride_wc, c_ok, stride_wj, W, S)  # taps [BC] against [BS, BC]
     if HAS_BIAS:
         acc += load_f32(bias + channel * stride_bias, c_ok)[None, :]
     if SILU:
         acc = acc * tl.sigmoid(acc)
     store_as(out + nn.to(tl.int64)[:, None] * channels + channel[None, :], acc, token_ok, EMULATE)
     tl.debug_barrier()  # every read of the old rows, by any thread of this program, before the writes
-    store_shifted(column, old, x_t, row_ok, stride_sj, W, EMULATE)
+    store_shifted(column, old, x_t, row_ok, stride_sj, S, EMULATE)
 
 
 def conv_update_forward(x, weight, bias, conv_states, slots, silu, out, block_s, block_c, warps):
@@ -177,7 +179,8 @@ def conv_update_forward(x, weight, bias, conv_states, slots, silu, out, block_s,
         x, weight, bias if bias is not None else absent, conv_states, slots if slots is not None else absent, out,
         x.stride(0), x.stride(2), weight.stride(0), weight.stride(1), bias.stride(0) if bias is not None else 0,
         *conv_states.stride(), slots.stride(0) if slots is not None else 0, num_seqs, channels, conv_states.shape[0],
-        W=width, BS=block_s, BC=block_c, HAS_BIAS=bias is not None, HAS_SLOTS=slots is not None, SILU=silu,
+        W=width, S=conv_states.shape[2], BS=block_s, BC=block_c, HAS_BIAS=bias is not None,
+        HAS_SLOTS=slots is not None, SILU=silu,
         EMULATE=interpreting(), num_warps=warps,
     )
 
@@ -207,6 +210,7 @@ def causal_conv1d_forward(x, weight, bias, conv_states, slots, has_initial_state
         return
     block_t, block_c, warps = conv_launch(tokens, channels, width)
     has_states = conv_states is not None
+    state_columns = conv_states.shape[2] if has_states else width - 1
     absent = weight  # stands for absent optional tensors; never dereferenced
     launch(
         conv_kernel,  # token blocks laid out as the prefill's chunk slots, counted by the same function
@@ -218,7 +222,8 @@ def causal_conv1d_forward(x, weight, bias, conv_states, slots, has_initial_state
         *(conv_states.stride() if has_states else (0, 0, 0)), slots.stride(0) if slots is not None else 0,
         has_initial_state.stride(0) if has_initial_state is not None else 0, tokens, num_seqs, channels,
         conv_states.shape[0] if has_states else 0,
-        W=width, BT=block_t, BC=block_c, WP=triton.next_power_of_2(width - 1), IS_VARLEN=varlen,
+        W=width, S=state_columns, BT=block_t, BC=block_c, SP=triton.next_power_of_2(state_columns),
+        IS_VARLEN=varlen,
         HAS_BIAS=bias is not None, HAS_STATES=has_states, HAS_SLOTS=slots is not None,
         HAS_INITIAL_FLAGS=has_initial_state is not None, SILU=silu, EMULATE=interpreting(), num_warps=warps,
     )

@@ -36,7 +36,7 @@ def conv_column(conv_row, channels, stride_cc):
 @triton.jit
 def conv_output(x_t, columns, weight, channels, ok, stride_wc, stride_wj, W: tl.constexpr):
     """The conv's output (SiLU applied, no bias) of one token ``x_t`` whose W−1 earlier inputs are ``columns``."""
-    acc = conv_sum(x_t, columns, weight + channels.to(tl.int64) * stride_wc, ok, stride_wj, W)
+    acc = conv_sum(x_t, columns, weight + channels.to(tl.int64) * stride_wc, ok, stride_wj, W, W - 1)
     return acc * tl.sigmoid(acc)
 
 
@@ -46,13 +46,13 @@ def shift_qk_conv_state(mixed_row, conv_row, q_ch, k_ch, ok, stride_cc, stride_c
     """Write a head's new q and k conv state (``ok``: live channels of a live row), read whole before any of it is
     written (the program's threads may hold copies of one element)."""
     q_column, k_column = conv_column(conv_row, q_ch, stride_cc), conv_column(conv_row, k_ch, stride_cc)
-    q_columns = load_columns(q_column, ok, stride_cj, W)
-    k_columns = load_columns(k_column, ok, stride_cj, W)
+    q_columns = load_columns(q_column, ok, stride_cj, W - 1)
+    k_columns = load_columns(k_column, ok, stride_cj, W - 1)
     q_x = load_f32(mixed_row + q_ch, ok)
     k_x = load_f32(mixed_row + k_ch, ok)
     tl.debug_barrier()
-    store_shifted(q_column, q_columns, q_x, ok, stride_cj, W, EMULATE)
-    store_shifted(k_column, k_columns, k_x, ok, stride_cj, W, EMULATE)
+    store_shifted(q_column, q_columns, q_x, ok, stride_cj, W - 1, EMULATE)
+    store_shifted(k_column, k_columns, k_x, ok, stride_cj, W - 1, EMULATE)
 
 
 @triton.jit
@@ -90,10 +90,10 @@ def decode_step_kernel(
     q_ch = h * K + kk  # the conv's channels: q | k | v, H heads each
     k_ch = H * K + h * K + kk
     v_ch = 2 * H * K + h * V + vv
-    q_columns = load_columns(conv_column(conv_row, q_ch, stride_cc), k_ok & live, stride_cj, W)
-    k_columns = load_columns(conv_column(conv_row, k_ch, stride_cc), k_ok & live, stride_cj, W)
+    q_columns = load_columns(conv_column(conv_row, q_ch, stride_cc), k_ok & live, stride_cj, W - 1)
+    k_columns = load_columns(conv_column(conv_row, k_ch, stride_cc), k_ok & live, stride_cj, W - 1)
     v_column = conv_column(conv_row, v_ch, stride_cc)
-    v_columns = load_columns(v_column, v_ok & live, stride_cj, W)  # kept for the v state's shift
+    v_columns = load_columns(v_column, v_ok & live, stride_cj, W - 1)  # kept for the v state's shift
     v_x = load_f32(mixed_row + v_ch, v_ok)
     q_t = conv_output(load_f32(mixed_row + q_ch, k_ok), q_columns, conv_weight, q_ch, k_ok, stride_wc, stride_wj, W)
     k_t = conv_output(load_f32(mixed_row + k_ch, k_ok), k_columns, conv_weight, k_ch, k_ok, stride_wc, stride_wj, W)
@@ -109,7 +109,7 @@ def decode_step_kernel(
     o_t = tl.where(live, o_t, 0.0)
     store_as(pool + row * (H * V * K) + state_cols, S, m_state, EMULATE)
     tl.debug_barrier()  # every thread's reads of the old conv row before any thread's writes
-    store_shifted(v_column, v_columns, v_x, v_ok & live, stride_cj, W, EMULATE)
+    store_shifted(v_column, v_columns, v_x, v_ok & live, stride_cj, W - 1, EMULATE)
     tl.atomic_add(errors, (slot >= pool_slots).to(tl.int32), mask=(vs == 0) & (h == 0) & (slot >= pool_slots),
                   sem="relaxed")  # "slot", as the decode kernel counts it
     head = n.to(tl.int64) * H + h

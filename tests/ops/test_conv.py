@@ -72,6 +72,36 @@ def test_reference_is_f_conv1d_with_the_state_as_padding(width, activation):
                                torch.stack([torch_conv(s, weight, None, zeros, activation) for s in fixed]))
 
 
+@pytest.mark.parametrize("width, extra", [(4, 1), (2, 3), (3, 2)])
+def test_wider_states_keep_the_last_s_inputs(width, extra):
+    """A pool of S = W−1 + extra columns (transformers keeps S = W): the outputs of the W−1 column pool made of
+    each row's last W−1 columns, and each row's last S inputs (the old row's tail for a sequence shorter than S)
+    after prefills of every length against the inputs themselves, and after one-token updates."""
+    lengths = [0, 1, 2, 5, 3]
+    kept = width - 1 + extra
+    gen = torch.Generator().manual_seed(width * 10 + extra)
+    x = torch.randn(sum(lengths), 6, generator=gen)
+    weight, bias = torch.randn(6, width, generator=gen), torch.randn(6)
+    wide = torch.randn(7, 6, kept, generator=gen)
+    narrow = wide[..., extra:].clone()
+    slots, starts, cu = torch.tensor([4, 0, 6, 2, -1]), torch.tensor([True, False, True, True, True]), offsets(lengths)
+    before = wide.clone()
+    out = causal_conv1d_reference(x, weight, bias, conv_states=wide, slots=slots, has_initial_state=starts,
+                                  cu_seqlens=cu)
+    want = causal_conv1d_reference(x, weight, bias, conv_states=narrow, slots=slots, has_initial_state=starts,
+                                   cu_seqlens=cu)
+    assert torch.equal(out, want) and torch.equal(wide[..., extra:], narrow)
+    for n in range(4):
+        earlier = before[slots[n]] if starts[n] else torch.zeros(6, kept)
+        assert torch.equal(wide[slots[n]], torch.cat((earlier, x[cu[n]:cu[n + 1]].t()), 1)[:, -kept:])
+    assert torch.equal(wide[[1, 3, 5]], before[[1, 3, 5]])
+    step = torch.randn(2, 6, generator=gen)
+    rows = wide[[4, 2]].clone()
+    got = fastkda.causal_conv1d_update(step, wide, weight, bias, slots=torch.tensor([4, 2]))
+    assert torch.equal(got, fastkda.causal_conv1d_update(step, narrow, weight, bias, slots=torch.tensor([4, 2])))
+    assert torch.equal(wide[[4, 2]], torch.cat((rows[..., 1:], step[..., None]), -1))
+
+
 def test_prefill_then_updates_equals_one_prefill():
     """Prefill of T tokens, then updates of M tokens (one at a time, then several at once) == prefill of T+M, for
     T below, at and above W-1 (the public API's CPU path)."""
@@ -205,6 +235,32 @@ def test_kernel_reads_strided_views():
 
 
 @needs_interpreter
+@pytest.mark.parametrize("width, kept", [(4, 4), (2, 4), (3, 8)])
+def test_kernels_take_wider_states(width, kept):
+    """Pools of S >= W columns (transformers keeps S = W), row- and channel-last: varlen prefill with sequences
+    shorter than S, a few tokens per sequence, and the one-token step's own kernel, against the reference; rows
+    no live slot names, and the guard rows, bitwise untouched."""
+    channels = 20
+    lengths = [0, 2, 1, 41, 3]
+    gen = torch.Generator().manual_seed(width * 10 + kept)
+    x = torch.randn(sum(lengths), channels, generator=gen)
+    weight, bias = torch.randn(channels, width, generator=gen), torch.randn(channels, generator=gen)
+    rows = torch.randn(6, channels, kept, generator=gen)
+    slots = torch.tensor([3, 1, -1, 5, 0])
+    for layout in ("rows", "channel-last"):
+        buffer, pool = guarded_pool(rows, [3, 1, 5, 0])
+        if layout == "channel-last":
+            buffer = buffer.transpose(1, 2).contiguous().transpose(1, 2)
+            pool = buffer[1:-1]
+        before = buffer.clone()
+        run_both(x, weight, bias, pool, slots, torch.tensor([True, False, True, True, True]), offsets(lengths))
+        run_both(torch.randn(3, 2, channels, generator=gen), weight, bias, pool, torch.tensor([5, -1, 1]))
+        run_both(torch.randn(4, 1, channels, generator=gen), weight, None, pool, torch.tensor([0, 7, 3, 5]))
+        untouched = [r for r in range(buffer.shape[0]) if r - 1 not in (3, 1, 5, 0)]
+        assert same_bits(buffer[untouched], before[untouched]) and torch.isfinite(pool[[3, 1, 5, 0]]).all()
+
+
+@needs_interpreter
 @pytest.mark.parametrize("width", [2, 3, 4, 8])
 def test_decode_step_spans_several_channel_blocks(width):
     """The one-token step where a row takes several programs, the last one partial (300 channels), sequences
@@ -269,7 +325,8 @@ def bad_conv_calls():
         ("cu_seqlens dtype", dict(cu_seqlens=cu.float()), "cu_seqlens"),
         ("cu_seqlens one entry", dict(cu_seqlens=cu[:1]), "cu_seqlens"),
         ("cu_seqlens values", dict(cu_seqlens=torch.tensor([0, 6, 4], dtype=torch.int32)), "cu_seqlens"),
-        ("pool width", dict(conv_states=torch.randn(4, 6, 4)), "conv_states"),
+        ("pool narrower than W-1", dict(conv_states=torch.randn(4, 6, 2)), "conv_states"),
+        ("pool wider than 8", dict(conv_states=torch.randn(4, 6, 9)), "conv_states"),
         ("pool dtype", dict(conv_states=pool.half()), "conv_states"),
         ("pool rows without slots", dict(slots=None), "rows"),
         ("slots float", dict(slots=slots.float()), "slots"),

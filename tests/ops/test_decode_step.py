@@ -109,6 +109,9 @@ def test_errors_name_the_argument():
         fastkda.kda_decode_step(**inp, slots=slots[:, None].expand(2, 2))
     with pytest.raises(ValueError, match="conv_states"):  # a slot must address a row of each pool
         fastkda.kda_decode_step(**{**inp, "conv_states": inp["conv_states"][:2]}, slots=slots)
+    wide = torch.zeros(*inp["conv_states"].shape[:2], WIDTH)  # the step's pools keep W−1 columns, no more
+    with pytest.raises(ValueError, match="conv_states"):
+        fastkda.kda_decode_step(**{**inp, "conv_states": wide}, slots=slots)
     with pytest.raises(ValueError, match="plan"):  # a plan of another shape
         fastkda.kda_decode_step(**inp, slots=slots, plan=choose_decode_plan(3, HEADS, DIM, 132, tokens=1))
 

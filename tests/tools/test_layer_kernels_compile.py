@@ -49,18 +49,18 @@ for varlen, block_t, states in ((True, 32, True), (False, 4, True), (True, 32, F
         x=B, weight=B, bias=B, states=F, slots=I, has_initial=I, cu_seqlens=I, out=B, stride_xb=0 if varlen else C,
         stride_xt=C, stride_xc=1, stride_wc=W, stride_wj=1, stride_bias=1, stride_sp=C * (W - 1), stride_sc=W - 1,
         stride_sj=1, stride_slot=1, stride_initial=1, seq_len=8192, num_seqs=8, channels=C, pool_rows=8, W=W,
-        BT=block_t, BC=128, WP=4, IS_VARLEN=varlen, HAS_BIAS=False, HAS_STATES=states, HAS_SLOTS=states,
+        S=W - 1, BT=block_t, BC=128, SP=4, IS_VARLEN=varlen, HAS_BIAS=False, HAS_STATES=states, HAS_SLOTS=states,
         HAS_INITIAL_FLAGS=states, SILU=True, EMULATE=False), 4, 3)
     print("conv", varlen, block_t, states, flush=True)
-for states in ("*bf16", "*fp32"):
-    for channel_last, (stride_sc, stride_sj) in ((False, (W - 1, 1)), (True, (1, C))):  # as the plan takes each
+for states, kept in (("*bf16", W - 1), ("*fp32", W - 1), ("*bf16", W)):  # S = W: transformers' conv states
+    for channel_last, (stride_sc, stride_sj) in ((False, (kept, 1)), (True, (1, C))):  # as the plan takes each
         seqs, block, warps = conv_update_launch(256, C, channel_last)
         compile_for_hopper(conv_update_kernel, dict(
             x=B, weight=B, bias=B, states=states, slots=I, out=B, stride_xn=C, stride_xc=1, stride_wc=W,
-            stride_wj=1, stride_bias=1, stride_sp=C * (W - 1), stride_sc=stride_sc, stride_sj=stride_sj,
-            stride_slot=1, num_seqs=256, channels=C, pool_rows=257, W=W, BS=seqs, BC=block, HAS_BIAS=False,
+            stride_wj=1, stride_bias=1, stride_sp=C * kept, stride_sc=stride_sc, stride_sj=stride_sj,
+            stride_slot=1, num_seqs=256, channels=C, pool_rows=257, W=W, S=kept, BS=seqs, BC=block, HAS_BIAS=False,
             HAS_SLOTS=True, SILU=True, EMULATE=False), warps, 3)
-        print("conv update", states, channel_last, flush=True)
+        print("conv update", states, kept, channel_last, flush=True)
 compile_for_hopper(gated_rmsnorm_kernel, dict(
     x=B, gate=B, weight=F, out=B, rows=8192 * H, size1=1, size2=H, stride_x0=H * V, stride_x1=H * V, stride_x2=V,
     stride_xd=1, stride_g0=H * V, stride_g1=H * V, stride_g2=V, stride_gd=1, stride_w=1, eps=1e-5, D=V, BR=32, BD=V,
@@ -74,4 +74,4 @@ def test_layer_kernels_compile_for_hopper():
     done = subprocess.run([sys.executable, "-c", COMPILE], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr
-    assert done.stdout.count("decode_step") == 8 and done.stdout.count("conv") == 7 and done.stdout.count("conv update") == 4 and "norm" in done.stdout
+    assert done.stdout.count("decode_step") == 8 and done.stdout.count("conv") == 9 and done.stdout.count("conv update") == 6 and "norm" in done.stdout
