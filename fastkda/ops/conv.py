@@ -139,9 +139,8 @@ def conv_update_kernel(
     store so that BS slot -> row chains are in flight at once; it writes the outputs (from the last W−1 columns)
     and, after a barrier, the shifted columns from the same registers. Per channel and token that is S loads and
     stores from one address, where a ``[BS, BC, S]`` tile padded to a power of two cost several times the
-    instructions. Any strides (a
-    channel-last pool's columns are vector loads). A sequence past N, or whose slot is negative or at or past the
-    pool's size, reads zeros and writes no row."""
+    instructions. Any strides (a channel-last pool's columns are vector loads). A sequence past N, or whose slot
+    is negative or at or past the pool's size, reads zeros and writes no row."""
     nn = tl.program_id(0) * BS + tl.arange(0, BS)
     cc = tl.program_id(1) * BC + tl.arange(0, BC)
     n_ok = nn < num_seqs
@@ -180,8 +179,7 @@ def conv_update_forward(x, weight, bias, conv_states, slots, silu, out, block_s,
         x.stride(0), x.stride(2), weight.stride(0), weight.stride(1), bias.stride(0) if bias is not None else 0,
         *conv_states.stride(), slots.stride(0) if slots is not None else 0, num_seqs, channels, conv_states.shape[0],
         W=width, S=conv_states.shape[2], BS=block_s, BC=block_c, HAS_BIAS=bias is not None,
-        HAS_SLOTS=slots is not None, SILU=silu,
-        EMULATE=interpreting(), num_warps=warps,
+        HAS_SLOTS=slots is not None, SILU=silu, EMULATE=interpreting(), num_warps=warps,
     )
 
 
@@ -223,7 +221,6 @@ def causal_conv1d_forward(x, weight, bias, conv_states, slots, has_initial_state
         has_initial_state.stride(0) if has_initial_state is not None else 0, tokens, num_seqs, channels,
         conv_states.shape[0] if has_states else 0,
         W=width, S=state_columns, BT=block_t, BC=block_c, SP=triton.next_power_of_2(state_columns),
-        IS_VARLEN=varlen,
-        HAS_BIAS=bias is not None, HAS_STATES=has_states, HAS_SLOTS=slots is not None,
+        IS_VARLEN=varlen, HAS_BIAS=bias is not None, HAS_STATES=has_states, HAS_SLOTS=slots is not None,
         HAS_INITIAL_FLAGS=has_initial_state is not None, SILU=silu, EMULATE=interpreting(), num_warps=warps,
     )
