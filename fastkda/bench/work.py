@@ -25,6 +25,14 @@ def plan_for_inputs(inp, sms=None, v_slices="auto", sequence_parallel="auto"):
                        v_slices=v_slices, sequence_parallel=sequence_parallel, max_seqlen=inp.get("max_seqlen"))
 
 
+def lower_row_bytes(chunk, itemsize, sector=32):
+    """Mean bytes a row of a ``[chunk, chunk]`` lower-triangular matrix moves when only the sectors up to the
+    diagonal's are written and read (``fastkda.ops.tiles.lower_sectors``): row i takes ``i // S + 1`` sectors of S
+    elements."""
+    per_sector = sector // itemsize
+    return sum(i // per_sector + 1 for i in range(chunk)) * sector / chunk
+
+
 def kernel_work(workload, plan):
     """Bytes each fastkda kernel moves and tensor-core FLOPs it issues in one call of ``workload`` under ``plan``
     (bf16 inputs, fp32 states in and out): ``{kernel: (bytes, flops)}``. The chunk and the V-slices come from the
@@ -38,12 +46,16 @@ def kernel_work(workload, plan):
     rows = heads * sum(lengths)  # (token, head) pairs
     chunks = heads * sum(-(-n // C) for n in lengths)  # (chunk, head) pairs
     state = len(lengths) * heads * V * K * 4
-    prepare = (rows * (3 * K * 2 + 2 + 3 * K * 2 + C * 2 + C * 4) + chunks * K * 4, chunks * 2 * 2 * C * C * K)
+    # the in-chunk matrices M (bf16) and β·L, then T·diag(β) (fp32) move their rows' sectors up to the diagonal; the
+    # first kernel writes whole rows of varlen inputs
+    m_row, t_row = lower_row_bytes(C, 2), lower_row_bytes(C, 4)
+    written = C * 2 + C * 4 if plan.varlen else m_row + t_row
+    prepare = (rows * (3 * K * 2 + 2 + 3 * K * 2 + written) + chunks * K * 4, chunks * 2 * 2 * C * C * K)
     recurrence_flops = chunks * 2 * (3 * C * K + C * C) * V
-    # the solve kernel reads three of β·L's four 16x16 blocks (the upper-right one is zero) and writes T·diag(β) over
-    # them; each slice loads T's whole rows (fp32) with kd, qg, kg, A and its v columns
-    solve = (rows * (2 * (3 * C // 4) * 4 + 2), 0)
-    recurrence = (rows * (s * (3 * K * 2 + C * 2 + C * 4) + V * 2 + V * 2) + chunks * s * K * 4 + 2 * state,
+    # the solve kernel reads β·L and writes T·diag(β) over it; each slice loads T and M with kd, qg, kg and its v
+    # columns
+    solve = (rows * (2 * t_row + 2), 0)
+    recurrence = (rows * (s * (3 * K * 2 + m_row + t_row) + V * 2 + V * 2) + chunks * s * K * 4 + 2 * state,
                   recurrence_flops + chunks * 2 * 2 * C * C * V)  # v_new = T·β·Y as two bf16 products (hi + lo)
     work = dict(prepare=prepare, solve=solve)
     if plan.sequence_parallel:  # every segment but each sequence's last runs once more, over V + K columns

@@ -42,13 +42,21 @@ def test_kernel_work_follows_the_kernels_shapes():
 
 
 def test_kernel_work_counts_the_solve_as_the_inverse_alone():
-    # the solve kernel reads β (2 B) and three 16x16 fp32 blocks of β·L per 32 rows (24 values a row), writes T·diag(β)
-    # over them, and multiplies nothing counted; the recurrence loads T with kd and multiplies T·β·Y (two bf16
-    # products) on top of the state's
+    # the solve kernel reads β (2 B) and β·L's sectors up to the diagonal (rows 0-7 of a chunk one 32-byte sector,
+    # 8-15 two, 16-23 three, 24-31 four: 80 B a row), writes T·diag(β) over them, and multiplies nothing counted;
+    # the recurrence loads T with kd and multiplies T·β·Y (two bf16 products) on top of the state's
     assert CHUNK == 32
     work = kernel_work(dict(H=4, lengths=[CHUNK]), plan_of(dict(H=4, lengths=[CHUNK]), 1))
-    assert work["solve"] == (4 * CHUNK * (24 * 4 + 24 * 4 + 2), 0)
+    assert work["solve"] == (4 * CHUNK * (80 + 80 + 2), 0)
     assert work["recurrence"][1] == 4 * 2 * (3 * CHUNK * 128 + CHUNK * CHUNK) * 128 + 4 * 2 * 2 * CHUNK * CHUNK * 128
+
+
+def test_lower_row_bytes_counts_sectors_up_to_the_diagonal():
+    from fastkda.bench.work import lower_row_bytes
+
+    assert lower_row_bytes(32, 2) == 48  # bf16: rows 0-15 one sector, 16-31 two
+    assert lower_row_bytes(32, 4) == 80
+    assert lower_row_bytes(16, 4) == 48  # rows 0-7 one sector, 8-15 two
 
 
 def test_kernel_work_rejects_a_plan_for_another_shape():

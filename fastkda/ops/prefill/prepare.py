@@ -3,7 +3,10 @@
 One program per (chunk slot, head) (``layout.py``). It loads the chunk's q, k, g and β rows, applies the norms and
 the gate, forms the cumulative log-decay ``G`` (base 2) over the chunk, and writes ``qg = qd``, ``kg = kr``, kd
 (into the ``kd`` section, for the recurrence), the chunk decay ``exp(G_C)``, ``M = lower_incl(qd·kiᵀ)`` to ``A``
-and ``β·L = strictly_lower(β·kd·kiᵀ)`` to the fp32 scratch.
+and ``β·L = strictly_lower(β·kd·kiᵀ)`` to the fp32 scratch. M and β·L are written up to their diagonal's sectors
+(``tiles.lower_sectors``; the kernels after it read no more), except under the lower-bound gate on varlen inputs,
+where whole rows are written: there the masks' predicates cost the register-capped kernel spills and ~140
+instructions, and it ran no faster (docs/perf-notes.md, "The in-chunk matrices' zero sectors left unread").
 
 No factor it forms spans more than half the chunk's decay (16 tokens at the lower bound), so nothing overflows:
 
@@ -26,7 +29,7 @@ import triton
 import triton.language as tl
 
 from ..common import bf16_operand, fast_exp2, launch
-from ..tiles import load_rows, store_rows
+from ..tiles import load_rows, store_lower, store_rows
 from .inputs import beta_rows, log2_decay_block, row_scales
 from .layout import chunk_of_slot
 
@@ -93,8 +96,9 @@ def store_column_block(A_c, L_c, valid, M_J, L_J, bv, J: tl.constexpr, H,
     chunk's base pointers ``A_c`` and ``L_c``."""
     r = tl.arange(0, C)
     cols = J * BC + tl.arange(0, BC)
-    store_rows(A_c, r, valid, cols, H * C, tl.where(r[:, None] >= cols[None, :], M_J, 0.0), EMULATE)
-    store_rows(L_c, r, valid, cols, H * C, tl.where(r[:, None] > cols[None, :], L_J * bv[:, None], 0.0), EMULATE)
+    store_lower(A_c, r, valid, r, cols, H * C, tl.where(r[:, None] >= cols[None, :], M_J, 0.0), EMULATE)
+    store_lower(L_c, r, valid, r, cols, H * C, tl.where(r[:, None] > cols[None, :], L_J * bv[:, None], 0.0),
+                EMULATE)
 
 
 @triton.jit
@@ -123,7 +127,7 @@ def sum_over_rows(x):
 @triton.jit
 def midpoint_products(q_b, k_b, g_c, r, valid, stride_g, h, kk, A_log, dt_bias, lower_bound, bv, qg_c, kd_c, kg_c,
                       A_c, L_c, decay_c, H, K: tl.constexpr, C: tl.constexpr, RUN: tl.constexpr,
-                      DOT_PRECISION: tl.constexpr, EMULATE: tl.constexpr):
+                      DOT_PRECISION: tl.constexpr, EMULATE: tl.constexpr, IS_VARLEN: tl.constexpr):
     """The first kernel's work under the lower-bound gate (module docstring), from a chunk's normalised ``[C, K]``
     q and k rows (row i holding token ``r[i]``): M = lower_incl((q̂·2^(G - G_last/2))·(k̂·2^(G_last/2 - G))ᵀ), β·L
     likewise, and qg, kd, kg as the same factors times per-channel decays, all K channels at once (channel steps,
@@ -158,8 +162,12 @@ def midpoint_products(q_b, k_b, g_c, r, valid, stride_g, h, kk, A_log, dt_bias, 
     cc = tl.arange(0, C)
     M = columns_in_token_order(tl.where(r[:, None] >= r[None, :], M, 0.0), C, RUN)
     L = columns_in_token_order(tl.where(r[:, None] > r[None, :], L * bv[:, None], 0.0), C, RUN)
-    store_rows(A_c, r, valid, cc, H * C, M, EMULATE)
-    store_rows(L_c, r, valid, cc, H * C, L, EMULATE)
+    if IS_VARLEN:  # whole rows, zeros included (module docstring)
+        store_rows(A_c, r, valid, cc, H * C, M, EMULATE)
+        store_rows(L_c, r, valid, cc, H * C, L, EMULATE)
+    else:
+        store_lower(A_c, r, valid, r, cc, H * C, M, EMULATE)
+        store_lower(L_c, r, valid, r, cc, H * C, L, EMULATE)
 
 
 @triton.jit(do_not_specialize=["H"])  # one compile for every head count
@@ -204,7 +212,7 @@ def prepare_kernel(
         tl.static_assert(BK == K)  # one channel step (the plan's rule under this gate)
         midpoint_products(q_t * qs[:, None], k_t * ks[:, None], g_c, r, valid, stride_g, h, kall, A_log, dt_bias,
                           lower_bound, bv, qg_c, kd_c, kg_c, A_c, L_c, decay_c, H, K, C, RUN, DOT_PRECISION,
-                          EMULATE)
+                          EMULATE, IS_VARLEN)
     else:
         zero = tl.zeros((C, BC), dtype=tl.float32)
         M0, M1, L0, L1 = zero, zero, zero, zero

@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from ..common import bf16_operand, launch, store_as
-from ..tiles import load_tile, load_tile_t, store_tile, store_tile_t, tile_offsets
+from ..tiles import load_lower, load_tile, load_tile_t, store_tile, store_tile_t, tile_offsets
 from .layout import entry_state, first_slot, segment_exit, sequence_of_slot, sequence_span
 
 
@@ -174,11 +174,11 @@ def walk_chunks(
                                  eos - bos, S, state_offsets, H, V, K, EMULATE)
         tok = (bos + c * C + r).to(tl.int64)
         valid = tok < eos
-        T_hi, T_lo = split_bf16(load_tile(T_ws, tok, valid, cc, C, H * C), EMULATE)
+        T_hi, T_lo = split_bf16(load_lower(T_ws, tok, valid, r, cc, H * C), EMULATE)
         kd = bf16_operand(load_tile(kd_ws, tok, valid, kk, K, H * K), EMULATE)
         if not TRANSITION:
             qg = bf16_operand(load_tile(qg_ws, tok, valid, kk, K, H * K), EMULATE)
-            A = bf16_operand(load_tile(A_ws, tok, valid, cc, C, H * C), EMULATE)
+            A = bf16_operand(load_lower(A_ws, tok, valid, r, cc, H * C), EMULATE)
         kg = bf16_operand(load_tile(kg_ws, tok, valid, kk, K, H * K), EMULATE)
         S_op = bf16_operand(S, EMULATE)
         if STATE_ROWS_V:  # v_newᵀ = (vᵀ - Sᵀkdᵀ)·(T·β)ᵀ, oᵀ = Sᵀqgᵀ + v_newᵀAᵀ, Sᵀ = Sᵀ·diag(decay) + v_newᵀ·kg

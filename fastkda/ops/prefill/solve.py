@@ -10,7 +10,7 @@ import triton
 import triton.language as tl
 
 from ..common import launch
-from ..tiles import load_tile, store_tile
+from ..tiles import load_lower, store_lower
 from .inputs import beta_rows
 from .layout import chunk_of_slot
 
@@ -52,19 +52,19 @@ def solve_kernel(
     row0 = chunk_start.to(tl.int64)  # 64-bit base pointers per program, 32-bit offsets inside the chunk
     L_c = ws_fp32 + scratch_at + row0 * (H * C) + h * C
     beta_c = beta + row0 * stride_beta_tok + h * stride_beta_head
-    L00 = load_tile(L_c, rows0, ok0, cb, C, H * C)
-    L10 = load_tile(L_c, rows1, ok1, cb, C, H * C)
-    L11 = load_tile(L_c, rows1, ok1, BC + cb, C, H * C)
+    L00 = load_lower(L_c, rows0, ok0, rows0, cb, H * C)
+    L10 = load_lower(L_c, rows1, ok1, rows1, cb, H * C)
+    L11 = load_lower(L_c, rows1, ok1, rows1, BC + cb, H * C)
     b0 = beta_rows(beta_c, rows0, ok0, stride_beta_tok, BETA_SIGMOID)
     b1 = beta_rows(beta_c, rows1, ok1, stride_beta_tok, BETA_SIGMOID)
     T00 = unit_lower_inverse_block(L00, BC, DOT_PRECISION)
     T11 = unit_lower_inverse_block(L11, BC, DOT_PRECISION)
     T10 = -mm(T11, mm(L10, T00, DOT_PRECISION), DOT_PRECISION)
     tl.debug_barrier()  # every thread's L loaded before any T overwrites it
-    # the scratch's upper-right block (rows 0, columns BC..) is zero already
-    store_tile(L_c, rows0, ok0, cb, C, H * C, T00 * b0[None, :], EMULATE)
-    store_tile(L_c, rows1, ok1, cb, C, H * C, T10 * b0[None, :], EMULATE)
-    store_tile(L_c, rows1, ok1, BC + cb, C, H * C, T11 * b1[None, :], EMULATE)
+    # the upper-right block (rows 0.., columns BC..) lies past the diagonal's sectors: no kernel reads it
+    store_lower(L_c, rows0, ok0, rows0, cb, H * C, T00 * b0[None, :], EMULATE)
+    store_lower(L_c, rows1, ok1, rows1, cb, H * C, T10 * b0[None, :], EMULATE)
+    store_lower(L_c, rows1, ok1, rows1, BC + cb, H * C, T11 * b1[None, :], EMULATE)
 
 
 def launch_solve(plan, ws, beta, use_beta_sigmoid, emulate):
