@@ -5,8 +5,8 @@ the gate, forms the cumulative log-decay ``G`` (base 2) over the chunk, and writ
 (into the ``kd`` section, for the recurrence), the chunk decay ``exp(G_C)``, ``M = lower_incl(qd·kiᵀ)`` to ``A``
 and ``β·L = strictly_lower(β·kd·kiᵀ)`` to the fp32 scratch. M and β·L are written up to their diagonal's sectors
 (``tiles.lower_sectors``; the kernels after it read no more), except under the lower-bound gate on varlen inputs,
-where whole rows are written: there the masks' predicates cost the register-capped kernel spills and ~140
-instructions, and it ran no faster (docs/perf-notes.md, "The in-chunk matrices' zero sectors left unread").
+where whole rows are written: the masked stores made the fixed-length kernel faster and the varlen one no faster,
+in every form tried (docs/perf-notes.md, "The in-chunk matrices' zero sectors left unread").
 
 No factor it forms spans more than half the chunk's decay (16 tokens at the lower bound), so nothing overflows:
 
