@@ -7,6 +7,7 @@
 #   safety 36, sequence-parallel 141, layer 75, distributed 25, plus the checkpoints)
 #   TEST_FILTER='accuracy or graph' TESTS_S=150 EXACT_S=150 KERNELS_S=40 VARIANTS_S=120 CKPT_S=40 NCU_S=90
 #   NCU_KERNEL=prepare|solve|recurrence|transition|scan NCU_WORKLOAD=H96_B1_T8192 (the ncu step's target)
+#   NCU_PACKAGE=<commit>: the ncu step runs .ab/fastkda_<commit> (ab_packages.py --make; carry .ab)
 #   DSWEEP_S=90 PSWEEP_S=100 BENCH_S=200 (0 skips a step; the bench appends to today's committed results file)
 #   PSWEEP_ARGS, VARIANTS_ARGS: extra arguments of tools/sweeps/plan_sweep.py and tools/variants/prepare_variants.py
 #   AB_S, AB_ARGS: the same-run A/B against packages of other commits (tools/variants/ab_packages.py; carry .ab)
@@ -48,7 +49,7 @@ step checkpoint-cost "${CKPT_S:-0}" python3 tools/sweeps/checkpoint_cost.py
 NCU_KERNEL=${NCU_KERNEL:-prepare} NCU_WORKLOAD=${NCU_WORKLOAD:-H96_B1_T8192}  # the kernel's Triton name less _kernel
 [ "$NCU_KERNEL" = scan ] && ncu_name=segment_scan || ncu_name=$NCU_KERNEL
 step ncu "${NCU_S:-0}" bash -c "ncu --clock-control none --set full --import-source yes -k regex:${ncu_name}_kernel \
-  --launch-count 1 -f -o /tmp/k python3 tools/profiling/ncu_prepare.py --only $NCU_WORKLOAD \
+  --launch-count 1 -f -o /tmp/k python3 tools/profiling/ncu_prepare.py --only $NCU_WORKLOAD ${NCU_PACKAGE:+--package $NCU_PACKAGE} \
   && ncu -i /tmp/k.ncu-rep --page details && ncu -i /tmp/k.ncu-rep --page source --print-source sass --csv \
   > /tmp/k-sass.csv && gzip -c /tmp/k-sass.csv > $OUT/results/ncu-$NCU_KERNEL-$NCU_WORKLOAD-sass.csv.gz \
   && python3 tools/profiling/ncu_hotspots.py /tmp/k-sass.csv \
