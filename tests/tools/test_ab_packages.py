@@ -62,3 +62,24 @@ def test_prefill_call_passes_the_length_hint_where_the_package_takes_one():
     for kda_prefill in (with_hint, without_hint):
         ab_packages.prefill_call(SimpleNamespace(kda_prefill=kda_prefill), inp, None, None)()
     assert seen == [4096, "no hint"]
+
+
+def test_package_runner_runs_a_commits_prefill(tmp_path, monkeypatch):
+    """The profiling tools' ``--package``: a commit's prefill on the bench's inputs, as this tree's would run."""
+    if subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True).returncode:
+        pytest.skip("needs the git history of this checkout")
+    import torch
+
+    import fastkda
+    from fastkda.bench.workloads import make_prefill_inputs
+    from tools.variants import ab_packages
+
+    ab_packages.make_package("HEAD", root=tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    inp = make_prefill_inputs(dict(name="w", H=2, lengths=[40, 9], layout="varlen"), "cpu")
+    copy_out, copy_final = ab_packages.package_runner("HEAD", inp)()  # kda_prefill's (output, final state)
+    own_out, own_final = ab_packages.prefill_call(fastkda, inp, torch.empty_like(inp["v"]),
+                                                  torch.empty_like(inp["initial_state"]))()
+    assert torch.equal(copy_out, own_out) and torch.equal(copy_final, own_final)
+    assert torch.isfinite(copy_out).all() and torch.isfinite(copy_final).all()
+    sys.modules.pop("fastkda_HEAD", None)

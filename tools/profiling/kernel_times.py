@@ -1,7 +1,9 @@
 """Per-kernel GPU time of one prefill call (torch.profiler, mean of 10 calls after 3), for docs/perf-notes.md.
 
 python tools/profiling/kernel_times.py [--only NAME ...] [--v-slices 1] [--set NAME=VALUE,...] [--impl fla]
-(--impl: any implementation of the bench, peers too; fastkda's plan follows --v-slices and --set)"""
+    [--package COMMIT]
+(--impl: any implementation of the bench, peers too; fastkda's plan follows --v-slices and --set; --package: the
+package of a commit that ``tools/variants/ab_packages.py --make`` copied into ``.ab/``, under its own automatic plan)"""
 
 import argparse
 import sys
@@ -22,6 +24,7 @@ def main(argv=None):
                                                       "H12_N1_T65536"])
     parser.add_argument("--v-slices", default="auto")
     parser.add_argument("--impl", default="fastkda", choices=list(IMPLS), help="whose kernels to time")
+    parser.add_argument("--package", metavar="COMMIT", help="time .ab/fastkda_COMMIT (ab_packages.py --make)")
     add_set_argument(parser)
     args, changes = parse_arguments(parser, argv)
     v_slices = args.v_slices if args.v_slices == "auto" else int(args.v_slices)
@@ -29,14 +32,19 @@ def main(argv=None):
         if w["name"] not in args.only:
             continue
         inp = make_prefill_inputs(w, "cuda")
-        if args.impl == "fastkda":
+        if args.package:
+            from tools.variants.ab_packages import package_runner  # puts .ab on the import path
+
+            run = package_runner(args.package, inp)
+        elif args.impl == "fastkda":
             plan = plan_for_inputs(inp, v_slices=v_slices)
             run = fastkda_runner(inp, plan=plan.replace(**changes) if changes else plan)
         else:
             run = IMPLS[args.impl].make(inp)
         times = {key: us / launches for key, (us, launches) in profile_kernels(run, 10, warmup=3).items()}
         line = ", ".join(f"{k[:40]} {v / 1000:.3f} ms" for k, v in sorted(times.items(), key=lambda kv: -kv[1]))
-        print(f"[kernels] {args.impl} {w['name']} v_slices={v_slices} {describe(changes)}: {line}", flush=True)
+        who = f"fastkda_{args.package}" if args.package else args.impl
+        print(f"[kernels] {who} {w['name']} v_slices={v_slices} {describe(changes)}: {line}", flush=True)
 
 
 if __name__ == "__main__":

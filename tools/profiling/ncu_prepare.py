@@ -7,7 +7,6 @@ ncu --clock-control none -k regex:prepare_kernel --section ... python tools/prof
     [--package COMMIT]"""
 
 import argparse
-import importlib
 import sys
 from pathlib import Path
 
@@ -16,7 +15,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository r
 import torch  # noqa: E402
 
 from fastkda.bench.runners import fastkda_runner  # noqa: E402
-from fastkda.bench.workloads import LOWER_BOUND, load_workloads, make_prefill_inputs  # noqa: E402
+from fastkda.bench.workloads import load_workloads, make_prefill_inputs  # noqa: E402
 
 
 def main(argv=None):
@@ -27,11 +26,9 @@ def main(argv=None):
     workload = next(w for w in load_workloads()["prefill"] if w["name"] == args.only)
     inp = make_prefill_inputs(workload, "cuda")
     if args.package:
-        from tools.variants.ab_packages import prefill_call  # puts .ab on the import path
+        from tools.variants.ab_packages import package_runner  # puts .ab on the import path
 
-        inp.setdefault("lower_bound", LOWER_BOUND)
-        package = importlib.import_module(f"fastkda_{args.package}")
-        prefill_call(package, inp, torch.empty_like(inp["v"]), torch.empty_like(inp["initial_state"]))()
+        package_runner(args.package, inp)()
     else:
         fastkda_runner(inp)()
     torch.cuda.synchronize()

@@ -65,6 +65,16 @@ def prefill_call(package, inp, out, final):
         cu_seqlens=inp["cu_seqlens"], out=out, **hint)
 
 
+def package_runner(commit, inp):
+    """``run()``: one prefill of the bench's inputs ``inp`` through ``.ab/fastkda_<commit>`` (made by ``--make``),
+    into buffers of its own; for the tools that time or profile a branch's kernels beside this tree's."""
+    from fastkda.bench.workloads import LOWER_BOUND
+
+    inp.setdefault("lower_bound", LOWER_BOUND)
+    package = importlib.import_module(f"fastkda_{commit}")
+    return prefill_call(package, inp, torch.empty_like(inp["v"]), torch.empty_like(inp["initial_state"]))
+
+
 def decode_call(package, inp, pool, out):
     return lambda: package.kda_decode(
         inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], pool, inp["slots"], A_log=inp["A_log"],
