@@ -112,19 +112,15 @@ def test_split_bf16_keeps_sixteen_bits():
     assert ((hi + lo - x).abs() <= x.abs() * 2.0 ** -15).all() and ((hi - x).abs() > x.abs() * 2.0 ** -12).any()
 
 
-def _filled_workspace(monkeypatch, value):
-    """Every workspace the prefill allocates from here on filled with ``value`` (the kernels get ``torch.empty``'s
-    memory, which holds whatever the last user left)."""
-    from fastkda.ops.prefill.layout import Workspace
-
-    allocate = Workspace.allocate
-
+def _filled(allocate, value):
+    """``Workspace.allocate`` whose buffers are filled with ``value`` (the kernels get ``torch.empty``'s memory,
+    which holds whatever the last user left)."""
     def filled(plan, v, cu_seqlens):
         ws = allocate(plan, v, cu_seqlens)
         ws.bf16.fill_(value)
         ws.fp32.fill_(value)
         return ws
-    monkeypatch.setattr(Workspace, "allocate", staticmethod(filled))
+    return staticmethod(filled)
 
 
 @pytest.mark.parametrize("lengths, varlen, gate, v_slices, sequence_parallel", [
@@ -136,9 +132,11 @@ def test_workspace_memory_never_written_is_never_read(lengths, varlen, gate, v_s
     unwritten where the first kernel masks its stores (fixed-length inputs, the precomputed gate): a NaN-poisoned
     workspace gives the bits of a zeroed one, under both gates and layouts, V-slices and sequence parallelism."""
     inp = make_inputs(lengths, varlen=varlen, heads=1, key_dim=64, value_dim=64, gate=gate, seed=12)
-    runs = []
+    from fastkda.ops.prefill.layout import Workspace
+
+    allocate, runs = Workspace.allocate, []
     for value in (0.0, float("nan")):
-        _filled_workspace(monkeypatch, value)
+        monkeypatch.setattr(Workspace, "allocate", _filled(allocate, value))
         runs.append(run_triton(inp, v_slices, sequence_parallel=sequence_parallel))
     (zero_o, zero_s), (nan_o, nan_s) = runs
     assert torch.isfinite(nan_o).all() and torch.isfinite(nan_s).all()
