@@ -47,9 +47,9 @@ def kernel_work(workload, plan):
     chunks = heads * sum(-(-n // C) for n in lengths)  # (chunk, head) pairs
     state = len(lengths) * heads * V * K * 4
     # the in-chunk matrices M (bf16) and β·L, then T·diag(β) (fp32) move their rows' sectors up to the diagonal; the
-    # first kernel writes whole rows of varlen inputs
+    # first kernel writes whole rows of varlen inputs under the lower-bound gate
     m_row, t_row = lower_row_bytes(C, 2), lower_row_bytes(C, 4)
-    written = C * 2 + C * 4 if plan.varlen else m_row + t_row
+    written = C * 2 + C * 4 if plan.varlen and plan.lower_bound_gate else m_row + t_row
     prepare = (rows * (3 * K * 2 + 2 + 3 * K * 2 + written) + chunks * K * 4, chunks * 2 * 2 * C * C * K)
     recurrence_flops = chunks * 2 * (3 * C * K + C * C) * V
     # the solve kernel reads β·L and writes T·diag(β) over it; each slice loads T and M with kd, qg, kg and its v

@@ -59,6 +59,19 @@ def test_lower_row_bytes_counts_sectors_up_to_the_diagonal():
     assert lower_row_bytes(16, 4) == 48  # rows 0-7 one sector, 8-15 two
 
 
+def test_kernel_work_counts_the_first_kernels_writes_as_its_stores_mask_them():
+    """Whole rows of M and β·L on varlen inputs under the lower-bound gate; their sectors up to the diagonal on
+    fixed-length inputs and under the precomputed gate (``prepare.py``)."""
+    workload = dict(H=4, lengths=[CHUNK])
+    varlen = plan_of(workload, 1)
+    masked = (48 + 80) * 4 * CHUNK  # M's and β·L's bytes a row, sector by sector
+    whole = (CHUNK * 2 + CHUNK * 4) * 4 * CHUNK
+    assert kernel_work(workload, varlen)["prepare"][0] - kernel_work(
+        workload, varlen.replace(varlen=False))["prepare"][0] == whole - masked
+    assert kernel_work(workload, varlen.replace(lower_bound_gate=False))["prepare"][0] == kernel_work(
+        workload, varlen.replace(varlen=False))["prepare"][0]
+
+
 def test_kernel_work_rejects_a_plan_for_another_shape():
     with pytest.raises(ValueError, match="plan is for"):
         kernel_work(dict(H=4, lengths=[CHUNK]), plan_of(dict(H=2, lengths=[CHUNK])))
