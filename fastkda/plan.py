@@ -37,6 +37,8 @@ WARP_CHOICES = (1, 2, 4, 8, 16)
 REGISTERS_PER_SM = 65536  # 32-bit registers of one SM's register file (sm_80 and sm_90 alike)
 PREPARE_PROGRAMS_PER_SM = 3  # first preparation kernel programs an SM holds, by the register cap
 PREPARE_TOKEN_RUN = 2  # consecutive tokens per thread in the first preparation kernel, at most (prepare_token_run)
+WARPGROUP_SLICE_WIDTH = 64  # the Gluon recurrence's slice: one warpgroup's products have 64 rows
+WARPGROUP_WARPS = 4
 SOLVE_WARPS = 1  # the inverse works in 16x16 blocks: one warp holds them, and more programs per SM hide latency
 ENV_SEQUENCE_PARALLEL = "FASTKDA_SEQUENCE_PARALLEL"
 SCAN_WIDTH = 16  # state columns per program of the segment scan: fixed, so the scan's bits never depend on the plan
@@ -101,7 +103,11 @@ class PrefillPlan:
     columns and K identity columns in slices of ``transition_width``, the scan (``scan_warps``, ``scan_stages``:
     the next segment's transition is loaded while the current one is applied) composes them into each segment's
     entry state, and the recurrence reruns every segment from its entry state in ``v_slices`` slices.
-    ``dot_precision``: the kernels' fp32 products ("tf32" or "ieee")."""
+    ``warpgroup_recurrence``: the serial recurrence of 64-column slices runs the Gluon kernel
+    (``fastkda/ops/prefill/recurrence_warpgroup.py``: the same bits, its layouts and product order set by hand;
+    ``recurrence_stages`` chunks in its shared-memory ring, at least 4) instead of the Triton one; the CPU path and
+    Triton's interpreter run the Triton kernel. ``dot_precision``: the kernels' fp32 products ("tf32" or
+    "ieee")."""
 
     seq_len: int
     num_seqs: int
@@ -129,6 +135,7 @@ class PrefillPlan:
     transition_width: int = 0
     scan_warps: int = 4
     scan_stages: int = 2
+    warpgroup_recurrence: bool = False
     dot_precision: str = "tf32"
     reason: str = dataclasses.field(default="", compare=False)
 
@@ -172,6 +179,13 @@ class PrefillPlan:
             _check(self.scan_stages >= 1, f"scan_stages must be >= 1, got {self.scan_stages}")
         _check(self.dot_precision in ("tf32", "ieee"), f"dot_precision must be 'tf32' or 'ieee', got "
                                                        f"{self.dot_precision!r}")
+        if self.warpgroup_recurrence:
+            _check(not self.segment_chunks and self.slice_width == WARPGROUP_SLICE_WIDTH and self.state_rows_v
+                   and self.recurrence_warps == WARPGROUP_WARPS and self.recurrence_stages >= 4,
+                   f"warpgroup_recurrence runs serial plans of {WARPGROUP_SLICE_WIDTH}-column slices, held "
+                   f"transposed on {WARPGROUP_WARPS} warps, with at least 4 stages; got segment_chunks="
+                   f"{self.segment_chunks}, slice_width={self.slice_width}, state_rows_v={self.state_rows_v}, "
+                   f"recurrence_warps={self.recurrence_warps}, recurrence_stages={self.recurrence_stages}")
 
     @property
     def batch(self) -> int:
@@ -293,7 +307,8 @@ class PrefillPlan:
             + f", {self.recurrence_warps} warps, "
             f"{self.recurrence_stages} stages, state held as "
             + ("Sᵀ (rows = V)" if self.state_rows_v else "S (rows = K)")
-            + ", v_new = T·β·(v − kd·S) each step",
+            + ", v_new = T·β·(v − kd·S) each step"
+            + ("; the Gluon kernel on one warpgroup" if self.warpgroup_recurrence else ""),
             ("sequence parallelism: off" if not self.segment_chunks else
              f"sequence parallelism: segments of {self.segment_chunks} chunks ({self.segment_tokens} tokens) from "
              f"each sequence's first token, {self.segment_slots} segment slots; transitions over V+K="

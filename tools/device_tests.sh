@@ -37,7 +37,8 @@ step() {  # step NAME SECONDS COMMAND...: run unless SECONDS is 0, append to the
 }
 step prepare-variants "${VARIANTS_S:-0}" python3 tools/variants/prepare_variants.py ${VARIANTS_ARGS:-}
 step gpu-tests "${TESTS_S:-600}" python3 -m pytest -q -s tests/test_gpu.py tests/test_checkpoints.py tests/test_gpu_safety.py \
-  tests/test_gpu_sequence_parallel.py tests/test_gpu_layer.py tests/test_gpu_distributed.py ${TEST_FILTER:+-k "$TEST_FILTER"}
+  tests/test_gpu_sequence_parallel.py tests/test_gpu_layer.py tests/test_gpu_distributed.py tests/test_gpu_warpgroup.py \
+  ${TEST_FILTER:+-k "$TEST_FILTER"}
 step exactness "${EXACT_S:-0}" python3 tools/sweeps/exactness_matrix.py
 step ab "${AB_S:-0}" python3 tools/variants/ab_packages.py --out "$OUT/results" ${AB_ARGS:-}
 step decode-sweep "${DSWEEP_S:-0}" python3 tools/sweeps/decode_sweep.py --out "$OUT/results"

@@ -202,6 +202,32 @@ def test_every_launch_number_comes_from_the_plan(monkeypatch):
     assert plan.prepare_grid == (plan.chunk_slots, 3, 1) and plan.recurrence_grid == (2, 3, 2)
 
 
+def test_the_warpgroup_recurrence_launches_the_plans_numbers(monkeypatch):
+    """The Gluon recurrence (``warpgroup_recurrence``) gets the plan's grid, stages and warps; under the interpreter,
+    which runs no Gluon kernel, the same plan launches the Triton recurrence instead (the kernels are not run)."""
+    from fastkda.ops.prefill import chunk_kda_forward, prepare, recurrence, recurrence_warpgroup, solve
+    from fastkda.ops.prefill.layout import Workspace
+
+    launched = {}
+    for module in (prepare, solve, recurrence, recurrence_warpgroup):
+        monkeypatch.setattr(module, "launch", lambda kernel, grid, *args, **meta: launched.setdefault(
+            kernel.__name__, (grid, meta)))
+    inp = make_inputs([40, 90], heads=3, key_dim=128, value_dim=128, seed=5)
+    plan = plan_for(inp, 2, warpgroup_recurrence=True, recurrence_stages=5)
+    forward = dict(plan=plan, A_log=inp["A_log"], dt_bias=inp["dt_bias"], lower_bound=inp["lower_bound"],
+                   scale=0.125, initial_state=None, cu_seqlens=inp["cu_seqlens"], use_qk_l2norm=True,
+                   use_beta_sigmoid=True, out=torch.empty_like(inp["v"]), final_state=None)
+    chunk_kda_forward(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], **forward)
+    assert "recurrence_kernel" in launched and "warpgroup_recurrence_kernel" not in launched
+    ws = Workspace.allocate(plan, inp["v"], inp["cu_seqlens"])
+    recurrence_warpgroup.launch_warpgroup_recurrence(plan, ws, forward["out"], None, None, None, None,
+                                                     torch.zeros(3, dtype=torch.int32))
+    grid, meta = launched["warpgroup_recurrence_kernel"]
+    assert grid == plan.recurrence_grid == (2, 3, 2)
+    assert {key: meta[key] for key in ("STAGES", "num_warps", "BV", "C", "K", "V")} == dict(
+        STAGES=5, num_warps=4, BV=64, C=32, K=128, V=128)
+
+
 def test_no_module_level_launch_constants_in_ops():
     """Every launch number lives in the plan: no module of fastkda.ops holds a number (math constants aside)."""
     import importlib

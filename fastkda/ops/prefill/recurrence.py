@@ -72,6 +72,15 @@ def initial_or_zero(initial_state, state_offsets, HAS_INITIAL: tl.constexpr, STA
 
 
 @triton.jit
+def head_sections(ws_bf16, ws_fp32, qg_at, kg_at, A_at, scratch_at, v, out, h, K: tl.constexpr, V: tl.constexpr,
+                  C: tl.constexpr):
+    """Head ``h``'s first column in each workspace section, in v, in the output and in the chunk decays: rows are
+    then tokens (chunk slots for the decays), ``layout.py``'s strides apart."""
+    return (ws_bf16 + h * K, ws_bf16 + qg_at + h * K, ws_bf16 + kg_at + h * K, ws_bf16 + A_at + h * C,
+            ws_fp32 + scratch_at + h * C, v + h * V, out + h * V, ws_fp32 + h * K)
+
+
+@triton.jit
 def walk_chunks(
     ws_bf16, ws_fp32, qg_at, kg_at, A_at, scratch_at, transitions_at, entries_at, out, initial_state,
     final_state, cu_seqlens, errors, ckpt_offsets, ckpt_states, stride_out, seq_len, num_seqs, stride_ckpt_n,
@@ -86,13 +95,8 @@ def walk_chunks(
     ``OPEN_ENTRY``: of every segment, the first's and the last's too)."""
     vs = tl.program_id(0)
     h = tl.program_id(1)
-    kd_ws = ws_bf16 + h * K  # each section's rows from head h's first column
-    qg_ws = ws_bf16 + qg_at + h * K
-    kg_ws = ws_bf16 + kg_at + h * K
-    A_ws = ws_bf16 + A_at + h * C
-    T_ws = ws_fp32 + scratch_at + h * C
-    v_h = v + h * V
-    out_h = out + h * V
+    kd_ws, qg_ws, kg_ws, A_ws, T_ws, v_h, out_h, decay_h = head_sections(ws_bf16, ws_fp32, qg_at, kg_at, A_at,
+                                                                          scratch_at, v, out, h, K, V, C)
     if SEGMENTED:  # programs 0..N-1: each sequence's first segment; then one per segment slot, for the others
         first_segment = tl.program_id(2) < num_seqs
         slot = tl.maximum(tl.program_id(2) - num_seqs, 0)
@@ -156,7 +160,6 @@ def walk_chunks(
             S = initial_or_zero(initial_state, state_offsets, HAS_INITIAL, STATE_ROWS_V, BV, K)
     else:
         S = initial_or_zero(initial_state, state_offsets, HAS_INITIAL, STATE_ROWS_V, BV, K)
-    decay_h = ws_fp32 + h * K  # the chunk decays [slots, H, K]
     # the next chunk's vᵀ is carried over the step as fp32 in 128-wide slices and, for bf16 v, as bf16 in narrower
     # ones (each measured faster than the other there; docs/perf-notes.md, "v_new from kd and v"); fp16 or fp32 v
     # stays fp32, so that every slice width subtracts the same values
@@ -257,31 +260,39 @@ def transition_kernel(
                 V, BV, C, IS_VARLEN, HAS_INITIAL, False, 0, STATE_ROWS_V, EMULATE, True, True, OPEN_ENTRY)
 
 
-def launch_recurrence(plan, ws, out, initial_state, final_state, checkpoint_offsets, checkpoint_states, errors,
-                      emulate):
-    """Launch :func:`recurrence_kernel` over the plan's grid: ``out [B, T, H, V]`` (contiguous), ``final_state
-    [N, H, V, K]`` and the checkpoints ``checkpoint_states [N, 2, H, V, K]`` at ``checkpoint_offsets [N]`` or
-    ``[N, 2]`` (if given), in place; malformed ``cu_seqlens`` counted in ``errors`` (by the scan instead, under
-    sequence parallelism, where this reruns every segment from the entry state the scan wrote)."""
+def recurrence_arguments(plan, ws, out, initial_state, final_state, checkpoint_offsets, checkpoint_states, errors):
+    """The arguments and shared constexprs of a recurrence launch under ``plan`` (both recurrence kernels take
+    them): ``out [B, T, H, V]`` (contiguous), ``final_state [N, H, V, K]`` and the checkpoints ``checkpoint_states
+    [N, 2, H, V, K]`` at ``checkpoint_offsets [N]`` or ``[N, 2]`` (if given), written in place; malformed
+    ``cu_seqlens`` counted in ``errors``."""
     absent = ws.fp32  # stands for absent optional tensors; never dereferenced
     checkpoints = 0 if checkpoint_offsets is None else (1 if checkpoint_offsets.dim() == 1 else
                                                         checkpoint_offsets.shape[1])
     layout = ws.layout
-    launch(
-        recurrence_kernel, plan.recurrence_grid,
-        ws.bf16, ws.fp32, layout.qg, layout.kg, layout.A, layout.scratch, layout.entries, out,
-        initial_state if initial_state is not None else absent,
-        final_state if final_state is not None else absent,
-        ws.cu_seqlens if plan.varlen else absent, errors,
-        checkpoint_offsets if checkpoints else absent, checkpoint_states if checkpoints else absent,
-        out.stride(1), plan.seq_len, plan.num_seqs,
-        checkpoint_offsets.stride(0) if checkpoints else 0, checkpoint_offsets.stride(-1) if checkpoints else 0,
-        ws.v, ws.v.stride(1), plan.segment_chunks, H=plan.heads, K=plan.key_dim, V=plan.value_dim,
-        BV=plan.slice_width, C=plan.chunk, IS_VARLEN=plan.varlen, HAS_INITIAL=initial_state is not None,
-        HAS_FINAL=final_state is not None, NUM_CKPT=checkpoints, STATE_ROWS_V=plan.state_rows_v,
-        EMULATE=emulate, SEGMENTED=plan.sequence_parallel,
-        num_warps=plan.recurrence_warps, num_stages=plan.recurrence_stages,
-    )
+    args = (ws.bf16, ws.fp32, layout.qg, layout.kg, layout.A, layout.scratch, layout.entries, out,
+            initial_state if initial_state is not None else absent,
+            final_state if final_state is not None else absent,
+            ws.cu_seqlens if plan.varlen else absent, errors,
+            checkpoint_offsets if checkpoints else absent, checkpoint_states if checkpoints else absent,
+            out.stride(1), plan.seq_len, plan.num_seqs,
+            checkpoint_offsets.stride(0) if checkpoints else 0, checkpoint_offsets.stride(-1) if checkpoints else 0,
+            ws.v, ws.v.stride(1), plan.segment_chunks)
+    constexprs = dict(H=plan.heads, K=plan.key_dim, V=plan.value_dim, BV=plan.slice_width, C=plan.chunk,
+                      IS_VARLEN=plan.varlen, HAS_INITIAL=initial_state is not None,
+                      HAS_FINAL=final_state is not None, NUM_CKPT=checkpoints)
+    return args, constexprs
+
+
+def launch_recurrence(plan, ws, out, initial_state, final_state, checkpoint_offsets, checkpoint_states, errors,
+                      emulate):
+    """Launch :func:`recurrence_kernel` over the plan's grid (:func:`recurrence_arguments`; under sequence
+    parallelism it reruns every segment from the entry state the scan wrote, and the scan counts malformed
+    ``cu_seqlens`` instead)."""
+    args, constexprs = recurrence_arguments(plan, ws, out, initial_state, final_state, checkpoint_offsets,
+                                            checkpoint_states, errors)
+    launch(recurrence_kernel, plan.recurrence_grid, *args, **constexprs, STATE_ROWS_V=plan.state_rows_v,
+           EMULATE=emulate, SEGMENTED=plan.sequence_parallel, num_warps=plan.recurrence_warps,
+           num_stages=plan.recurrence_stages)
 
 
 def launch_transitions(plan, ws, initial_state, emulate, open_entry=False):

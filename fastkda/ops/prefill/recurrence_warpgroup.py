@@ -1,0 +1,209 @@
+"""The serial recurrence of one 64-column slice on one warpgroup, in Gluon (the plan's ``warpgroup_recurrence``).
+
+The arithmetic is :func:`fastkda.ops.prefill.recurrence.walk_chunks`'s transposed form, product for product:
+``Y = bf16(vᵀ − Sᵀ·kdᵀ)``, ``v_new = Y·T_loᵀ + Y·T_hiᵀ`` (one accumulation, the low half first),
+``Sᵀ = Sᵀ·diag(decay) + bf16(v_new)·kg``, ``oᵀ = Sᵀ·qgᵀ + bf16(v_new)·Aᵀ``, every operand bf16 and every product
+accumulated from zero in fp32 but the state's, which accumulates onto the decayed state. So its results are the
+Triton kernel's bits, and every V-slice plan keeps its bitwise promise. What Gluon adds is the placement that
+plain Triton does not let a kernel choose (docs/perf-notes.md, "The recurrence on one warpgroup"):
+
+* every tile a step reads (kd, qg, kg, A, T·β, v, the chunk decay) is copied into a shared-memory ring
+  ``stages − 1`` chunks ahead with ``cp.async``, one commit group per chunk, and each is read from there in the
+  layout its use needs: v transposed straight into the products' accumulator layout, the decay into the state's
+  column layout, so that no step converts a layout through shared memory;
+* T·β is split into its bf16 halves a step ahead, into one of two buffers, off the chain;
+* one barrier a step, which publishes the chunk's tiles and the halves and frees the ring slot it refills;
+* the state's product is issued before the output's two, and the step waits for the state alone before forming
+  the next step's operand; the output is waited for and stored after that.
+
+Gluon has no interpreter: on the CPU the Triton kernel runs the same arithmetic (``chunk_kda_forward``), and the
+GPU tests compare the two bit for bit.
+"""
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
+
+from ..common import launch
+from ..tiles import lower_sectors
+from .layout import first_slot, sequence_span
+from .recurrence import head_sections, recurrence_arguments, store_checkpoint
+
+
+@gluon.jit
+def copy_chunk(c, num_chunks, bos, eos, slot0, stage, kd_ws, qg_ws, kg_ws, A_ws, T_ws, v_h, decay_h, stride_v,
+               kd_s, qg_s, kg_s, A_s, T_s, v_s, decay_s,
+               H: gl.constexpr, K: gl.constexpr, BV: gl.constexpr, C: gl.constexpr, vs,
+               ROWS_K: gl.constexpr, ROWS_C: gl.constexpr, ROWS_T: gl.constexpr, ROWS_V: gl.constexpr,
+               VECTOR: gl.constexpr):
+    """Start the copies of chunk ``c``'s tiles into ring slot ``stage`` and commit them as one group; a chunk
+    past the sequence's last copies nothing (its slot fills with zeros) but still commits, so that every step
+    waits for the same group count."""
+    live = c < num_chunks
+    r_k = gl.arange(0, C, layout=gl.SliceLayout(1, ROWS_K))
+    tok_k = (bos + c * C + r_k).to(gl.int64)
+    ok_k = (tok_k < eos) & live
+    at_k = tok_k[:, None] * (H * K) + gl.arange(0, K, layout=gl.SliceLayout(0, ROWS_K))[None, :]
+    async_copy.async_copy_global_to_shared(kd_s.index(stage), kd_ws + at_k, mask=ok_k[:, None])
+    async_copy.async_copy_global_to_shared(qg_s.index(stage), qg_ws + at_k, mask=ok_k[:, None])
+    async_copy.async_copy_global_to_shared(kg_s.index(stage), kg_ws + at_k, mask=ok_k[:, None])
+    r_c = gl.arange(0, C, layout=gl.SliceLayout(1, ROWS_C))
+    tok_c = (bos + c * C + r_c).to(gl.int64)
+    cols_c = gl.arange(0, C, layout=gl.SliceLayout(0, ROWS_C))
+    async_copy.async_copy_global_to_shared(A_s.index(stage), A_ws + tok_c[:, None] * (H * C) + cols_c[None, :],
+                                           mask=lower_sectors(A_ws, r_c, (tok_c < eos) & live, cols_c))
+    r_t = gl.arange(0, C, layout=gl.SliceLayout(1, ROWS_T))
+    tok_t = (bos + c * C + r_t).to(gl.int64)
+    cols_t = gl.arange(0, C, layout=gl.SliceLayout(0, ROWS_T))
+    async_copy.async_copy_global_to_shared(T_s.index(stage), T_ws + tok_t[:, None] * (H * C) + cols_t[None, :],
+                                           mask=lower_sectors(T_ws, r_t, (tok_t < eos) & live, cols_t))
+    r_v = gl.arange(0, C, layout=gl.SliceLayout(1, ROWS_V))
+    tok_v = (bos + c * C + r_v).to(gl.int64)
+    cols_v = vs * BV + gl.arange(0, BV, layout=gl.SliceLayout(0, ROWS_V))
+    async_copy.async_copy_global_to_shared(v_s.index(stage), v_h + tok_v[:, None] * stride_v + cols_v[None, :],
+                                           mask=((tok_v < eos) & live)[:, None])
+    kk = gl.arange(0, K, layout=VECTOR)
+    async_copy.async_copy_global_to_shared(decay_s.index(stage), decay_h + (slot0 + c) * (H * K) + kk,
+                                           mask=(kk < K) & live)
+    async_copy.commit_group()
+
+
+@gluon.jit
+def split_t(T_s, stage, lo_s, hi_s, half, ROWS_T: gl.constexpr):
+    """T·β of ring slot ``stage`` (fp32) as its bf16 halves ``hi + lo`` into buffer ``half`` of the halves, made
+    visible to the tensor cores' proxy (the next barrier makes them visible to the other warps)."""
+    t = T_s.index(stage).load(ROWS_T)
+    hi = t.to(gl.bfloat16)
+    lo = (t - hi.to(gl.float32)).to(gl.bfloat16)
+    hi_s.index(half).store(hi)
+    lo_s.index(half).store(lo)
+    fence_async_shared()
+
+
+@gluon.jit
+def warpgroup_recurrence_kernel(
+    ws_bf16, ws_fp32, qg_at, kg_at, A_at, scratch_at, entries_at, out, initial_state, final_state, cu_seqlens,
+    errors, ckpt_offsets, ckpt_states, stride_out, seq_len, num_seqs, stride_ckpt_n, stride_ckpt_j, v, stride_v,
+    segment_chunks, H: gl.constexpr, K: gl.constexpr, V: gl.constexpr, BV: gl.constexpr, C: gl.constexpr,
+    IS_VARLEN: gl.constexpr, HAS_INITIAL: gl.constexpr, HAS_FINAL: gl.constexpr, NUM_CKPT: gl.constexpr,
+    STAGES: gl.constexpr,
+):
+    """One (V-slice of 64 columns, head, sequence) over its chunks (module docstring); outputs, checkpoints,
+    final state; malformed ``cu_seqlens`` counted as the Triton kernel counts them. The arguments are the Triton
+    recurrence's (``recurrence_arguments``); ``entries_at`` and ``segment_chunks`` belong to its segmented form,
+    which this kernel does not have, and are not read."""
+    gl.static_assert(BV == 64)
+    gl.static_assert(C == 32)
+    gl.static_assert(STAGES >= 4)
+    gl.static_assert(gl.num_warps() == 4)
+    # products: the slice's BV columns are M; [BV, C] accumulators (Y, v_new, o) and the [BV, K] state
+    ACC_C: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, C, 16])
+    ACC_K: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, K, 16])
+    OP_C: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=ACC_C, k_width=2)
+    OP_K: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=ACC_K, k_width=2)
+    # the copies: 16 bytes a thread, rows of the tile across threads
+    ROWS_K: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // K, K // 8], [4, 1], [1, 0])
+    ROWS_C: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])
+    ROWS_T: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [4, 1], [1, 0])
+    ROWS_V: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    VECTOR: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])  # the decay, 4 bytes a thread
+    SHARED_K: gl.constexpr = gl.NVMMASharedLayout.get_default_for([C, K], gl.bfloat16)
+    SHARED_C: gl.constexpr = gl.NVMMASharedLayout.get_default_for([C, C], gl.bfloat16)
+    SHARED_V: gl.constexpr = gl.NVMMASharedLayout.get_default_for([C, BV], v.dtype.element_ty)
+    PLAIN_T: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+    PLAIN_1D: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+
+    vs = gl.program_id(0)
+    h = gl.program_id(1)
+    n = gl.program_id(2)
+    bos, eos, in_order = sequence_span(cu_seqlens, n, seq_len, num_seqs, IS_VARLEN)
+    slot0 = first_slot(n, bos, seq_len, C, IS_VARLEN)
+    num_chunks = gl.cdiv(eos - bos, C)
+    kd_ws, qg_ws, kg_ws, A_ws, T_ws, v_h, out_h, decay_h = head_sections(ws_bf16, ws_fp32, qg_at, kg_at, A_at,
+                                                                          scratch_at, v, out, h, K, V, C)
+
+    kd_s = gl.allocate_shared_memory(gl.bfloat16, [STAGES, C, K], SHARED_K)
+    qg_s = gl.allocate_shared_memory(gl.bfloat16, [STAGES, C, K], SHARED_K)
+    kg_s = gl.allocate_shared_memory(gl.bfloat16, [STAGES, C, K], SHARED_K)
+    A_s = gl.allocate_shared_memory(gl.bfloat16, [STAGES, C, C], SHARED_C)
+    T_s = gl.allocate_shared_memory(gl.float32, [STAGES, C, C], PLAIN_T)
+    v_s = gl.allocate_shared_memory(v.dtype.element_ty, [STAGES, C, BV], SHARED_V)
+    decay_s = gl.allocate_shared_memory(gl.float32, [STAGES, K], PLAIN_1D)
+    lo_s = gl.allocate_shared_memory(gl.bfloat16, [2, C, C], SHARED_C)
+    hi_s = gl.allocate_shared_memory(gl.bfloat16, [2, C, C], SHARED_C)
+
+    # the state Sᵀ [BV, K] in the state product's accumulator layout, and its addresses in [N, H, V, K]
+    sv = vs * BV + gl.arange(0, BV, layout=gl.SliceLayout(1, ACC_K))
+    sk = gl.arange(0, K, layout=gl.SliceLayout(0, ACC_K))
+    state_offsets = ((n * H + h) * V).to(gl.int64) * K + sv[:, None] * K + sk[None, :]
+    if HAS_INITIAL:
+        S = gl.load(initial_state + state_offsets).to(gl.float32)
+    else:
+        S = gl.zeros([BV, K], gl.float32, ACC_K)
+    # the output's addresses: oᵀ [BV, C] in the accumulator layout, stored as it is
+    ov = vs * BV + gl.arange(0, BV, layout=gl.SliceLayout(1, ACC_C))
+    oc = gl.arange(0, C, layout=gl.SliceLayout(0, ACC_C))
+    zero_C = gl.zeros([BV, C], gl.float32, ACC_C)
+
+    for i in gl.static_range(STAGES - 1):
+        copy_chunk(i, num_chunks, bos, eos, slot0, i, kd_ws, qg_ws, kg_ws, A_ws, T_ws, v_h, decay_h, stride_v,
+                   kd_s, qg_s, kg_s, A_s, T_s, v_s, decay_s, H, K, BV, C, vs, ROWS_K, ROWS_C, ROWS_T, ROWS_V,
+                   VECTOR)
+    async_copy.wait_group(STAGES - 2)  # chunk 0
+    gl.thread_barrier()
+    split_t(T_s, 0, lo_s, hi_s, 0, ROWS_T)
+    S_op = gl.convert_layout(S.to(gl.bfloat16), OP_C, assert_trivial=True)
+    for c in range(0, num_chunks):
+        stage = c % STAGES
+        half = c % 2
+        for i in gl.static_range(NUM_CKPT):  # prefix-cache checkpoint: the state after c*C tokens
+            store_checkpoint(ckpt_offsets, ckpt_states, n, i, stride_ckpt_n, stride_ckpt_j, c * C, False, eos - bos,
+                             S, state_offsets, H, V, K, False)
+        async_copy.wait_group(STAGES - 3)  # chunks c and c + 1 landed (this thread's copies)
+        gl.thread_barrier()  # everyone's copies and halves visible; every warp past chunk c - 1's products
+        S_decayed = S * decay_s.index(stage).load(gl.SliceLayout(0, ACC_K))[None, :]
+        Y = warpgroup_mma(S_op, kd_s.index(stage).permute((1, 0)), zero_C, use_acc=False, is_async=True)
+        v_T = v_s.index(stage).permute((1, 0)).load(ACC_C).to(gl.float32)
+        Y = warpgroup_mma_wait(0, deps=[Y])
+        Y_op = gl.convert_layout((v_T - Y).to(gl.bfloat16), OP_C, assert_trivial=True)
+        v_new = warpgroup_mma(Y_op, lo_s.index(half).permute((1, 0)), zero_C, use_acc=False, is_async=True)
+        v_new = warpgroup_mma(Y_op, hi_s.index(half).permute((1, 0)), v_new, is_async=True)
+        v_new = warpgroup_mma_wait(0, deps=[v_new])
+        v_op = v_new.to(gl.bfloat16)
+        S = warpgroup_mma(gl.convert_layout(v_op, OP_K, assert_trivial=True), kg_s.index(stage), S_decayed,
+                          is_async=True)
+        o = warpgroup_mma(S_op, qg_s.index(stage).permute((1, 0)), zero_C, use_acc=False, is_async=True)
+        o = warpgroup_mma(gl.convert_layout(v_op, OP_C, assert_trivial=True), A_s.index(stage).permute((1, 0)), o,
+                          is_async=True)
+        # while the tensor cores run the state's and the output's products: the next chunk's halves, and the
+        # copies of chunk c + STAGES - 1 into the previous chunk's ring slot
+        split_t(T_s, (c + 1) % STAGES, lo_s, hi_s, 1 - half, ROWS_T)
+        S = warpgroup_mma_wait(2, deps=[S])  # the state's product only
+        S_op = gl.convert_layout(S.to(gl.bfloat16), OP_C, assert_trivial=True)
+        o = warpgroup_mma_wait(0, deps=[o])
+        copy_chunk(c + STAGES - 1, num_chunks, bos, eos, slot0, (c + STAGES - 1) % STAGES, kd_ws, qg_ws, kg_ws,
+                   A_ws, T_ws, v_h, decay_h, stride_v, kd_s, qg_s, kg_s, A_s, T_s, v_s, decay_s, H, K, BV, C, vs,
+                   ROWS_K, ROWS_C, ROWS_T, ROWS_V, VECTOR)
+        tok = (bos + c * C + oc).to(gl.int64)
+        gl.store(out_h + tok[None, :] * stride_out + ov[:, None], o.to(out.dtype.element_ty),
+                 mask=(tok < eos)[None, :])
+    async_copy.wait_group(0)  # no copy outlives the program
+    for i in gl.static_range(NUM_CKPT):  # the checkpoint at the sequence's end
+        store_checkpoint(ckpt_offsets, ckpt_states, n, i, stride_ckpt_n, stride_ckpt_j, num_chunks * C, False,
+                         eos - bos, S, state_offsets, H, V, K, False)
+    if HAS_FINAL:
+        gl.store(final_state + state_offsets, S.to(final_state.dtype.element_ty))
+    if IS_VARLEN:  # fastkda.errors: "cu_seqlens", counted last, once per sequence
+        gl.atomic_add(errors + 2, 1, mask=(vs == 0) & (h == 0) & ~in_order, sem="relaxed")
+
+
+def launch_warpgroup_recurrence(plan, ws, out, initial_state, final_state, checkpoint_offsets, checkpoint_states,
+                                errors):
+    """:func:`fastkda.ops.prefill.recurrence.launch_recurrence` for a plan whose ``warpgroup_recurrence`` is
+    set (serial, 64-column slices): the same arguments and grid, this module's kernel, ``recurrence_stages`` ring
+    slots."""
+    args, constexprs = recurrence_arguments(plan, ws, out, initial_state, final_state, checkpoint_offsets,
+                                            checkpoint_states, errors)
+    launch(warpgroup_recurrence_kernel, plan.recurrence_grid, *args, **constexprs, STAGES=plan.recurrence_stages,
+           num_warps=plan.recurrence_warps)
