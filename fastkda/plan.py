@@ -37,8 +37,7 @@ WARP_CHOICES = (1, 2, 4, 8, 16)
 REGISTERS_PER_SM = 65536  # 32-bit registers of one SM's register file (sm_80 and sm_90 alike)
 PREPARE_PROGRAMS_PER_SM = 3  # first preparation kernel programs an SM holds, by the register cap
 PREPARE_TOKEN_RUN = 2  # consecutive tokens per thread in the first preparation kernel, at most (prepare_token_run)
-WARPGROUP_SLICE_WIDTH = 64  # the Gluon recurrence's slice: one warpgroup's products have 64 rows
-WARPGROUP_WARPS = 4
+WARPGROUP_SLICE_WIDTHS = (64, 128)  # the Gluon recurrence's slices: a warpgroup per 64 columns (the products' rows)
 SOLVE_WARPS = 1  # the inverse works in 16x16 blocks: one warp holds them, and more programs per SM hide latency
 ENV_SEQUENCE_PARALLEL = "FASTKDA_SEQUENCE_PARALLEL"
 SCAN_WIDTH = 16  # state columns per program of the segment scan: fixed, so the scan's bits never depend on the plan
@@ -103,7 +102,7 @@ class PrefillPlan:
     columns and K identity columns in slices of ``transition_width``, the scan (``scan_warps``, ``scan_stages``:
     the next segment's transition is loaded while the current one is applied) composes them into each segment's
     entry state, and the recurrence reruns every segment from its entry state in ``v_slices`` slices.
-    ``warpgroup_recurrence``: the serial recurrence of 64-column slices runs the Gluon kernel
+    ``warpgroup_recurrence``: the serial recurrence of 64- or 128-column slices runs the Gluon kernel
     (``fastkda/ops/prefill/recurrence_warpgroup.py``: the same bits, its layouts and product order set by hand;
     ``recurrence_stages`` chunks in its shared-memory ring, at least 4) instead of the Triton one; the CPU path and
     Triton's interpreter run the Triton kernel. ``dot_precision``: the kernels' fp32 products ("tf32" or
@@ -180,10 +179,10 @@ class PrefillPlan:
         _check(self.dot_precision in ("tf32", "ieee"), f"dot_precision must be 'tf32' or 'ieee', got "
                                                        f"{self.dot_precision!r}")
         if self.warpgroup_recurrence:
-            _check(not self.segment_chunks and self.slice_width == WARPGROUP_SLICE_WIDTH and self.state_rows_v
-                   and self.recurrence_warps == WARPGROUP_WARPS and self.recurrence_stages >= 4,
-                   f"warpgroup_recurrence runs serial plans of {WARPGROUP_SLICE_WIDTH}-column slices, held "
-                   f"transposed on {WARPGROUP_WARPS} warps, with at least 4 stages; got segment_chunks="
+            _check(not self.segment_chunks and self.slice_width in WARPGROUP_SLICE_WIDTHS and self.state_rows_v
+                   and self.recurrence_warps == self.slice_width // 16 and self.recurrence_stages >= 4,
+                   f"warpgroup_recurrence runs serial plans of slices of {WARPGROUP_SLICE_WIDTHS} columns, held "
+                   f"transposed on a warp per 16 columns, with at least 4 stages; got segment_chunks="
                    f"{self.segment_chunks}, slice_width={self.slice_width}, state_rows_v={self.state_rows_v}, "
                    f"recurrence_warps={self.recurrence_warps}, recurrence_stages={self.recurrence_stages}")
 

@@ -13,7 +13,7 @@ from helpers import make_inputs, plan_for, rel_err, run_prefill
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 OUT_BOUND, STATE_BOUND = 4e-3, 3e-3
-CASES = [
+CASES = [  # V = 128 in each: slices of 64 (v_slices=2) and 128 (v_slices=1) columns
     dict(lengths=[1024], heads=12, key_dim=128, varlen=False),
     dict(lengths=[0, 1, 31, 32, 33, 700, 64, 0], heads=3, key_dim=128),
     dict(lengths=[300, 300], heads=4, key_dim=64, value_dim=128, varlen=False, gate="precomputed"),
@@ -21,19 +21,19 @@ CASES = [
 ]
 
 
-def gluon_plan(inp, stages=4):
-    """The auto plan of ``inp`` at two 64-column slices (serial), with the Gluon recurrence at ``stages``."""
-    return plan_for(inp, v_slices=2, warpgroup_recurrence=True, recurrence_stages=stages)
+def gluon_plan(inp, stages=4, v_slices=2):
+    """The serial plan of ``inp`` at ``v_slices``, with the Gluon recurrence at ``stages``."""
+    return plan_for(inp, v_slices=v_slices, warpgroup_recurrence=True, recurrence_stages=stages)
 
 
 @pytest.mark.parametrize("case", CASES, ids=range(len(CASES)))
 @pytest.mark.parametrize("states", [(None, None), (torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16)],
                          ids=["none", "fp32", "bf16"])
-@pytest.mark.parametrize("stages", [4, 5])
-def test_same_bits_as_the_triton_kernel(case, states, stages):
+@pytest.mark.parametrize("stages,v_slices", [(4, 2), (5, 2), (4, 1)])
+def test_same_bits_as_the_triton_kernel(case, states, stages, v_slices):
     inp = make_inputs(device="cuda", seed=11, **case)
-    triton_o, triton_s, _ = run_prefill(inp, *states, plan=plan_for(inp, v_slices=2))
-    gluon_o, gluon_s, _ = run_prefill(inp, *states, plan=gluon_plan(inp, stages))
+    triton_o, triton_s, _ = run_prefill(inp, *states, plan=plan_for(inp, v_slices=v_slices))
+    gluon_o, gluon_s, _ = run_prefill(inp, *states, plan=gluon_plan(inp, stages, v_slices))
     assert torch.equal(gluon_o, triton_o)
     assert (gluon_s is None) or torch.equal(gluon_s, triton_s)
 

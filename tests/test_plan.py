@@ -84,13 +84,14 @@ def test_launch_numbers_round_trip_and_changes_are_validated():
     assert DecodePlan.from_launch_numbers(choose_decode_plan(3, 4, 128, 132).launch_numbers()).v_slices == 8
 
 
-def test_the_warpgroup_recurrence_takes_serial_plans_of_64_column_slices():
+def test_the_warpgroup_recurrence_takes_serial_plans_of_64_and_128_column_slices():
     serial = plan(4, 12).replace(v_slices=2)
     assert serial.slice_width == 64 and not serial.warpgroup_recurrence  # off unless asked for
     chosen = serial.replace(warpgroup_recurrence=True, recurrence_stages=4)
     assert "Gluon" in chosen.describe()
     assert PrefillPlan.from_launch_numbers(chosen.launch_numbers(), chosen.dot_precision) == chosen
-    for bad in (dict(recurrence_stages=3), dict(v_slices=1, recurrence_warps=8), dict(v_slices=4),
+    assert chosen.replace(v_slices=1, recurrence_warps=8).slice_width == 128
+    for bad in (dict(recurrence_stages=3), dict(v_slices=1), dict(v_slices=4), dict(state_rows_v=False),
                 dict(segment_chunks=8, transition_width=64)):
         with pytest.raises(ValueError, match="warpgroup_recurrence"):
             chosen.replace(**bad)

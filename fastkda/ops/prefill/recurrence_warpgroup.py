@@ -1,4 +1,5 @@
-"""The serial recurrence of one 64-column slice on one warpgroup, in Gluon (the plan's ``warpgroup_recurrence``).
+"""The serial recurrence of a 64- or 128-column slice on a warpgroup per 64 columns, in Gluon (the plan's
+``warpgroup_recurrence``).
 
 The arithmetic is :func:`fastkda.ops.prefill.recurrence.walk_chunks`'s transposed form, product for product:
 ``Y = bf16(vᵀ − Sᵀ·kdᵀ)``, ``v_new = Y·T_loᵀ + Y·T_hiᵀ`` (one accumulation, the low half first),
@@ -89,25 +90,27 @@ def warpgroup_recurrence_kernel(
     IS_VARLEN: gl.constexpr, HAS_INITIAL: gl.constexpr, HAS_FINAL: gl.constexpr, NUM_CKPT: gl.constexpr,
     STAGES: gl.constexpr,
 ):
-    """One (V-slice of 64 columns, head, sequence) over its chunks (module docstring); outputs, checkpoints,
+    """One (V-slice of 64 or 128 columns, head, sequence) over its chunks (module docstring); outputs, checkpoints,
     final state; malformed ``cu_seqlens`` counted as the Triton kernel counts them. The arguments are the Triton
     recurrence's (``recurrence_arguments``); ``entries_at`` and ``segment_chunks`` belong to its segmented form,
     which this kernel does not have, and are not read."""
-    gl.static_assert(BV == 64)
+    W: gl.constexpr = BV // 16  # a warp per 16 rows of the products: a warpgroup per 64 columns
+    gl.static_assert((BV == 64) | (BV == 128))
     gl.static_assert(C == 32)
     gl.static_assert(STAGES >= 4)
-    gl.static_assert(gl.num_warps() == 4)
+    gl.static_assert(gl.num_warps() == W)
     # products: the slice's BV columns are M; [BV, C] accumulators (Y, v_new, o) and the [BV, K] state
-    ACC_C: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, C, 16])
-    ACC_K: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, K, 16])
+    ACC_C: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[W, 1], instr_shape=[16, C, 16])
+    ACC_K: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[W, 1], instr_shape=[16, K, 16])
     OP_C: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=ACC_C, k_width=2)
     OP_K: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=ACC_K, k_width=2)
-    # the copies: 16 bytes a thread, rows of the tile across threads
-    ROWS_K: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // K, K // 8], [4, 1], [1, 0])
-    ROWS_C: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])
-    ROWS_T: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [4, 1], [1, 0])
-    ROWS_V: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
-    VECTOR: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])  # the decay, 4 bytes a thread
+    # the copies: each tile's rows across the threads, each thread's elements along a row (16 bytes but A's at
+    # 8 warps), no element held twice but the decay's below 32·W channels
+    ROWS_K: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // K, K // 8], [W, 1], [1, 0])
+    ROWS_C: gl.constexpr = gl.BlockedLayout([1, C // W], [32 // W, W], [W, 1], [1, 0])
+    ROWS_T: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [W, 1], [1, 0])
+    ROWS_V: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // BV, BV // 8], [W, 1], [1, 0])
+    VECTOR: gl.constexpr = gl.BlockedLayout([1], [32], [W], [0])  # the decay, 4 bytes a thread
     SHARED_K: gl.constexpr = gl.NVMMASharedLayout.get_default_for([C, K], gl.bfloat16)
     SHARED_C: gl.constexpr = gl.NVMMASharedLayout.get_default_for([C, C], gl.bfloat16)
     SHARED_V: gl.constexpr = gl.NVMMASharedLayout.get_default_for([C, BV], v.dtype.element_ty)
