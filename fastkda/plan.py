@@ -38,6 +38,7 @@ REGISTERS_PER_SM = 65536  # 32-bit registers of one SM's register file (sm_80 an
 PREPARE_PROGRAMS_PER_SM = 3  # first preparation kernel programs an SM holds, by the register cap
 PREPARE_TOKEN_RUN = 2  # consecutive tokens per thread in the first preparation kernel, at most (prepare_token_run)
 WARPGROUP_SLICE_WIDTHS = (64, 128)  # the Gluon recurrence's slices: a warpgroup per 64 columns (the products' rows)
+SHARED_MEMORY_PER_PROGRAM = 232448  # bytes of shared memory one program may take on sm_90 (227 KB)
 SOLVE_WARPS = 1  # the inverse works in 16x16 blocks: one warp holds them, and more programs per SM hide latency
 ENV_SEQUENCE_PARALLEL = "FASTKDA_SEQUENCE_PARALLEL"
 SCAN_WIDTH = 16  # state columns per program of the segment scan: fixed, so the scan's bits never depend on the plan
@@ -59,6 +60,14 @@ SCAN_STEP_US = 4.0
 LAUNCH_GAP_US = 2.5
 TRANSITION_WIDTHS = (64,)  # the sweep's winner everywhere (128 columns: 1-6% slower)
 RERUN_SLICE_CHOICES = (1, 2)  # slices of the rerun the auto plan weighs (64 columns and up)
+
+
+def warpgroup_shared_bytes(width: int, key_dim: int, stages: int, chunk: int = 32, v_bytes: int = 4) -> int:
+    """Shared memory of the Gluon recurrence (``recurrence_warpgroup.py``): ``stages`` ring slots of a chunk's kd,
+    qg, kg (bf16 ``[C, K]``), M (bf16 ``[C, C]``), T·β (fp32 ``[C, C]``), v (``[C, width]`` of ``v_bytes``) and
+    decay (fp32 ``[K]``), and two buffers of T·β's bf16 halves."""
+    per_stage = (3 * chunk * key_dim + chunk * chunk) * 2 + chunk * chunk * 4 + chunk * width * v_bytes + 4 * key_dim
+    return stages * per_stage + 2 * 2 * chunk * chunk * 2
 
 
 def segment_slot_count(seq_len: int, num_seqs: int, segment_tokens: int, varlen: bool) -> int:
@@ -102,10 +111,10 @@ class PrefillPlan:
     columns and K identity columns in slices of ``transition_width``, the scan (``scan_warps``, ``scan_stages``:
     the next segment's transition is loaded while the current one is applied) composes them into each segment's
     entry state, and the recurrence reruns every segment from its entry state in ``v_slices`` slices.
-    ``warpgroup_recurrence``: the serial recurrence of 64- or 128-column slices runs the Gluon kernel
-    (``fastkda/ops/prefill/recurrence_warpgroup.py``: the same bits, its layouts and product order set by hand;
-    ``recurrence_stages`` chunks in its shared-memory ring, at least 4) instead of the Triton one; the CPU path and
-    Triton's interpreter run the Triton kernel. ``dot_precision``: the kernels' fp32 products ("tf32" or
+    ``warpgroup_recurrence``: the recurrence of 64- or 128-column slices and the segments' transitions run the
+    Gluon kernels (``fastkda/ops/prefill/recurrence_warpgroup.py``: the same bits, their layouts and product order
+    set by hand; ``recurrence_stages`` chunks in their shared-memory ring, at least 4) instead of the Triton ones;
+    the CPU path and Triton's interpreter run the Triton kernels. ``dot_precision``: the kernels' fp32 products ("tf32" or
     "ieee")."""
 
     seq_len: int
@@ -179,12 +188,16 @@ class PrefillPlan:
         _check(self.dot_precision in ("tf32", "ieee"), f"dot_precision must be 'tf32' or 'ieee', got "
                                                        f"{self.dot_precision!r}")
         if self.warpgroup_recurrence:
-            _check(not self.segment_chunks and self.slice_width in WARPGROUP_SLICE_WIDTHS and self.state_rows_v
-                   and self.recurrence_warps == self.slice_width // 16 and self.recurrence_stages >= 4,
-                   f"warpgroup_recurrence runs serial plans of slices of {WARPGROUP_SLICE_WIDTHS} columns, held "
-                   f"transposed on a warp per 16 columns, with at least 4 stages; got segment_chunks="
-                   f"{self.segment_chunks}, slice_width={self.slice_width}, state_rows_v={self.state_rows_v}, "
-                   f"recurrence_warps={self.recurrence_warps}, recurrence_stages={self.recurrence_stages}")
+            _check(self.slice_width in WARPGROUP_SLICE_WIDTHS and self.state_rows_v
+                   and self.recurrence_warps == self.slice_width // 16 and self.recurrence_stages >= 4
+                   and (not self.segment_chunks or self.transition_width in WARPGROUP_SLICE_WIDTHS)
+                   and warpgroup_shared_bytes(self.slice_width, self.key_dim, self.recurrence_stages, self.chunk)
+                   <= SHARED_MEMORY_PER_PROGRAM,
+                   f"warpgroup_recurrence runs slices (and transitions) of {WARPGROUP_SLICE_WIDTHS} columns, held "
+                   f"transposed on a warp per 16 columns, with at least 4 stages and at most what fits "
+                   f"{SHARED_MEMORY_PER_PROGRAM} bytes of shared memory with an fp32 v; got slice_width="
+                   f"{self.slice_width}, state_rows_v={self.state_rows_v}, recurrence_warps={self.recurrence_warps}, "
+                   f"recurrence_stages={self.recurrence_stages}, transition_width={self.transition_width}")
 
     @property
     def batch(self) -> int:

@@ -1,12 +1,13 @@
 """GPU tests of the Gluon recurrence (``fastkda/ops/prefill/recurrence_warpgroup.py``, the plan's
-``warpgroup_recurrence``): the Triton kernel's bits on every input form it takes, and the accuracy bar against the
-float64 recurrence. Run on the H200 by ``tools/device_tests.sh``; skipped without CUDA. Every output buffer is
-NaN-poisoned before the call."""
+``warpgroup_recurrence``): the Triton kernels' bits on every form (serial, the segments' rerun and transitions,
+the open-entry halves) and input it takes, and the accuracy bar against the float64 recurrence. Run on the H200 by
+``tools/device_tests.sh``; skipped without CUDA. Every output buffer is NaN-poisoned before the call."""
 
 import pytest
 import torch
 
 import fastkda
+from fastkda.plan import choose_open_entry_plan
 from fastkda.reference import kda_reference
 from helpers import make_inputs, plan_for, rel_err, run_prefill
 
@@ -19,36 +20,77 @@ CASES = [  # V = 128 in each: slices of 64 (v_slices=2) and 128 (v_slices=1) col
     dict(lengths=[300, 300], heads=4, key_dim=64, value_dim=128, varlen=False, gate="precomputed"),
     dict(lengths=[2048, 5], heads=2, key_dim=128, gate="weak"),
 ]
+STATES = [(None, None), (torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16)]
 
 
-def gluon_plan(inp, stages=4, v_slices=2):
-    """The serial plan of ``inp`` at ``v_slices``, with the Gluon recurrence at ``stages``."""
-    return plan_for(inp, v_slices=v_slices, warpgroup_recurrence=True, recurrence_stages=stages)
+def gluon(plan, stages=4):
+    """``plan`` with the Gluon kernels at ``stages``."""
+    return plan.replace(warpgroup_recurrence=True, recurrence_stages=stages)
 
 
-@pytest.mark.parametrize("case", CASES, ids=range(len(CASES)))
-@pytest.mark.parametrize("states", [(None, None), (torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16)],
-                         ids=["none", "fp32", "bf16"])
-@pytest.mark.parametrize("stages,v_slices", [(4, 2), (5, 2), (4, 1)])
-def test_same_bits_as_the_triton_kernel(case, states, stages, v_slices):
-    inp = make_inputs(device="cuda", seed=11, **case)
-    triton_o, triton_s, _ = run_prefill(inp, *states, plan=plan_for(inp, v_slices=v_slices))
-    gluon_o, gluon_s, _ = run_prefill(inp, *states, plan=gluon_plan(inp, stages, v_slices))
+def same_bits(inp, states, plan, stages=4):
+    """The call under ``plan`` with the Triton kernels and with the Gluon ones: equal outputs and final states."""
+    triton_o, triton_s, _ = run_prefill(inp, *states, plan=plan)
+    gluon_o, gluon_s, _ = run_prefill(inp, *states, plan=gluon(plan, stages))
     assert torch.equal(gluon_o, triton_o)
     assert (gluon_s is None) or torch.equal(gluon_s, triton_s)
 
 
-def test_same_bits_as_one_slice():
-    """v_slices' promise holds across the kernels: the Gluon kernel's two slices equal the Triton kernel's one."""
-    inp = make_inputs([4096], heads=4, key_dim=128, varlen=False, device="cuda", seed=12)
-    one_o, one_s, _ = run_prefill(inp, torch.float32, torch.float32, v_slices=1, sequence_parallel=False)
-    gluon_o, gluon_s, _ = run_prefill(inp, torch.float32, torch.float32, plan=gluon_plan(inp))
-    assert torch.equal(gluon_o, one_o) and torch.equal(gluon_s, one_s)
+@pytest.mark.parametrize("case", CASES, ids=range(len(CASES)))
+@pytest.mark.parametrize("states", STATES, ids=["none", "fp32", "bf16"])
+@pytest.mark.parametrize("stages,v_slices", [(4, 2), (5, 2), (4, 1)])
+def test_serial_same_bits_as_the_triton_kernel(case, states, stages, v_slices):
+    inp = make_inputs(device="cuda", seed=11, **case)
+    same_bits(inp, states, plan_for(inp, v_slices=v_slices), stages)
+
+
+@pytest.mark.parametrize("case", CASES, ids=range(len(CASES)))
+@pytest.mark.parametrize("states", STATES, ids=["none", "fp32", "bf16"])
+@pytest.mark.parametrize("v_slices", [1, 2])
+def test_segments_same_bits_as_the_triton_kernels(case, states, v_slices):
+    """Sequence parallelism: the transitions and the rerun, segments of 4 chunks (so that most sequences have
+    several), both slice widths."""
+    inp = make_inputs(device="cuda", seed=12, **case)
+    same_bits(inp, states, plan_for(inp, v_slices=v_slices, sequence_parallel=128))
+
+
+def test_open_entry_same_bits_as_the_triton_kernels():
+    """Context parallelism's halves: every segment's transition from zero, the scan, the rerun from an entry."""
+    from fastkda.ops.prefill import open_entry_finish, open_entry_transitions
+
+    inp = make_inputs([1500, 1500], heads=2, key_dim=128, varlen=False, device="cuda", seed=13, gate="weak")
+    plan = choose_open_entry_plan(2, 2, 1500, 128, 128, torch.cuda.get_device_properties(0).multi_processor_count,
+                                  lower_bound_gate=False, sequence_parallel=256)
+    results = []
+    for chosen in (plan, gluon(plan)):
+        maps = torch.full((2, 2, 256, 128), float("nan"), device="cuda")
+        ws = open_entry_transitions(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], plan=chosen, A_log=None,
+                                    dt_bias=None, lower_bound=None, scale=128 ** -0.5, use_qk_l2norm=True,
+                                    use_beta_sigmoid=True, exit_maps=maps)
+        out = torch.full_like(inp["v"], float("nan"))
+        final = torch.full_like(inp["initial_state"], float("nan"))
+        open_entry_finish(chosen, ws, inp["initial_state"], out, final)
+        results.append((maps, out, final))
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
+
+
+def test_fp32_inputs_and_a_strided_v():
+    """fp32 q, k, v (the ring holds v as it comes); and a v view whose rows are not 16-byte multiples, which the
+    Gluon kernels' copies cannot take, so the call runs the Triton kernels: the same bits either way."""
+    inp = make_inputs([700, 300], heads=2, key_dim=128, device="cuda", seed=14)
+    wide = {name: inp[name].float() for name in ("q", "k", "v")}
+    same_bits(dict(inp, **wide), STATES[1], plan_for(inp, v_slices=2))
+    padded = torch.zeros(*inp["v"].shape[:2], 2 * 128 + 8, dtype=inp["v"].dtype, device="cuda")
+    padded[..., :256] = inp["v"].flatten(2)
+    strided = dict(inp, v=padded[..., :256].unflatten(2, (2, 128)))
+    assert strided["v"].stride(1) % 16
+    same_bits(strided, STATES[1], plan_for(inp, v_slices=2))
 
 
 def test_accuracy_bar_at_t_8192():
-    inp = make_inputs([8192], heads=4, key_dim=128, varlen=False, device="cuda", seed=13)
-    out, final, h0 = run_prefill(inp, torch.float32, torch.float32, plan=gluon_plan(inp))
+    inp = make_inputs([8192], heads=4, key_dim=128, varlen=False, device="cuda", seed=15)
+    out, final, h0 = run_prefill(inp, torch.float32, torch.float32, plan=gluon(plan_for(inp, v_slices=2)))
     ref_o, ref_s = kda_reference(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], A_log=inp["A_log"],
                                  dt_bias=inp["dt_bias"], lower_bound=inp["lower_bound"], initial_state=h0)
     err_o, err_s = rel_err(out, ref_o), rel_err(final, ref_s)
@@ -57,22 +99,25 @@ def test_accuracy_bar_at_t_8192():
 
 
 def test_checkpoints_and_errors_as_the_triton_kernel():
-    """Checkpoints at 0, inside the sequence, at its end and past it; and a malformed ``cu_seqlens`` counted."""
-    inp = make_inputs([1000, 700], heads=2, key_dim=128, device="cuda", seed=14)
+    """Checkpoints at 0, inside the sequence, at its end and past it, serial and segmented; and a malformed
+    ``cu_seqlens`` counted."""
+    inp = make_inputs([1000, 700], heads=2, key_dim=128, device="cuda", seed=16)
     offsets = torch.tensor([[320, 1000], [0, 704]], dtype=torch.int64, device="cuda")
     args = [inp[x] for x in ("q", "k", "v", "g", "beta")]
-    results = []
-    for plan in (plan_for(inp, v_slices=2), gluon_plan(inp)):
-        states = torch.full((2, 2, 2, 128, 128), float("nan"), device="cuda")
-        out, final = fastkda.kda_prefill(*args, initial_state=inp["initial_state"], output_final_state=True,
-                                         cu_seqlens=inp["cu_seqlens"], checkpoint_offsets=offsets,
-                                         checkpoint_states=states, plan=plan)
-        results.append((out, final, states))
-    for a, b in zip(*results):
-        assert torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0))
+    for sequence_parallel in (False, 256):
+        results = []
+        base = plan_for(inp, v_slices=2, sequence_parallel=sequence_parallel)
+        for plan in (base, gluon(base)):
+            states = torch.full((2, 2, 2, 128, 128), float("nan"), device="cuda")
+            out, final = fastkda.kda_prefill(*args, initial_state=inp["initial_state"], output_final_state=True,
+                                             cu_seqlens=inp["cu_seqlens"], checkpoint_offsets=offsets,
+                                             checkpoint_states=states, plan=plan)
+            results.append((out, final, states))
+        for a, b in zip(*results):
+            assert torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0)), sequence_parallel
     bad = inp["cu_seqlens"].clone()
     bad[1] = 5000  # past T: clamped, counted
     errors = torch.zeros(3, dtype=torch.int32, device="cuda")
-    fastkda.kda_prefill(*args, initial_state=inp["initial_state"], cu_seqlens=bad, plan=gluon_plan(inp),
-                        errors=errors, checks=False)
+    fastkda.kda_prefill(*args, initial_state=inp["initial_state"], cu_seqlens=bad,
+                        plan=gluon(plan_for(inp, v_slices=2)), errors=errors, checks=False)
     assert errors[2].item() >= 1

@@ -91,8 +91,11 @@ def test_the_warpgroup_recurrence_takes_serial_plans_of_64_and_128_column_slices
     assert "Gluon" in chosen.describe()
     assert PrefillPlan.from_launch_numbers(chosen.launch_numbers(), chosen.dot_precision) == chosen
     assert chosen.replace(v_slices=1, recurrence_warps=8).slice_width == 128
-    for bad in (dict(recurrence_stages=3), dict(v_slices=1), dict(v_slices=4), dict(state_rows_v=False),
-                dict(segment_chunks=8, transition_width=64)):
+    assert chosen.replace(recurrence_stages=5).recurrence_stages == 5  # 64 columns: 5 stages fit, 6 do not
+    segmented = plan(1, 12, sequence_parallel=1024).replace(warpgroup_recurrence=True, recurrence_stages=4)
+    assert segmented.segment_chunks and segmented.transition_width == 64
+    for bad in (dict(recurrence_stages=3), dict(recurrence_stages=6), dict(v_slices=1), dict(v_slices=4),
+                dict(state_rows_v=False), dict(v_slices=1, recurrence_warps=8, recurrence_stages=5)):
         with pytest.raises(ValueError, match="warpgroup_recurrence"):
             chosen.replace(**bad)
 

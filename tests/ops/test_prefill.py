@@ -203,29 +203,41 @@ def test_every_launch_number_comes_from_the_plan(monkeypatch):
 
 
 def test_the_warpgroup_recurrence_launches_the_plans_numbers(monkeypatch):
-    """The Gluon recurrence (``warpgroup_recurrence``) gets the plan's grid, stages and warps; under the interpreter,
-    which runs no Gluon kernel, the same plan launches the Triton recurrence instead (the kernels are not run)."""
-    from fastkda.ops.prefill import chunk_kda_forward, prepare, recurrence, recurrence_warpgroup, solve
+    """The Gluon kernels (``warpgroup_recurrence``) get the plan's grids, stages and warps; under the interpreter,
+    which runs no Gluon kernel, and on a v whose rows their copies cannot take, the same plan launches the Triton
+    kernels instead (the kernels are not run)."""
+    from fastkda.ops.prefill import chunk_kda_forward, prepare, recurrence, solve
     from fastkda.ops.prefill.layout import Workspace
 
     launched = {}
-    for module in (prepare, solve, recurrence, recurrence_warpgroup):
+    for module in (prepare, solve, recurrence):
         monkeypatch.setattr(module, "launch", lambda kernel, grid, *args, **meta: launched.setdefault(
             kernel.__name__, (grid, meta)))
     inp = make_inputs([40, 90], heads=3, key_dim=128, value_dim=128, seed=5)
     plan = plan_for(inp, 2, warpgroup_recurrence=True, recurrence_stages=5)
-    forward = dict(plan=plan, A_log=inp["A_log"], dt_bias=inp["dt_bias"], lower_bound=inp["lower_bound"],
-                   scale=0.125, initial_state=None, cu_seqlens=inp["cu_seqlens"], use_qk_l2norm=True,
-                   use_beta_sigmoid=True, out=torch.empty_like(inp["v"]), final_state=None)
-    chunk_kda_forward(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], **forward)
+    out = torch.empty_like(inp["v"])
+    chunk_kda_forward(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], plan=plan, A_log=inp["A_log"],
+                      dt_bias=inp["dt_bias"], lower_bound=inp["lower_bound"], scale=0.125, initial_state=None,
+                      cu_seqlens=inp["cu_seqlens"], use_qk_l2norm=True, use_beta_sigmoid=True, out=out,
+                      final_state=None)
     assert "recurrence_kernel" in launched and "warpgroup_recurrence_kernel" not in launched
-    ws = Workspace.allocate(plan, inp["v"], inp["cu_seqlens"])
-    recurrence_warpgroup.launch_warpgroup_recurrence(plan, ws, forward["out"], None, None, None, None,
-                                                     torch.zeros(3, dtype=torch.int32))
+    errors = torch.zeros(3, dtype=torch.int32)
+    recurrence.launch_recurrence(plan, Workspace.allocate(plan, inp["v"], inp["cu_seqlens"]), out, None, None, None,
+                                 None, errors, emulate=False)
     grid, meta = launched["warpgroup_recurrence_kernel"]
     assert grid == plan.recurrence_grid == (2, 3, 2)
-    assert {key: meta[key] for key in ("STAGES", "num_warps", "BV", "C", "K", "V")} == dict(
-        STAGES=5, num_warps=4, BV=64, C=32, K=128, V=128)
+    assert {key: meta[key] for key in ("STAGES", "num_warps", "BV", "C", "K", "V", "SEGMENTED")} == dict(
+        STAGES=5, num_warps=4, BV=64, C=32, K=128, V=128, SEGMENTED=False)
+    segmented = plan_for(inp, 1, sequence_parallel=64, warpgroup_recurrence=True, recurrence_stages=4)
+    recurrence.launch_transitions(segmented, Workspace.allocate(segmented, inp["v"], inp["cu_seqlens"]), None,
+                                  emulate=False)
+    grid, meta = launched["warpgroup_transition_kernel"]
+    assert grid == segmented.transition_grid and (meta["STAGES"], meta["num_warps"], meta["BV"]) == (4, 4, 64)
+    launched.clear()
+    narrow = inp["v"].new_zeros(*inp["v"].shape[:2], 3 * 128 + 8)[..., :384].unflatten(2, (3, 128))
+    recurrence.launch_recurrence(plan, Workspace.allocate(plan, narrow, inp["cu_seqlens"]), out, None, None, None,
+                                 None, errors, emulate=False)
+    assert set(launched) == {"recurrence_kernel"}  # rows 392 elements apart: the Triton kernel
 
 
 def test_no_module_level_launch_constants_in_ops():

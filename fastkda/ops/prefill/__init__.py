@@ -53,19 +53,6 @@ def chunk_kda_forward(q, k, v, g, beta, *, plan, A_log, dt_bias, lower_bound, sc
         if plan.sequence_parallel:
             launch_transitions(plan, ws, initial_state, emulate)
             launch_scan(plan, ws, initial_state, errors)
-        _launch_serial_or_rerun(plan, ws, out, initial_state, final_state, checkpoint_offsets, checkpoint_states,
-                                errors, emulate)
-
-
-def _launch_serial_or_rerun(plan, ws, out, initial_state, final_state, checkpoint_offsets, checkpoint_states, errors,
-                            emulate):
-    """The recurrence the plan names: the Gluon kernel for ``warpgroup_recurrence`` (not under the interpreter,
-    which runs Gluon kernels not at all), else the Triton kernel."""
-    if plan.warpgroup_recurrence and not emulate:
-        from .recurrence_warpgroup import launch_warpgroup_recurrence  # Gluon: imported only where it runs
-        launch_warpgroup_recurrence(plan, ws, out, initial_state, final_state, checkpoint_offsets, checkpoint_states,
-                                    errors)
-    else:
         launch_recurrence(plan, ws, out, initial_state, final_state, checkpoint_offsets, checkpoint_states, errors,
                           emulate)
 

@@ -84,11 +84,19 @@ def sequence_of_slot(slot, cu_seqlens, seq_len, num_seqs, tokens, IS_VARLEN: tl.
     round trip to memory before the kernel's own loads, where a binary search takes log2 N dependent ones. The
     first slots grow strictly with n for valid offsets, so the count is the search's answer; for any offsets it
     is a sequence index in ``[0, N)``, as the search's is."""
+    return sequence_of_slot_with(tl.arange(0, OWNER_LOOKUP_WIDTH), slot, cu_seqlens, seq_len, num_seqs, tokens,
+                                 IS_VARLEN)
+
+
+@triton.jit
+def sequence_of_slot_with(lanes, slot, cu_seqlens, seq_len, num_seqs, tokens, IS_VARLEN: tl.constexpr):
+    """:func:`sequence_of_slot` with its lookup's lanes given: ``tl.arange(0, OWNER_LOOKUP_WIDTH)`` in the
+    caller's layout (a Gluon kernel's tensors need one)."""
     if IS_VARLEN:
         lo = 0
         if num_seqs <= OWNER_LOOKUP_WIDTH:
             if num_seqs > 1:
-                n = tl.arange(0, OWNER_LOOKUP_WIDTH)
+                n = lanes
                 inside = n < num_seqs
                 firsts = tl.load(cu_seqlens + n, mask=inside, other=0).to(tl.int32) // tokens + n
                 lo = tl.maximum(tl.sum((inside & (firsts <= slot)).to(tl.int32), axis=0) - 1, 0)

@@ -27,7 +27,7 @@ import triton.language as tl
 
 from ..common import bf16_operand, launch, store_as
 from ..tiles import load_lower, load_tile, load_tile_t, store_tile, store_tile_t, tile_offsets
-from .layout import entry_state, first_slot, segment_exit, sequence_of_slot, sequence_span
+from .layout import OWNER_LOOKUP_WIDTH, entry_state, first_slot, segment_exit, sequence_of_slot_with, sequence_span
 
 
 @triton.jit
@@ -60,15 +60,68 @@ def split_bf16(x, EMULATE: tl.constexpr):
 
 
 @triton.jit
-def initial_or_zero(initial_state, state_offsets, HAS_INITIAL: tl.constexpr, STATE_ROWS_V: tl.constexpr,
-                    BV: tl.constexpr, K: tl.constexpr):
-    """A slice's starting state from ``initial_state`` (fp32), or zeros, in the slice's form."""
-    if HAS_INITIAL:
-        return tl.load(initial_state + state_offsets).to(tl.float32)
-    elif STATE_ROWS_V:
-        return tl.zeros((BV, K), dtype=tl.float32)
+def starting_state(ws_fp32, entries_at, initial_state, state_offsets, local, zero, vv, kk, slot, h, j, c1,
+                   num_chunks, H: tl.constexpr, V: tl.constexpr, K: tl.constexpr, HAS_INITIAL: tl.constexpr,
+                   STATE_ROWS_V: tl.constexpr, SEGMENTED: tl.constexpr, TRANSITION: tl.constexpr):
+    """The state a :func:`walk_chunks` program starts from, in the form and layout of ``zero`` (its zero tile;
+    ``state_offsets`` address it in ``[N, H, V, K]``, ``local`` in one (slot, head)'s ``[V, K]`` rows)."""
+    if TRANSITION:  # identity columns: the state of column V + p starts as the unit vector e_p
+        if STATE_ROWS_V:
+            S = tl.where(vv[:, None] - V == kk[None, :], 1.0, 0.0)
+        else:
+            S = tl.where(vv[None, :] - V == kk[:, None], 1.0, 0.0)
+        if HAS_INITIAL:
+            if j == 0:  # the value columns only (an identity slice's rows lie past the state's V)
+                if STATE_ROWS_V:
+                    S += tl.load(initial_state + state_offsets, mask=vv[:, None] < V, other=0.0).to(tl.float32)
+                else:
+                    S += tl.load(initial_state + state_offsets, mask=vv[None, :] < V, other=0.0).to(tl.float32)
+    elif SEGMENTED:
+        # a sequence of several segments: the scan's entry state (the first segment's initial state too: it may be
+        # the final state's buffer, which the last segment writes while the first runs); of one: the serial start
+        if (c1 < num_chunks) | (j > 0):
+            S = tl.load(entry_state(ws_fp32, entries_at, slot, h, H, V, K) + local)
+        elif HAS_INITIAL:
+            S = tl.load(initial_state + state_offsets).to(tl.float32)
+        else:
+            S = zero
+    elif HAS_INITIAL:
+        S = tl.load(initial_state + state_offsets).to(tl.float32)
     else:
-        return tl.zeros((K, BV), dtype=tl.float32)
+        S = zero
+    return S
+
+
+@triton.jit
+def finish_walk(S, ws_fp32, transitions_at, final_state, ckpt_offsets, ckpt_states, errors, cu_seqlens, n, slot, h,
+                vs, bos, eos, in_order, num_chunks, c1, active, first_segment, own_slot, seq_len, num_seqs,
+                segment_chunks, stride_ckpt_n, stride_ckpt_j, state_offsets, local, lanes, H: tl.constexpr,
+                V: tl.constexpr, K: tl.constexpr, C: tl.constexpr, IS_VARLEN: tl.constexpr,
+                HAS_FINAL: tl.constexpr, NUM_CKPT: tl.constexpr, EMULATE: tl.constexpr, SEGMENTED: tl.constexpr,
+                TRANSITION: tl.constexpr):
+    """What a :func:`walk_chunks` program writes after its last chunk, from its state ``S``: a transition's
+    exit, or the checkpoints at the segment's end and the final state; malformed ``cu_seqlens`` counted
+    (``lanes``: :func:`fastkda.ops.prefill.layout.sequence_of_slot_with`'s)."""
+    if TRANSITION:  # the segment's exit: [exit state from zero | transition], rows of the V + K columns
+        if active:
+            tl.store(segment_exit(ws_fp32, transitions_at, slot, h, H, V, K) + local, S)
+    elif active:  # the checkpoint at the segment's end (so that it is the final state of a run of that prefix with
+        # the same segments, whose last segment ends there), and after the last segment the final state
+        for i in tl.static_range(NUM_CKPT):
+            store_checkpoint(ckpt_offsets, ckpt_states, n, i, stride_ckpt_n, stride_ckpt_j, c1 * C, False, eos - bos,
+                             S, state_offsets, H, V, K, EMULATE)
+        if HAS_FINAL:
+            last = c1 == num_chunks
+            if SEGMENTED and IS_VARLEN:  # malformed cu_seqlens can hand a sequence's last slot to another sequence:
+                # then its first segment writes a final state (unspecified, but written), as no other program does
+                if first_segment & ~last:
+                    last_slot = own_slot + tl.cdiv(num_chunks, segment_chunks) - 1
+                    last = sequence_of_slot_with(lanes, last_slot, cu_seqlens, seq_len, num_seqs,
+                                                 C * segment_chunks, IS_VARLEN) != n
+            if last:
+                store_as(final_state + state_offsets, S, None, EMULATE)
+    if IS_VARLEN and not SEGMENTED:  # fastkda.errors: "cu_seqlens", counted last, once per sequence
+        tl.atomic_add(errors + 2, 1, mask=(vs == 0) & (h == 0) & ~in_order, sem="relaxed")
 
 
 @triton.jit
@@ -78,6 +131,55 @@ def head_sections(ws_bf16, ws_fp32, qg_at, kg_at, A_at, scratch_at, v, out, h, K
     then tokens (chunk slots for the decays), ``layout.py``'s strides apart."""
     return (ws_bf16 + h * K, ws_bf16 + qg_at + h * K, ws_bf16 + kg_at + h * K, ws_bf16 + A_at + h * C,
             ws_fp32 + scratch_at + h * C, v + h * V, out + h * V, ws_fp32 + h * K)
+
+
+@triton.jit
+def program_chunks(cu_seqlens, seq_len, num_seqs, segment_chunks, vs, lanes, V: tl.constexpr, BV: tl.constexpr,
+                   C: tl.constexpr, IS_VARLEN: tl.constexpr, SEGMENTED: tl.constexpr, TRANSITION: tl.constexpr,
+                   OPEN_ENTRY: tl.constexpr):
+    """What program ``(vs, ·, program_id(2))`` of :func:`walk_chunks` walks: its sequence ``n`` (``bos``,
+    ``eos``, whether its ``cu_seqlens`` entries are in order, its first chunk slot, its chunks), and under
+    sequence parallelism its segment slot and index ``j``; the chunks ``[c0, c_end)`` it steps over (none when
+    not ``active``), ``c1`` the segment's end; whether it holds the sequence's first segment and that segment's
+    slot (under ``SEGMENTED``; the serial program's own sequence and first chunk slot otherwise). ``lanes``:
+    :func:`fastkda.ops.prefill.layout.sequence_of_slot_with`'s."""
+    if SEGMENTED:  # programs 0..N-1: each sequence's first segment; then one per segment slot, for the others
+        first_segment = tl.program_id(2) < num_seqs
+        slot = tl.maximum(tl.program_id(2) - num_seqs, 0)
+        n = tl.where(first_segment, tl.program_id(2),
+                     sequence_of_slot_with(lanes, slot, cu_seqlens, seq_len, num_seqs, C * segment_chunks,
+                                           IS_VARLEN))
+    else:
+        n = tl.program_id(2)
+    bos, eos, in_order = sequence_span(cu_seqlens, n, seq_len, num_seqs, IS_VARLEN)
+    slot0 = first_slot(n, bos, seq_len, C, IS_VARLEN)
+    num_chunks = tl.cdiv(eos - bos, C)
+    if SEGMENTED:  # the first segments come first in the grid, so that a batch of one segment per sequence runs
+        # its programs in the first wave, one per SM, as the serial recurrence does
+        own_slot = first_slot(n, bos, seq_len, C * segment_chunks, IS_VARLEN)  # the sequence's first segment slot
+        slot = tl.where(first_segment, own_slot, slot)
+        j = slot - own_slot
+        c0 = j * segment_chunks
+        c1 = tl.minimum(c0 + segment_chunks, num_chunks)
+        later = ~first_segment & (j > 0)  # a slot program of a later segment (j <= 0 there: the first's, or none)
+        if TRANSITION and OPEN_ENTRY:  # the entry state is not known yet: every segment, every column
+            active = (first_segment | later) & (c0 < num_chunks)
+        elif TRANSITION:  # every segment but the last; the identity columns from the second
+            active = (first_segment | later) & (c1 < num_chunks) & ((vs * BV < V) | (j > 0))
+        else:  # every segment; the first also for an empty sequence (its final state and checkpoint 0)
+            active = first_segment | (later & (c0 < num_chunks))
+        c0 = tl.where(active, c0, 0)  # an idle program walks no chunk (no branch around the loop, which would
+        c_end = tl.where(active, c1, 0)  # keep Triton from pipelining its loads), prefetches in range, stores nothing
+    else:
+        first_segment = True
+        own_slot = slot0
+        slot = slot0
+        j = 0
+        c0 = 0
+        c1 = num_chunks
+        c_end = c1
+        active = True
+    return n, bos, eos, in_order, slot0, num_chunks, slot, j, c0, c1, c_end, active, first_segment, own_slot
 
 
 @triton.jit
@@ -97,42 +199,14 @@ def walk_chunks(
     h = tl.program_id(1)
     kd_ws, qg_ws, kg_ws, A_ws, T_ws, v_h, out_h, decay_h = head_sections(ws_bf16, ws_fp32, qg_at, kg_at, A_at,
                                                                           scratch_at, v, out, h, K, V, C)
-    if SEGMENTED:  # programs 0..N-1: each sequence's first segment; then one per segment slot, for the others
-        first_segment = tl.program_id(2) < num_seqs
-        slot = tl.maximum(tl.program_id(2) - num_seqs, 0)
-        n = tl.where(first_segment, tl.program_id(2),
-                     sequence_of_slot(slot, cu_seqlens, seq_len, num_seqs, C * segment_chunks, IS_VARLEN))
-    else:
-        n = tl.program_id(2)
-    bos, eos, in_order = sequence_span(cu_seqlens, n, seq_len, num_seqs, IS_VARLEN)
-    slot0 = first_slot(n, bos, seq_len, C, IS_VARLEN)
-    num_chunks = tl.cdiv(eos - bos, C)
+    lanes = tl.arange(0, OWNER_LOOKUP_WIDTH)
+    n, bos, eos, in_order, slot0, num_chunks, slot, j, c0, c1, c_end, active, first_segment, own_slot = \
+        program_chunks(cu_seqlens, seq_len, num_seqs, segment_chunks, vs, lanes, V, BV, C, IS_VARLEN, SEGMENTED,
+                       TRANSITION, OPEN_ENTRY)
     kk = tl.arange(0, K)
     vv = vs * BV + tl.arange(0, BV)  # TRANSITION: columns V.. are the identity columns
     r = tl.arange(0, C)
     cc = tl.arange(0, C)
-    if SEGMENTED:  # the first segments come first in the grid, so that a batch of one segment per sequence runs
-        # its programs in the first wave, one per SM, as the serial recurrence does
-        own_slot = first_slot(n, bos, seq_len, C * segment_chunks, IS_VARLEN)  # the sequence's first segment slot
-        slot = tl.where(first_segment, own_slot, slot)
-        j = slot - own_slot
-        c0 = j * segment_chunks
-        c1 = tl.minimum(c0 + segment_chunks, num_chunks)
-        later = ~first_segment & (j > 0)  # a slot program of a later segment (j <= 0 there: the first's, or none)
-        if TRANSITION and OPEN_ENTRY:  # the entry state is not known yet: every segment, every column
-            active = (first_segment | later) & (c0 < num_chunks)
-        elif TRANSITION:  # every segment but the last; the identity columns from the second
-            active = (first_segment | later) & (c1 < num_chunks) & ((vs * BV < V) | (j > 0))
-        else:  # every segment; the first also for an empty sequence (its final state and checkpoint 0)
-            active = first_segment | (later & (c0 < num_chunks))
-        c0 = tl.where(active, c0, 0)  # an idle program walks no chunk (no branch around the loop, which would
-        c_end = tl.where(active, c1, 0)  # keep Triton from pipelining its loads), prefetches in range, stores nothing
-    else:
-        j = 0
-        c0 = 0
-        c1 = num_chunks
-        c_end = c1
-        active = True
     base = ((n * H + h) * V).to(tl.int64) * K
     if STATE_ROWS_V:
         state_offsets = base + tile_offsets(vv, kk, K, 1)  # Sᵀ[v, k] = state[v, k]
@@ -140,26 +214,9 @@ def walk_chunks(
     else:
         state_offsets = base + tile_offsets(kk, vv, 1, K)  # S[k, v] = state[v, k]
         local = tile_offsets(kk, vv, 1, K)
-    if TRANSITION:  # identity columns: the state of column V + p starts as the unit vector e_p
-        if STATE_ROWS_V:
-            S = tl.where(vv[:, None] - V == kk[None, :], 1.0, 0.0)
-        else:
-            S = tl.where(vv[None, :] - V == kk[:, None], 1.0, 0.0)
-        if HAS_INITIAL:
-            if j == 0:  # the value columns only (an identity slice's rows lie past the state's V)
-                if STATE_ROWS_V:
-                    S += tl.load(initial_state + state_offsets, mask=vv[:, None] < V, other=0.0).to(tl.float32)
-                else:
-                    S += tl.load(initial_state + state_offsets, mask=vv[None, :] < V, other=0.0).to(tl.float32)
-    elif SEGMENTED:
-        # a sequence of several segments: the scan's entry state (the first segment's initial state too: it may be
-        # the final state's buffer, which the last segment writes while the first runs); of one: the serial start
-        if (c1 < num_chunks) | (j > 0):
-            S = tl.load(entry_state(ws_fp32, entries_at, slot, h, H, V, K) + local)
-        else:
-            S = initial_or_zero(initial_state, state_offsets, HAS_INITIAL, STATE_ROWS_V, BV, K)
-    else:
-        S = initial_or_zero(initial_state, state_offsets, HAS_INITIAL, STATE_ROWS_V, BV, K)
+    zero = tl.zeros((BV, K), dtype=tl.float32) if STATE_ROWS_V else tl.zeros((K, BV), dtype=tl.float32)
+    S = starting_state(ws_fp32, entries_at, initial_state, state_offsets, local, zero, vv, kk, slot, h, j, c1,
+                       num_chunks, H, V, K, HAS_INITIAL, STATE_ROWS_V, SEGMENTED, TRANSITION)
     # the next chunk's vᵀ is carried over the step as fp32 in 128-wide slices and, for bf16 v, as bf16 in narrower
     # ones (each measured faster than the other there; docs/perf-notes.md, "v_new from kd and v"); fp16 or fp32 v
     # stays fp32, so that every slice width subtracts the same values
@@ -205,26 +262,10 @@ def walk_chunks(
                 o = tl.dot(qg, S_op) + tl.dot(A, v_op)
                 store_tile(out_h, tok, valid, vv, V, stride_out, o, EMULATE)
             S = S * chunk_decay[:, None] + tl.dot(tl.trans(kg), v_op)
-    if TRANSITION:  # the segment's exit: [exit state from zero | transition], rows of the V + K columns
-        if active:
-            tl.store(segment_exit(ws_fp32, transitions_at, slot, h, H, V, K) + local, S)
-    elif active:  # the checkpoint at the segment's end (so that it is the final state of a run of that prefix with
-        # the same segments, whose last segment ends there), and after the last segment the final state
-        for i in tl.static_range(NUM_CKPT):
-            store_checkpoint(ckpt_offsets, ckpt_states, n, i, stride_ckpt_n, stride_ckpt_j, c1 * C, False, eos - bos,
-                             S, state_offsets, H, V, K, EMULATE)
-        if HAS_FINAL:
-            last = c1 == num_chunks
-            if SEGMENTED and IS_VARLEN:  # malformed cu_seqlens can hand a sequence's last slot to another sequence:
-                # then its first segment writes a final state (unspecified, but written), as no other program does
-                if first_segment & ~last:
-                    last_slot = own_slot + tl.cdiv(num_chunks, segment_chunks) - 1
-                    last = sequence_of_slot(last_slot, cu_seqlens, seq_len, num_seqs, C * segment_chunks,
-                                            IS_VARLEN) != n
-            if last:
-                store_as(final_state + state_offsets, S, None, EMULATE)
-    if IS_VARLEN and not SEGMENTED:  # fastkda.errors: "cu_seqlens", counted last, once per sequence
-        tl.atomic_add(errors + 2, 1, mask=(vs == 0) & (h == 0) & ~in_order, sem="relaxed")
+    finish_walk(S, ws_fp32, transitions_at, final_state, ckpt_offsets, ckpt_states, errors, cu_seqlens, n, slot, h,
+                vs, bos, eos, in_order, num_chunks, c1, active, first_segment, own_slot, seq_len, num_seqs,
+                segment_chunks, stride_ckpt_n, stride_ckpt_j, state_offsets, local, lanes, H, V, K, C, IS_VARLEN,
+                HAS_FINAL, NUM_CKPT, EMULATE, SEGMENTED, TRANSITION)
 
 
 @triton.jit
@@ -283,27 +324,45 @@ def recurrence_arguments(plan, ws, out, initial_state, final_state, checkpoint_o
     return args, constexprs
 
 
+def warpgroup_runs(plan, ws, emulate):
+    """Whether the plan's ``warpgroup_recurrence`` runs the Gluon kernels on this call: not under the interpreter,
+    which runs no Gluon kernel, and only on a v whose token rows start 16-byte aligned (its first element, and a
+    row stride that is a multiple of 16 elements, as Triton's launcher specialises them), which its 16-byte
+    ``cp.async`` copies need; any other call runs the Triton kernels, the same bits."""
+    return (plan.warpgroup_recurrence and not emulate and ws.v.data_ptr() % 16 == 0
+            and ws.v.stride(1) % 16 == 0)
+
+
 def launch_recurrence(plan, ws, out, initial_state, final_state, checkpoint_offsets, checkpoint_states, errors,
                       emulate):
-    """Launch :func:`recurrence_kernel` over the plan's grid (:func:`recurrence_arguments`; under sequence
-    parallelism it reruns every segment from the entry state the scan wrote, and the scan counts malformed
-    ``cu_seqlens`` instead)."""
+    """Launch :func:`recurrence_kernel`, or its Gluon form where :func:`warpgroup_runs`, over the plan's grid
+    (:func:`recurrence_arguments`; under sequence parallelism it reruns every segment from the entry state the
+    scan wrote, and the scan counts malformed ``cu_seqlens`` instead)."""
     args, constexprs = recurrence_arguments(plan, ws, out, initial_state, final_state, checkpoint_offsets,
                                             checkpoint_states, errors)
-    launch(recurrence_kernel, plan.recurrence_grid, *args, **constexprs, STATE_ROWS_V=plan.state_rows_v,
-           EMULATE=emulate, SEGMENTED=plan.sequence_parallel, num_warps=plan.recurrence_warps,
-           num_stages=plan.recurrence_stages)
+    if warpgroup_runs(plan, ws, emulate):
+        from .recurrence_warpgroup import warpgroup_recurrence_kernel  # Gluon: imported only where it runs
+        launch(warpgroup_recurrence_kernel, plan.recurrence_grid, *args, **constexprs,
+               SEGMENTED=plan.sequence_parallel, STAGES=plan.recurrence_stages, num_warps=plan.recurrence_warps)
+    else:
+        launch(recurrence_kernel, plan.recurrence_grid, *args, **constexprs, STATE_ROWS_V=plan.state_rows_v,
+               EMULATE=emulate, SEGMENTED=plan.sequence_parallel, num_warps=plan.recurrence_warps,
+               num_stages=plan.recurrence_stages)
 
 
 def launch_transitions(plan, ws, initial_state, emulate, open_entry=False):
-    """Launch :func:`transition_kernel` over ``plan.transition_grid`` (sequence parallelism's first phase; with
-    ``open_entry``, every segment's, none from ``initial_state``)."""
-    launch(
-        transition_kernel, plan.transition_grid,
-        ws.bf16, ws.fp32, ws.layout.kg, ws.layout.scratch, ws.layout.transitions,
-        initial_state if initial_state is not None else ws.fp32, ws.cu_seqlens if plan.varlen else ws.fp32,
-        plan.seq_len, plan.num_seqs, ws.v, ws.v.stride(1), plan.segment_chunks, H=plan.heads, K=plan.key_dim,
-        V=plan.value_dim, BV=plan.transition_width, C=plan.chunk, IS_VARLEN=plan.varlen,
-        HAS_INITIAL=initial_state is not None, STATE_ROWS_V=plan.transition_rows_v,
-        EMULATE=emulate, OPEN_ENTRY=open_entry, num_warps=plan.transition_warps, num_stages=plan.recurrence_stages,
-    )
+    """Launch :func:`transition_kernel`, or its Gluon form where :func:`warpgroup_runs`, over
+    ``plan.transition_grid`` (sequence parallelism's first phase; with ``open_entry``, every segment's, none from
+    ``initial_state``)."""
+    args = (ws.bf16, ws.fp32, ws.layout.kg, ws.layout.scratch, ws.layout.transitions,
+            initial_state if initial_state is not None else ws.fp32, ws.cu_seqlens if plan.varlen else ws.fp32,
+            plan.seq_len, plan.num_seqs, ws.v, ws.v.stride(1), plan.segment_chunks)
+    constexprs = dict(H=plan.heads, K=plan.key_dim, V=plan.value_dim, BV=plan.transition_width, C=plan.chunk,
+                      IS_VARLEN=plan.varlen, HAS_INITIAL=initial_state is not None, OPEN_ENTRY=open_entry)
+    if warpgroup_runs(plan, ws, emulate):
+        from .recurrence_warpgroup import warpgroup_transition_kernel
+        launch(warpgroup_transition_kernel, plan.transition_grid, *args, **constexprs,
+               STAGES=plan.recurrence_stages, num_warps=plan.transition_warps)
+    else:
+        launch(transition_kernel, plan.transition_grid, *args, **constexprs, STATE_ROWS_V=plan.transition_rows_v,
+               EMULATE=emulate, num_warps=plan.transition_warps, num_stages=plan.recurrence_stages)

@@ -1,24 +1,30 @@
-"""The serial recurrence of a 64- or 128-column slice on a warpgroup per 64 columns, in Gluon (the plan's
-``warpgroup_recurrence``).
+"""The recurrence's walk over chunks on a warpgroup per 64 columns of a 64- or 128-column slice, in Gluon (the
+plan's ``warpgroup_recurrence``): the serial recurrence, the rerun of every segment under sequence parallelism,
+and the segments' transitions.
 
 The arithmetic is :func:`fastkda.ops.prefill.recurrence.walk_chunks`'s transposed form, product for product:
 ``Y = bf16(vᵀ − Sᵀ·kdᵀ)``, ``v_new = Y·T_loᵀ + Y·T_hiᵀ`` (one accumulation, the low half first),
 ``Sᵀ = Sᵀ·diag(decay) + bf16(v_new)·kg``, ``oᵀ = Sᵀ·qgᵀ + bf16(v_new)·Aᵀ``, every operand bf16 and every product
-accumulated from zero in fp32 but the state's, which accumulates onto the decayed state. So its results are the
-Triton kernel's bits, and every V-slice plan keeps its bitwise promise. What Gluon adds is the placement that
-plain Triton does not let a kernel choose (docs/perf-notes.md, "The recurrence on one warpgroup"):
+accumulated from zero in fp32 but the state's, which accumulates onto the decayed state; which chunks a program
+walks, the state it starts from and what it writes at the end are ``walk_chunks``'s own helpers. So its results
+are the Triton kernel's bits, and every V-slice plan keeps its bitwise promise. What Gluon adds is the placement
+that plain Triton does not let a kernel choose (docs/perf-notes.md, "The recurrence on a warpgroup per 64
+columns"):
 
 * every tile a step reads (kd, qg, kg, A, T·β, v, the chunk decay) is copied into a shared-memory ring
   ``stages − 1`` chunks ahead with ``cp.async``, one commit group per chunk, and each is read from there in the
   layout its use needs: v transposed straight into the products' accumulator layout, the decay into the state's
   column layout, so that no step converts a layout through shared memory;
-* T·β is split into its bf16 halves a step ahead, into one of two buffers, off the chain;
-* one barrier a step, which publishes the chunk's tiles and the halves and frees the ring slot it refills;
+* T·β is split into its bf16 halves a step ahead, into one of two buffers, while the products run;
+* one barrier a step publishes the chunk's tiles and the halves and frees the ring slot it refills (the compiler
+  adds a second before the halves are written, while the products run: it cannot tell the two buffers apart);
 * the state's product is issued before the output's two, and the step waits for the state alone before forming
-  the next step's operand; the output is waited for and stored after that.
+  the next step's operand; the output is waited for and stored after that;
+* the copies are issued after every product of the step has completed: ptxas serialises every wgmma of a kernel
+  that issues ``cp.async`` between a wgmma and its wait.
 
-Gluon has no interpreter: on the CPU the Triton kernel runs the same arithmetic (``chunk_kda_forward``), and the
-GPU tests compare the two bit for bit.
+Gluon has no interpreter: on the CPU the Triton kernel runs the same arithmetic, and the GPU tests compare the two
+bit for bit.
 """
 
 from triton.experimental import gluon
@@ -26,34 +32,35 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
 
-from ..common import launch
 from ..tiles import lower_sectors
-from .layout import first_slot, sequence_span
-from .recurrence import head_sections, recurrence_arguments, store_checkpoint
+from .layout import OWNER_LOOKUP_WIDTH
+from .recurrence import finish_walk, head_sections, program_chunks, starting_state, store_checkpoint
 
 
 @gluon.jit
-def copy_chunk(c, num_chunks, bos, eos, slot0, stage, kd_ws, qg_ws, kg_ws, A_ws, T_ws, v_h, decay_h, stride_v,
+def copy_chunk(c, c_end, bos, eos, slot0, stage, kd_ws, qg_ws, kg_ws, A_ws, T_ws, v_h, decay_h, stride_v,
                kd_s, qg_s, kg_s, A_s, T_s, v_s, decay_s,
-               H: gl.constexpr, K: gl.constexpr, BV: gl.constexpr, C: gl.constexpr, vs,
+               H: gl.constexpr, K: gl.constexpr, V: gl.constexpr, BV: gl.constexpr, C: gl.constexpr, vs,
                ROWS_K: gl.constexpr, ROWS_C: gl.constexpr, ROWS_T: gl.constexpr, ROWS_V: gl.constexpr,
-               VECTOR: gl.constexpr):
-    """Start the copies of chunk ``c``'s tiles into ring slot ``stage`` and commit them as one group; a chunk
-    past the sequence's last copies nothing (its slot fills with zeros) but still commits, so that every step
-    waits for the same group count."""
-    live = c < num_chunks
+               VECTOR: gl.constexpr, OUTPUTS: gl.constexpr):
+    """Start the copies of chunk ``c``'s tiles into ring slot ``stage`` and commit them as one group (qg and M
+    only for ``OUTPUTS``); a chunk at or past ``c_end`` copies nothing (its slot fills with zeros) but still
+    commits, so that every step waits for the same group count. v's columns past V (a transition's identity
+    columns) read as zeros."""
+    live = c < c_end
     r_k = gl.arange(0, C, layout=gl.SliceLayout(1, ROWS_K))
     tok_k = (bos + c * C + r_k).to(gl.int64)
     ok_k = (tok_k < eos) & live
     at_k = tok_k[:, None] * (H * K) + gl.arange(0, K, layout=gl.SliceLayout(0, ROWS_K))[None, :]
     async_copy.async_copy_global_to_shared(kd_s.index(stage), kd_ws + at_k, mask=ok_k[:, None])
-    async_copy.async_copy_global_to_shared(qg_s.index(stage), qg_ws + at_k, mask=ok_k[:, None])
     async_copy.async_copy_global_to_shared(kg_s.index(stage), kg_ws + at_k, mask=ok_k[:, None])
-    r_c = gl.arange(0, C, layout=gl.SliceLayout(1, ROWS_C))
-    tok_c = (bos + c * C + r_c).to(gl.int64)
-    cols_c = gl.arange(0, C, layout=gl.SliceLayout(0, ROWS_C))
-    async_copy.async_copy_global_to_shared(A_s.index(stage), A_ws + tok_c[:, None] * (H * C) + cols_c[None, :],
-                                           mask=lower_sectors(A_ws, r_c, (tok_c < eos) & live, cols_c))
+    if OUTPUTS:
+        async_copy.async_copy_global_to_shared(qg_s.index(stage), qg_ws + at_k, mask=ok_k[:, None])
+        r_c = gl.arange(0, C, layout=gl.SliceLayout(1, ROWS_C))
+        tok_c = (bos + c * C + r_c).to(gl.int64)
+        cols_c = gl.arange(0, C, layout=gl.SliceLayout(0, ROWS_C))
+        async_copy.async_copy_global_to_shared(A_s.index(stage), A_ws + tok_c[:, None] * (H * C) + cols_c[None, :],
+                                               mask=lower_sectors(A_ws, r_c, (tok_c < eos) & live, cols_c))
     r_t = gl.arange(0, C, layout=gl.SliceLayout(1, ROWS_T))
     tok_t = (bos + c * C + r_t).to(gl.int64)
     cols_t = gl.arange(0, C, layout=gl.SliceLayout(0, ROWS_T))
@@ -63,7 +70,7 @@ def copy_chunk(c, num_chunks, bos, eos, slot0, stage, kd_ws, qg_ws, kg_ws, A_ws,
     tok_v = (bos + c * C + r_v).to(gl.int64)
     cols_v = vs * BV + gl.arange(0, BV, layout=gl.SliceLayout(0, ROWS_V))
     async_copy.async_copy_global_to_shared(v_s.index(stage), v_h + tok_v[:, None] * stride_v + cols_v[None, :],
-                                           mask=((tok_v < eos) & live)[:, None])
+                                           mask=((tok_v < eos) & live)[:, None] & (cols_v < V)[None, :])
     kk = gl.arange(0, K, layout=VECTOR)
     async_copy.async_copy_global_to_shared(decay_s.index(stage), decay_h + (slot0 + c) * (H * K) + kk,
                                            mask=(kk < K) & live)
@@ -82,23 +89,24 @@ def split_t(T_s, stage, lo_s, hi_s, half, ROWS_T: gl.constexpr):
     fence_async_shared()
 
 
+
 @gluon.jit
-def warpgroup_recurrence_kernel(
-    ws_bf16, ws_fp32, qg_at, kg_at, A_at, scratch_at, entries_at, out, initial_state, final_state, cu_seqlens,
-    errors, ckpt_offsets, ckpt_states, stride_out, seq_len, num_seqs, stride_ckpt_n, stride_ckpt_j, v, stride_v,
-    segment_chunks, H: gl.constexpr, K: gl.constexpr, V: gl.constexpr, BV: gl.constexpr, C: gl.constexpr,
+def warpgroup_walk(
+    ws_bf16, ws_fp32, qg_at, kg_at, A_at, scratch_at, transitions_at, entries_at, out, initial_state,
+    final_state, cu_seqlens, errors, ckpt_offsets, ckpt_states, stride_out, seq_len, num_seqs, stride_ckpt_n,
+    stride_ckpt_j, v, stride_v, segment_chunks,
+    H: gl.constexpr, K: gl.constexpr, V: gl.constexpr, BV: gl.constexpr, C: gl.constexpr,
     IS_VARLEN: gl.constexpr, HAS_INITIAL: gl.constexpr, HAS_FINAL: gl.constexpr, NUM_CKPT: gl.constexpr,
-    STAGES: gl.constexpr,
+    SEGMENTED: gl.constexpr, TRANSITION: gl.constexpr, OPEN_ENTRY: gl.constexpr, STAGES: gl.constexpr,
 ):
-    """One (V-slice of 64 or 128 columns, head, sequence) over its chunks (module docstring); outputs, checkpoints,
-    final state; malformed ``cu_seqlens`` counted as the Triton kernel counts them. The arguments are the Triton
-    recurrence's (``recurrence_arguments``); ``entries_at`` and ``segment_chunks`` belong to its segmented form,
-    which this kernel does not have, and are not read."""
+    """:func:`fastkda.ops.prefill.recurrence.walk_chunks` (its arguments, the state held transposed) on a
+    warpgroup per 64 columns, with a ring of ``STAGES`` chunks (module docstring)."""
     W: gl.constexpr = BV // 16  # a warp per 16 rows of the products: a warpgroup per 64 columns
     gl.static_assert((BV == 64) | (BV == 128))
     gl.static_assert(C == 32)
     gl.static_assert(STAGES >= 4)
     gl.static_assert(gl.num_warps() == W)
+    OUTPUTS: gl.constexpr = not TRANSITION
     # products: the slice's BV columns are M; [BV, C] accumulators (Y, v_new, o) and the [BV, K] state
     ACC_C: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[W, 1], instr_shape=[16, C, 16])
     ACC_K: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[W, 1], instr_shape=[16, K, 16])
@@ -119,50 +127,57 @@ def warpgroup_recurrence_kernel(
 
     vs = gl.program_id(0)
     h = gl.program_id(1)
-    n = gl.program_id(2)
-    bos, eos, in_order = sequence_span(cu_seqlens, n, seq_len, num_seqs, IS_VARLEN)
-    slot0 = first_slot(n, bos, seq_len, C, IS_VARLEN)
-    num_chunks = gl.cdiv(eos - bos, C)
     kd_ws, qg_ws, kg_ws, A_ws, T_ws, v_h, out_h, decay_h = head_sections(ws_bf16, ws_fp32, qg_at, kg_at, A_at,
                                                                           scratch_at, v, out, h, K, V, C)
+    lanes = gl.arange(0, OWNER_LOOKUP_WIDTH, layout=VECTOR)
+    n, bos, eos, in_order, slot0, num_chunks, slot, j, c0, c1, c_end, active, first_segment, own_slot = \
+        program_chunks(cu_seqlens, seq_len, num_seqs, segment_chunks, vs, lanes, V, BV, C, IS_VARLEN, SEGMENTED,
+                       TRANSITION, OPEN_ENTRY)
 
     kd_s = gl.allocate_shared_memory(gl.bfloat16, [STAGES, C, K], SHARED_K)
-    qg_s = gl.allocate_shared_memory(gl.bfloat16, [STAGES, C, K], SHARED_K)
     kg_s = gl.allocate_shared_memory(gl.bfloat16, [STAGES, C, K], SHARED_K)
-    A_s = gl.allocate_shared_memory(gl.bfloat16, [STAGES, C, C], SHARED_C)
+    if OUTPUTS:
+        qg_s = gl.allocate_shared_memory(gl.bfloat16, [STAGES, C, K], SHARED_K)
+        A_s = gl.allocate_shared_memory(gl.bfloat16, [STAGES, C, C], SHARED_C)
+    else:  # a transition reads neither: the copies skip them, nothing reads these names
+        qg_s = kd_s
+        A_s = kd_s
     T_s = gl.allocate_shared_memory(gl.float32, [STAGES, C, C], PLAIN_T)
     v_s = gl.allocate_shared_memory(v.dtype.element_ty, [STAGES, C, BV], SHARED_V)
     decay_s = gl.allocate_shared_memory(gl.float32, [STAGES, K], PLAIN_1D)
     lo_s = gl.allocate_shared_memory(gl.bfloat16, [2, C, C], SHARED_C)
     hi_s = gl.allocate_shared_memory(gl.bfloat16, [2, C, C], SHARED_C)
 
-    # the state Sᵀ [BV, K] in the state product's accumulator layout, and its addresses in [N, H, V, K]
+    # the state Sᵀ [BV, K] in the state product's accumulator layout (a transition's columns from V on are its
+    # identity columns), its addresses in [N, H, V, K] and in one (slot, head)'s [V, K] rows
     sv = vs * BV + gl.arange(0, BV, layout=gl.SliceLayout(1, ACC_K))
     sk = gl.arange(0, K, layout=gl.SliceLayout(0, ACC_K))
-    state_offsets = ((n * H + h) * V).to(gl.int64) * K + sv[:, None] * K + sk[None, :]
-    if HAS_INITIAL:
-        S = gl.load(initial_state + state_offsets).to(gl.float32)
-    else:
-        S = gl.zeros([BV, K], gl.float32, ACC_K)
+    local = sv[:, None] * K + sk[None, :]
+    state_offsets = ((n * H + h) * V).to(gl.int64) * K + local
+    S = starting_state(ws_fp32, entries_at, initial_state, state_offsets, local, gl.zeros([BV, K], gl.float32, ACC_K),
+                       sv, sk, slot, h, j, c1, num_chunks, H, V, K, HAS_INITIAL, True, SEGMENTED, TRANSITION)
     # the output's addresses: oᵀ [BV, C] in the accumulator layout, stored as it is
     ov = vs * BV + gl.arange(0, BV, layout=gl.SliceLayout(1, ACC_C))
     oc = gl.arange(0, C, layout=gl.SliceLayout(0, ACC_C))
     zero_C = gl.zeros([BV, C], gl.float32, ACC_C)
 
     for i in gl.static_range(STAGES - 1):
-        copy_chunk(i, num_chunks, bos, eos, slot0, i, kd_ws, qg_ws, kg_ws, A_ws, T_ws, v_h, decay_h, stride_v,
-                   kd_s, qg_s, kg_s, A_s, T_s, v_s, decay_s, H, K, BV, C, vs, ROWS_K, ROWS_C, ROWS_T, ROWS_V,
-                   VECTOR)
-    async_copy.wait_group(STAGES - 2)  # chunk 0
+        copy_chunk(c0 + i, c_end, bos, eos, slot0, i, kd_ws, qg_ws, kg_ws, A_ws, T_ws, v_h, decay_h, stride_v,
+                   kd_s, qg_s, kg_s, A_s, T_s, v_s, decay_s, H, K, V, BV, C, vs, ROWS_K, ROWS_C, ROWS_T, ROWS_V,
+                   VECTOR, OUTPUTS)
+    async_copy.wait_group(STAGES - 2)  # the first chunk
     gl.thread_barrier()
     split_t(T_s, 0, lo_s, hi_s, 0, ROWS_T)
     S_op = gl.convert_layout(S.to(gl.bfloat16), OP_C, assert_trivial=True)
-    for c in range(0, num_chunks):
-        stage = c % STAGES
-        half = c % 2
-        for i in gl.static_range(NUM_CKPT):  # prefix-cache checkpoint: the state after c*C tokens
-            store_checkpoint(ckpt_offsets, ckpt_states, n, i, stride_ckpt_n, stride_ckpt_j, c * C, False, eos - bos,
-                             S, state_offsets, H, V, K, False)
+    for c in range(c0, c_end):
+        stage = (c - c0) % STAGES
+        half = (c - c0) % 2
+        if OUTPUTS:
+            # under SEGMENTED a later segment's start is its predecessor's end, which that one writes
+            skip = (c == c0) & (j > 0) if SEGMENTED else False
+            for i in gl.static_range(NUM_CKPT):  # prefix-cache checkpoint: the state after c*C tokens
+                store_checkpoint(ckpt_offsets, ckpt_states, n, i, stride_ckpt_n, stride_ckpt_j, c * C, skip,
+                                 eos - bos, S, state_offsets, H, V, K, False)
         async_copy.wait_group(STAGES - 3)  # chunks c and c + 1 landed (this thread's copies)
         gl.thread_barrier()  # everyone's copies and halves visible; every warp past chunk c - 1's products
         S_decayed = S * decay_s.index(stage).load(gl.SliceLayout(0, ACC_K))[None, :]
@@ -176,37 +191,53 @@ def warpgroup_recurrence_kernel(
         v_op = v_new.to(gl.bfloat16)
         S = warpgroup_mma(gl.convert_layout(v_op, OP_K, assert_trivial=True), kg_s.index(stage), S_decayed,
                           is_async=True)
-        o = warpgroup_mma(S_op, qg_s.index(stage).permute((1, 0)), zero_C, use_acc=False, is_async=True)
-        o = warpgroup_mma(gl.convert_layout(v_op, OP_C, assert_trivial=True), A_s.index(stage).permute((1, 0)), o,
-                          is_async=True)
-        # while the tensor cores run the state's and the output's products: the next chunk's halves, and the
-        # copies of chunk c + STAGES - 1 into the previous chunk's ring slot
-        split_t(T_s, (c + 1) % STAGES, lo_s, hi_s, 1 - half, ROWS_T)
-        S = warpgroup_mma_wait(2, deps=[S])  # the state's product only
+        if OUTPUTS:
+            o = warpgroup_mma(S_op, qg_s.index(stage).permute((1, 0)), zero_C, use_acc=False, is_async=True)
+            o = warpgroup_mma(gl.convert_layout(v_op, OP_C, assert_trivial=True), A_s.index(stage).permute((1, 0)),
+                              o, is_async=True)
+        split_t(T_s, (c - c0 + 1) % STAGES, lo_s, hi_s, 1 - half, ROWS_T)  # the next chunk's, beside the products
+        if OUTPUTS:
+            S = warpgroup_mma_wait(2, deps=[S])  # the state's product only
+        else:
+            S = warpgroup_mma_wait(0, deps=[S])
         S_op = gl.convert_layout(S.to(gl.bfloat16), OP_C, assert_trivial=True)
-        o = warpgroup_mma_wait(0, deps=[o])
-        copy_chunk(c + STAGES - 1, num_chunks, bos, eos, slot0, (c + STAGES - 1) % STAGES, kd_ws, qg_ws, kg_ws,
-                   A_ws, T_ws, v_h, decay_h, stride_v, kd_s, qg_s, kg_s, A_s, T_s, v_s, decay_s, H, K, BV, C, vs,
-                   ROWS_K, ROWS_C, ROWS_T, ROWS_V, VECTOR)
-        tok = (bos + c * C + oc).to(gl.int64)
-        gl.store(out_h + tok[None, :] * stride_out + ov[:, None], o.to(out.dtype.element_ty),
-                 mask=(tok < eos)[None, :])
+        if OUTPUTS:
+            o = warpgroup_mma_wait(0, deps=[o])
+            tok = (bos + c * C + oc).to(gl.int64)
+            gl.store(out_h + tok[None, :] * stride_out + ov[:, None], o.to(out.dtype.element_ty),
+                     mask=(tok < eos)[None, :])
+        copy_chunk(c + STAGES - 1, c_end, bos, eos, slot0, (c - c0 + STAGES - 1) % STAGES, kd_ws, qg_ws, kg_ws, A_ws,
+                   T_ws, v_h, decay_h, stride_v, kd_s, qg_s, kg_s, A_s, T_s, v_s, decay_s, H, K, V, BV, C, vs,
+                   ROWS_K, ROWS_C, ROWS_T, ROWS_V, VECTOR, OUTPUTS)
     async_copy.wait_group(0)  # no copy outlives the program
-    for i in gl.static_range(NUM_CKPT):  # the checkpoint at the sequence's end
-        store_checkpoint(ckpt_offsets, ckpt_states, n, i, stride_ckpt_n, stride_ckpt_j, num_chunks * C, False,
-                         eos - bos, S, state_offsets, H, V, K, False)
-    if HAS_FINAL:
-        gl.store(final_state + state_offsets, S.to(final_state.dtype.element_ty))
-    if IS_VARLEN:  # fastkda.errors: "cu_seqlens", counted last, once per sequence
-        gl.atomic_add(errors + 2, 1, mask=(vs == 0) & (h == 0) & ~in_order, sem="relaxed")
+    finish_walk(S, ws_fp32, transitions_at, final_state, ckpt_offsets, ckpt_states, errors, cu_seqlens, n, slot, h,
+                vs, bos, eos, in_order, num_chunks, c1, active, first_segment, own_slot, seq_len, num_seqs,
+                segment_chunks, stride_ckpt_n, stride_ckpt_j, state_offsets, local, lanes, H, V, K, C, IS_VARLEN,
+                HAS_FINAL, NUM_CKPT, False, SEGMENTED, TRANSITION)
 
 
-def launch_warpgroup_recurrence(plan, ws, out, initial_state, final_state, checkpoint_offsets, checkpoint_states,
-                                errors):
-    """:func:`fastkda.ops.prefill.recurrence.launch_recurrence` for a plan whose ``warpgroup_recurrence`` is
-    set (serial, 64-column slices): the same arguments and grid, this module's kernel, ``recurrence_stages`` ring
-    slots."""
-    args, constexprs = recurrence_arguments(plan, ws, out, initial_state, final_state, checkpoint_offsets,
-                                            checkpoint_states, errors)
-    launch(warpgroup_recurrence_kernel, plan.recurrence_grid, *args, **constexprs, STAGES=plan.recurrence_stages,
-           num_warps=plan.recurrence_warps)
+@gluon.jit
+def warpgroup_recurrence_kernel(
+    ws_bf16, ws_fp32, qg_at, kg_at, A_at, scratch_at, entries_at, out, initial_state, final_state, cu_seqlens,
+    errors, ckpt_offsets, ckpt_states, stride_out, seq_len, num_seqs, stride_ckpt_n, stride_ckpt_j, v, stride_v,
+    segment_chunks, H: gl.constexpr, K: gl.constexpr, V: gl.constexpr, BV: gl.constexpr, C: gl.constexpr,
+    IS_VARLEN: gl.constexpr, HAS_INITIAL: gl.constexpr, HAS_FINAL: gl.constexpr, NUM_CKPT: gl.constexpr,
+    SEGMENTED: gl.constexpr, STAGES: gl.constexpr,
+):
+    """:func:`fastkda.ops.prefill.recurrence.recurrence_kernel` (its arguments) on a warpgroup per 64 columns."""
+    warpgroup_walk(ws_bf16, ws_fp32, qg_at, kg_at, A_at, scratch_at, 0, entries_at, out, initial_state, final_state,
+                   cu_seqlens, errors, ckpt_offsets, ckpt_states, stride_out, seq_len, num_seqs, stride_ckpt_n,
+                   stride_ckpt_j, v, stride_v, segment_chunks, H, K, V, BV, C, IS_VARLEN, HAS_INITIAL, HAS_FINAL,
+                   NUM_CKPT, SEGMENTED, False, False, STAGES)
+
+
+@gluon.jit
+def warpgroup_transition_kernel(
+    ws_bf16, ws_fp32, kg_at, scratch_at, transitions_at, initial_state, cu_seqlens, seq_len, num_seqs, v,
+    stride_v, segment_chunks, H: gl.constexpr, K: gl.constexpr, V: gl.constexpr, BV: gl.constexpr, C: gl.constexpr,
+    IS_VARLEN: gl.constexpr, HAS_INITIAL: gl.constexpr, OPEN_ENTRY: gl.constexpr, STAGES: gl.constexpr,
+):
+    """:func:`fastkda.ops.prefill.recurrence.transition_kernel` (its arguments) on a warpgroup per 64 columns."""
+    warpgroup_walk(ws_bf16, ws_fp32, 0, kg_at, 0, scratch_at, transitions_at, 0, ws_fp32, initial_state, ws_fp32,
+                   cu_seqlens, ws_fp32, ws_fp32, ws_fp32, 0, seq_len, num_seqs, 0, 0, v, stride_v, segment_chunks, H,
+                   K, V, BV, C, IS_VARLEN, HAS_INITIAL, False, 0, True, True, OPEN_ENTRY, STAGES)
