@@ -36,6 +36,9 @@ from ..tiles import lower_sectors
 from .layout import OWNER_LOOKUP_WIDTH
 from .recurrence import finish_walk, head_sections, program_chunks, starting_state, store_checkpoint
 
+cta_barrier = getattr(gl, "barrier", None) or gl.thread_barrier  # a barrier of the program's threads (bar.sync): its
+# name since triton 3.7, thread_barrier in 3.6
+
 
 @gluon.jit
 def copy_chunk(c, c_end, bos, eos, slot0, stage, kd_ws, qg_ws, kg_ws, A_ws, T_ws, v_h, decay_h, stride_v,
@@ -166,7 +169,7 @@ def warpgroup_walk(
                    kd_s, qg_s, kg_s, A_s, T_s, v_s, decay_s, H, K, V, BV, C, vs, ROWS_K, ROWS_C, ROWS_T, ROWS_V,
                    VECTOR, OUTPUTS)
     async_copy.wait_group(STAGES - 2)  # the first chunk
-    gl.thread_barrier()
+    cta_barrier()
     split_t(T_s, 0, lo_s, hi_s, 0, ROWS_T)
     S_op = gl.convert_layout(S.to(gl.bfloat16), OP_C, assert_trivial=True)
     for c in range(c0, c_end):
@@ -179,7 +182,7 @@ def warpgroup_walk(
                 store_checkpoint(ckpt_offsets, ckpt_states, n, i, stride_ckpt_n, stride_ckpt_j, c * C, skip,
                                  eos - bos, S, state_offsets, H, V, K, False)
         async_copy.wait_group(STAGES - 3)  # chunks c and c + 1 landed (this thread's copies)
-        gl.thread_barrier()  # everyone's copies and halves visible; every warp past chunk c - 1's products
+        cta_barrier()  # everyone's copies and halves visible; every warp past chunk c - 1's products
         S_decayed = S * decay_s.index(stage).load(gl.SliceLayout(0, ACC_K))[None, :]
         Y = warpgroup_mma(S_op, kd_s.index(stage).permute((1, 0)), zero_C, use_acc=False, is_async=True)
         v_T = v_s.index(stage).permute((1, 0)).load(ACC_C).to(gl.float32)
