@@ -6,6 +6,7 @@
 #   (the GPU suites took about 390 s together on the H200, in separate runs at 271685a-68d5227: test_gpu 108,
 #   safety 36, sequence-parallel 141, layer 75, distributed 25, plus the checkpoints)
 #   TEST_FILTER='accuracy or graph' TESTS_S=150 EXACT_S=150 KERNELS_S=40 VARIANTS_S=120 CKPT_S=40 NCU_S=90
+#   TEST_FILES='tests/test_gpu_warpgroup.py' (the GPU test files to run; default: every GPU suite)
 #   NCU_KERNEL=prepare|solve|recurrence|transition|scan NCU_WORKLOAD=H96_B1_T8192 (the ncu step's target)
 #   NCU_PACKAGE=<commit>: the ncu step runs .ab/fastkda_<commit> (ab_packages.py --make; carry .ab)
 #   DSWEEP_S=90 PSWEEP_S=100 BENCH_S=200 (0 skips a step; the bench appends to today's committed results file)
@@ -36,9 +37,10 @@ step() {  # step NAME SECONDS COMMAND...: run unless SECONDS is 0, append to the
   grep -E "^\[|passed|failed|Error" "/tmp/$name.log" | grep -v " eager: " | tail -40
 }
 step prepare-variants "${VARIANTS_S:-0}" python3 tools/variants/prepare_variants.py ${VARIANTS_ARGS:-}
-step gpu-tests "${TESTS_S:-600}" python3 -m pytest -q -s tests/test_gpu.py tests/test_checkpoints.py tests/test_gpu_safety.py \
-  tests/test_gpu_sequence_parallel.py tests/test_gpu_layer.py tests/test_gpu_distributed.py tests/test_gpu_warpgroup.py \
-  ${TEST_FILTER:+-k "$TEST_FILTER"}
+TEST_FILES=${TEST_FILES:-"tests/test_gpu.py tests/test_checkpoints.py tests/test_gpu_safety.py
+  tests/test_gpu_sequence_parallel.py tests/test_gpu_layer.py tests/test_gpu_distributed.py tests/test_gpu_warpgroup.py"}
+# shellcheck disable=SC2086  # the file list splits on purpose
+step gpu-tests "${TESTS_S:-600}" python3 -m pytest -q -s $TEST_FILES ${TEST_FILTER:+-k "$TEST_FILTER"}
 step exactness "${EXACT_S:-0}" python3 tools/sweeps/exactness_matrix.py
 step ab "${AB_S:-0}" python3 tools/variants/ab_packages.py --out "$OUT/results" ${AB_ARGS:-}
 step decode-sweep "${DSWEEP_S:-0}" python3 tools/sweeps/decode_sweep.py --out "$OUT/results"
