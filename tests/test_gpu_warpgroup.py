@@ -126,3 +126,69 @@ def test_checkpoints_and_errors_as_the_triton_kernel():
     fastkda.kda_prefill(*args, initial_state=inp["initial_state"], cu_seqlens=bad,
                         plan=gluon(plan_for(inp, v_slices=2)), errors=errors, checks=False)
     assert errors[2].item() >= 1
+
+
+def crafted_workspace(plan, v, fill):
+    """A workspace for ``plan`` whose sections hold what ``fill`` says (zeros elsewhere): ``{"kd", "qg", "kg",
+    "A", "T", "decay"}`` -> a tensor of the section's ``[rows, D]`` shape (rows = token·H + head; ``decay``: chunk
+    slot·H + head), so that each of the kernel's products can be checked alone."""
+    from fastkda.ops.prefill.layout import Workspace
+
+    ws = Workspace.allocate(plan, v, None)
+    ws.bf16.zero_()
+    ws.fp32.zero_()
+    rows, K, C = plan.batch * plan.seq_len * plan.heads, plan.key_dim, plan.chunk
+    layout = ws.layout
+    sections = dict(kd=(ws.bf16, 0, K), qg=(ws.bf16, layout.qg, K), kg=(ws.bf16, layout.kg, K),
+                    A=(ws.bf16, layout.A, C), T=(ws.fp32, layout.scratch, C),
+                    decay=(ws.fp32, 0, K))
+    for name, value in fill.items():
+        buffer, at, width = sections[name]
+        count = plan.chunk_slots * plan.heads if name == "decay" else rows
+        buffer[at:at + count * width].view(count, width).copy_(value(count, width))
+    return ws
+
+
+def identity_rows(count, width, heads):
+    """Row r = token·H + head of an in-chunk matrix: 1 at column token mod C (the identity, chunk by chunk)."""
+    token = torch.arange(count, device="cuda") // heads
+    return torch.nn.functional.one_hot(token % width, width).float()
+
+
+def test_products_one_at_a_time():
+    """Hand-made workspaces whose answer is exact, each through the Gluon kernel and the Triton one (100 tokens: a
+    partial last chunk):
+    - kd = qg = kg = 0, T·β = M = I: the output is v itself (the copies of v, T's halves, M, the output's store);
+    - kd = kg = M = 0, T·β = I, a chunk decay of 1/2, qg's row t = e_(t mod K): the output of token t is column
+      t mod K of the state before its chunk, S·2^-c (the state's operand, qg, the decay), and the final state is
+      S·2^-4."""
+    from fastkda.ops.prefill.recurrence import launch_recurrence
+
+    H, K, T = 2, 128, 100
+    v = torch.randn(1, T, H, 128, device="cuda").to(torch.bfloat16)
+    S0 = torch.randn(1, H, 128, K, device="cuda").to(torch.bfloat16).float()  # bf16 values: exact as operands
+    plan = plan_for(dict(q=torch.empty(1, T, H, K), v=v, cu_seqlens=None, lower_bound=-5.0), v_slices=2)
+
+    def identity(count, width):
+        return identity_rows(count, width, H)
+
+    def halves(count, width):
+        return torch.full((count, width), 0.5, device="cuda")
+
+    state_before = 0.5 ** (torch.arange(T, device="cuda") // 32)[:, None]  # token t's chunk's decay so far
+    cases = [
+        (dict(A=identity, T=identity, decay=lambda count, width: torch.ones(count, width, device="cuda")), None,
+         v.float(), torch.zeros_like(S0)),
+        (dict(T=identity, decay=halves, qg=identity), S0,
+         torch.stack([S0[0, h][:, torch.arange(T) % K].T * state_before for h in range(H)], dim=1)[None],
+         S0 * 0.5 ** 4),
+    ]
+    for fill, initial, expected_o, expected_s in cases:
+        for chosen in (triton_only(plan), gluon(plan)):
+            ws = crafted_workspace(chosen, v, fill)
+            out = torch.full_like(v, float("nan"))
+            final = torch.full_like(S0, float("nan"))
+            launch_recurrence(chosen, ws, out, initial, final, None, None,
+                              torch.zeros(3, dtype=torch.int32, device="cuda"), emulate=False)
+            assert torch.equal(out.float(), expected_o.to(torch.bfloat16).float()), chosen.warpgroup_recurrence
+            assert torch.equal(final, expected_s), chosen.warpgroup_recurrence
