@@ -7,9 +7,10 @@ import pytest
 import torch
 
 import fastkda
+from fastkda.bench.timing import capture_graph
 from fastkda.plan import choose_open_entry_plan
 from fastkda.reference import kda_reference
-from helpers import make_inputs, plan_for, rel_err, run_prefill
+from helpers import make_inputs, plan_for, rel_err, replay_with, run_prefill
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -91,6 +92,29 @@ def test_fp32_inputs_and_a_strided_v():
     strided = dict(inp, v=padded[..., :256].unflatten(2, (2, 128)))
     assert strided["v"].stride(1) % 16
     same_bits(strided, STATES[1], plan_for(inp, v_slices=2))
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, 256])
+def test_cuda_graph_replay_with_new_cu_seqlens(sequence_parallel):
+    """A graph captured once replays the Gluon kernels on new inputs and new ``cu_seqlens`` (the same total), bit
+    for bit as an eager call on them."""
+    lengths, moved = [100, 900, 24], [600, 1, 423]
+    inp = make_inputs(lengths, heads=4, key_dim=128, device="cuda", seed=17)
+    plan = gluon(plan_for(inp, v_slices=2, sequence_parallel=sequence_parallel))
+    out = torch.empty_like(inp["v"])
+    final = torch.empty_like(inp["initial_state"])
+    names = ("q", "k", "v", "g", "beta", "initial_state", "cu_seqlens")
+
+    def step():
+        fastkda.kda_prefill(*(inp[x] for x in names[:5]), A_log=inp["A_log"], dt_bias=inp["dt_bias"],
+                            lower_bound=inp["lower_bound"], initial_state=inp["initial_state"], final_state=final,
+                            cu_seqlens=inp["cu_seqlens"], out=out, plan=plan)
+
+    graph = capture_graph(step)
+    fresh = make_inputs(moved, heads=4, key_dim=128, device="cuda", seed=18)
+    replay_with(graph, inp, fresh, names, (out, final))
+    eager_o, eager_s, _ = run_prefill(fresh, torch.float32, torch.float32, plan=plan)
+    assert torch.equal(out, eager_o) and torch.equal(final, eager_s)
 
 
 def test_accuracy_bar_at_t_8192():
