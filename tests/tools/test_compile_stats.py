@@ -99,3 +99,32 @@ def test_sass_count_reads_the_decode_kernels_sass():
     out = run_tool("sass_count.py", "decode", "--heads", "2", "--decode-set", "warps=4")
     line = next(ln for ln in out.splitlines() if ln.startswith("[sass] decode:"))
     assert int(line.split("instructions ")[1].split(",")[0]) > 100 and "LDG" in line
+
+
+# The Gluon recurrence (plan.warpgroup_recurrence) compiled as its launches compile it, in each of its forms: a
+# Gluon API change, a spill, or ptxas serialising the wgmma products (warning C7514: a cp.async between a wgmma and
+# its wait did it once) fails here, on any machine with Triton's ptxas.
+GLUON = r"""
+import argparse, sys
+sys.path.insert(0, ".")
+from tools.profiling import hopper
+for workload, extra in (("H12_N4_T1024", []), ("H12_N1_T8192", []), ("H12_N4_T8192", ["--fixed"]),
+                        ("H12_N8_T1024", ["--checkpoints", "2"])):
+    parser = argparse.ArgumentParser()
+    hopper.add_plan_arguments(parser)
+    args = parser.parse_args(["--workload", workload, "--set", "warpgroup_recurrence=1,recurrence_stages=4", *extra])
+    plan, decode = hopper.plans_from_arguments(args)
+    for name, (fn, kernel_args, warps, stages, maxnreg) in hopper.launches(
+            plan, decode, ("recurrence", "transition"), args.checkpoints).items():
+        kernel = hopper.compile_for_hopper(fn, kernel_args, warps, stages, maxnreg)
+        report = hopper.ptxas_report(kernel)
+        print(workload, name, fn.__name__, "C7514" in report, "0 bytes spill stores" in report,
+              kernel.asm["ptx"].count("wgmma.mma_async"))
+"""
+
+
+def test_the_gluon_recurrence_compiles_without_spill_or_serialised_products():
+    lines = [line.split() for line in run_tool(code=GLUON).splitlines()]
+    assert {line[2] for line in lines} == {"warpgroup_recurrence_kernel", "warpgroup_transition_kernel"}
+    for workload, name, kernel, serialised, no_spill, wgmma in lines:
+        assert serialised == "False" and no_spill == "True" and int(wgmma) >= 14, (workload, name)

@@ -62,14 +62,19 @@ def compile_for_hopper(fn, args, num_warps, num_stages, maxnreg=None):
         signature[param.name] = kind
         if kind == "constexpr":
             constexprs[(index,)] = value
-    source = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
+    if getattr(fn, "is_gluon", lambda: False)():  # a Gluon kernel (recurrence_warpgroup.py): its own source kind
+        from triton.experimental.gluon._runtime import GluonASTSource as source_kind
+    else:
+        source_kind = ASTSource
+    source = source_kind(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
     options = dict(num_warps=num_warps, num_stages=num_stages, **({"maxnreg": maxnreg} if maxnreg else {}))
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
 
 
 def prefill_launches(plan, checkpoints=0, l2norm=True, beta_sigmoid=True):
-    """``{kernel: (fn, args, num_warps, num_stages, maxnreg)}`` of the three prefill kernels as ``chunk_kda_forward``
-    launches them under ``plan`` on contiguous inputs (bf16 q, k, v, β and, under the lower-bound gate, g; an fp32
+    """``{kernel: (fn, args, num_warps, num_stages, maxnreg)}`` of the prefill kernels as ``chunk_kda_forward``
+    launches them under ``plan`` (the Gluon recurrence and transitions for its ``warpgroup_recurrence``) on contiguous
+    inputs (bf16 q, k, v, β and, under the lower-bound gate, g; an fp32
     log-decay g otherwise; fp32 states; int32 ``cu_seqlens``), with ``checkpoints`` (0, 1 or 2) per sequence."""
     from fastkda.ops.prefill import prepare, recurrence, scan, solve
     from fastkda.ops.prefill.layout import workspace_layout
@@ -101,6 +106,14 @@ def prefill_launches(plan, checkpoints=0, l2norm=True, beta_sigmoid=True):
                  solve=(solve.solve_kernel, solve_args, plan.solve_warps, plan.solve_stages, None),
                  recurrence=(recurrence.recurrence_kernel, recurrence_args, plan.recurrence_warps,
                              plan.recurrence_stages, None))
+    gluon = dict(STAGES=plan.recurrence_stages)  # the Gluon kernels' constexprs in place of the Triton ones'
+    triton_only = ("STATE_ROWS_V", "EMULATE")
+    if plan.warpgroup_recurrence:
+        from fastkda.ops.prefill import recurrence_warpgroup
+
+        found["recurrence"] = (recurrence_warpgroup.warpgroup_recurrence_kernel,
+                               dict({k: v for k, v in recurrence_args.items() if k not in triton_only}, **gluon),
+                               plan.recurrence_warps, plan.recurrence_stages, None)
     if plan.sequence_parallel:
         transition_args = dict(
             shared, kg_at=at.kg, scratch_at=at.scratch, transitions_at=at.transitions, initial_state=F32,
@@ -112,8 +125,13 @@ def prefill_launches(plan, checkpoints=0, l2norm=True, beta_sigmoid=True):
                          segment_chunks=plan.segment_chunks, H=H, K=K, V=V, SW=plan.scan_width, C=plan.chunk,
                          IS_VARLEN=plan.varlen, HAS_INITIAL=True, DOT_PRECISION=plan.dot_precision, OPEN_ENTRY=False,
                          COMPOSE=False)
-        found.update(transition=(recurrence.transition_kernel, transition_args, plan.transition_warps,
-                                 plan.recurrence_stages, None),
+        transition = (recurrence.transition_kernel, transition_args, plan.transition_warps, plan.recurrence_stages,
+                      None)
+        if plan.warpgroup_recurrence:
+            transition = (recurrence_warpgroup.warpgroup_transition_kernel,
+                          dict({k: v for k, v in transition_args.items() if k not in triton_only}, **gluon),
+                          plan.transition_warps, plan.recurrence_stages, None)
+        found.update(transition=transition,
                      scan=(scan.segment_scan_kernel, scan_args, plan.scan_warps, plan.scan_stages, None))
     return found
 
