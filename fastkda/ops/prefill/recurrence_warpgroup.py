@@ -32,7 +32,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
 
-from ..tiles import lower_sectors
+from ..tiles import lower_sectors, tile_offsets
 from .layout import OWNER_LOOKUP_WIDTH
 from .recurrence import finish_walk, head_sections, program_chunks, starting_state, store_checkpoint
 
@@ -90,7 +90,6 @@ def split_t(T_s, stage, lo_s, hi_s, half, ROWS_T: gl.constexpr):
     hi_s.index(half).store(hi)
     lo_s.index(half).store(lo)
     fence_async_shared()
-
 
 
 @gluon.jit
@@ -155,7 +154,7 @@ def warpgroup_walk(
     # identity columns), its addresses in [N, H, V, K] and in one (slot, head)'s [V, K] rows
     sv = vs * BV + gl.arange(0, BV, layout=gl.SliceLayout(1, ACC_K))
     sk = gl.arange(0, K, layout=gl.SliceLayout(0, ACC_K))
-    local = sv[:, None] * K + sk[None, :]
+    local = tile_offsets(sv, sk, K, 1)  # as walk_chunks addresses the transposed state
     state_offsets = ((n * H + h) * V).to(gl.int64) * K + local
     S = starting_state(ws_fp32, entries_at, initial_state, state_offsets, local, gl.zeros([BV, K], gl.float32, ACC_K),
                        sv, sk, slot, h, j, c1, num_chunks, H, V, K, HAS_INITIAL, True, SEGMENTED, TRANSITION)
