@@ -19,7 +19,11 @@ enter only as ``v_new = u − w·S = T·β·(v − kd·S)``, so it forms ``Y = v
 then ``v_new = T·β·Y``, a product over the chunk's C tokens, with T·β split into two bf16 tiles (hi + lo: its
 diagonal holds β, which one bf16 tile would round) and Y rounded to bf16 as v_new is for the state's products.
 Every operand is bf16, as in the state's products, so the wide forms' wgmma and the narrow form's mma.sync give
-the same bits.
+the same bits. A product that adds onto a value (the state's onto the decayed state, the output's second onto its
+first) takes that value as ``tl.dot``'s accumulator: the code generator fuses ``x + tl.dot(a, b)`` the same way
+(the SASS of every plan's recurrence and transition kernels is the same either way), and on the interpreter the
+terms then add onto the accumulator in the tensor cores' order, which the Gluon kernels' emulation
+(``tests/gluon_interpreter.py``) reproduces bit for bit.
 """
 
 import triton
@@ -249,9 +253,9 @@ def walk_chunks(
             v_new = tl.dot(concat_columns(Y, Y, BV, C), tl.trans(concat_columns(T_lo, T_hi, C, C)))
             v_op = bf16_operand(v_new, EMULATE)
             if not TRANSITION:
-                o = tl.dot(S_op, tl.trans(qg)) + tl.dot(v_op, tl.trans(A))
+                o = tl.dot(v_op, tl.trans(A), tl.dot(S_op, tl.trans(qg)))
                 store_tile_t(out_h, tok, valid, vv, V, stride_out, o, EMULATE)
-            S = S_decayed + tl.dot(v_op, kg)
+            S = tl.dot(v_op, kg, S_decayed)
         else:  # v_new = T·β·(v - kd·S), o = qg·S + A·v_new, S = diag(decay)·S + kgᵀ·v_new
             chunk_decay = tl.load(decay_h + (slot0 + c) * (H * K) + kk)
             v_c = load_tile(v_h, tok, valid, vv, V, stride_v).to(tl.float32)
@@ -259,9 +263,9 @@ def walk_chunks(
             v_new = tl.dot(T_hi, Y, tl.dot(T_lo, Y))  # as the wide forms' one product over [T_lo | T_hi]
             v_op = bf16_operand(v_new, EMULATE)
             if not TRANSITION:
-                o = tl.dot(qg, S_op) + tl.dot(A, v_op)
+                o = tl.dot(A, v_op, tl.dot(qg, S_op))
                 store_tile(out_h, tok, valid, vv, V, stride_out, o, EMULATE)
-            S = S * chunk_decay[:, None] + tl.dot(tl.trans(kg), v_op)
+            S = tl.dot(tl.trans(kg), v_op, S * chunk_decay[:, None])
     finish_walk(S, ws_fp32, transitions_at, final_state, ckpt_offsets, ckpt_states, errors, cu_seqlens, n, slot, h,
                 vs, bos, eos, in_order, num_chunks, c1, active, first_segment, own_slot, seq_len, num_seqs,
                 segment_chunks, stride_ckpt_n, stride_ckpt_j, state_offsets, local, lanes, H, V, K, C, IS_VARLEN,

@@ -1,0 +1,327 @@
+"""fastkda's Gluon kernels on Triton's CPU interpreter, for the tests: Gluon has no interpreter of its own, so
+without this a Gluon kernel first meets a check on the GPU.
+
+:func:`interpreted_gluon` runs a module's ``@gluon.jit`` functions as Triton's interpreter runs ``@triton.jit``
+ones (``TRITON_INTERPRET=1``, triton 3.6): a program at a time, each block value a numpy array, the ``tl``
+operations and the ``@triton.jit`` helpers the Gluon code calls as the interpreter runs them. The Gluon operations
+the module uses become:
+
+* layouts: ignored (a layout changes where a value lives, never the value), so ``convert_layout`` is the identity;
+* shared memory: a numpy array per allocation, NaN-filled, with views for ``index`` and ``permute``;
+* ``cp.async`` (``async_copy``): the masked load is read when it is issued (masked-off elements zero, as
+  ``cp.async`` zero-fills them) and lands in shared memory when ``wait_group`` retires its commit group;
+* ``warpgroup_mma``: the product of the bf16 operands in fp32, adding onto the accumulator term by term in the
+  order k = 0, 1, ... (as ``tests/interpreter.py`` makes the interpreter's ``tl.dot`` do), ``warpgroup_mma_wait``
+  retiring the oldest products in flight;
+* barriers and fences: no-ops for the values (one program runs at a time, every warp at once);
+* ``x.to(gl.bfloat16)`` from fp32: rounded to nearest even, as the GPU's ``cvt.rn.bf16.f32`` does (the
+  interpreter's own conversion truncates, which biases every rounding of a recurrence the same way).
+
+What it checks on top of the values, where a GPU would race or read garbage (:class:`GluonRaceError`): reading
+shared memory a copy is still in flight to (a ``wait_group`` count too high, or a ring slot read before its
+chunk's group); issuing a copy into memory a copy is in flight to, or that a product still in flight reads; a
+store of registers to memory that a product in flight reads; a product reading memory that registers were stored
+to with no ``fence_async_shared`` after the store (the tensor cores read through the async proxy); a program that
+ends with copies in flight. It cannot see races between the warps of one program (a missing barrier), nor
+timing: the GPU tests and ``tests/tools/test_compile_stats.py`` (ptxas) cover those.
+"""
+
+import contextlib
+import inspect
+import types
+
+import numpy as np
+
+
+class GluonRaceError(AssertionError):
+    """A Gluon kernel's use of shared memory that would race or read unwritten data on the GPU."""
+
+
+def _tl():
+    import triton.language as tl
+
+    return tl
+
+
+def _np_dtype(dtype):
+    from triton.runtime.interpreter import _get_np_dtype
+
+    return _get_np_dtype(dtype)
+
+
+def _as_fp32(data, dtype):
+    """A bf16 (uint16 bits), fp16 or fp32 operand's values as fp32 (exact)."""
+    tl = _tl()
+    if dtype == tl.bfloat16:
+        return (data.astype(np.uint32) << 16).view(np.float32)
+    return data.astype(np.float32)
+
+
+def _nearest_even_bf16(builder_cast):
+    """The interpreter's cast with fp32 -> bf16 rounded to nearest even (NaN stays NaN), other casts its own."""
+    def cast_impl(self, src, dst_type):
+        from triton.runtime.interpreter import TensorHandle
+
+        tl = _tl()
+        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
+            bits = src.data.astype(np.float32).view(np.uint32).astype(np.uint64)
+            rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+            rounded = np.where(np.isnan(src.data), np.uint16(0x7FC0), rounded)
+            return TensorHandle(rounded, dst_type.scalar)
+        return builder_cast(self, src, dst_type)
+
+    return cast_impl
+
+
+def _poison(dtype, shape):
+    """A new allocation's contents: NaN in the element type's bits."""
+    tl = _tl()
+    if dtype == tl.bfloat16:
+        return np.full(shape, 0x7FC0, dtype=np.uint16)
+    return np.full(shape, np.nan, dtype=_np_dtype(dtype))
+
+
+class SharedMemory:
+    """A view of one shared-memory allocation: its values and, element for element, what is in flight to or from
+    it (copies not yet landed, products that still read it, register stores not yet fenced)."""
+
+    def __init__(self, dtype, values, copying, reading, unfenced):
+        self.dtype = dtype
+        self.values, self.copying, self.reading, self.unfenced = values, copying, reading, unfenced
+
+    @classmethod
+    def allocate(cls, dtype, shape):
+        shape = [int(x) for x in shape]
+        return cls(dtype, _poison(dtype, shape), np.zeros(shape, bool), np.zeros(shape, np.int32),
+                   np.zeros(shape, bool))
+
+    @property
+    def shape(self):
+        return list(self.values.shape)
+
+    def _view(self, select):
+        return SharedMemory(self.dtype, *(select(a) for a in (self.values, self.copying, self.reading,
+                                                              self.unfenced)))
+
+    def index(self, i):
+        i = int(np.asarray(getattr(getattr(i, "handle", None), "data", i)).reshape(-1)[0])
+        if not 0 <= i < self.values.shape[0]:
+            raise GluonRaceError(f"shared memory index {i} outside [0, {self.values.shape[0]})")
+        return self._view(lambda a: a[i])
+
+    def permute(self, order):
+        order = tuple(int(getattr(x, "value", x)) for x in order)
+        return self._view(lambda a: a.transpose(order))
+
+    def read(self, what):
+        if self.copying.any():
+            raise GluonRaceError(f"{what} reads shared memory that a cp.async group still in flight writes")
+        return self.values.copy()
+
+    def load(self, layout=None):
+        from triton.runtime.interpreter import TensorHandle
+
+        tl = _tl()
+        data = self.read("a shared-memory load")
+        return tl.tensor(TensorHandle(data, self.dtype), tl.block_type(self.dtype, self.shape))
+
+    def store(self, value):
+        if self.copying.any() or self.reading.any():
+            raise GluonRaceError("a store of registers to shared memory that a copy or a product in flight uses")
+        if value.dtype.scalar != self.dtype:
+            raise GluonRaceError(f"a {value.dtype.scalar} store to {self.dtype} shared memory")
+        self.values[...] = value.handle.data
+        self.unfenced[...] = True
+
+
+class _Emulation:
+    """The state of the program running: commit groups of copies, products in flight, its warps."""
+
+    def __init__(self):
+        self.num_warps = 4
+        self.allocations = []
+        self.open_group, self.groups, self.products = [], [], []
+
+    def copy(self, destination, pointer, mask):
+        tl = _tl()
+        if destination.copying.any() or destination.reading.any():
+            raise GluonRaceError("a cp.async into shared memory that a copy or a product still in flight uses")
+        loaded = tl.load(pointer, mask=mask, other=0)
+        if loaded.dtype.scalar != destination.dtype:
+            raise GluonRaceError(f"a cp.async of {loaded.dtype.scalar} into {destination.dtype} shared memory")
+        destination.copying[...] = True
+        self.open_group.append((destination, np.broadcast_to(loaded.handle.data, destination.values.shape).copy()))
+
+    def commit(self):
+        self.groups.append(self.open_group)
+        self.open_group = []
+
+    def wait(self, outstanding):
+        outstanding = int(getattr(outstanding, "value", outstanding))
+        while len(self.groups) > outstanding:
+            for destination, data in self.groups.pop(0):
+                destination.values[...] = data
+                destination.copying[...] = False
+                destination.unfenced[...] = False  # cp.async lands as the tensor cores read it (no fence)
+
+    def fence(self):
+        for allocation in self.allocations:
+            allocation.unfenced[...] = False
+
+    def product(self, a, b, acc, use_acc, is_async):
+        from triton.runtime.interpreter import TensorHandle
+
+        tl = _tl()
+        operands = []
+        for name, x in (("a", a), ("b", b)):
+            if isinstance(x, SharedMemory):
+                if x.unfenced.any():
+                    raise GluonRaceError(f"warpgroup_mma's {name} reads registers stored to shared memory with no "
+                                         "fence_async_shared after the store")
+                operands.append(_as_fp32(x.read(f"warpgroup_mma's {name}"), x.dtype))
+                dtype = x.dtype
+            else:
+                operands.append(_as_fp32(x.handle.data, x.dtype.scalar))
+                dtype = x.dtype.scalar
+            if dtype != tl.bfloat16:
+                raise GluonRaceError(f"warpgroup_mma's {name} is {dtype}; the kernels multiply bf16")
+        lhs, rhs = operands
+        use_acc = bool(np.asarray(getattr(getattr(use_acc, "handle", None), "data", use_acc)).all())
+        total = (acc.handle.data.copy() if use_acc else np.zeros(acc.handle.data.shape, np.float32))
+        for i in range(lhs.shape[-1]):
+            total += lhs[:, i:i + 1] * rhs[i:i + 1, :]
+        read = [x for x in (a, b) if isinstance(x, SharedMemory)]
+        for x in read:
+            x.reading += 1
+        self.products.append(read)
+        if not is_async:
+            self.retire(0)
+        return tl.tensor(TensorHandle(total, tl.float32), acc.type)
+
+    def retire(self, outstanding):
+        outstanding = int(getattr(outstanding, "value", outstanding))
+        while len(self.products) > outstanding:
+            for x in self.products.pop(0):
+                x.reading -= 1
+
+    def end_program(self):
+        if self.open_group or self.groups:
+            raise GluonRaceError("the program ends with cp.async copies in flight (no final wait_group(0))")
+        self.retire(0)
+        self.allocations.clear()
+
+
+def _gl_shim(emulation):
+    """The ``gl`` a Gluon module sees: the Gluon operations it uses, on the interpreter."""
+    tl = _tl()
+
+    def layout(*args, **kwargs):
+        return None
+
+    def allocate_shared_memory(element_ty, shape, layout=None, value=None):
+        memory = SharedMemory.allocate(element_ty, shape)
+        emulation.allocations.append(memory)
+        if value is not None:
+            memory.store(value)
+        return memory
+
+    def static_assert(condition, message=""):
+        if not bool(getattr(condition, "value", condition)):
+            raise AssertionError(f"gl.static_assert failed: {message}")
+
+    return types.SimpleNamespace(
+        BlockedLayout=layout, SliceLayout=layout, NVMMADistributedLayout=layout, DotOperandLayout=layout,
+        SwizzledSharedLayout=layout, NVMMASharedLayout=types.SimpleNamespace(get_default_for=layout),
+        arange=lambda start, end, layout=None: tl.arange(start, end),
+        zeros=lambda shape, dtype, layout=None: tl.zeros(shape, dtype),
+        full=lambda shape, value, dtype, layout=None: tl.full(shape, value, dtype),
+        convert_layout=lambda value, layout=None, assert_trivial=False: value,
+        allocate_shared_memory=allocate_shared_memory,
+        static_range=lambda *args, **kwargs: tl.static_range(*args, **kwargs),
+        static_assert=static_assert,
+        num_warps=lambda: emulation.num_warps,
+        program_id=lambda axis: tl.program_id(axis),
+        load=lambda *args, **kwargs: tl.load(*args, **kwargs),
+        store=lambda *args, **kwargs: tl.store(*args, **kwargs),
+        where=lambda *args: tl.where(*args),
+        minimum=lambda *args: tl.minimum(*args),
+        maximum=lambda *args: tl.maximum(*args),
+        constexpr=tl.constexpr, int32=tl.int32, int64=tl.int64, float16=tl.float16, float32=tl.float32,
+        bfloat16=tl.bfloat16,
+        barrier=lambda: None, thread_barrier=lambda: None,
+    )
+
+
+class _InterpretedGluon:
+    """A ``@gluon.jit`` kernel launched as ``kernel[grid](*args, **constexprs_and_options)`` on the interpreter."""
+
+    def __init__(self, function, emulation):
+        from triton.runtime.interpreter import InterpretedFunction
+
+        self.interpreted = InterpretedFunction(function.fn)
+        self.emulation = emulation
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.run(grid, *args, **kwargs)
+
+    def __call__(self, *args, **kwargs):  # a device-side call from another Gluon function
+        return self.interpreted(*args, **kwargs)
+
+    def run(self, grid, *args, num_warps=4, **kwargs):
+        from triton.runtime import interpreter
+
+        fn = self.interpreted.rewrite()
+        self.emulation.num_warps = num_warps
+        names = inspect.getfullargspec(fn).args
+        constexprs = {name for name in names if "constexpr" in str(fn.__annotations__.get(name, ""))}
+        kwargs = {name: value for name, value in kwargs.items() if name in names}
+        scope = interpreter._patch_lang(fn)
+        try:
+            bound = inspect.getcallargs(fn, *args, **kwargs)
+            bound = {name: value if name in constexprs else interpreter._implicit_cvt(value)
+                     for name, value in bound.items()}
+            grid = tuple(grid) + (1,) * (3 - len(grid))
+            interpreter.interpreter_builder.set_grid_dim(*grid)
+            for x in range(grid[0]):
+                for y in range(grid[1]):
+                    for z in range(grid[2]):
+                        interpreter.interpreter_builder.set_grid_idx(x, y, z)
+                        fn(**bound)
+                        self.emulation.end_program()
+        finally:
+            scope.restore()
+
+
+@contextlib.contextmanager
+def interpreted_gluon(module, monkeypatch):
+    """Within the block, ``module``'s Gluon kernels and functions run on the interpreter (module docstring):
+    ``monkeypatch`` (pytest's) swaps the module's Gluon names for emulated ones and puts them back after."""
+    import triton.language as tl
+    from triton.experimental.gluon._runtime import GluonJITFunction
+
+    from triton.runtime.interpreter import InterpreterBuilder
+
+    emulation = _Emulation()
+    monkeypatch.setattr(InterpreterBuilder, "cast_impl", _nearest_even_bf16(InterpreterBuilder.cast_impl))
+    monkeypatch.setattr(module, "tl", tl, raising=False)  # the interpreter patches the tl a function can see
+    monkeypatch.setattr(module, "gl", _gl_shim(emulation))
+    monkeypatch.setattr(module, "async_copy", types.SimpleNamespace(
+        async_copy_global_to_shared=lambda smem, pointer, mask=None, **_: emulation.copy(smem, pointer, mask),
+        commit_group=emulation.commit, wait_group=emulation.wait))
+    hopper = dict(fence_async_shared=emulation.fence,
+                  warpgroup_mma=lambda a, b, acc, *, use_acc=True, is_async=False, **_: emulation.product(
+                      a, b, acc, use_acc, is_async),
+                  warpgroup_mma_wait=lambda num_outstanding=0, deps=None: _retired(emulation, num_outstanding, deps),
+                  cta_barrier=lambda: None)
+    for name, value in hopper.items():
+        if hasattr(module, name):
+            monkeypatch.setattr(module, name, value)
+    for name, value in list(vars(module).items()):
+        if isinstance(value, GluonJITFunction):
+            monkeypatch.setattr(module, name, _InterpretedGluon(value, emulation))
+    yield emulation
+
+
+def _retired(emulation, outstanding, deps):
+    emulation.retire(outstanding)
+    return deps[0] if len(deps) == 1 else tuple(deps)

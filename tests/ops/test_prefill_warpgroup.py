@@ -1,0 +1,153 @@
+"""The Gluon recurrence (``fastkda/ops/prefill/recurrence_warpgroup.py``, the plan's ``warpgroup_recurrence``) on
+the CPU: its kernels on Triton's interpreter through ``tests/gluon_interpreter.py``, against the Triton kernels'
+bits on the interpreter (whose accuracy against float64 ``test_prefill.py`` tests). What the emulation checks besides the values (copies landed before
+they are read, no copy or store into memory a product in flight reads, stores fenced before the tensor cores read
+them) is tested to fail where the kernel breaks those rules. The GPU's own checks are ``tests/test_gpu_warpgroup.py``."""
+
+import pytest
+import torch
+
+from gluon_interpreter import interpreted_gluon
+from helpers import make_inputs, needs_interpreter, plan_for
+from prefill_kernels import run_open_entry, run_triton
+
+pytestmark = needs_interpreter
+
+CASES = [  # one head each, for the interpreter's time; V = 128 (slices of 64 and 128 columns) but in the last
+    dict(lengths=[100], varlen=False, key_dim=64, value_dim=128, heads=1),
+    dict(lengths=[0, 1, 31, 32, 33, 70, 0], key_dim=128, value_dim=128, heads=1),  # empty, 1-token, partial chunks
+    dict(lengths=[66, 40], varlen=False, key_dim=64, value_dim=128, gate="precomputed", heads=1,
+         with_initial=False),
+    dict(lengths=[90], key_dim=128, value_dim=64, gate="weak", heads=1, state_dtype=torch.bfloat16),
+]
+
+
+@pytest.fixture
+def gluon(monkeypatch):
+    """The Gluon kernels on the interpreter, where the plan asks for them: :func:`fastkda.ops.prefill.recurrence.
+    warpgroup_runs` as on a GPU (it refuses the interpreter, which runs no Gluon kernel of its own). Yields the
+    emulation's state."""
+    from fastkda.ops.prefill import recurrence, recurrence_warpgroup
+
+    on_gpu = recurrence.warpgroup_runs
+    monkeypatch.setattr(recurrence, "warpgroup_runs", lambda plan, ws, emulate: on_gpu(plan, ws, False))
+    with interpreted_gluon(recurrence_warpgroup, monkeypatch) as emulation:
+        yield emulation
+
+
+def warpgroup(stages=4):
+    return dict(warpgroup_recurrence=True, recurrence_stages=stages)
+
+
+def widths(case, stages=4):
+    """The V-slice counts whose slices are 64 or 128 columns wide, and whose ring of ``stages`` chunks fits the
+    shared memory (5 stages only at 64 columns)."""
+    value_dim = case.get("value_dim", case.get("key_dim", 64))
+    return [s for s in (1, 2) if value_dim // s in (64, 128) and (stages == 4 or value_dim // s == 64)]
+
+
+@pytest.mark.parametrize("case", CASES, ids=range(len(CASES)))
+@pytest.mark.parametrize("stages", [4, 5])
+def test_serial_same_bits_as_the_triton_kernel(case, stages, request):
+    inp = make_inputs(seed=21 + stages, **case)
+    final_dtype = case.get("state_dtype", torch.float32)
+    expected = {s: run_triton(inp, s, final_dtype=final_dtype) for s in widths(case, stages)}
+    request.getfixturevalue("gluon")
+    for v_slices, (out, final) in expected.items():
+        got_o, got_s = run_triton(inp, v_slices, final_dtype=final_dtype, **warpgroup(stages))
+        assert torch.equal(got_o, out) and torch.equal(got_s, final), v_slices
+
+
+SEGMENT_CASES = [CASES[0], dict(CASES[1], lengths=[0, 1, 33, 70]), CASES[3]]
+
+
+@pytest.mark.parametrize("case", SEGMENT_CASES, ids=range(len(SEGMENT_CASES)))
+def test_segments_same_bits_as_the_triton_kernels(case, request):
+    """Sequence parallelism, segments of two chunks: the transitions (identity columns included) and the rerun."""
+    inp = make_inputs(seed=31, **dict(case, gate="weak"))
+    expected = {s: run_triton(inp, s, sequence_parallel=64) for s in widths(case)}
+    request.getfixturevalue("gluon")
+    for v_slices, (out, final) in expected.items():
+        got_o, got_s = run_triton(inp, v_slices, sequence_parallel=64, **warpgroup())
+        assert torch.equal(got_o, out) and torch.equal(got_s, final), v_slices
+
+
+def test_open_entry_same_bits_as_the_triton_kernels(request):
+    """Context parallelism's halves: every segment's transition from zero, then the rerun from an entry."""
+    inp = make_inputs([150, 150], varlen=False, key_dim=64, value_dim=128, gate="weak", heads=1, seed=41)
+    entry = inp.pop("initial_state")
+    expected = run_open_entry(inp, entry, 2, segment_tokens=64)
+    request.getfixturevalue("gluon")
+    got = run_open_entry(inp, entry, 2, segment_tokens=64, **warpgroup())
+    assert all(torch.equal(a, b) for a, b in zip(got, expected))
+
+
+def run_with_checkpoints(inp, plan):
+    """:func:`fastkda.ops.prefill.chunk_kda_forward` with two checkpoints per sequence: ``(out, final, states)``."""
+    from fastkda.ops.prefill import chunk_kda_forward
+
+    num_seqs, heads, value_dim, key_dim = inp["initial_state"].shape
+    offsets = torch.tensor([[32, 64], [0, 96]], dtype=torch.int32)
+    states = torch.full((num_seqs, 2, heads, value_dim, key_dim), float("nan"))
+    out = torch.full_like(inp["v"], float("nan"))
+    final = torch.full_like(inp["initial_state"], float("nan"))
+    chunk_kda_forward(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], plan=plan, A_log=inp["A_log"],
+                      dt_bias=inp["dt_bias"], lower_bound=inp["lower_bound"], scale=key_dim ** -0.5,
+                      initial_state=inp["initial_state"], cu_seqlens=inp["cu_seqlens"], use_qk_l2norm=True,
+                      use_beta_sigmoid=True, out=out, final_state=final, checkpoint_offsets=offsets,
+                      checkpoint_states=states)
+    return out, final, states
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, 64])
+def test_checkpoints_and_fp32_v_as_the_triton_kernel(sequence_parallel, request):
+    """Checkpoints at chunk multiples (the first at 0, one inside a segment), and fp32 q, k, v (the ring holds v
+    as it comes)."""
+    inp = make_inputs([100, 130], key_dim=64, value_dim=128, gate="weak", heads=1, seed=51)
+    inp.update({name: inp[name].float() for name in ("q", "k", "v")})
+    plan = plan_for(inp, 2, sequence_parallel=sequence_parallel)
+    expected = run_with_checkpoints(inp, plan)
+    request.getfixturevalue("gluon")
+    got = run_with_checkpoints(inp, plan.replace(**warpgroup()))
+    assert all(torch.equal(a, b) for a, b in zip(got, expected))
+    assert torch.isfinite(got[2]).all()
+
+
+def test_the_emulation_catches_a_ring_slot_read_before_its_copies_land(gluon, monkeypatch):
+    """A wait for one commit group fewer than the ring needs: the step reads a slot whose copies are in flight."""
+    from fastkda.ops.prefill import recurrence_warpgroup
+
+    monkeypatch.setattr(recurrence_warpgroup.async_copy, "wait_group",
+                        lambda outstanding: gluon.wait(int(getattr(outstanding, "value", outstanding)) + 1))
+    inp = make_inputs([100], varlen=False, key_dim=64, value_dim=128, heads=1, seed=61)
+    with pytest.raises(Exception) as caught:
+        run_triton(inp, 2, **warpgroup())
+    assert "GluonRaceError" in repr(caught.value) and "in flight" in repr(caught.value)
+
+
+def test_the_emulation_catches_an_unfenced_store(gluon, monkeypatch):
+    """T·β's halves written with no fence after: the tensor cores' next read of them is a race."""
+    from fastkda.ops.prefill import recurrence_warpgroup
+
+    monkeypatch.setattr(recurrence_warpgroup, "fence_async_shared", lambda: None)
+    inp = make_inputs([40], varlen=False, key_dim=64, value_dim=128, heads=1, seed=62)
+    with pytest.raises(Exception) as caught:
+        run_triton(inp, 2, **warpgroup())
+    assert "GluonRaceError" in repr(caught.value) and "fence_async_shared" in repr(caught.value)
+
+
+def test_the_emulation_rounds_bf16_to_nearest_even(gluon):
+    """The emulated ``.to(bfloat16)`` rounds as the GPU does: halfway cases to the even neighbour."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def convert(x, y):
+        offsets = tl.arange(0, 4)
+        tl.store(y + offsets, tl.load(x + offsets).to(tl.bfloat16).to(tl.float32))
+
+    x = torch.tensor([1 + 2 ** -8, 1 + 3 * 2 ** -8, 1 + 2 ** -7 - 2 ** -20, -3.14159])
+    y = torch.empty(4)
+    convert[(1,)](x, y)
+    assert torch.equal(y, x.bfloat16().float())
+
