@@ -20,7 +20,7 @@ from . import checks as value_checks
 from .errors import KINDS, counters
 from .ops.decode_step import fused_decode_step
 from .plan import (CHUNK, DecodePlan, PrefillPlan, choose_decode_plan, choose_decode_step_plan,
-                   choose_open_entry_plan, choose_plan, requested_v_slices, sm_count)
+                   choose_open_entry_plan, choose_plan, has_warpgroup_mma, requested_v_slices, sm_count)
 from .reference import (_as, causal_conv1d_reference, compose_segment_maps, gated_rmsnorm_reference, kda_chunked,
                         kda_decode_reference, open_segment_maps, run_from_segment_maps)
 from .validation import (FLOAT_DTYPES, INDEX_DTYPES, STATE_DTYPES, _describe, addressable_inputs, byte_extent,
@@ -200,6 +200,7 @@ def kda_prefill(
                            sequence_parallel=sequence_parallel, max_seqlen=max_seqlen)
     else:
         _check_plan_fits(plan, facts, varlen, lower_bound_gate, v_slices, sequence_parallel)
+        _check_plan_runs_here(plan, q)
     errors = _error_counters(errors, q)
     if out is None:
         out = torch.empty_like(v, memory_format=torch.contiguous_format)
@@ -211,6 +212,17 @@ def kda_prefill(
         cu_seqlens, use_qk_l2norm, use_beta_sigmoid, plan.launch_numbers(), plan.dot_precision,
         value_checks.requested(checks), compiling, out, final_state, checkpoint_offsets, checkpoint_states, errors)
     return out, final_state
+
+
+def _check_plan_runs_here(plan, q):
+    """A plan's Gluon recurrence needs Hopper's warpgroup MMA: refused on another GPU (it would not compile
+    there); the CPU path runs no kernel and takes any plan."""
+    if plan.warpgroup_recurrence and q.is_cuda:
+        index = q.device.index if q.device.index is not None else torch.cuda.current_device()
+        if not has_warpgroup_mma(index):
+            major, minor = torch.cuda.get_device_capability(index)
+            fail("plan", "warpgroup_recurrence=False on this GPU (the Gluon recurrence runs on Hopper's warpgroup "
+                 "MMA, compute capability 9.x)", f"warpgroup_recurrence=True on compute capability {major}.{minor}")
 
 
 def _check_plan_fits(plan, facts, varlen, lower_bound_gate, v_slices, sequence_parallel):

@@ -353,6 +353,13 @@ def sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+@functools.lru_cache(maxsize=None)
+def has_warpgroup_mma(device_index: int) -> bool:
+    """Whether a CUDA device runs Hopper's warpgroup MMA (compute capability 9.x, sm_90), which the Gluon
+    recurrence (the plan's ``warpgroup_recurrence``) is made of (read once per device)."""
+    return torch.cuda.get_device_capability(device_index)[0] == 9
+
+
 def parse_v_slices(value, source: str):
     """``"auto"`` or one of :data:`V_SLICE_CHOICES`; anything else raises ``ValueError`` naming ``source``."""
     if isinstance(value, str):

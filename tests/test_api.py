@@ -261,3 +261,24 @@ def test_open_entry_prefill_rejects_bad_arguments():
     o, state = opened.finish()  # no entry: from zeros
     want_o, want_s = fastkda.kda_prefill(*tensors, **gate, output_final_state=True)
     assert rel_err(o, want_o) < 1e-3 and rel_err(state, want_s) < 1e-5
+
+
+def test_a_gluon_plan_is_refused_on_a_gpu_without_warpgroup_mma(monkeypatch):
+    """The plan's Gluon recurrence compiles only for Hopper (sm_90): elsewhere the call names the plan, before any
+    kernel would fail to compile; the CPU path and a Hopper GPU take it."""
+    import types
+
+    from fastkda import api
+    from helpers import make_inputs, plan_for
+
+    plan = plan_for(make_inputs([100], heads=2, key_dim=64, value_dim=128), v_slices=2).replace(
+        warpgroup_recurrence=True, recurrence_stages=4)
+    on_gpu = types.SimpleNamespace(is_cuda=True, device=torch.device("cuda", 0))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index: (8, 0))
+    monkeypatch.setattr(api, "has_warpgroup_mma", lambda index: False)
+    with pytest.raises(ValueError, match=r"plan.*warpgroup_recurrence=True on compute capability 8\.0"):
+        api._check_plan_runs_here(plan, on_gpu)
+    api._check_plan_runs_here(plan, torch.zeros(1))  # the CPU path
+    api._check_plan_runs_here(plan.replace(warpgroup_recurrence=False, recurrence_stages=3), on_gpu)
+    monkeypatch.setattr(api, "has_warpgroup_mma", lambda index: True)
+    api._check_plan_runs_here(plan, on_gpu)
