@@ -150,6 +150,10 @@ def warpgroup_walk(
     lo_s = gl.allocate_shared_memory(gl.bfloat16, [2, C, C], SHARED_C)
     hi_s = gl.allocate_shared_memory(gl.bfloat16, [2, C, C], SHARED_C)
 
+    for i in gl.static_range(STAGES - 1):  # the first chunks' copies, in flight while the state loads
+        copy_chunk(c0 + i, c_end, bos, eos, slot0, i, kd_ws, qg_ws, kg_ws, A_ws, T_ws, v_h, decay_h, stride_v,
+                   kd_s, qg_s, kg_s, A_s, T_s, v_s, decay_s, H, K, V, BV, C, vs, ROWS_K, ROWS_C, ROWS_T, ROWS_V,
+                   VECTOR, OUTPUTS)
     # the state Sᵀ [BV, K] in the state product's accumulator layout (a transition's columns from V on are its
     # identity columns), its addresses in [N, H, V, K] and in one (slot, head)'s [V, K] rows
     sv = vs * BV + gl.arange(0, BV, layout=gl.SliceLayout(1, ACC_K))
@@ -163,10 +167,6 @@ def warpgroup_walk(
     oc = gl.arange(0, C, layout=gl.SliceLayout(0, ACC_C))
     zero_C = gl.zeros([BV, C], gl.float32, ACC_C)
 
-    for i in gl.static_range(STAGES - 1):
-        copy_chunk(c0 + i, c_end, bos, eos, slot0, i, kd_ws, qg_ws, kg_ws, A_ws, T_ws, v_h, decay_h, stride_v,
-                   kd_s, qg_s, kg_s, A_s, T_s, v_s, decay_s, H, K, V, BV, C, vs, ROWS_K, ROWS_C, ROWS_T, ROWS_V,
-                   VECTOR, OUTPUTS)
     async_copy.wait_group(STAGES - 2)  # the first chunk
     cta_barrier()
     split_t(T_s, 0, lo_s, hi_s, 0, ROWS_T)
