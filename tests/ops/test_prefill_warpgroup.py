@@ -113,6 +113,32 @@ def test_checkpoints_and_fp32_v_as_the_triton_kernel(sequence_parallel, request)
     assert torch.isfinite(got[2]).all()
 
 
+def test_malformed_cu_seqlens_counted_as_the_triton_kernels_count_them(request):
+    """An offset past T and one out of order: the kernels clamp and count them (the GPU path takes such values
+    unchecked), and the Gluon kernels count as many, with no race or stray read in the emulation. The outputs are
+    unspecified then (they read workspace rows that no chunk wrote), so they are not compared."""
+    from fastkda.ops.prefill import chunk_kda_forward
+
+    inp = make_inputs([60, 40, 70], key_dim=64, value_dim=128, gate="weak", heads=1, seed=71)
+    bad = inp["cu_seqlens"].clone()
+    bad[1], bad[2] = 500, 30  # past T; then below its predecessor
+
+    def run(**changes):
+        plan = plan_for(inp, 2).replace(**changes)
+        out = torch.full_like(inp["v"], float("nan"))
+        final = torch.full_like(inp["initial_state"], float("nan"))
+        errors = torch.zeros(3, dtype=torch.int32)
+        chunk_kda_forward(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], plan=plan, A_log=None, dt_bias=None,
+                          lower_bound=None, scale=0.125, initial_state=inp["initial_state"], cu_seqlens=bad,
+                          use_qk_l2norm=True, use_beta_sigmoid=True, out=out, final_state=final, errors=errors)
+        return errors
+
+    expected = run()
+    assert expected.sum() > 0
+    request.getfixturevalue("gluon")
+    assert torch.equal(run(**warpgroup()), expected)
+
+
 def test_the_emulation_catches_a_ring_slot_read_before_its_copies_land(gluon, monkeypatch):
     """A wait for one commit group fewer than the ring needs: the step reads a slot whose copies are in flight."""
     from fastkda.ops.prefill import recurrence_warpgroup
