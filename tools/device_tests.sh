@@ -12,6 +12,8 @@
 #   DSWEEP_S=90 PSWEEP_S=100 BENCH_S=200 (0 skips a step; the bench appends to today's committed results file)
 #   PSWEEP_ARGS, VARIANTS_ARGS: extra arguments of tools/sweeps/plan_sweep.py and tools/variants/prepare_variants.py
 #   AB_S, AB_ARGS: the same-run A/B against packages of other commits (tools/variants/ab_packages.py; carry .ab)
+#   KERNELS_ARGS, and KERNELS2_S with KERNELS2_ARGS for a second run: tools/profiling/kernel_times.py's arguments
+#   (e.g. --only H24_N1_T65536, then the same with --package <commit>)
 set -uo pipefail
 OUT=${OUT:-/tmp/fastkda-out}
 mkdir -p "$OUT/results"
@@ -47,7 +49,10 @@ step decode-sweep "${DSWEEP_S:-0}" python3 tools/sweeps/decode_sweep.py --out "$
 step bench "${BENCH_S:-400}" python3 -m fastkda.bench --append --out "$OUT/results" "$@"
 step plan-sweep "${PSWEEP_S:-0}" python3 tools/sweeps/plan_sweep.py --out "$OUT/results" --budget-s "${PSWEEP_BUDGET:-60}" \
   ${PSWEEP_ARGS:-}
-step kernel-times "${KERNELS_S:-60}" python3 tools/profiling/kernel_times.py
+# shellcheck disable=SC2086  # the argument lists split on purpose
+step kernel-times "${KERNELS_S:-60}" python3 tools/profiling/kernel_times.py ${KERNELS_ARGS:-}
+# shellcheck disable=SC2086
+step kernel-times-2 "${KERNELS2_S:-0}" python3 tools/profiling/kernel_times.py ${KERNELS2_ARGS:-}
 step checkpoint-cost "${CKPT_S:-0}" python3 tools/sweeps/checkpoint_cost.py
 NCU_KERNEL=${NCU_KERNEL:-prepare} NCU_WORKLOAD=${NCU_WORKLOAD:-H96_B1_T8192}  # the kernel's Triton name less _kernel
 [ "$NCU_KERNEL" = scan ] && ncu_name=segment_scan || ncu_name=$NCU_KERNEL
