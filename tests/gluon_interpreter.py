@@ -14,6 +14,10 @@ the module uses become:
   order k = 0, 1, ... (as ``tests/interpreter.py`` makes the interpreter's ``tl.dot`` do), ``warpgroup_mma_wait``
   retiring the oldest products in flight;
 * barriers and fences: no-ops for the values (one program runs at a time, every warp at once);
+* ``gl.warp_specialize``: each partition in a thread of its own, one running at a time, each until it waits on an
+  mbarrier (cooperatively, so runs repeat); ``mbarrier`` init, arrive and wait by phase parity, and
+  ``async_copy.mbarrier_arrive`` landing the partition's copies in flight (it arrives once they land);
+* ``mma_v2``: the product of its operands in fp32, term by term in order, as ``warpgroup_mma``;
 * ``x.to(gl.bfloat16)`` from fp32: rounded to nearest even, as the GPU's ``cvt.rn.bf16.f32`` does (the
   interpreter's own conversion truncates, which biases every rounding of a recurrence the same way).
 
@@ -22,12 +26,13 @@ shared memory a copy is still in flight to (a ``wait_group`` count too high, or 
 chunk's group); issuing a copy into memory a copy is in flight to, or that a product still in flight reads; a
 store of registers to memory that a product in flight reads; a product reading memory that registers were stored
 to with no ``fence_async_shared`` after the store (the tensor cores read through the async proxy); a program that
-ends with copies in flight. It cannot see races between the warps of one program (a missing barrier), nor
-timing: the GPU tests and ``tests/tools/test_compile_stats.py`` (ptxas) cover those.
+ends with copies in flight; an mbarrier wait that no partition can complete (a deadlock). It cannot see races
+between the warps of one program (a missing barrier), nor timing: the GPU tests and ``tests/tools/test_compile_stats.py`` (ptxas) cover those.
 """
 
 import contextlib
 import inspect
+import threading
 import types
 
 import numpy as np
@@ -78,6 +83,8 @@ def _poison(dtype, shape):
     tl = _tl()
     if dtype == tl.bfloat16:
         return np.full(shape, 0x7FC0, dtype=np.uint16)
+    if not dtype.is_floating():  # mbarriers and other integer allocations
+        return np.zeros(shape, dtype=_np_dtype(dtype))
     return np.full(shape, np.nan, dtype=_np_dtype(dtype))
 
 
@@ -108,6 +115,17 @@ class SharedMemory:
         if not 0 <= i < self.values.shape[0]:
             raise GluonRaceError(f"shared memory index {i} outside [0, {self.values.shape[0]})")
         return self._view(lambda a: a[i])
+
+    def slice(self, start, length, dim=0):
+        start, length, dim = (int(getattr(x, "value", x)) for x in (start, length, dim))
+        index = [slice(None)] * self.values.ndim
+        index[dim] = slice(start, start + length)
+        return self._view(lambda a: a[tuple(index)])
+
+    @property
+    def address(self):
+        """Where the view starts in memory (an mbarrier's identity)."""
+        return self.values.__array_interface__["data"][0]
 
     def permute(self, order):
         order = tuple(int(getattr(x, "value", x)) for x in order)
@@ -140,13 +158,41 @@ class _Emulation:
     def __init__(self):
         self.num_warps = 4
         self.allocations = []
-        self.open_group, self.groups, self.products = [], [], []
+        self.partitions = []  # every partition's state, this program's
+        self.local = threading.local()
+        self.barriers = {}  # an mbarrier's address -> [arrivals per phase, arrivals left, completed phases]
+        self.turn = threading.Condition()  # held by the partition that runs
+        self.deadlock_s = 20  # how long a wait may find no partition to complete it
+
+    @property
+    def state(self):
+        """The running partition's copies (open, committed) and products in flight."""
+        if not hasattr(self.local, "state"):
+            self.local.state = types.SimpleNamespace(open_group=[], groups=[], products=[])
+            self.partitions.append(self.local.state)
+        return self.local.state
+
+    @property
+    def open_group(self):
+        return self.state.open_group
+
+    @open_group.setter
+    def open_group(self, value):
+        self.state.open_group = value
+
+    @property
+    def groups(self):
+        return self.state.groups
+
+    @property
+    def products(self):
+        return self.state.products
 
     def copy(self, destination, pointer, mask):
         tl = _tl()
         if destination.copying.any() or destination.reading.any():
             raise GluonRaceError("a cp.async into shared memory that a copy or a product still in flight uses")
-        loaded = tl.load(pointer, mask=mask, other=0)
+        loaded = tl.load(pointer) if mask is None else tl.load(pointer, mask=mask, other=0)
         if loaded.dtype.scalar != destination.dtype:
             raise GluonRaceError(f"a cp.async of {loaded.dtype.scalar} into {destination.dtype} shared memory")
         destination.copying[...] = True
@@ -204,10 +250,81 @@ class _Emulation:
             for x in self.products.pop(0):
                 x.reading -= 1
 
+    def land_all(self):
+        """This partition's copies in flight, landed (``async_copy.mbarrier_arrive``'s arrival waits for them)."""
+        self.commit()
+        self.wait(0)
+
+    def barrier_init(self, bar, count):
+        self.barriers[bar.address] = [int(getattr(count, "value", count))] * 2 + [0]
+
+    def barrier_arrive(self, bar, count=1):
+        state = self.barriers.get(bar.address)
+        if state is None:
+            raise GluonRaceError("an arrive on an mbarrier never initialised")
+        state[1] -= int(getattr(count, "value", count))
+        if state[1] < 0:
+            raise GluonRaceError("more arrivals on an mbarrier than its count")
+        if state[1] == 0:
+            state[1], state[2] = state[0], state[2] + 1
+            self.turn.notify_all()
+
+    def barrier_wait(self, bar, parity):
+        """Until the phase of ``parity`` has completed, that is until the barrier's completed phases' parity
+        differs from it; waiting hands the turn to the other partitions."""
+        state = self.barriers.get(bar.address)
+        if state is None:
+            raise GluonRaceError("a wait on an mbarrier never initialised")
+        parity = int(np.asarray(getattr(getattr(parity, "handle", None), "data", parity)).reshape(-1)[0]) & 1
+        while state[2] % 2 == parity:
+            if not self.turn.wait(timeout=self.deadlock_s):
+                raise GluonRaceError("deadlock: an mbarrier wait that no partition completes")
+
+    def specialize(self, functions_and_args):
+        """The partitions, each in a thread of its own, one at a time (:attr:`turn`); the default partition's
+        result."""
+        results, errors = [None] * len(functions_and_args), []
+
+        def run(i, fn, args):
+            try:
+                with self.turn:
+                    results[i] = fn(*args)
+            except BaseException as exc:  # re-raised in the calling thread
+                errors.append(exc)
+                with self.turn:
+                    self.turn.notify_all()
+
+        threads = [threading.Thread(target=run, args=(i, fn, args), daemon=True)
+                   for i, (fn, args) in enumerate(functions_and_args)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        if errors:
+            raise errors[0]
+        return results[0]
+
+    def mma_v2(self, a, b, acc):
+        """``acc + a·b`` (batched over leading dimensions), term by term in order, in fp32."""
+        from triton.runtime.interpreter import TensorHandle
+
+        tl = _tl()
+        lhs, rhs = (_as_fp32(x.handle.data, x.dtype.scalar) for x in (a, b))
+        total = acc.handle.data.astype(np.float32).copy()
+        for i in range(lhs.shape[-1]):
+            total += lhs[..., i:i + 1] * rhs[..., i:i + 1, :]
+        return tl.tensor(TensorHandle(total, tl.float32), acc.type)
+
     def end_program(self):
-        if self.open_group or self.groups:
+        if any(p.open_group or p.groups for p in self.partitions):
             raise GluonRaceError("the program ends with cp.async copies in flight (no final wait_group(0))")
-        self.retire(0)
+        for partition in self.partitions:
+            while partition.products:
+                for x in partition.products.pop(0):
+                    x.reading -= 1
+        self.partitions.clear()
+        self.local = threading.local()
+        self.barriers.clear()
         self.allocations.clear()
 
 
@@ -244,6 +361,9 @@ def _gl_shim(emulation):
         load=lambda *args, **kwargs: tl.load(*args, **kwargs),
         store=lambda *args, **kwargs: tl.store(*args, **kwargs),
         where=lambda *args: tl.where(*args),
+        sum=lambda *args, **kwargs: tl.sum(*args, **kwargs),
+        warp_specialize=lambda functions_and_args, worker_num_warps, worker_num_regs: emulation.specialize(
+            functions_and_args),
         minimum=lambda *args: tl.minimum(*args),
         maximum=lambda *args: tl.maximum(*args),
         constexpr=tl.constexpr, int32=tl.int32, int64=tl.int64, float16=tl.float16, float32=tl.float32,
@@ -293,32 +413,44 @@ class _InterpretedGluon:
 
 
 @contextlib.contextmanager
-def interpreted_gluon(module, monkeypatch):
-    """Within the block, ``module``'s Gluon kernels and functions run on the interpreter (module docstring):
-    ``monkeypatch`` (pytest's) swaps the module's Gluon names for emulated ones and puts them back after."""
+def interpreted_gluon(modules, monkeypatch):
+    """Within the block, the Gluon kernels and functions of ``modules`` (a module or several, one emulation for
+    all: a kernel may call another module's Gluon functions) run on the interpreter (module docstring):
+    ``monkeypatch`` (pytest's) swaps the modules' Gluon names for emulated ones and puts them back after."""
     import triton.language as tl
     from triton.experimental.gluon._runtime import GluonJITFunction
-
     from triton.runtime.interpreter import InterpreterBuilder
 
     emulation = _Emulation()
     monkeypatch.setattr(InterpreterBuilder, "cast_impl", _nearest_even_bf16(InterpreterBuilder.cast_impl))
-    monkeypatch.setattr(module, "tl", tl, raising=False)  # the interpreter patches the tl a function can see
-    monkeypatch.setattr(module, "gl", _gl_shim(emulation))
-    monkeypatch.setattr(module, "async_copy", types.SimpleNamespace(
-        async_copy_global_to_shared=lambda smem, pointer, mask=None, **_: emulation.copy(smem, pointer, mask),
-        commit_group=emulation.commit, wait_group=emulation.wait))
-    hopper = dict(fence_async_shared=emulation.fence,
-                  warpgroup_mma=lambda a, b, acc, *, use_acc=True, is_async=False, **_: emulation.product(
-                      a, b, acc, use_acc, is_async),
-                  warpgroup_mma_wait=lambda num_outstanding=0, deps=None: _retired(emulation, num_outstanding, deps),
-                  cta_barrier=lambda: None)
-    for name, value in hopper.items():
-        if hasattr(module, name):
-            monkeypatch.setattr(module, name, value)
-    for name, value in list(vars(module).items()):
-        if isinstance(value, GluonJITFunction):
-            monkeypatch.setattr(module, name, _InterpretedGluon(value, emulation))
+    monkeypatch.setattr(tl.block_type, "layout", None, raising=False)  # a value's layout: none here (ignored)
+    replaced = dict(
+        tl=tl, gl=_gl_shim(emulation),
+        async_copy=types.SimpleNamespace(
+            async_copy_global_to_shared=lambda smem, pointer, mask=None, **_: emulation.copy(smem, pointer, mask),
+            commit_group=emulation.commit, wait_group=emulation.wait,
+            mbarrier_arrive=lambda bar, increment_count=True: emulation.land_all()),
+        fence_async_shared=emulation.fence,
+        mbarrier=types.SimpleNamespace(
+            init=emulation.barrier_init, invalidate=lambda bar: None, MBarrierLayout=lambda *a, **k: None,
+            arrive=lambda bar, *, count=1, pred=True: emulation.barrier_arrive(bar, count),
+            wait=lambda bar, phase, pred=True, deps=(): emulation.barrier_wait(bar, phase)),
+        mma_v2=lambda a, b, acc, input_precision=None: emulation.mma_v2(a, b, acc),
+        warpgroup_mma=lambda a, b, acc, *, use_acc=True, is_async=False, **_: emulation.product(
+            a, b, acc, use_acc, is_async),
+        warpgroup_mma_wait=lambda num_outstanding=0, deps=None: _retired(emulation, num_outstanding, deps),
+        cta_barrier=lambda: None)
+    interpreted = {}  # id(Gluon function) -> its one emulation, whichever module names it (a JITFunction's hash
+    # analyses its source's references, which the swapped names break)
+    for module in modules if isinstance(modules, (tuple, list)) else (modules,):
+        for name, value in replaced.items():
+            if name in ("tl", "gl") or hasattr(module, name):  # the interpreter patches the tl a function sees
+                monkeypatch.setattr(module, name, value, raising=False)
+        for name, value in list(vars(module).items()):
+            if isinstance(value, GluonJITFunction):
+                if id(value) not in interpreted:
+                    interpreted[id(value)] = _InterpretedGluon(value, emulation)
+                monkeypatch.setattr(module, name, interpreted[id(value)])
     yield emulation
 
 
