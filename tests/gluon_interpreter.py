@@ -13,10 +13,12 @@ the module uses become:
 * ``warpgroup_mma``: the product of the bf16 operands in fp32, adding onto the accumulator term by term in the
   order k = 0, 1, ... (as ``tests/interpreter.py`` makes the interpreter's ``tl.dot`` do), ``warpgroup_mma_wait``
   retiring the oldest products in flight;
-* barriers and fences: no-ops for the values (one program runs at a time, every warp at once);
+* barriers and fences: no-ops for the values (one program runs at a time, every warp at once); a landed
+  ``cp.async`` copy, like a register store, must be fenced before the tensor cores read it;
 * ``gl.warp_specialize``: each partition in a thread of its own, one running at a time, each until it waits on an
-  mbarrier (cooperatively, so runs repeat); ``mbarrier`` init, arrive and wait by phase parity, and
-  ``async_copy.mbarrier_arrive`` landing the partition's copies in flight (it arrives once they land);
+  mbarrier (cooperatively, so runs repeat; the default partition in the calling thread); ``mbarrier`` init,
+  arrive and wait by phase parity (predicates honoured), and ``async_copy.mbarrier_arrive``, whose copies land as
+  late as the barrier allows: when only such arrivals are left in its phase;
 * ``mma_v2``: the product of its operands in fp32, term by term in order, as ``warpgroup_mma``;
 * ``x.to(gl.bfloat16)`` from fp32: rounded to nearest even, as the GPU's ``cvt.rn.bf16.f32`` does (the
   interpreter's own conversion truncates, which biases every rounding of a recurrence the same way).
@@ -152,6 +154,26 @@ class SharedMemory:
         self.unfenced[...] = True
 
 
+def _land(destination, data):
+    """A copy lands: its values in place. Landed ``cp.async`` data counts as written through the generic proxy, so a
+    product reading it needs a ``fence_async_shared`` after the landing, as registers stored do."""
+    destination.values[...] = data
+    destination.copying[...] = False
+    destination.unfenced[...] = True
+
+
+def _true(pred):
+    return bool(np.asarray(getattr(getattr(pred, "handle", None), "data", pred)).all())
+
+
+class _Barrier:
+    """An mbarrier: arrivals a phase, arrivals left in this one, phases completed, and the ``cp.async`` copies whose
+    arrivals it still waits for."""
+
+    def __init__(self, count):
+        self.count, self.left, self.completed, self.attached = count, count, 0, []
+
+
 class _Emulation:
     """The state of the program running: commit groups of copies, products in flight, its warps."""
 
@@ -160,9 +182,12 @@ class _Emulation:
         self.allocations = []
         self.partitions = []  # every partition's state, this program's
         self.local = threading.local()
-        self.barriers = {}  # an mbarrier's address -> [arrivals per phase, arrivals left, completed phases]
+        self.barriers = {}  # an mbarrier's address -> its _Barrier
         self.turn = threading.Condition()  # held by the partition that runs
-        self.deadlock_s = 20  # how long a wait may find no partition to complete it
+        self.live, self.aborted = 1, False  # partitions running; one failed
+        self.epoch, self.waiting = 0, {}  # completed phases and ended partitions; thread -> epoch it waits since
+        self.launches = 0  # programs run (a test can tell that the Gluon kernels ran at all)
+        self.deadlock_s = 60  # a safety net only: deadlocks are found when every live partition waits
 
     @property
     def state(self):
@@ -206,9 +231,7 @@ class _Emulation:
         outstanding = int(getattr(outstanding, "value", outstanding))
         while len(self.groups) > outstanding:
             for destination, data in self.groups.pop(0):
-                destination.values[...] = data
-                destination.copying[...] = False
-                destination.unfenced[...] = False  # cp.async lands as the tensor cores read it (no fence)
+                _land(destination, data)
 
     def fence(self):
         for allocation in self.allocations:
@@ -239,50 +262,91 @@ class _Emulation:
         read = [x for x in (a, b) if isinstance(x, SharedMemory)]
         for x in read:
             x.reading += 1
-        self.products.append(read)
+        result = tl.tensor(TensorHandle(total, tl.float32), acc.type)
+        self.products.append((read, id(result)))
         if not is_async:
             self.retire(0)
-        return tl.tensor(TensorHandle(total, tl.float32), acc.type)
+        return result
 
-    def retire(self, outstanding):
+    def retire(self, outstanding, deps=()):
+        """``warpgroup_mma_wait``: all but the newest ``outstanding`` products completed; every result in ``deps``
+        must be among them (a result used before its product completes reads registers still being written)."""
         outstanding = int(getattr(outstanding, "value", outstanding))
         while len(self.products) > outstanding:
-            for x in self.products.pop(0):
+            for x in self.products.pop(0)[0]:
                 x.reading -= 1
+        in_flight = {result for _, result in self.products}
+        if any(id(dep) in in_flight for dep in deps):
+            raise GluonRaceError("warpgroup_mma_wait returns a product still in flight (its count is too high)")
 
-    def land_all(self):
-        """This partition's copies in flight, landed (``async_copy.mbarrier_arrive``'s arrival waits for them)."""
-        self.commit()
-        self.wait(0)
+    def barrier(self, bar, what):
+        found = self.barriers.get(bar.address)
+        if found is None:
+            raise GluonRaceError(f"{what} on an mbarrier never initialised")
+        return found
 
     def barrier_init(self, bar, count):
-        self.barriers[bar.address] = [int(getattr(count, "value", count))] * 2 + [0]
+        self.barriers[bar.address] = _Barrier(int(getattr(count, "value", count)))
 
-    def barrier_arrive(self, bar, count=1):
-        state = self.barriers.get(bar.address)
-        if state is None:
-            raise GluonRaceError("an arrive on an mbarrier never initialised")
-        state[1] -= int(getattr(count, "value", count))
-        if state[1] < 0:
-            raise GluonRaceError("more arrivals on an mbarrier than its count")
-        if state[1] == 0:
-            state[1], state[2] = state[0], state[2] + 1
+    def async_arrive(self, bar, increment_count):
+        """``cp.async.mbarrier.arrive``: an arrival on ``bar`` made when this partition's copies so far land
+        (with ``increment_count``, one more arrival expected for it first). The copies travel with the barrier and
+        land as late as they may: when only such arrivals are left in the phase."""
+        barrier = self.barrier(bar, "cp.async's arrive")
+        self.commit()
+        copies = [copy for group in self.groups for copy in group]
+        self.groups.clear()
+        barrier.attached.append(copies)
+        barrier.left += 1 if increment_count else 0
+        self.settle(barrier)
+
+    def barrier_arrive(self, bar, count=1, pred=True):
+        if not _true(pred):
+            return
+        barrier = self.barrier(bar, "an arrive")
+        barrier.left -= int(getattr(count, "value", count))
+        self.settle(barrier)
+
+    def settle(self, barrier):
+        """Complete the barrier's phase once its arrivals are in, the copies' arrivals last (their copies land)."""
+        if barrier.left == len(barrier.attached) and barrier.attached:
+            for copies in barrier.attached:
+                for destination, data in copies:
+                    _land(destination, data)
+            barrier.left -= len(barrier.attached)
+            barrier.attached.clear()
+        if barrier.left < 0:
+            raise GluonRaceError("more arrivals on an mbarrier than its phase expects")
+        if barrier.left == 0:
+            barrier.left, barrier.completed = barrier.count, barrier.completed + 1
+            self.epoch += 1
             self.turn.notify_all()
 
-    def barrier_wait(self, bar, parity):
+    def barrier_wait(self, bar, parity, pred=True):
         """Until the phase of ``parity`` has completed, that is until the barrier's completed phases' parity
-        differs from it; waiting hands the turn to the other partitions."""
-        state = self.barriers.get(bar.address)
-        if state is None:
-            raise GluonRaceError("a wait on an mbarrier never initialised")
+        differs from it; waiting hands the turn to the other partitions. If every live partition waits, none can
+        complete a phase: a deadlock, reported."""
+        if not _true(pred):
+            return
+        barrier = self.barrier(bar, "a wait")
         parity = int(np.asarray(getattr(getattr(parity, "handle", None), "data", parity)).reshape(-1)[0]) & 1
-        while state[2] % 2 == parity:
-            if not self.turn.wait(timeout=self.deadlock_s):
-                raise GluonRaceError("deadlock: an mbarrier wait that no partition completes")
+        me = threading.get_ident()
+        while barrier.completed % 2 == parity:
+            if self.aborted:
+                raise GluonRaceError("another partition failed")
+            stuck = sum(1 for since in self.waiting.values() if since == self.epoch)  # no progress since they waited
+            if stuck + 1 >= self.live:
+                self.aborted = True
+                self.turn.notify_all()
+                raise GluonRaceError("deadlock: every partition waits on an mbarrier that none completes")
+            self.waiting[me] = self.epoch
+            self.turn.wait(timeout=self.deadlock_s)
+            del self.waiting[me]
 
     def specialize(self, functions_and_args):
-        """The partitions, each in a thread of its own, one at a time (:attr:`turn`); the default partition's
-        result."""
+        """The partitions: the default one in the calling thread (it inherits what the program did before), the
+        workers in threads of their own, one partition running at a time (:attr:`turn`) until it waits on an
+        mbarrier or ends; the default partition's result."""
         results, errors = [None] * len(functions_and_args), []
 
         def run(i, fn, args):
@@ -291,15 +355,22 @@ class _Emulation:
                     results[i] = fn(*args)
             except BaseException as exc:  # re-raised in the calling thread
                 errors.append(exc)
+                self.aborted = True
+            finally:
                 with self.turn:
+                    self.live -= 1
+                    self.epoch += 1
                     self.turn.notify_all()
 
+        self.live, self.aborted, self.waiting = len(functions_and_args), False, {}
         threads = [threading.Thread(target=run, args=(i, fn, args), daemon=True)
-                   for i, (fn, args) in enumerate(functions_and_args)]
+                   for i, (fn, args) in enumerate(functions_and_args) if i]
         for thread in threads:
             thread.start()
+        run(0, *functions_and_args[0])
         for thread in threads:
             thread.join()
+        self.live = 1
         if errors:
             raise errors[0]
         return results[0]
@@ -316,11 +387,11 @@ class _Emulation:
         return tl.tensor(TensorHandle(total, tl.float32), acc.type)
 
     def end_program(self):
-        if any(p.open_group or p.groups for p in self.partitions):
+        if any(p.open_group or p.groups for p in self.partitions) or any(b.attached for b in self.barriers.values()):
             raise GluonRaceError("the program ends with cp.async copies in flight (no final wait_group(0))")
         for partition in self.partitions:
             while partition.products:
-                for x in partition.products.pop(0):
+                for x in partition.products.pop(0)[0]:
                     x.reading -= 1
         self.partitions.clear()
         self.local = threading.local()
@@ -392,6 +463,7 @@ class _InterpretedGluon:
 
         fn = self.interpreted.rewrite()
         self.emulation.num_warps = num_warps
+        self.emulation.launches += 1
         names = inspect.getfullargspec(fn).args
         constexprs = {name for name in names if "constexpr" in str(fn.__annotations__.get(name, ""))}
         kwargs = {name: value for name, value in kwargs.items() if name in names}
@@ -429,12 +501,12 @@ def interpreted_gluon(modules, monkeypatch):
         async_copy=types.SimpleNamespace(
             async_copy_global_to_shared=lambda smem, pointer, mask=None, **_: emulation.copy(smem, pointer, mask),
             commit_group=emulation.commit, wait_group=emulation.wait,
-            mbarrier_arrive=lambda bar, increment_count=True: emulation.land_all()),
+            mbarrier_arrive=lambda bar, increment_count=True: emulation.async_arrive(bar, increment_count)),
         fence_async_shared=emulation.fence,
         mbarrier=types.SimpleNamespace(
             init=emulation.barrier_init, invalidate=lambda bar: None, MBarrierLayout=lambda *a, **k: None,
-            arrive=lambda bar, *, count=1, pred=True: emulation.barrier_arrive(bar, count),
-            wait=lambda bar, phase, pred=True, deps=(): emulation.barrier_wait(bar, phase)),
+            arrive=lambda bar, *, count=1, pred=True: emulation.barrier_arrive(bar, count, pred),
+            wait=lambda bar, phase, pred=True, deps=(): emulation.barrier_wait(bar, phase, pred)),
         mma_v2=lambda a, b, acc, input_precision=None: emulation.mma_v2(a, b, acc),
         warpgroup_mma=lambda a, b, acc, *, use_acc=True, is_async=False, **_: emulation.product(
             a, b, acc, use_acc, is_async),
@@ -455,5 +527,5 @@ def interpreted_gluon(modules, monkeypatch):
 
 
 def _retired(emulation, outstanding, deps):
-    emulation.retire(outstanding)
+    emulation.retire(outstanding, deps)
     return deps[0] if len(deps) == 1 else tuple(deps)

@@ -52,10 +52,11 @@ def test_serial_same_bits_as_the_triton_kernel(case, stages, request):
     inp = make_inputs(seed=21 + stages, **case)
     final_dtype = case.get("state_dtype", torch.float32)
     expected = {s: run_triton(inp, s, final_dtype=final_dtype) for s in widths(case, stages)}
-    request.getfixturevalue("gluon")
+    emulation = request.getfixturevalue("gluon")
     for v_slices, (out, final) in expected.items():
         got_o, got_s = run_triton(inp, v_slices, final_dtype=final_dtype, **warpgroup(stages))
         assert torch.equal(got_o, out) and torch.equal(got_s, final), v_slices
+    assert emulation.launches == len(expected)  # the Gluon kernels ran, not the Triton ones they fall back to
 
 
 SEGMENT_CASES = [CASES[0], dict(CASES[1], lengths=[0, 1, 33, 70]), CASES[3]]
@@ -66,10 +67,11 @@ def test_segments_same_bits_as_the_triton_kernels(case, request):
     """Sequence parallelism, segments of two chunks: the transitions (identity columns included) and the rerun."""
     inp = make_inputs(seed=31, **dict(case, gate="weak"))
     expected = {s: run_triton(inp, s, sequence_parallel=64) for s in widths(case)}
-    request.getfixturevalue("gluon")
+    emulation = request.getfixturevalue("gluon")
     for v_slices, (out, final) in expected.items():
         got_o, got_s = run_triton(inp, v_slices, sequence_parallel=64, **warpgroup())
         assert torch.equal(got_o, out) and torch.equal(got_s, final), v_slices
+    assert emulation.launches == 2 * len(expected)  # the Gluon transitions and rerun
 
 
 def test_open_entry_same_bits_as_the_triton_kernels(request):
@@ -77,9 +79,9 @@ def test_open_entry_same_bits_as_the_triton_kernels(request):
     inp = make_inputs([150, 150], varlen=False, key_dim=64, value_dim=128, gate="weak", heads=1, seed=41)
     entry = inp.pop("initial_state")
     expected = run_open_entry(inp, entry, 2, segment_tokens=64)
-    request.getfixturevalue("gluon")
+    emulation = request.getfixturevalue("gluon")
     got = run_open_entry(inp, entry, 2, segment_tokens=64, **warpgroup())
-    assert all(torch.equal(a, b) for a, b in zip(got, expected))
+    assert all(torch.equal(a, b) for a, b in zip(got, expected)) and emulation.launches == 2
 
 
 def run_with_checkpoints(inp, plan):
@@ -107,9 +109,9 @@ def test_checkpoints_and_fp32_v_as_the_triton_kernel(sequence_parallel, request)
     inp.update({name: inp[name].float() for name in ("q", "k", "v")})
     plan = plan_for(inp, 2, sequence_parallel=sequence_parallel)
     expected = run_with_checkpoints(inp, plan)
-    request.getfixturevalue("gluon")
+    emulation = request.getfixturevalue("gluon")
     got = run_with_checkpoints(inp, plan.replace(**warpgroup()))
-    assert all(torch.equal(a, b) for a, b in zip(got, expected))
+    assert all(torch.equal(a, b) for a, b in zip(got, expected)) and emulation.launches
     assert torch.isfinite(got[2]).all()
 
 
@@ -135,8 +137,8 @@ def test_malformed_cu_seqlens_counted_as_the_triton_kernels_count_them(request):
 
     expected = run()
     assert expected.sum() > 0
-    request.getfixturevalue("gluon")
-    assert torch.equal(run(**warpgroup()), expected)
+    emulation = request.getfixturevalue("gluon")
+    assert torch.equal(run(**warpgroup()), expected) and emulation.launches == 1
 
 
 def test_the_emulation_catches_a_ring_slot_read_before_its_copies_land(gluon, monkeypatch):
@@ -148,7 +150,21 @@ def test_the_emulation_catches_a_ring_slot_read_before_its_copies_land(gluon, mo
     inp = make_inputs([100], varlen=False, key_dim=64, value_dim=128, heads=1, seed=61)
     with pytest.raises(Exception) as caught:
         run_triton(inp, 2, **warpgroup())
-    assert "GluonRaceError" in repr(caught.value) and "in flight" in repr(caught.value)
+    assert "a shared-memory load reads shared memory that a cp.async group still in flight writes" in repr(
+        caught.value)
+
+
+def test_the_emulation_catches_a_product_used_before_it_completes(gluon, monkeypatch):
+    """A wait for one product fewer than the step needs: its result is read while still in flight."""
+    from fastkda.ops.prefill import recurrence_warpgroup
+
+    waits = recurrence_warpgroup.warpgroup_mma_wait
+    monkeypatch.setattr(recurrence_warpgroup, "warpgroup_mma_wait",
+                        lambda num_outstanding=0, deps=None: waits(int(num_outstanding) + 1, deps))
+    inp = make_inputs([40], varlen=False, key_dim=64, value_dim=128, heads=1, seed=64)
+    with pytest.raises(Exception) as caught:
+        run_triton(inp, 2, **warpgroup())
+    assert "warpgroup_mma_wait returns a product still in flight" in repr(caught.value)
 
 
 def test_the_emulation_catches_an_unfenced_store(gluon, monkeypatch):

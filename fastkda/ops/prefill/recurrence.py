@@ -22,8 +22,8 @@ Every operand is bf16, as in the state's products, so the wide forms' wgmma and 
 the same bits. A product that adds onto a value (the state's onto the decayed state, the output's second onto its
 first) takes that value as ``tl.dot``'s accumulator: the code generator fuses ``x + tl.dot(a, b)`` the same way
 (the SASS of every plan's recurrence and transition kernels is the same either way), and on the interpreter the
-terms then add onto the accumulator in the tensor cores' order, which the Gluon kernels' emulation
-(``tests/gluon_interpreter.py``) reproduces bit for bit.
+terms then add onto the accumulator as on the tensor cores (term by term in k order there, ``tests/interpreter.py``),
+as the Gluon kernels' emulation (``tests/gluon_interpreter.py``) adds them.
 """
 
 import triton
