@@ -274,3 +274,16 @@ def test_open_entry_plans_ignore_the_environment_turning_segments_off(monkeypatc
     assert choose_open_entry_plan(1, 12, 4096, 128, 128, 132).segment_chunks
     monkeypatch.setenv("FASTKDA_SEQUENCE_PARALLEL", "512")
     assert choose_open_entry_plan(1, 12, 4096, 128, 128, 132).segment_tokens == 512
+
+
+def test_warpgroup_mma_is_read_from_the_device_capability(monkeypatch):
+    """sm_90 (Hopper) runs the Gluon recurrence's warpgroup MMA; sm_80 and sm_100 do not."""
+    import torch
+
+    from fastkda.plan import has_warpgroup_mma
+
+    for capability, expected in (((9, 0), True), ((8, 0), False), ((10, 0), False)):
+        has_warpgroup_mma.cache_clear()
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index, c=capability: c)
+        assert has_warpgroup_mma(0) is expected
+    has_warpgroup_mma.cache_clear()
