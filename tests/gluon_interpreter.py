@@ -29,7 +29,8 @@ chunk's group); issuing a copy into memory a copy is in flight to, or that a pro
 store of registers to memory that a product in flight reads; a product reading memory that registers were stored
 to with no ``fence_async_shared`` after the store (the tensor cores read through the async proxy); a program that
 ends with copies in flight; an mbarrier wait that no partition can complete (a deadlock). It cannot see races
-between the warps of one program (a missing barrier), nor timing: the GPU tests and ``tests/tools/test_compile_stats.py`` (ptxas) cover those.
+between the warps of one program (a missing barrier), nor timing: the GPU tests and
+``tests/tools/test_compile_stats.py`` (ptxas) cover those.
 """
 
 import contextlib

@@ -1,8 +1,9 @@
 """The Gluon recurrence (``fastkda/ops/prefill/recurrence_warpgroup.py``, the plan's ``warpgroup_recurrence``) on
 the CPU: its kernels on Triton's interpreter through ``tests/gluon_interpreter.py``, against the Triton kernels'
-bits on the interpreter (whose accuracy against float64 ``test_prefill.py`` tests). What the emulation checks besides the values (copies landed before
-they are read, no copy or store into memory a product in flight reads, stores fenced before the tensor cores read
-them) is tested to fail where the kernel breaks those rules. The GPU's own checks are ``tests/test_gpu_warpgroup.py``."""
+bits on the interpreter (whose accuracy against float64 ``test_prefill.py`` tests). What the emulation checks
+besides the values (copies landed before they are read, no copy or store into memory a product in flight reads,
+writes fenced before the tensor cores read them, products complete before their results are used) is tested to
+fail where the kernel breaks those rules. The GPU's own checks are ``tests/test_gpu_warpgroup.py``."""
 
 import pytest
 import torch
