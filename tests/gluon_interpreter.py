@@ -40,6 +40,8 @@ import types
 
 import numpy as np
 
+from interpreter import add_products_in_order
+
 
 class GluonRaceError(AssertionError):
     """A Gluon kernel's use of shared memory that would race or read unwritten data on the GPU."""
@@ -55,6 +57,22 @@ def _np_dtype(dtype):
     from triton.runtime.interpreter import _get_np_dtype
 
     return _get_np_dtype(dtype)
+
+
+def _value(x):
+    """A constexpr's value, an interpreter tensor's data or a Python value, as a numpy array."""
+    x = getattr(x, "value", x)
+    return np.asarray(getattr(getattr(x, "handle", None), "data", x))
+
+
+def _int(x):
+    """:func:`_value`'s (first) element as an int: an index, a count."""
+    return int(_value(x).reshape(-1)[0])
+
+
+def _true(x):
+    """Whether :func:`_value` holds everywhere: a predicate, a flag."""
+    return bool(_value(x).all())
 
 
 def _as_fp32(data, dtype):
@@ -114,13 +132,13 @@ class SharedMemory:
                                                               self.unfenced)))
 
     def index(self, i):
-        i = int(np.asarray(getattr(getattr(i, "handle", None), "data", i)).reshape(-1)[0])
+        i = _int(i)
         if not 0 <= i < self.values.shape[0]:
             raise GluonRaceError(f"shared memory index {i} outside [0, {self.values.shape[0]})")
         return self._view(lambda a: a[i])
 
     def slice(self, start, length, dim=0):
-        start, length, dim = (int(getattr(x, "value", x)) for x in (start, length, dim))
+        start, length, dim = (_int(x) for x in (start, length, dim))
         index = [slice(None)] * self.values.ndim
         index[dim] = slice(start, start + length)
         return self._view(lambda a: a[tuple(index)])
@@ -131,7 +149,7 @@ class SharedMemory:
         return self.values.__array_interface__["data"][0]
 
     def permute(self, order):
-        order = tuple(int(getattr(x, "value", x)) for x in order)
+        order = tuple(_int(x) for x in order)
         return self._view(lambda a: a.transpose(order))
 
     def read(self, what):
@@ -163,8 +181,11 @@ def _land(destination, data):
     destination.unfenced[...] = True
 
 
-def _true(pred):
-    return bool(np.asarray(getattr(getattr(pred, "handle", None), "data", pred)).all())
+def _complete(products, outstanding):
+    """All but the newest ``outstanding`` of a partition's products in flight completed: their operands free."""
+    while len(products) > outstanding:
+        for x in products.pop(0)[0]:
+            x.reading -= 1
 
 
 class _Barrier:
@@ -229,8 +250,7 @@ class _Emulation:
         self.open_group = []
 
     def wait(self, outstanding):
-        outstanding = int(getattr(outstanding, "value", outstanding))
-        while len(self.groups) > outstanding:
+        while len(self.groups) > _int(outstanding):
             for destination, data in self.groups.pop(0):
                 _land(destination, data)
 
@@ -255,11 +275,8 @@ class _Emulation:
                 dtype = x.dtype.scalar
             if dtype != tl.bfloat16:
                 raise GluonRaceError(f"warpgroup_mma's {name} is {dtype}; the kernels multiply bf16")
-        lhs, rhs = operands
-        use_acc = bool(np.asarray(getattr(getattr(use_acc, "handle", None), "data", use_acc)).all())
-        total = (acc.handle.data.copy() if use_acc else np.zeros(acc.handle.data.shape, np.float32))
-        for i in range(lhs.shape[-1]):
-            total += lhs[:, i:i + 1] * rhs[i:i + 1, :]
+        total = acc.handle.data.copy() if _true(use_acc) else np.zeros(acc.handle.data.shape, np.float32)
+        add_products_in_order(total, *operands)
         read = [x for x in (a, b) if isinstance(x, SharedMemory)]
         for x in read:
             x.reading += 1
@@ -272,10 +289,7 @@ class _Emulation:
     def retire(self, outstanding, deps=()):
         """``warpgroup_mma_wait``: all but the newest ``outstanding`` products completed; every result in ``deps``
         must be among them (a result used before its product completes reads registers still being written)."""
-        outstanding = int(getattr(outstanding, "value", outstanding))
-        while len(self.products) > outstanding:
-            for x in self.products.pop(0)[0]:
-                x.reading -= 1
+        _complete(self.products, _int(outstanding))
         in_flight = {result for _, result in self.products}
         if any(id(dep) in in_flight for dep in deps):
             raise GluonRaceError("warpgroup_mma_wait returns a product still in flight (its count is too high)")
@@ -287,7 +301,7 @@ class _Emulation:
         return found
 
     def barrier_init(self, bar, count):
-        self.barriers[bar.address] = _Barrier(int(getattr(count, "value", count)))
+        self.barriers[bar.address] = _Barrier(_int(count))
 
     def async_arrive(self, bar, increment_count):
         """``cp.async.mbarrier.arrive``: an arrival on ``bar`` made when this partition's copies so far land
@@ -305,7 +319,7 @@ class _Emulation:
         if not _true(pred):
             return
         barrier = self.barrier(bar, "an arrive")
-        barrier.left -= int(getattr(count, "value", count))
+        barrier.left -= _int(count)
         self.settle(barrier)
 
     def settle(self, barrier):
@@ -330,7 +344,7 @@ class _Emulation:
         if not _true(pred):
             return
         barrier = self.barrier(bar, "a wait")
-        parity = int(np.asarray(getattr(getattr(parity, "handle", None), "data", parity)).reshape(-1)[0]) & 1
+        parity = _int(parity) & 1
         me = threading.get_ident()
         while barrier.completed % 2 == parity:
             if self.aborted:
@@ -381,19 +395,15 @@ class _Emulation:
         from triton.runtime.interpreter import TensorHandle
 
         tl = _tl()
-        lhs, rhs = (_as_fp32(x.handle.data, x.dtype.scalar) for x in (a, b))
-        total = acc.handle.data.astype(np.float32).copy()
-        for i in range(lhs.shape[-1]):
-            total += lhs[..., i:i + 1] * rhs[..., i:i + 1, :]
+        total = add_products_in_order(acc.handle.data.astype(np.float32),
+                                      *(_as_fp32(x.handle.data, x.dtype.scalar) for x in (a, b)))
         return tl.tensor(TensorHandle(total, tl.float32), acc.type)
 
     def end_program(self):
         if any(p.open_group or p.groups for p in self.partitions) or any(b.attached for b in self.barriers.values()):
             raise GluonRaceError("the program ends with cp.async copies in flight (no final wait_group(0))")
         for partition in self.partitions:
-            while partition.products:
-                for x in partition.products.pop(0)[0]:
-                    x.reading -= 1
+            _complete(partition.products, 0)
         self.partitions.clear()
         self.local = threading.local()
         self.barriers.clear()
@@ -415,7 +425,7 @@ def _gl_shim(emulation):
         return memory
 
     def static_assert(condition, message=""):
-        if not bool(getattr(condition, "value", condition)):
+        if not _true(condition):
             raise AssertionError(f"gl.static_assert failed: {message}")
 
     return types.SimpleNamespace(

@@ -33,6 +33,15 @@ def unavailable_reason():
     return None
 
 
+def add_products_in_order(total, lhs, rhs):
+    """``total += lhs·rhs`` (batched over leading dimensions), the terms added onto ``total`` one k at a time, in
+    order, in ``total``'s dtype (the module docstring); returns ``total``."""
+    for i in range(lhs.shape[-1]):
+        dtype = total.dtype
+        total += lhs[..., i:i + 1].astype(dtype, copy=False) * rhs[..., i:i + 1, :].astype(dtype, copy=False)
+    return total
+
+
 def install_ordered_dot():
     """Replace the interpreter's fp32/fp64 ``tl.dot`` by a sum over k in order (see the module docstring)."""
     import numpy as np
@@ -50,9 +59,7 @@ def install_ordered_dot():
         total = np.array(np.broadcast_to(acc, lhs.shape[:-1] + rhs.shape[-1:]), dtype=acc.dtype)
         # the preparation's products overflow above their diagonal, which the kernel discards (prepare.py)
         with np.errstate(over="ignore", invalid="ignore"):
-            for i in range(lhs.shape[-1]):
-                total += lhs[..., i:i + 1].astype(acc.dtype) * rhs[..., i:i + 1, :].astype(acc.dtype)
-            return interpreter.TensorHandle(total, d.dtype.scalar)
+            return interpreter.TensorHandle(add_products_in_order(total, lhs, rhs), d.dtype.scalar)
 
     create_dot.ordered = True
     builder.create_dot = create_dot
