@@ -28,11 +28,16 @@ from .validation import (FLOAT_DTYPES, INDEX_DTYPES, STATE_DTYPES, _describe, ad
                          validate_decode, validate_prefill)
 
 
+def _device_index(q):
+    """The index of q's CUDA device (the current one for an unindexed ``cuda``)."""
+    return q.device.index if q.device.index is not None else torch.cuda.current_device()
+
+
 def _sms_of(q):
     """The SM count of q's GPU (cached per device), or 1 on the CPU."""
     if not q.is_cuda:
         return 1
-    return sm_count(q.device.index if q.device.index is not None else torch.cuda.current_device())
+    return sm_count(_device_index(q))
 
 
 def _opaque_when_compiling(op, impl):
@@ -218,9 +223,8 @@ def _check_plan_runs_here(plan, q):
     """A plan's Gluon recurrence needs Hopper's warpgroup MMA: refused on another GPU (it would not compile
     there); the CPU path runs no kernel and takes any plan."""
     if plan.warpgroup_recurrence and q.is_cuda:
-        index = q.device.index if q.device.index is not None else torch.cuda.current_device()
-        if not has_warpgroup_mma(index):
-            major, minor = torch.cuda.get_device_capability(index)
+        if not has_warpgroup_mma(_device_index(q)):
+            major, minor = torch.cuda.get_device_capability(_device_index(q))
             fail("plan", "warpgroup_recurrence=False on this GPU (the Gluon recurrence runs on Hopper's warpgroup "
                  "MMA, compute capability 9.x)", f"warpgroup_recurrence=True on compute capability {major}.{minor}")
 
