@@ -10,7 +10,7 @@ import time
 import torch
 
 from .api import kda_prefill
-from .plan import SUPPORTED_DIMS, choose_open_entry_plan, choose_plan, sm_count
+from .plan import SUPPORTED_DIMS, choose_open_entry_plan, choose_plan, has_warpgroup_mma, sm_count
 from .reference import kda_reference
 
 DEMO_GPU = dict(heads=12, lengths=[8192])  # the seed's low-parallelism prefill: one sequence of TP8's local heads
@@ -41,7 +41,8 @@ def demo(args):
     heads, lengths = workload["heads"], workload["lengths"]
     tensors, kw = demo_inputs(heads, lengths, device)
     sms = sm_count(torch.cuda.current_device()) if cuda else 1
-    plan = choose_plan(len(lengths), heads, sum(lengths), DIM, DIM, sms)
+    plan = choose_plan(len(lengths), heads, sum(lengths), DIM, DIM, sms,
+                       warpgroup_mma=cuda and has_warpgroup_mma(torch.cuda.current_device()))
     qkvgb = [tensors[x] for x in ("q", "k", "v", "g", "beta")]
 
     def run():
@@ -75,6 +76,9 @@ def plan_command(args):
     if sms is None:
         print("error: no GPU here: pass --sms (e.g. 132 for an H200)", file=sys.stderr)
         return 2
+    wgmma = args.warpgroup_mma
+    if wgmma is None:  # this GPU's; without a GPU, off unless asked for
+        wgmma = has_warpgroup_mma(torch.cuda.current_device()) if torch.cuda.is_available() else False
     try:
         for name in ("heads", "seqs", "tokens"):
             if getattr(args, name) < 1:
@@ -83,13 +87,13 @@ def plan_command(args):
         if args.entry_later:  # fixed-length rows, always segmented
             plan = choose_open_entry_plan(args.seqs, args.heads, args.tokens, args.key_dim, args.value_dim, sms,
                                           lower_bound_gate=args.gate == "lower-bound",
-                                          sequence_parallel=args.sequence_parallel)
+                                          sequence_parallel=args.sequence_parallel, warpgroup_mma=wgmma)
             print(plan.describe())
             return 0
         plan = choose_plan(args.seqs, args.heads, args.tokens * args.seqs if varlen else args.tokens, args.key_dim,
                            args.value_dim, sms, varlen=varlen, lower_bound_gate=args.gate == "lower-bound",
                            v_slices=args.v_slices, sequence_parallel=args.sequence_parallel,
-                           max_seqlen=args.max_seqlen)
+                           max_seqlen=args.max_seqlen, warpgroup_mma=wgmma)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -116,6 +120,9 @@ def main(argv=None):
     p.add_argument("--sequence-parallel", default="auto",
                    help="auto (default), off, or tokens per segment (a multiple of 32)")
     p.add_argument("--max-seqlen", type=int, help="varlen: the longest sequence's length, if known (a hint)")
+    p.add_argument("--warpgroup-mma", action=argparse.BooleanOptionalAction, default=None,
+                   help="whether the GPU runs Hopper's warpgroup MMA (sm_90, as an H200), which the Gluon "
+                        "recurrence needs (default: this GPU's; without a GPU, no)")
     p.add_argument("--entry-later", action="store_true",
                    help="the plan of a prefill whose entry state comes later (fastkda.kda_prefill_open: a context-"
                         "parallel rank's part, one row per sequence)")

@@ -40,6 +40,11 @@ def _sms_of(q):
     return sm_count(_device_index(q))
 
 
+def _warpgroup_mma_of(q):
+    """Whether q's GPU runs Hopper's warpgroup MMA (:func:`fastkda.plan.has_warpgroup_mma`); False on the CPU."""
+    return q.is_cuda and has_warpgroup_mma(_device_index(q))
+
+
 def _opaque_when_compiling(op, impl):
     """The custom op while torch.compile traces (so it stays one opaque node), its implementation otherwise:
     the dispatcher costs tens of µs per eager call, more than a small prefill's kernels take; CUDA-graph capture
@@ -202,7 +207,8 @@ def kda_prefill(
     varlen, lower_bound_gate = cu_seqlens is not None, lower_bound is not None
     if plan is None:
         plan = choose_plan(*facts, _sms_of(q), varlen=varlen, lower_bound_gate=lower_bound_gate, v_slices=v_slices,
-                           sequence_parallel=sequence_parallel, max_seqlen=max_seqlen)
+                           sequence_parallel=sequence_parallel, max_seqlen=max_seqlen,
+                           warpgroup_mma=_warpgroup_mma_of(q))
     else:
         _check_plan_fits(plan, facts, varlen, lower_bound_gate, v_slices, sequence_parallel)
         _check_plan_runs_here(plan, q)
@@ -222,11 +228,10 @@ def kda_prefill(
 def _check_plan_runs_here(plan, q):
     """A plan's Gluon recurrence needs Hopper's warpgroup MMA: refused on another GPU (it would not compile
     there); the CPU path runs no kernel and takes any plan."""
-    if plan.warpgroup_recurrence and q.is_cuda:
-        if not has_warpgroup_mma(_device_index(q)):
-            major, minor = torch.cuda.get_device_capability(_device_index(q))
-            fail("plan", "warpgroup_recurrence=False on this GPU (the Gluon recurrence runs on Hopper's warpgroup "
-                 "MMA, compute capability 9.x)", f"warpgroup_recurrence=True on compute capability {major}.{minor}")
+    if plan.warpgroup_recurrence and q.is_cuda and not _warpgroup_mma_of(q):
+        major, minor = torch.cuda.get_device_capability(_device_index(q))
+        fail("plan", "warpgroup_recurrence=False on this GPU (the Gluon recurrence runs on Hopper's warpgroup MMA, "
+             "compute capability 9.x)", f"warpgroup_recurrence=True on compute capability {major}.{minor}")
 
 
 def _check_plan_fits(plan, facts, varlen, lower_bound_gate, v_slices, sequence_parallel):
@@ -334,7 +339,8 @@ def kda_prefill_open(q, k, v, g, beta, *, A_log=None, dt_bias=None, lower_bound=
         exit_map[:, :, value_dim:] = torch.eye(key_dim, device=q.device)
         return OpenEntryPrefill((q, k, v, g, beta), options, None, exit_map, None, checks)
     plan = choose_open_entry_plan(batch, heads, length, key_dim, value_dim, _sms_of(q),
-                                  lower_bound_gate=lower_bound is not None, sequence_parallel=sequence_parallel)
+                                  lower_bound_gate=lower_bound is not None, sequence_parallel=sequence_parallel,
+                                  warpgroup_mma=_warpgroup_mma_of(q))
     if q.is_cuda:
         from .ops.prefill import open_entry_transitions
 

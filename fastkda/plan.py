@@ -37,6 +37,7 @@ WARP_CHOICES = (1, 2, 4, 8, 16)
 REGISTERS_PER_SM = 65536  # 32-bit registers of one SM's register file (sm_80 and sm_90 alike)
 PREPARE_PROGRAMS_PER_SM = 3  # first preparation kernel programs an SM holds, by the register cap
 PREPARE_TOKEN_RUN = 2  # consecutive tokens per thread in the first preparation kernel, at most (prepare_token_run)
+WARPGROUP_STAGES = 4  # the Gluon recurrence's ring of chunks in the automatic plan (the fewest it takes)
 WARPGROUP_SLICE_WIDTHS = (64, 128)  # the Gluon recurrence's slices: a warpgroup per 64 columns (the products' rows)
 SHARED_MEMORY_PER_PROGRAM = 232448  # bytes of shared memory one program may take on sm_90 (227 KB)
 SOLVE_WARPS = 1  # the inverse works in 16x16 blocks: one warp holds them, and more programs per SM hide latency
@@ -550,7 +551,7 @@ def _segmentation(num_seqs, heads, seq_len, key_dim, value_dim, sms, varlen, ser
 
 def choose_plan(num_seqs: int, heads: int, seq_len: int, key_dim: int, value_dim: int, sms: int, *,
                 varlen: bool = True, lower_bound_gate: bool = True, v_slices="auto",
-                sequence_parallel="auto", max_seqlen=None) -> PrefillPlan:
+                sequence_parallel="auto", max_seqlen=None, warpgroup_mma: bool = False) -> PrefillPlan:
     """The prefill plan for ``num_seqs`` sequences of ``heads`` heads on ``sms`` SMs: varlen, one row of
     ``seq_len`` tokens holding them all (``cu_seqlens``); else ``num_seqs`` rows of ``seq_len`` tokens each.
 
@@ -561,18 +562,21 @@ def choose_plan(num_seqs: int, heads: int, seq_len: int, key_dim: int, value_dim
     sequence the facts allow; ``False`` keeps the serial recurrence; an int forces segments of that many tokens.
     ``max_seqlen`` (varlen): the longest sequence's length if the caller knows it (as flash-attn takes it), a hint
     for the segment length only (a wrong one costs time, never correctness); without it the plan assumes one
-    sequence may hold every token. Raises ``ValueError`` for shapes the kernels do not take."""
+    sequence may hold every token. ``warpgroup_mma``: the GPU runs Hopper's warpgroup MMA
+    (:func:`has_warpgroup_mma`); then slices (and transitions) of 64 or 128 columns run the Gluon recurrence at
+    :data:`WARPGROUP_STAGES` stages (the plan's ``warpgroup_recurrence``). Raises ``ValueError`` for shapes the
+    kernels do not take."""
     if max_seqlen is not None:
         _check(isinstance(max_seqlen, int) and not isinstance(max_seqlen, bool) and max_seqlen >= 0,
                f"max_seqlen must be None or an integer >= 0, got {max_seqlen!r}")
     return _choose_plan(num_seqs, heads, seq_len, key_dim, value_dim, sms, bool(varlen), bool(lower_bound_gate),
                         requested_v_slices(v_slices), requested_sequence_parallel(sequence_parallel),
-                        max_seqlen or 0)
+                        max_seqlen or 0, bool(warpgroup_mma))
 
 
 @functools.lru_cache(maxsize=4096)  # an eager call's host time counts: a repeated shape reuses its plan
 def _choose_plan(num_seqs, heads, seq_len, key_dim, value_dim, sms, varlen, lower_bound_gate, choice,
-                 sp_choice="auto", max_seqlen=0):
+                 sp_choice="auto", max_seqlen=0, warpgroup_mma=False):
     for name, value in (("num_seqs", num_seqs), ("heads", heads), ("seq_len", seq_len), ("sms", sms)):
         _check(isinstance(value, int) and not isinstance(value, bool), f"{name} must be an integer, got {value!r}")
         least = 1 if name in ("heads", "sms") else 0  # the facts' ranges, before the step model reads them
@@ -620,12 +624,16 @@ def _choose_plan(num_seqs, heads, seq_len, key_dim, value_dim, sms, varlen, lowe
     else:
         reason += f"; {serial_reason}"
     width = value_dim // slices
+    gluon = (warpgroup_mma and width in WARPGROUP_SLICE_WIDTHS and state_rows_v(width)
+             and (not segment_chunks or transition_width in WARPGROUP_SLICE_WIDTHS))
+    if gluon:
+        reason += "; the recurrence on Gluon warpgroup kernels (Hopper)"
     prepare_warps = 4
     return PrefillPlan(
         seq_len=seq_len, num_seqs=num_seqs, varlen=varlen, heads=heads, key_dim=key_dim, value_dim=value_dim,
         lower_bound_gate=lower_bound_gate, sms=sms, chunk=CHUNK, block=BLOCK, cpu_chunk=CPU_CHUNK,
-        v_slices=slices, state_rows_v=state_rows_v(width),
-        recurrence_warps=recurrence_warps(width), recurrence_stages=3,
+        v_slices=slices, state_rows_v=state_rows_v(width), warpgroup_recurrence=gluon,
+        recurrence_warps=recurrence_warps(width), recurrence_stages=WARPGROUP_STAGES if gluon else 3,
         prepare_warps=prepare_warps, prepare_stages=3, prepare_channels=prepare_channels(key_dim, lower_bound_gate),
         prepare_token_run=prepare_token_run(CHUNK, key_dim, prepare_warps),
         prepare_registers=prepare_registers(lower_bound_gate, prepare_warps), solve_warps=SOLVE_WARPS,
@@ -634,14 +642,16 @@ def _choose_plan(num_seqs, heads, seq_len, key_dim, value_dim, sms, varlen, lowe
 
 
 def choose_open_entry_plan(num_seqs: int, heads: int, seq_len: int, key_dim: int, value_dim: int, sms: int, *,
-                           lower_bound_gate: bool = True, sequence_parallel="auto") -> PrefillPlan:
+                           lower_bound_gate: bool = True, sequence_parallel="auto",
+                           warpgroup_mma: bool = False) -> PrefillPlan:
     """The plan of a prefill whose entry state is not known when it starts (:func:`fastkda.kda_prefill_open`:
     ``num_seqs`` rows of ``seq_len`` tokens): always segmented, since the sequence's map is needed whatever its
     length. ``sequence_parallel``: ``"auto"`` (then ``$FASTKDA_SEQUENCE_PARALLEL`` if it gives a segment length;
     its "off", meant for :func:`fastkda.kda_prefill`, leaves this automatic) takes the segment length of 1 to
     :data:`MAX_SEGMENTS` segments, within the grid's limit, that the step model predicts fastest, every segment's
     transition over the V + K columns counted (``segmented_us(open_entry=True)``); an int forces segments of that
-    many tokens. Raises ``ValueError`` for ``False`` and for shapes the kernels do not take."""
+    many tokens; ``warpgroup_mma`` as :func:`choose_plan` takes it. Raises ``ValueError`` for ``False`` and for
+    shapes the kernels do not take."""
     _check(isinstance(seq_len, int) and not isinstance(seq_len, bool) and seq_len >= 1,
            f"seq_len must be an integer >= 1, got {seq_len!r}")
     _check(parse_sequence_parallel(sequence_parallel, "sequence_parallel") is not False,
@@ -649,11 +659,12 @@ def choose_open_entry_plan(num_seqs: int, heads: int, seq_len: int, key_dim: int
            "per segment, not False")
     choice = requested_sequence_parallel(sequence_parallel)
     return _choose_open_entry_plan(num_seqs, heads, seq_len, key_dim, value_dim, sms, bool(lower_bound_gate),
-                                   "auto" if choice is False else choice)
+                                   "auto" if choice is False else choice, bool(warpgroup_mma))
 
 
 @functools.lru_cache(maxsize=4096)  # an eager call's host time counts: the model is weighed at 64 points
-def _choose_open_entry_plan(num_seqs, heads, seq_len, key_dim, value_dim, sms, lower_bound_gate, choice):
+def _choose_open_entry_plan(num_seqs, heads, seq_len, key_dim, value_dim, sms, lower_bound_gate, choice,
+                            warpgroup_mma=False):
     chunks = -(-seq_len // CHUNK)
     width = min(TRANSITION_WIDTHS[0], key_dim, value_dim)
     slices = [s for s in RERUN_SLICE_CHOICES if value_dim // s >= 64] or [1]
@@ -674,7 +685,7 @@ def _choose_open_entry_plan(num_seqs, heads, seq_len, key_dim, value_dim, sms, l
                                                           value_dim, width, s, sms, open_entry=True))
         reason = f"entry state later: sequence_parallel={choice} requested"
     plan = _choose_plan(num_seqs, heads, seq_len, key_dim, value_dim, sms, False, lower_bound_gate, v_slices,
-                        segment_chunks * CHUNK, 0)
+                        segment_chunks * CHUNK, 0, warpgroup_mma)
     return dataclasses.replace(plan, reason=f"{reason}, reruns in {plan.v_slices} slice(s)")
 
 

@@ -100,6 +100,25 @@ def test_the_warpgroup_recurrence_takes_serial_plans_of_64_and_128_column_slices
             chosen.replace(**bad)
 
 
+def test_on_hopper_the_automatic_plan_runs_the_gluon_recurrence_where_its_slices_allow():
+    """With ``warpgroup_mma`` (an sm_90 GPU) every slice and transition of 64 or 128 columns runs the Gluon
+    kernels at their 4 stages (the automatic transitions are 64 columns wide); 32-column slices keep Triton's;
+    without it, nothing changes."""
+    from fastkda.plan import WARPGROUP_STAGES, choose_open_entry_plan
+
+    for facts in ((1, 12, 1024), (4, 12, 8192), (8, 96, 1024), (1, 12, 65536), (1, 24, 65536)):
+        triton_plan = choose_plan(*facts, 128, 128, 132)
+        hopper = choose_plan(*facts, 128, 128, 132, warpgroup_mma=True)
+        assert hopper.warpgroup_recurrence and hopper.recurrence_stages == WARPGROUP_STAGES, facts
+        assert "Gluon" in hopper.describe() and not triton_plan.warpgroup_recurrence
+        same = dict(warpgroup_recurrence=False, recurrence_stages=3, reason=triton_plan.reason)
+        assert dataclasses.replace(hopper, **same) == triton_plan, facts  # nothing else moves
+    narrow = choose_plan(1, 12, 1024, 128, 128, 132, v_slices=4, warpgroup_mma=True)
+    assert narrow.slice_width == 32 and not narrow.warpgroup_recurrence
+    opened = choose_open_entry_plan(2, 12, 8192, 128, 128, 132, warpgroup_mma=True)
+    assert opened.warpgroup_recurrence and opened.transition_width == 64
+
+
 @pytest.mark.parametrize("facts", [dict(heads=0), dict(value_dim=96), dict(key_dim=32), dict(sms=0),
                                    dict(num_seqs=-1), dict(seq_len=-5)])
 def test_shapes_the_api_rejects_are_rejected(facts):

@@ -14,15 +14,17 @@ KERNELS = ("prepare", "solve", "transition", "scan", "recurrence")  # fastkda's 
 def plan_for_inputs(inp, sms=None, v_slices="auto", sequence_parallel="auto"):
     """The :class:`fastkda.PrefillPlan` ``fastkda.kda_prefill`` makes for the bench's inputs ``inp`` (same facts:
     sequences, heads, ``seq_len = q.shape[1]``, K, V, the device's SM count unless ``sms`` is given, varlen when
-    there are ``cu_seqlens`` with the inputs' ``max_seqlen`` hint, the lower-bound gate)."""
-    from ..api import _sms_of
+    there are ``cu_seqlens`` with the inputs' ``max_seqlen`` hint, the lower-bound gate, whether the GPU runs
+    Hopper's warpgroup MMA)."""
+    from ..api import _sms_of, _warpgroup_mma_of
     from ..plan import choose_plan
 
     q, cu = inp["q"], inp["cu_seqlens"]
     num_seqs = cu.numel() - 1 if cu is not None else q.shape[0]
     return choose_plan(num_seqs, q.shape[2], q.shape[1], q.shape[3], inp["v"].shape[3],
                        _sms_of(q) if sms is None else sms, varlen=cu is not None, lower_bound_gate=True,
-                       v_slices=v_slices, sequence_parallel=sequence_parallel, max_seqlen=inp.get("max_seqlen"))
+                       v_slices=v_slices, sequence_parallel=sequence_parallel, max_seqlen=inp.get("max_seqlen"),
+                       warpgroup_mma=_warpgroup_mma_of(q))
 
 
 def lower_row_bytes(chunk, itemsize, sector=32):

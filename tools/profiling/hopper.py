@@ -207,7 +207,7 @@ def plans_from_arguments(args):
         heads, lengths, varlen = found[0]["H"], found[0]["lengths"], is_varlen(found[0])
     seq_len = sum(lengths) if varlen else lengths[0]
     plan = choose_plan(len(lengths), heads, seq_len, args.dim, args.dim, args.sms, varlen=varlen,
-                       lower_bound_gate=not args.precomputed_gate)
+                       lower_bound_gate=not args.precomputed_gate, warpgroup_mma=True)  # compiled for sm_90a
     decode = choose_decode_plan(len(lengths), heads, args.dim, args.sms)
     changes, decode_changes = combined(args.set), combined(args.decode_set)
     return (plan.replace(**changes) if changes else plan,
