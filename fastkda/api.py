@@ -226,12 +226,14 @@ def kda_prefill(
 
 
 def _check_plan_runs_here(plan, q):
-    """A plan's Gluon recurrence needs Hopper's warpgroup MMA: refused on another GPU (it would not compile
-    there); the CPU path runs no kernel and takes any plan."""
-    if plan.warpgroup_recurrence and q.is_cuda and not _warpgroup_mma_of(q):
+    """A plan's Gluon kernels need Hopper's warpgroup MMA: refused on another GPU (they would not compile there);
+    the CPU path runs no kernel and takes any plan."""
+    asked = [name for name in ("warpgroup_recurrence", "warpgroup_transition") if getattr(plan, name)]
+    if asked and q.is_cuda and not _warpgroup_mma_of(q):
         major, minor = torch.cuda.get_device_capability(_device_index(q))
-        fail("plan", "warpgroup_recurrence=False on this GPU (the Gluon recurrence runs on Hopper's warpgroup MMA, "
-             "compute capability 9.x)", f"warpgroup_recurrence=True on compute capability {major}.{minor}")
+        fail("plan", f"{' and '.join(f'{name}=False' for name in asked)} on this GPU (the Gluon kernels run on "
+             "Hopper's warpgroup MMA, compute capability 9.x)",
+             f"{' and '.join(f'{name}=True' for name in asked)} on compute capability {major}.{minor}")
 
 
 def _check_plan_fits(plan, facts, varlen, lower_bound_gate, v_slices, sequence_parallel):

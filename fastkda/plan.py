@@ -112,10 +112,12 @@ class PrefillPlan:
     columns and K identity columns in slices of ``transition_width``, the scan (``scan_warps``, ``scan_stages``:
     the next segment's transition is loaded while the current one is applied) composes them into each segment's
     entry state, and the recurrence reruns every segment from its entry state in ``v_slices`` slices.
-    ``warpgroup_recurrence``: the recurrence of 64- or 128-column slices and the segments' transitions run the
-    Gluon kernels (``fastkda/ops/prefill/recurrence_warpgroup.py``: the same bits, their layouts and product order
-    set by hand; ``recurrence_stages`` chunks in their shared-memory ring, at least 4) instead of the Triton ones;
-    the CPU path and Triton's interpreter run the Triton kernels. ``dot_precision``: the kernels' fp32 products ("tf32" or
+    ``warpgroup_recurrence``: the recurrence of 64- or 128-column slices runs the Gluon kernel
+    (``fastkda/ops/prefill/recurrence_warpgroup.py``: the same bits, its layouts and product order set by hand;
+    ``recurrence_stages`` chunks in its shared-memory ring, at least 4) instead of the Triton one;
+    ``warpgroup_transition``: the segments' transitions of 64- or 128-column slices likewise (``transition_stages``
+    chunks in their ring, at least 4; the Triton transition kernel pipelines that many too); the CPU path and
+    Triton's interpreter run the Triton kernels. ``dot_precision``: the kernels' fp32 products ("tf32" or
     "ieee")."""
 
     seq_len: int
@@ -144,7 +146,9 @@ class PrefillPlan:
     transition_width: int = 0
     scan_warps: int = 4
     scan_stages: int = 2
+    transition_stages: int = 3
     warpgroup_recurrence: bool = False
+    warpgroup_transition: bool = False
     dot_precision: str = "tf32"
     reason: str = dataclasses.field(default="", compare=False)
 
@@ -168,7 +172,7 @@ class PrefillPlan:
                                                         f"{getattr(self, name)}")
         _check(self.prepare_registers == 0 or 24 <= self.prepare_registers <= 255,
                f"prepare_registers must be 0 (the compiler's choice) or 24..255, got {self.prepare_registers}")
-        for name in ("recurrence_stages", "prepare_stages", "solve_stages"):
+        for name in ("recurrence_stages", "prepare_stages", "solve_stages", "transition_stages"):
             _check(getattr(self, name) >= 1, f"{name} must be >= 1, got {getattr(self, name)}")
         _check(self.prepare_channels in (16, 32, 64, 128) and self.key_dim % self.prepare_channels == 0,
                f"prepare_channels must be 16, 32, 64 or 128 and divide K={self.key_dim}, got {self.prepare_channels}")
@@ -191,14 +195,22 @@ class PrefillPlan:
         if self.warpgroup_recurrence:
             _check(self.slice_width in WARPGROUP_SLICE_WIDTHS and self.state_rows_v
                    and self.recurrence_warps == self.slice_width // 16 and self.recurrence_stages >= 4
-                   and (not self.segment_chunks or self.transition_width in WARPGROUP_SLICE_WIDTHS)
                    and warpgroup_shared_bytes(self.slice_width, self.key_dim, self.recurrence_stages, self.chunk)
                    <= SHARED_MEMORY_PER_PROGRAM,
-                   f"warpgroup_recurrence runs slices (and transitions) of {WARPGROUP_SLICE_WIDTHS} columns, held "
-                   f"transposed on a warp per 16 columns, with at least 4 stages and at most what fits "
-                   f"{SHARED_MEMORY_PER_PROGRAM} bytes of shared memory with an fp32 v; got slice_width="
-                   f"{self.slice_width}, state_rows_v={self.state_rows_v}, recurrence_warps={self.recurrence_warps}, "
-                   f"recurrence_stages={self.recurrence_stages}, transition_width={self.transition_width}")
+                   f"warpgroup_recurrence runs slices of {WARPGROUP_SLICE_WIDTHS} columns, held transposed on a "
+                   f"warp per 16 columns, with at least 4 stages and at most what fits {SHARED_MEMORY_PER_PROGRAM} "
+                   f"bytes of shared memory with an fp32 v; got slice_width={self.slice_width}, state_rows_v="
+                   f"{self.state_rows_v}, recurrence_warps={self.recurrence_warps}, recurrence_stages="
+                   f"{self.recurrence_stages}")
+        if self.warpgroup_transition:
+            _check(self.segment_chunks > 0 and self.transition_width in WARPGROUP_SLICE_WIDTHS
+                   and self.transition_stages >= 4
+                   and warpgroup_shared_bytes(self.transition_width, self.key_dim, self.transition_stages, self.chunk)
+                   <= SHARED_MEMORY_PER_PROGRAM,
+                   f"warpgroup_transition runs the segments' transitions (segment_chunks > 0) in slices of "
+                   f"{WARPGROUP_SLICE_WIDTHS} columns, with at least 4 stages and at most what fits "
+                   f"{SHARED_MEMORY_PER_PROGRAM} bytes of shared memory; got segment_chunks={self.segment_chunks}, "
+                   f"transition_width={self.transition_width}, transition_stages={self.transition_stages}")
 
     @property
     def batch(self) -> int:
@@ -321,12 +333,14 @@ class PrefillPlan:
             f"{self.recurrence_stages} stages, state held as "
             + ("Sᵀ (rows = V)" if self.state_rows_v else "S (rows = K)")
             + ", v_new = T·β·(v − kd·S) each step"
-            + ("; the Gluon kernel on one warpgroup" if self.warpgroup_recurrence else ""),
+            + ("; the Gluon kernel, a warpgroup per 64 columns" if self.warpgroup_recurrence else ""),
             ("sequence parallelism: off" if not self.segment_chunks else
              f"sequence parallelism: segments of {self.segment_chunks} chunks ({self.segment_tokens} tokens) from "
              f"each sequence's first token, {self.segment_slots} segment slots; transitions over V+K="
-             f"{self.value_dim + self.key_dim} columns in slices of {self.transition_width}, a scan over each "
-             f"sequence's segments, then the recurrence over every segment from its entry state"),
+             f"{self.value_dim + self.key_dim} columns in slices of {self.transition_width}, "
+             f"{self.transition_stages} stages"
+             + (" (the Gluon kernel)" if self.warpgroup_transition else "")
+             + ", a scan over each sequence's segments, then the recurrence over every segment from its entry state"),
             f"why: {self.reason}",
             f"CPU path: chunks of {self.cpu_chunk} tokens",
         ])
@@ -563,8 +577,9 @@ def choose_plan(num_seqs: int, heads: int, seq_len: int, key_dim: int, value_dim
     ``max_seqlen`` (varlen): the longest sequence's length if the caller knows it (as flash-attn takes it), a hint
     for the segment length only (a wrong one costs time, never correctness); without it the plan assumes one
     sequence may hold every token. ``warpgroup_mma``: the GPU runs Hopper's warpgroup MMA
-    (:func:`has_warpgroup_mma`); then slices (and transitions) of 64 or 128 columns run the Gluon recurrence at
-    :data:`WARPGROUP_STAGES` stages (the plan's ``warpgroup_recurrence``). Raises ``ValueError`` for shapes the
+    (:func:`has_warpgroup_mma`); then the segments' transitions of 64 or 128 columns, and the serial recurrence
+    of 64-column slices, run the Gluon kernels at :data:`WARPGROUP_STAGES` stages (the plan's
+    ``warpgroup_transition`` and ``warpgroup_recurrence``: where the H200 measured them faster). Raises ``ValueError`` for shapes the
     kernels do not take."""
     if max_seqlen is not None:
         _check(isinstance(max_seqlen, int) and not isinstance(max_seqlen, bool) and max_seqlen >= 0,
@@ -624,16 +639,20 @@ def _choose_plan(num_seqs, heads, seq_len, key_dim, value_dim, sms, varlen, lowe
     else:
         reason += f"; {serial_reason}"
     width = value_dim // slices
-    gluon = (warpgroup_mma and width in WARPGROUP_SLICE_WIDTHS and state_rows_v(width)
-             and (not segment_chunks or transition_width in WARPGROUP_SLICE_WIDTHS))
-    if gluon:
-        reason += "; the recurrence on Gluon warpgroup kernels (Hopper)"
+    # measured on the H200 (docs/perf-notes.md, "The Gluon kernels' first run"): the Gluon transitions are faster
+    # at every width they take, the Gluon recurrence only on a serial walk of 64-column slices
+    gluon_recurrence = warpgroup_mma and not segment_chunks and width == 64
+    gluon_transition = warpgroup_mma and bool(segment_chunks) and transition_width in WARPGROUP_SLICE_WIDTHS
+    if gluon_recurrence or gluon_transition:
+        reason += f"; the {'recurrence' if gluon_recurrence else 'transitions'} on Gluon warpgroup kernels (Hopper)"
     prepare_warps = 4
     return PrefillPlan(
         seq_len=seq_len, num_seqs=num_seqs, varlen=varlen, heads=heads, key_dim=key_dim, value_dim=value_dim,
         lower_bound_gate=lower_bound_gate, sms=sms, chunk=CHUNK, block=BLOCK, cpu_chunk=CPU_CHUNK,
-        v_slices=slices, state_rows_v=state_rows_v(width), warpgroup_recurrence=gluon,
-        recurrence_warps=recurrence_warps(width), recurrence_stages=WARPGROUP_STAGES if gluon else 3,
+        v_slices=slices, state_rows_v=state_rows_v(width), warpgroup_recurrence=gluon_recurrence,
+        warpgroup_transition=gluon_transition, recurrence_warps=recurrence_warps(width),
+        recurrence_stages=WARPGROUP_STAGES if gluon_recurrence else 3,
+        transition_stages=WARPGROUP_STAGES if gluon_transition else 3,
         prepare_warps=prepare_warps, prepare_stages=3, prepare_channels=prepare_channels(key_dim, lower_bound_gate),
         prepare_token_run=prepare_token_run(CHUNK, key_dim, prepare_warps),
         prepare_registers=prepare_registers(lower_bound_gate, prepare_warps), solve_warps=SOLVE_WARPS,

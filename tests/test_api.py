@@ -278,6 +278,10 @@ def test_a_gluon_plan_is_refused_on_a_gpu_without_warpgroup_mma(monkeypatch):
     monkeypatch.setattr(api, "has_warpgroup_mma", lambda index: False)
     with pytest.raises(ValueError, match=r"plan.*warpgroup_recurrence=True on compute capability 8\.0"):
         api._check_plan_runs_here(plan, on_gpu)
+    segmented = plan_for(make_inputs([100], heads=2, key_dim=64, value_dim=128), v_slices=2,
+                         sequence_parallel=64).replace(warpgroup_transition=True, transition_stages=4)
+    with pytest.raises(ValueError, match=r"plan.*warpgroup_transition=True on compute capability 8\.0"):
+        api._check_plan_runs_here(segmented, on_gpu)
     api._check_plan_runs_here(plan, torch.zeros(1))  # the CPU path
     api._check_plan_runs_here(plan.replace(warpgroup_recurrence=False, recurrence_stages=3), on_gpu)
     monkeypatch.setattr(api, "has_warpgroup_mma", lambda index: True)

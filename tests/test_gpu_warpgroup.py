@@ -1,7 +1,8 @@
 """GPU tests of the Gluon recurrence (``fastkda/ops/prefill/recurrence_warpgroup.py``, the plan's
-``warpgroup_recurrence``): the Triton kernels' bits on every form (serial, the segments' rerun and transitions,
-the open-entry halves) and input it takes, and the accuracy bar against the float64 recurrence. Run on the H200 by
-``tools/device_tests.sh``; skipped without CUDA. Every output buffer is NaN-poisoned before the call."""
+``warpgroup_recurrence`` and ``warpgroup_transition``): the Triton kernels' bits on every form (serial, the
+segments' rerun and transitions, the open-entry halves) and input it takes, and the accuracy bar against the
+float64 recurrence. Run on the H200 by ``tools/device_tests.sh``; skipped without CUDA. Every output buffer is
+NaN-poisoned before the call."""
 
 import pytest
 import torch
@@ -25,13 +26,15 @@ STATES = [(None, None), (torch.float32, torch.float32), (torch.bfloat16, torch.b
 
 
 def gluon(plan, stages=4):
-    """``plan`` with the Gluon kernels at ``stages``."""
-    return plan.replace(warpgroup_recurrence=True, recurrence_stages=stages)
+    """``plan`` with the Gluon kernels at ``stages``: the recurrence and, where it is segmented, the transitions."""
+    transitions = dict(warpgroup_transition=True, transition_stages=stages) if plan.segment_chunks else {}
+    return plan.replace(warpgroup_recurrence=True, recurrence_stages=stages, **transitions)
 
 
 def triton_only(plan):
     """``plan`` with the Triton kernels (whatever the automatic plan chose), at their usual 3 stages."""
-    return plan.replace(warpgroup_recurrence=False, recurrence_stages=3)
+    return plan.replace(warpgroup_recurrence=False, recurrence_stages=3, warpgroup_transition=False,
+                        transition_stages=3)
 
 
 def same_bits(inp, states, plan, stages=4):
@@ -103,7 +106,7 @@ def test_cuda_graph_replay_with_new_cu_seqlens(sequence_parallel):
     plan = gluon(plan_for(inp, v_slices=2, sequence_parallel=sequence_parallel))
     out = torch.empty_like(inp["v"])
     final = torch.empty_like(inp["initial_state"])
-    names = ("q", "k", "v", "g", "beta", "initial_state", "cu_seqlens")
+    names = ("q", "k", "v", "g", "beta", "initial_state", "cu_seqlens", "A_log", "dt_bias")
 
     def step():
         fastkda.kda_prefill(*(inp[x] for x in names[:5]), A_log=inp["A_log"], dt_bias=inp["dt_bias"],

@@ -84,7 +84,7 @@ def test_launch_numbers_round_trip_and_changes_are_validated():
     assert DecodePlan.from_launch_numbers(choose_decode_plan(3, 4, 128, 132).launch_numbers()).v_slices == 8
 
 
-def test_the_warpgroup_recurrence_takes_serial_plans_of_64_and_128_column_slices():
+def test_the_warpgroup_recurrence_takes_slices_of_64_and_128_columns():
     serial = plan(4, 12).replace(v_slices=2)
     assert serial.slice_width == 64 and not serial.warpgroup_recurrence  # off unless asked for
     chosen = serial.replace(warpgroup_recurrence=True, recurrence_stages=4)
@@ -93,30 +93,48 @@ def test_the_warpgroup_recurrence_takes_serial_plans_of_64_and_128_column_slices
     assert chosen.replace(v_slices=1, recurrence_warps=8).slice_width == 128
     assert chosen.replace(recurrence_stages=5).recurrence_stages == 5  # 64 columns: 5 stages fit, 6 do not
     segmented = plan(1, 12, sequence_parallel=1024).replace(warpgroup_recurrence=True, recurrence_stages=4)
-    assert segmented.segment_chunks and segmented.transition_width == 64
+    assert segmented.segment_chunks and not segmented.warpgroup_transition  # each kernel its own choice
     for bad in (dict(recurrence_stages=3), dict(recurrence_stages=6), dict(v_slices=1), dict(v_slices=4),
                 dict(state_rows_v=False), dict(v_slices=1, recurrence_warps=8, recurrence_stages=5)):
         with pytest.raises(ValueError, match="warpgroup_recurrence"):
             chosen.replace(**bad)
 
 
-def test_on_hopper_the_automatic_plan_runs_the_gluon_recurrence_where_its_slices_allow():
-    """With ``warpgroup_mma`` (an sm_90 GPU) every slice and transition of 64 or 128 columns runs the Gluon
-    kernels at their 4 stages (the automatic transitions are 64 columns wide); 32-column slices keep Triton's;
-    without it, nothing changes."""
+def test_the_warpgroup_transitions_take_segments_of_64_and_128_column_slices():
+    segmented = plan(1, 12, sequence_parallel=1024)
+    assert segmented.transition_width == 64 and not segmented.warpgroup_transition  # off unless asked for
+    chosen = segmented.replace(warpgroup_transition=True, transition_stages=4)
+    assert "(the Gluon kernel)" in chosen.describe() and not chosen.warpgroup_recurrence
+    assert PrefillPlan.from_launch_numbers(chosen.launch_numbers(), chosen.dot_precision) == chosen
+    assert chosen.replace(transition_width=128).transition_width == 128  # 128 columns: 4 stages fit, 5 do not
+    for bad in (dict(transition_stages=3), dict(transition_stages=6), dict(transition_width=32),
+                dict(segment_chunks=0), dict(transition_width=128, transition_stages=5)):
+        with pytest.raises(ValueError, match="warpgroup_transition"):
+            chosen.replace(**bad)
+    with pytest.raises(ValueError, match="transition_stages must be >= 1"):
+        segmented.replace(transition_stages=0)
+
+
+def test_on_hopper_the_automatic_plan_runs_the_gluon_kernels_where_they_were_measured_faster():
+    """With ``warpgroup_mma`` (an sm_90 GPU) the segments' transitions (64 columns in the automatic plan) and the
+    serial recurrence of 64-column slices run the Gluon kernels at their 4 stages; a serial recurrence of 128 or 32
+    columns and the segments' rerun keep Triton's; without it, nothing changes."""
     from fastkda.plan import WARPGROUP_STAGES, choose_open_entry_plan
 
-    for facts in ((1, 12, 1024), (4, 12, 8192), (8, 96, 1024), (1, 12, 65536), (1, 24, 65536)):
+    gluon = dict(warpgroup_recurrence=True, recurrence_stages=WARPGROUP_STAGES)
+    transitions = dict(warpgroup_transition=True, transition_stages=WARPGROUP_STAGES)
+    for facts, expected in (((4, 12, 8192), gluon), ((5, 12, 1024), gluon), ((8, 96, 1024), {}),
+                            ((1, 12, 65536), transitions), ((1, 24, 65536), transitions)):
         triton_plan = choose_plan(*facts, 128, 128, 132)
         hopper = choose_plan(*facts, 128, 128, 132, warpgroup_mma=True)
-        assert hopper.warpgroup_recurrence and hopper.recurrence_stages == WARPGROUP_STAGES, facts
-        assert "Gluon" in hopper.describe() and not triton_plan.warpgroup_recurrence
-        same = dict(warpgroup_recurrence=False, recurrence_stages=3, reason=triton_plan.reason)
-        assert dataclasses.replace(hopper, **same) == triton_plan, facts  # nothing else moves
-    narrow = choose_plan(1, 12, 1024, 128, 128, 132, v_slices=4, warpgroup_mma=True)
+        assert dataclasses.replace(triton_plan, **expected, reason=hopper.reason) == hopper, facts  # nothing else
+        assert ("Gluon" in hopper.describe()) == bool(expected), facts
+    assert choose_plan(4, 12, 8192, 128, 128, 132, warpgroup_mma=True).slice_width == 64
+    assert choose_plan(8, 96, 1024, 128, 128, 132, warpgroup_mma=True).slice_width == 128
+    narrow = choose_plan(1, 12, 1024, 128, 128, 132, v_slices=4, sequence_parallel=False, warpgroup_mma=True)
     assert narrow.slice_width == 32 and not narrow.warpgroup_recurrence
     opened = choose_open_entry_plan(2, 12, 8192, 128, 128, 132, warpgroup_mma=True)
-    assert opened.warpgroup_recurrence and opened.transition_width == 64
+    assert opened.warpgroup_transition and not opened.warpgroup_recurrence and opened.transition_width == 64
 
 
 @pytest.mark.parametrize("facts", [dict(heads=0), dict(value_dim=96), dict(key_dim=32), dict(sms=0),

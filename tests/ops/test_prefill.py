@@ -179,9 +179,9 @@ def test_every_launch_number_comes_from_the_plan(monkeypatch):
 
 
 def test_the_warpgroup_recurrence_launches_the_plans_numbers(monkeypatch):
-    """The Gluon kernels (``warpgroup_recurrence``) get the plan's grids, stages and warps; under the interpreter,
-    which runs no Gluon kernel, and on a v whose rows their copies cannot take, the same plan launches the Triton
-    kernels instead (the kernels are not run)."""
+    """The Gluon kernels (``warpgroup_recurrence``, ``warpgroup_transition``) get the plan's grids, stages and
+    warps; under the interpreter, which runs no Gluon kernel, and on a v whose rows their copies cannot take, the
+    same plan launches the Triton kernels instead (the kernels are not run)."""
     from fastkda.ops.prefill import chunk_kda_forward, prepare, recurrence, solve
     from fastkda.ops.prefill.layout import Workspace
 
@@ -204,7 +204,7 @@ def test_the_warpgroup_recurrence_launches_the_plans_numbers(monkeypatch):
     assert grid == plan.recurrence_grid == (2, 3, 2)
     assert {key: meta[key] for key in ("STAGES", "num_warps", "BV", "C", "K", "V", "SEGMENTED")} == dict(
         STAGES=5, num_warps=4, BV=64, C=32, K=128, V=128, SEGMENTED=False)
-    segmented = plan_for(inp, 1, sequence_parallel=64, warpgroup_recurrence=True, recurrence_stages=4)
+    segmented = plan_for(inp, 1, sequence_parallel=64, warpgroup_transition=True, transition_stages=4)
     recurrence.launch_transitions(segmented, Workspace.allocate(segmented, inp["v"], inp["cu_seqlens"]), None,
                                   emulate=False)
     grid, meta = launched["warpgroup_transition_kernel"]

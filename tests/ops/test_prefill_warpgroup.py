@@ -31,13 +31,15 @@ def gluon(monkeypatch):
     from fastkda.ops.prefill import recurrence, recurrence_warpgroup
 
     on_gpu = recurrence.warpgroup_runs
-    monkeypatch.setattr(recurrence, "warpgroup_runs", lambda plan, ws, emulate: on_gpu(plan, ws, False))
+    monkeypatch.setattr(recurrence, "warpgroup_runs", lambda wanted, ws, emulate: on_gpu(wanted, ws, False))
     with interpreted_gluon(recurrence_warpgroup, monkeypatch) as emulation:
         yield emulation
 
 
-def warpgroup(stages=4):
-    return dict(warpgroup_recurrence=True, recurrence_stages=stages)
+def warpgroup(stages=4, segmented=False):
+    """The plan's changes that run the Gluon recurrence at ``stages`` (and, ``segmented``, the transitions)."""
+    transitions = dict(warpgroup_transition=True, transition_stages=stages) if segmented else {}
+    return dict(warpgroup_recurrence=True, recurrence_stages=stages, **transitions)
 
 
 def widths(case, stages=4):
@@ -70,7 +72,7 @@ def test_segments_same_bits_as_the_triton_kernels(case, request):
     expected = {s: run_triton(inp, s, sequence_parallel=64) for s in widths(case)}
     emulation = request.getfixturevalue("gluon")
     for v_slices, (out, final) in expected.items():
-        got_o, got_s = run_triton(inp, v_slices, sequence_parallel=64, **warpgroup())
+        got_o, got_s = run_triton(inp, v_slices, sequence_parallel=64, **warpgroup(segmented=True))
         assert torch.equal(got_o, out) and torch.equal(got_s, final), v_slices
     assert emulation.launches == 2 * len(expected)  # the Gluon transitions and rerun
 
@@ -81,7 +83,7 @@ def test_open_entry_same_bits_as_the_triton_kernels(request):
     entry = inp.pop("initial_state")
     expected = run_open_entry(inp, entry, 2, segment_tokens=64)
     emulation = request.getfixturevalue("gluon")
-    got = run_open_entry(inp, entry, 2, segment_tokens=64, **warpgroup())
+    got = run_open_entry(inp, entry, 2, segment_tokens=64, **warpgroup(segmented=True))
     assert all(torch.equal(a, b) for a, b in zip(got, expected)) and emulation.launches == 2
 
 
@@ -111,7 +113,7 @@ def test_checkpoints_and_fp32_v_as_the_triton_kernel(sequence_parallel, request)
     plan = plan_for(inp, 2, sequence_parallel=sequence_parallel)
     expected = run_with_checkpoints(inp, plan)
     emulation = request.getfixturevalue("gluon")
-    got = run_with_checkpoints(inp, plan.replace(**warpgroup()))
+    got = run_with_checkpoints(inp, plan.replace(**warpgroup(segmented=bool(sequence_parallel))))
     assert all(torch.equal(a, b) for a, b in zip(got, expected)) and emulation.launches
     assert torch.isfinite(got[2]).all()
 

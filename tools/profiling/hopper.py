@@ -73,8 +73,8 @@ def compile_for_hopper(fn, args, num_warps, num_stages, maxnreg=None):
 
 def prefill_launches(plan, checkpoints=0, l2norm=True, beta_sigmoid=True):
     """``{kernel: (fn, args, num_warps, num_stages, maxnreg)}`` of the prefill kernels as ``chunk_kda_forward``
-    launches them under ``plan`` (the Gluon recurrence and transitions for its ``warpgroup_recurrence``) on contiguous
-    inputs (bf16 q, k, v, β and, under the lower-bound gate, g; an fp32
+    launches them under ``plan`` (the Gluon recurrence and transitions for its ``warpgroup_recurrence`` and
+    ``warpgroup_transition``) on contiguous inputs (bf16 q, k, v, β and, under the lower-bound gate, g; an fp32
     log-decay g otherwise; fp32 states; int32 ``cu_seqlens``), with ``checkpoints`` (0, 1 or 2) per sequence."""
     from fastkda.ops.prefill import prepare, recurrence, scan, solve
     from fastkda.ops.prefill.layout import workspace_layout
@@ -106,13 +106,13 @@ def prefill_launches(plan, checkpoints=0, l2norm=True, beta_sigmoid=True):
                  solve=(solve.solve_kernel, solve_args, plan.solve_warps, plan.solve_stages, None),
                  recurrence=(recurrence.recurrence_kernel, recurrence_args, plan.recurrence_warps,
                              plan.recurrence_stages, None))
-    gluon = dict(STAGES=plan.recurrence_stages)  # the Gluon kernels' constexprs in place of the Triton ones'
-    triton_only = ("STATE_ROWS_V", "EMULATE")
+    triton_only = ("STATE_ROWS_V", "EMULATE")  # the Gluon kernels take STAGES in place of these constexprs
     if plan.warpgroup_recurrence:
         from fastkda.ops.prefill import recurrence_warpgroup
 
         found["recurrence"] = (recurrence_warpgroup.warpgroup_recurrence_kernel,
-                               dict({k: v for k, v in recurrence_args.items() if k not in triton_only}, **gluon),
+                               dict({k: v for k, v in recurrence_args.items() if k not in triton_only},
+                                    STAGES=plan.recurrence_stages),
                                plan.recurrence_warps, plan.recurrence_stages, None)
     if plan.sequence_parallel:
         transition_args = dict(
@@ -125,12 +125,15 @@ def prefill_launches(plan, checkpoints=0, l2norm=True, beta_sigmoid=True):
                          segment_chunks=plan.segment_chunks, H=H, K=K, V=V, SW=plan.scan_width, C=plan.chunk,
                          IS_VARLEN=plan.varlen, HAS_INITIAL=True, DOT_PRECISION=plan.dot_precision, OPEN_ENTRY=False,
                          COMPOSE=False)
-        transition = (recurrence.transition_kernel, transition_args, plan.transition_warps, plan.recurrence_stages,
+        transition = (recurrence.transition_kernel, transition_args, plan.transition_warps, plan.transition_stages,
                       None)
-        if plan.warpgroup_recurrence:
+        if plan.warpgroup_transition:
+            from fastkda.ops.prefill import recurrence_warpgroup
+
             transition = (recurrence_warpgroup.warpgroup_transition_kernel,
-                          dict({k: v for k, v in transition_args.items() if k not in triton_only}, **gluon),
-                          plan.transition_warps, plan.recurrence_stages, None)
+                          dict({k: v for k, v in transition_args.items() if k not in triton_only},
+                               STAGES=plan.transition_stages),
+                          plan.transition_warps, plan.transition_stages, None)
         found.update(transition=transition,
                      scan=(scan.segment_scan_kernel, scan_args, plan.scan_warps, plan.scan_stages, None))
     return found

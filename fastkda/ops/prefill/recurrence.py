@@ -328,13 +328,13 @@ def recurrence_arguments(plan, ws, out, initial_state, final_state, checkpoint_o
     return args, constexprs
 
 
-def warpgroup_runs(plan, ws, emulate):
-    """Whether the plan's ``warpgroup_recurrence`` runs the Gluon kernels on this call: not under the interpreter,
-    which runs no Gluon kernel, and only on a v whose token rows start 16-byte aligned (its first element, and a
-    row stride that is a multiple of 16 elements, as Triton's launcher specialises them), which its 16-byte
-    ``cp.async`` copies need; any other call runs the Triton kernels, the same bits."""
-    return (plan.warpgroup_recurrence and not emulate and ws.v.data_ptr() % 16 == 0
-            and ws.v.stride(1) % 16 == 0)
+def warpgroup_runs(wanted, ws, emulate):
+    """Whether a Gluon kernel the plan asks for (``wanted``: its ``warpgroup_recurrence`` or
+    ``warpgroup_transition``) runs on this call: not under the interpreter, which runs no Gluon kernel, and only on
+    a v whose token rows start 16-byte aligned (its first element, and a row stride that is a multiple of 16
+    elements, as Triton's launcher specialises them), which its 16-byte ``cp.async`` copies need; any other call
+    runs the Triton kernel, the same bits."""
+    return wanted and not emulate and ws.v.data_ptr() % 16 == 0 and ws.v.stride(1) % 16 == 0
 
 
 def launch_recurrence(plan, ws, out, initial_state, final_state, checkpoint_offsets, checkpoint_states, errors,
@@ -344,7 +344,7 @@ def launch_recurrence(plan, ws, out, initial_state, final_state, checkpoint_offs
     scan wrote, and the scan counts malformed ``cu_seqlens`` instead)."""
     args, constexprs = recurrence_arguments(plan, ws, out, initial_state, final_state, checkpoint_offsets,
                                             checkpoint_states, errors)
-    if warpgroup_runs(plan, ws, emulate):
+    if warpgroup_runs(plan.warpgroup_recurrence, ws, emulate):
         from .recurrence_warpgroup import warpgroup_recurrence_kernel  # Gluon: imported only where it runs
         launch(warpgroup_recurrence_kernel, plan.recurrence_grid, *args, **constexprs,
                SEGMENTED=plan.sequence_parallel, STAGES=plan.recurrence_stages, num_warps=plan.recurrence_warps)
@@ -363,10 +363,10 @@ def launch_transitions(plan, ws, initial_state, emulate, open_entry=False):
             plan.seq_len, plan.num_seqs, ws.v, ws.v.stride(1), plan.segment_chunks)
     constexprs = dict(H=plan.heads, K=plan.key_dim, V=plan.value_dim, BV=plan.transition_width, C=plan.chunk,
                       IS_VARLEN=plan.varlen, HAS_INITIAL=initial_state is not None, OPEN_ENTRY=open_entry)
-    if warpgroup_runs(plan, ws, emulate):
+    if warpgroup_runs(plan.warpgroup_transition, ws, emulate):
         from .recurrence_warpgroup import warpgroup_transition_kernel
         launch(warpgroup_transition_kernel, plan.transition_grid, *args, **constexprs,
-               STAGES=plan.recurrence_stages, num_warps=plan.transition_warps)
+               STAGES=plan.transition_stages, num_warps=plan.transition_warps)
     else:
         launch(transition_kernel, plan.transition_grid, *args, **constexprs, STATE_ROWS_V=plan.transition_rows_v,
-               EMULATE=emulate, num_warps=plan.transition_warps, num_stages=plan.recurrence_stages)
+               EMULATE=emulate, num_warps=plan.transition_warps, num_stages=plan.transition_stages)
