@@ -578,7 +578,7 @@ def choose_plan(num_seqs: int, heads: int, seq_len: int, key_dim: int, value_dim
     for the segment length only (a wrong one costs time, never correctness); without it the plan assumes one
     sequence may hold every token. ``warpgroup_mma``: the GPU runs Hopper's warpgroup MMA
     (:func:`has_warpgroup_mma`); then the segments' transitions of 64 or 128 columns, and the serial recurrence
-    of 64-column slices, run the Gluon kernels at :data:`WARPGROUP_STAGES` stages (the plan's
+    of 64-column slices whose programs fill at least half the SMs, run the Gluon kernels at :data:`WARPGROUP_STAGES` stages (the plan's
     ``warpgroup_transition`` and ``warpgroup_recurrence``: where the H200 measured them faster). Raises ``ValueError`` for shapes the
     kernels do not take."""
     if max_seqlen is not None:
@@ -640,8 +640,10 @@ def _choose_plan(num_seqs, heads, seq_len, key_dim, value_dim, sms, varlen, lowe
         reason += f"; {serial_reason}"
     width = value_dim // slices
     # measured on the H200 (docs/perf-notes.md, "The Gluon kernels' first run"): the Gluon transitions are faster
-    # at every width they take, the Gluon recurrence only on a serial walk of 64-column slices
-    gluon_recurrence = warpgroup_mma and not segment_chunks and width == 64
+    # at the automatic plan's 64 columns, the Gluon recurrence only on a serial walk of 64-column slices whose
+    # programs fill at least half the SMs (24 programs: 2.4% slower; 48: even; 96 to 128: 3-6% faster)
+    gluon_recurrence = (warpgroup_mma and not segment_chunks and width == 64
+                        and 2 * slices * pairs >= sms)
     gluon_transition = warpgroup_mma and bool(segment_chunks) and transition_width in WARPGROUP_SLICE_WIDTHS
     if gluon_recurrence or gluon_transition:
         reason += f"; the {'recurrence' if gluon_recurrence else 'transitions'} on Gluon warpgroup kernels (Hopper)"

@@ -134,7 +134,7 @@ def test_checkpoints_and_errors_as_the_triton_kernel():
     """Checkpoints at 0, inside the sequence, at its end and past it, serial and segmented; and a malformed
     ``cu_seqlens`` counted."""
     inp = make_inputs([1000, 700], heads=2, key_dim=128, device="cuda", seed=16)
-    offsets = torch.tensor([[320, 1000], [0, 704]], dtype=torch.int64, device="cuda")
+    offsets = torch.tensor([[320, 1000], [0, 704]], dtype=torch.int32, device="cuda")
     args = [inp[x] for x in ("q", "k", "v", "g", "beta")]
     for sequence_parallel in (False, 256):
         results = []

@@ -52,9 +52,9 @@ def test_plan_command_explains_an_open_entry_plan():
 
 
 def test_plan_command_takes_the_gpus_warpgroup_mma():
-    """``--warpgroup-mma`` (an sm_90 GPU): the Gluon recurrence where the slices allow; without a GPU it is off
+    """``--warpgroup-mma`` (an sm_90 GPU): the Gluon recurrence where the plan takes it; without a GPU it is off
     unless asked for."""
-    shape = ("plan", "--heads", "12", "--seqs", "1", "--tokens", "1024", "--sms", "132")
+    shape = ("plan", "--heads", "12", "--seqs", "4", "--tokens", "1024", "--sms", "132")
     hopper, other = fastkda(*shape, "--warpgroup-mma"), fastkda(*shape, "--no-warpgroup-mma")
     assert hopper.returncode == 0 and other.returncode == 0, hopper.stderr + other.stderr
     assert "Gluon" in hopper.stdout and "Gluon" not in other.stdout
