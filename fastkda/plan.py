@@ -66,9 +66,10 @@ RERUN_SLICE_CHOICES = (1, 2)  # slices of the rerun the auto plan weighs (64 col
 def warpgroup_shared_bytes(width: int, key_dim: int, stages: int, chunk: int = 32, v_bytes: int = 4) -> int:
     """Shared memory of the Gluon recurrence (``recurrence_warpgroup.py``): ``stages`` ring slots of a chunk's kd,
     qg, kg (bf16 ``[C, K]``), M (bf16 ``[C, C]``), T·β (fp32 ``[C, C]``), v (``[C, width]`` of ``v_bytes``) and
-    decay (fp32 ``[K]``), and two buffers of T·β's bf16 halves."""
+    decay (fp32 ``[K]``), two buffers of T·β's bf16 halves, and two of the output (``[C, width]``, v's dtype).
+    The transitions need less (no qg, M or output): this bound covers them too."""
     per_stage = (3 * chunk * key_dim + chunk * chunk) * 2 + chunk * chunk * 4 + chunk * width * v_bytes + 4 * key_dim
-    return stages * per_stage + 2 * 2 * chunk * chunk * 2
+    return stages * per_stage + 2 * 2 * chunk * chunk * 2 + 2 * chunk * width * v_bytes
 
 
 def segment_slot_count(seq_len: int, num_seqs: int, segment_tokens: int, varlen: bool) -> int:

@@ -19,7 +19,9 @@ columns"):
 * one barrier a step publishes the chunk's tiles and the halves and frees the ring slot it refills (the compiler
   adds a second before the halves are written, while the products run: it cannot tell the two buffers apart);
 * the state's product is issued before the output's two, and the step waits for the state alone before forming
-  the next step's operand; the output is waited for and stored after that;
+  the next step's operand; the output is waited for after that and put into one of two shared-memory buffers,
+  transposed; the next step, past its barrier, stores it from there with 16-byte stores along V while its own
+  products run (the accumulator's layout would store two bytes at a time);
 * the copies are issued after every product of the step has completed: ptxas serialises every wgmma of a kernel
   that issues ``cp.async`` between a wgmma and its wait.
 
@@ -93,6 +95,18 @@ def split_t(T_s, stage, lo_s, hi_s, half, ROWS_T: gl.constexpr):
 
 
 @gluon.jit
+def store_output(o_s, half, out_h, bos, c, eos, stride_out, vs, BV: gl.constexpr, C: gl.constexpr,
+                 ROWS_V: gl.constexpr):
+    """Chunk ``c``'s output, which buffer ``half`` of ``o_s`` holds (``[C, BV]``), to its tokens' rows: whole
+    16-byte runs along V, the tokens past the sequence's end left alone."""
+    r = gl.arange(0, C, layout=gl.SliceLayout(1, ROWS_V))
+    tok = (bos + c * C + r).to(gl.int64)
+    cols = vs * BV + gl.arange(0, BV, layout=gl.SliceLayout(0, ROWS_V))
+    gl.store(out_h + tok[:, None] * stride_out + cols[None, :], o_s.index(half).load(ROWS_V),
+             mask=(tok < eos)[:, None])
+
+
+@gluon.jit
 def warpgroup_walk(
     ws_bf16, ws_fp32, qg_at, kg_at, A_at, scratch_at, transitions_at, entries_at, out, initial_state,
     final_state, cu_seqlens, errors, ckpt_offsets, ckpt_states, stride_out, seq_len, num_seqs, stride_ckpt_n,
@@ -119,11 +133,12 @@ def warpgroup_walk(
     ROWS_K: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // K, K // 8], [W, 1], [1, 0])
     ROWS_C: gl.constexpr = gl.BlockedLayout([1, C // W], [32 // W, W], [W, 1], [1, 0])
     ROWS_T: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [W, 1], [1, 0])
-    ROWS_V: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // BV, BV // 8], [W, 1], [1, 0])
+    ROWS_V: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // BV, BV // 8], [W, 1], [1, 0])  # v and the output
     VECTOR: gl.constexpr = gl.BlockedLayout([1], [32], [W], [0])  # the decay, 4 bytes a thread
     SHARED_K: gl.constexpr = gl.NVMMASharedLayout.get_default_for([C, K], gl.bfloat16)
     SHARED_C: gl.constexpr = gl.NVMMASharedLayout.get_default_for([C, C], gl.bfloat16)
     SHARED_V: gl.constexpr = gl.NVMMASharedLayout.get_default_for([C, BV], v.dtype.element_ty)
+    SHARED_O: gl.constexpr = gl.NVMMASharedLayout.get_default_for([C, BV], out.dtype.element_ty)
     PLAIN_T: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
     PLAIN_1D: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
 
@@ -141,9 +156,11 @@ def warpgroup_walk(
     if OUTPUTS:
         qg_s = gl.allocate_shared_memory(gl.bfloat16, [STAGES, C, K], SHARED_K)
         A_s = gl.allocate_shared_memory(gl.bfloat16, [STAGES, C, C], SHARED_C)
-    else:  # a transition reads neither: the copies skip them, nothing reads these names
+        o_s = gl.allocate_shared_memory(out.dtype.element_ty, [2, C, BV], SHARED_O)
+    else:  # a transition reads none of these: the copies skip them, nothing reads these names
         qg_s = kd_s
         A_s = kd_s
+        o_s = kd_s
     T_s = gl.allocate_shared_memory(gl.float32, [STAGES, C, C], PLAIN_T)
     v_s = gl.allocate_shared_memory(v.dtype.element_ty, [STAGES, C, BV], SHARED_V)
     decay_s = gl.allocate_shared_memory(gl.float32, [STAGES, K], PLAIN_1D)
@@ -162,9 +179,6 @@ def warpgroup_walk(
     state_offsets = ((n * H + h) * V).to(gl.int64) * K + local
     S = starting_state(ws_fp32, entries_at, initial_state, state_offsets, local, gl.zeros([BV, K], gl.float32, ACC_K),
                        sv, sk, slot, h, j, c1, num_chunks, H, V, K, HAS_INITIAL, True, SEGMENTED, TRANSITION)
-    # the output's addresses: oᵀ [BV, C] in the accumulator layout, stored as it is
-    ov = vs * BV + gl.arange(0, BV, layout=gl.SliceLayout(1, ACC_C))
-    oc = gl.arange(0, C, layout=gl.SliceLayout(0, ACC_C))
     zero_C = gl.zeros([BV, C], gl.float32, ACC_C)
 
     async_copy.wait_group(STAGES - 2)  # the first chunk
@@ -199,19 +213,24 @@ def warpgroup_walk(
                               o, is_async=True)
         split_t(T_s, (c - c0 + 1) % STAGES, lo_s, hi_s, 1 - half, ROWS_T)  # the next chunk's, beside the products
         if OUTPUTS:
+            if c > c0:  # the previous chunk's output, which the barrier above published
+                store_output(o_s, 1 - half, out_h, bos, c - 1, eos, stride_out, vs, BV, C, ROWS_V)
+        if OUTPUTS:
             S = warpgroup_mma_wait(2, deps=[S])  # the state's product only
         else:
             S = warpgroup_mma_wait(0, deps=[S])
         S_op = gl.convert_layout(S.to(gl.bfloat16), OP_C, assert_trivial=True)
         if OUTPUTS:
             o = warpgroup_mma_wait(0, deps=[o])
-            tok = (bos + c * C + oc).to(gl.int64)
-            gl.store(out_h + tok[None, :] * stride_out + ov[:, None], o.to(out.dtype.element_ty),
-                     mask=(tok < eos)[None, :])
+            o_s.index(half).permute((1, 0)).store(o.to(out.dtype.element_ty))
         copy_chunk(c + STAGES - 1, c_end, bos, eos, slot0, (c - c0 + STAGES - 1) % STAGES, kd_ws, qg_ws, kg_ws, A_ws,
                    T_ws, v_h, decay_h, stride_v, kd_s, qg_s, kg_s, A_s, T_s, v_s, decay_s, H, K, V, BV, C, vs,
                    ROWS_K, ROWS_C, ROWS_T, ROWS_V, VECTOR, OUTPUTS)
     async_copy.wait_group(0)  # no copy outlives the program
+    if OUTPUTS:
+        if c_end > c0:  # the last chunk's output
+            cta_barrier()
+            store_output(o_s, (c_end - 1 - c0) % 2, out_h, bos, c_end - 1, eos, stride_out, vs, BV, C, ROWS_V)
     finish_walk(S, ws_fp32, transitions_at, final_state, ckpt_offsets, ckpt_states, errors, cu_seqlens, n, slot, h,
                 vs, bos, eos, in_order, num_chunks, c1, active, first_segment, own_slot, seq_len, num_seqs,
                 segment_chunks, stride_ckpt_n, stride_ckpt_j, state_offsets, local, lanes, H, V, K, C, IS_VARLEN,
