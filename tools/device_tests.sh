@@ -22,6 +22,8 @@ export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 FLA_FLASH_KDA=
 if ls .whl/*.whl >/dev/null 2>&1; then  # peers travel as wheels (README of the device tool)
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH=$PYTHONPATH:/tmp/site
+else  # the wheels are git-ignored: only the run's carry brings them
+  echo "WARNING: no peer wheels in .whl/ (carry .whl): FlashKDA and FLA will be missing from the bench" | tee -a "$LOG"
 fi
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader | tee -a "$LOG"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$LOG"
