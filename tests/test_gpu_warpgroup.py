@@ -85,11 +85,13 @@ def test_open_entry_same_bits_as_the_triton_kernels():
 
 
 def test_fp32_inputs_and_a_strided_v():
-    """fp32 q, k, v (the ring holds v as it comes); and a v view whose rows are not 16-byte multiples, which the
-    Gluon kernels' copies cannot take, so the call runs the Triton kernels: the same bits either way."""
+    """fp32 q, k, v (the ring and the output's buffers hold them as they come: at 128 columns the most shared
+    memory any plan takes); and a v view whose rows are not 16-byte multiples, which the Gluon kernels' copies
+    cannot take, so the call runs the Triton kernels: the same bits either way."""
     inp = make_inputs([700, 300], heads=2, key_dim=128, device="cuda", seed=14)
     wide = {name: inp[name].float() for name in ("q", "k", "v")}
-    same_bits(dict(inp, **wide), STATES[1], plan_for(inp, v_slices=2))
+    for v_slices in (1, 2):
+        same_bits(dict(inp, **wide), STATES[1], plan_for(inp, v_slices=v_slices))
     padded = torch.zeros(*inp["v"].shape[:2], 2 * 128 + 8, dtype=inp["v"].dtype, device="cuda")
     padded[..., :256] = inp["v"].flatten(2)
     strided = dict(inp, v=padded[..., :256].unflatten(2, (2, 128)))

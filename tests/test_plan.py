@@ -105,7 +105,8 @@ def test_the_warpgroup_transitions_take_segments_of_64_and_128_column_slices():
     assert segmented.transition_width == 64 and not segmented.warpgroup_transition  # off unless asked for
     chosen = segmented.replace(warpgroup_transition=True, transition_stages=4)
     assert "(the Gluon kernel)" in chosen.describe() and not chosen.warpgroup_recurrence
-    assert PrefillPlan.from_launch_numbers(chosen.launch_numbers(), chosen.dot_precision) == chosen
+    back = PrefillPlan.from_launch_numbers(chosen.launch_numbers(), chosen.dot_precision)
+    assert back == chosen and type(back.warpgroup_transition) is bool and back.transition_stages == 4
     assert chosen.replace(transition_width=128).transition_width == 128  # 128 columns: 4 stages fit, 5 do not
     for bad in (dict(transition_stages=3), dict(transition_stages=6), dict(transition_width=32),
                 dict(segment_chunks=0), dict(transition_width=128, transition_stages=5)):
@@ -129,7 +130,11 @@ def test_on_hopper_the_automatic_plan_runs_the_gluon_kernels_where_they_were_mea
         triton_plan = choose_plan(*facts, 128, 128, 132)
         hopper = choose_plan(*facts, 128, 128, 132, warpgroup_mma=True)
         assert dataclasses.replace(triton_plan, **expected, reason=hopper.reason) == hopper, facts  # nothing else
-        assert ("Gluon" in hopper.describe()) == bool(expected), facts
+        lines = hopper.describe().splitlines()
+        recurrence_line = next(line for line in lines if line.startswith("recurrence:"))
+        parallel_line = next(line for line in lines if line.startswith("sequence parallelism:"))
+        assert ("the Gluon kernel" in recurrence_line) == hopper.warpgroup_recurrence, facts
+        assert ("(the Gluon kernel)" in parallel_line) == hopper.warpgroup_transition, facts
     assert choose_plan(4, 12, 8192, 128, 128, 132, warpgroup_mma=True).slice_width == 64
     assert choose_plan(8, 96, 1024, 128, 128, 132, warpgroup_mma=True).slice_width == 128
     narrow = choose_plan(1, 12, 1024, 128, 128, 132, v_slices=4, sequence_parallel=False, warpgroup_mma=True)

@@ -213,7 +213,12 @@ def test_the_warpgroup_recurrence_launches_the_plans_numbers(monkeypatch):
     narrow = inp["v"].new_zeros(*inp["v"].shape[:2], 3 * 128 + 8)[..., :384].unflatten(2, (3, 128))
     recurrence.launch_recurrence(plan, Workspace.allocate(plan, narrow, inp["cu_seqlens"]), out, None, None, None,
                                  None, errors, emulate=False)
-    assert set(launched) == {"recurrence_kernel"}  # rows 392 elements apart: the Triton kernel
+    recurrence.launch_transitions(segmented, Workspace.allocate(segmented, narrow, inp["cu_seqlens"]), None,
+                                  emulate=False)
+    # rows 392 elements apart: the Triton kernels, the transitions at the plan's transition_stages
+    assert set(launched) == {"recurrence_kernel", "transition_kernel"}
+    assert launched["transition_kernel"][1]["num_stages"] == segmented.transition_stages == 4
+    assert launched["recurrence_kernel"][1]["num_stages"] == plan.recurrence_stages == 5
 
 
 def test_no_module_level_launch_constants_in_ops():
