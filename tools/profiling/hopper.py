@@ -200,7 +200,9 @@ def add_plan_arguments(parser):
 
 
 def plans_from_arguments(args):
-    """(prefill plan, decode plan) for the parsed :func:`add_plan_arguments`."""
+    """(prefill plan, decode plan) for the parsed :func:`add_plan_arguments`: the automatic plans an sm_90 GPU
+    makes (its warpgroup MMA, so the Gluon kernels where the plan takes them), with the longest length as the
+    ``max_seqlen`` hint of a varlen shape, as the bench's inputs carry it."""
     if args.heads is not None:
         heads, lengths, varlen = args.heads, [args.tokens] * args.seqs, not args.fixed
     else:
@@ -210,7 +212,8 @@ def plans_from_arguments(args):
         heads, lengths, varlen = found[0]["H"], found[0]["lengths"], is_varlen(found[0])
     seq_len = sum(lengths) if varlen else lengths[0]
     plan = choose_plan(len(lengths), heads, seq_len, args.dim, args.dim, args.sms, varlen=varlen,
-                       lower_bound_gate=not args.precomputed_gate, warpgroup_mma=True)  # compiled for sm_90a
+                       lower_bound_gate=not args.precomputed_gate, max_seqlen=max(lengths) if varlen else None,
+                       warpgroup_mma=True)  # compiled for sm_90a
     decode = choose_decode_plan(len(lengths), heads, args.dim, args.sms)
     changes, decode_changes = combined(args.set), combined(args.decode_set)
     return (plan.replace(**changes) if changes else plan,
