@@ -579,9 +579,9 @@ def choose_plan(num_seqs: int, heads: int, seq_len: int, key_dim: int, value_dim
     for the segment length only (a wrong one costs time, never correctness); without it the plan assumes one
     sequence may hold every token. ``warpgroup_mma``: the GPU runs Hopper's warpgroup MMA
     (:func:`has_warpgroup_mma`); then the segments' transitions of 64 or 128 columns, and the serial recurrence
-    of 64-column slices whose programs fill at least half the SMs, run the Gluon kernels at :data:`WARPGROUP_STAGES` stages (the plan's
-    ``warpgroup_transition`` and ``warpgroup_recurrence``: where the H200 measured them faster). Raises ``ValueError`` for shapes the
-    kernels do not take."""
+    of 64-column slices whose programs fill at least half the SMs, run the Gluon kernels at
+    :data:`WARPGROUP_STAGES` stages (the plan's ``warpgroup_transition`` and ``warpgroup_recurrence``: where the
+    H200 measured them faster). Raises ``ValueError`` for shapes the kernels do not take."""
     if max_seqlen is not None:
         _check(isinstance(max_seqlen, int) and not isinstance(max_seqlen, bool) and max_seqlen >= 0,
                f"max_seqlen must be None or an integer >= 0, got {max_seqlen!r}")

@@ -215,7 +215,6 @@ def warpgroup_walk(
         if OUTPUTS:
             if c > c0:  # the previous chunk's output, which the barrier above published
                 store_output(o_s, 1 - half, out_h, bos, c - 1, eos, stride_out, vs, BV, C, ROWS_V)
-        if OUTPUTS:
             S = warpgroup_mma_wait(2, deps=[S])  # the state's product only
         else:
             S = warpgroup_mma_wait(0, deps=[S])
