@@ -578,8 +578,8 @@ def choose_plan(num_seqs: int, heads: int, seq_len: int, key_dim: int, value_dim
     ``max_seqlen`` (varlen): the longest sequence's length if the caller knows it (as flash-attn takes it), a hint
     for the segment length only (a wrong one costs time, never correctness); without it the plan assumes one
     sequence may hold every token. ``warpgroup_mma``: the GPU runs Hopper's warpgroup MMA
-    (:func:`has_warpgroup_mma`); then the segments' transitions of 64 or 128 columns, and the serial recurrence
-    of 64-column slices whose programs fill at least half the SMs, run the Gluon kernels at
+    (:func:`has_warpgroup_mma`); then the segments' transitions and the recurrence of 64- or 128-column slices
+    (but a serial one whose programs fill less than half the SMs) run the Gluon kernels at
     :data:`WARPGROUP_STAGES` stages (the plan's ``warpgroup_transition`` and ``warpgroup_recurrence``: where the
     H200 measured them faster). Raises ``ValueError`` for shapes the kernels do not take."""
     if max_seqlen is not None:
@@ -640,11 +640,12 @@ def _choose_plan(num_seqs, heads, seq_len, key_dim, value_dim, sms, varlen, lowe
     else:
         reason += f"; {serial_reason}"
     width = value_dim // slices
-    # measured on the H200 (docs/perf-notes.md, "The Gluon kernels' first run"): the Gluon transitions are faster
-    # at the automatic plan's 64 columns, the Gluon recurrence only on a serial walk of 64-column slices whose
-    # programs fill at least half the SMs (24 programs: 2.4% slower; 48: even; 96 to 128: 3-6% faster)
-    gluon_recurrence = (warpgroup_mma and not segment_chunks and width == 64
-                        and 2 * slices * pairs >= sms)
+    # measured on the H200 (docs/perf-notes.md, "The Gluon kernels' first run" and "The Gluon recurrence's output
+    # through shared memory"): the Gluon transitions are faster at the automatic plan's 64 columns, the Gluon
+    # recurrence at 64 and 128 columns, serial or rerunning segments, but on a serial walk whose programs fill
+    # less than half the SMs (H12 N1 T1024's 24: 2.4% slower, twice)
+    gluon_recurrence = (warpgroup_mma and width in WARPGROUP_SLICE_WIDTHS
+                        and (bool(segment_chunks) or 2 * slices * pairs >= sms))
     gluon_transition = warpgroup_mma and bool(segment_chunks) and transition_width in WARPGROUP_SLICE_WIDTHS
     if gluon_recurrence or gluon_transition:
         reason += f"; the {'recurrence' if gluon_recurrence else 'transitions'} on Gluon warpgroup kernels (Hopper)"

@@ -118,15 +118,15 @@ def test_the_warpgroup_transitions_take_segments_of_64_and_128_column_slices():
 
 def test_on_hopper_the_automatic_plan_runs_the_gluon_kernels_where_they_were_measured_faster():
     """With ``warpgroup_mma`` (an sm_90 GPU) the segments' transitions (64 columns in the automatic plan) and the
-    serial recurrence of 64-column slices whose programs fill at least half the SMs run the Gluon kernels at their
-    4 stages; a serial recurrence of 128 or 32 columns or of fewer programs (H12 N1: 24) and the segments' rerun
-    keep Triton's; without it, nothing changes."""
+    recurrence of 64- and 128-column slices, serial or rerunning segments, run the Gluon kernels at their 4 stages,
+    but a serial recurrence whose programs fill less than half the SMs (H12 N1: 24) or of 32-column slices; without
+    it, nothing changes."""
     from fastkda.plan import WARPGROUP_STAGES, choose_open_entry_plan
 
     gluon = dict(warpgroup_recurrence=True, recurrence_stages=WARPGROUP_STAGES)
-    transitions = dict(warpgroup_transition=True, transition_stages=WARPGROUP_STAGES)
-    for facts, expected in (((4, 12, 8192), gluon), ((5, 12, 1024), gluon), ((8, 96, 1024), {}), ((1, 12, 1024), {}),
-                            ((1, 12, 65536), transitions), ((1, 24, 65536), transitions)):
+    both = dict(gluon, warpgroup_transition=True, transition_stages=WARPGROUP_STAGES)
+    for facts, expected in (((4, 12, 8192), gluon), ((5, 12, 1024), gluon), ((8, 96, 1024), gluon),
+                            ((1, 12, 1024), {}), ((1, 12, 65536), both), ((1, 24, 65536), both)):
         triton_plan = choose_plan(*facts, 128, 128, 132)
         hopper = choose_plan(*facts, 128, 128, 132, warpgroup_mma=True)
         assert dataclasses.replace(triton_plan, **expected, reason=hopper.reason) == hopper, facts  # nothing else
@@ -140,7 +140,7 @@ def test_on_hopper_the_automatic_plan_runs_the_gluon_kernels_where_they_were_mea
     narrow = choose_plan(1, 12, 1024, 128, 128, 132, v_slices=4, sequence_parallel=False, warpgroup_mma=True)
     assert narrow.slice_width == 32 and not narrow.warpgroup_recurrence
     opened = choose_open_entry_plan(2, 12, 8192, 128, 128, 132, warpgroup_mma=True)
-    assert opened.warpgroup_transition and not opened.warpgroup_recurrence and opened.transition_width == 64
+    assert opened.warpgroup_transition and opened.warpgroup_recurrence and opened.transition_width == 64
 
 
 @pytest.mark.parametrize("facts", [dict(heads=0), dict(value_dim=96), dict(key_dim=32), dict(sms=0),
