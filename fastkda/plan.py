@@ -648,7 +648,8 @@ def _choose_plan(num_seqs, heads, seq_len, key_dim, value_dim, sms, varlen, lowe
                         and (bool(segment_chunks) or 2 * slices * pairs >= sms))
     gluon_transition = warpgroup_mma and bool(segment_chunks) and transition_width in WARPGROUP_SLICE_WIDTHS
     if gluon_recurrence or gluon_transition:
-        reason += f"; the {'recurrence' if gluon_recurrence else 'transitions'} on Gluon warpgroup kernels (Hopper)"
+        gluon_parts = [part for part, on in (("transitions", gluon_transition), ("recurrence", gluon_recurrence)) if on]
+        reason += f"; the {' and the '.join(gluon_parts)} on Gluon warpgroup kernels (Hopper)"
     prepare_warps = 4
     return PrefillPlan(
         seq_len=seq_len, num_seqs=num_seqs, varlen=varlen, heads=heads, key_dim=key_dim, value_dim=value_dim,
