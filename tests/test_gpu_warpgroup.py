@@ -138,12 +138,13 @@ def test_checkpoints_and_errors_as_the_triton_kernel():
     inp = make_inputs([1000, 700], heads=2, key_dim=128, device="cuda", seed=16)
     offsets = torch.tensor([[320, 1000], [0, 704]], dtype=torch.int32, device="cuda")
     args = [inp[x] for x in ("q", "k", "v", "g", "beta")]
+    gate = {x: inp[x] for x in ("A_log", "dt_bias", "lower_bound")}
     for sequence_parallel in (False, 256):
         results = []
         base = plan_for(inp, v_slices=2, sequence_parallel=sequence_parallel)
         for plan in (triton_only(base), gluon(base)):
             states = torch.full((2, 2, 2, 128, 128), float("nan"), device="cuda")
-            out, final = fastkda.kda_prefill(*args, initial_state=inp["initial_state"], output_final_state=True,
+            out, final = fastkda.kda_prefill(*args, **gate, initial_state=inp["initial_state"], output_final_state=True,
                                              cu_seqlens=inp["cu_seqlens"], checkpoint_offsets=offsets,
                                              checkpoint_states=states, plan=plan)
             results.append((out, final, states))
@@ -152,7 +153,7 @@ def test_checkpoints_and_errors_as_the_triton_kernel():
     bad = inp["cu_seqlens"].clone()
     bad[1] = 5000  # past T: clamped, counted
     errors = torch.zeros(3, dtype=torch.int32, device="cuda")
-    fastkda.kda_prefill(*args, initial_state=inp["initial_state"], cu_seqlens=bad,
+    fastkda.kda_prefill(*args, **gate, initial_state=inp["initial_state"], cu_seqlens=bad,
                         plan=gluon(plan_for(inp, v_slices=2)), errors=errors, checks=False)
     assert errors[2].item() >= 1
 
