@@ -27,6 +27,20 @@ else  # the wheels are git-ignored: only the run's carry brings them
 fi
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader | tee -a "$LOG"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$LOG"
+# FLA autotunes each kernel for every new shape, which took most of a bench call (2abb1c7: 7 workloads in 520 s).
+# Triton keeps the timings it chose on disk when asked; they come back as $OUT/autotune-cache.tgz, and the next
+# call reuses them when .autotune-cache (git-ignored: `mkdir .autotune-cache && tar xzf <that file> -C
+# .autotune-cache`) travels in its carry. FLA then compiles only the configuration it chose before.
+export TRITON_CACHE_AUTOTUNING=1 TRITON_CACHE_DIR=/tmp/triton-cache
+mkdir -p "$TRITON_CACHE_DIR"
+if [ -d .autotune-cache ]; then
+  cp -r .autotune-cache/. "$TRITON_CACHE_DIR/"
+  echo "autotune timings reused: $(find .autotune-cache -name '*.autotune.json' | wc -l) files" | tee -a "$LOG"
+fi
+save_autotune() {  # the timings of every autotuned kernel so far, one small file
+  (cd "$TRITON_CACHE_DIR" && find . -name '*.autotune.json' | tar czf "$OUT/autotune-cache.tgz" -T -)
+}
+trap save_autotune EXIT
 today="benchmarks/results/$(date +%F)-NVIDIA_H200.json"
 [ -f "$today" ] && cp "$today" "$OUT/results/"
 
@@ -49,6 +63,7 @@ step exactness "${EXACT_S:-0}" python3 tools/sweeps/exactness_matrix.py
 step ab "${AB_S:-0}" python3 tools/variants/ab_packages.py --out "$OUT/results" ${AB_ARGS:-}
 step decode-sweep "${DSWEEP_S:-0}" python3 tools/sweeps/decode_sweep.py --out "$OUT/results"
 step bench "${BENCH_S:-400}" python3 -m fastkda.bench --append --out "$OUT/results" "$@"
+save_autotune  # now too, in case the call's own limit ends the script before its exit trap
 step plan-sweep "${PSWEEP_S:-0}" python3 tools/sweeps/plan_sweep.py --out "$OUT/results" --budget-s "${PSWEEP_BUDGET:-60}" \
   ${PSWEEP_ARGS:-}
 # shellcheck disable=SC2086  # the argument lists split on purpose
