@@ -9,8 +9,10 @@
 #   TEST_FILES='tests/test_gpu_warpgroup.py' (the GPU test files to run; default: every GPU suite)
 #   NCU_KERNEL=prepare|solve|recurrence|transition|scan NCU_WORKLOAD=H96_B1_T8192 (the ncu step's target)
 #   NCU_PACKAGE=<commit>: the ncu step runs .ab/fastkda_<commit> (ab_packages.py --make; carry .ab)
-#   DSWEEP_S=90 PSWEEP_S=100 BENCH_S=200 (0 skips a step; the bench appends to today's committed results file)
-#   PSWEEP_ARGS, VARIANTS_ARGS: extra arguments of tools/sweeps/plan_sweep.py and tools/variants/prepare_variants.py
+#   DSWEEP_S=90 SSWEEP_S=120 PSWEEP_S=100 BENCH_S=200 (0 skips a step; the bench appends to today's committed
+#   results file)
+#   PSWEEP_ARGS, SSWEEP_ARGS, VARIANTS_ARGS: extra arguments of tools/sweeps/plan_sweep.py,
+#   tools/sweeps/segment_sweep.py and tools/variants/prepare_variants.py
 #   AB_S, AB_ARGS: the same-run A/B against packages of other commits (tools/variants/ab_packages.py; carry .ab)
 #   KERNELS_ARGS, and KERNELS2_S with KERNELS2_ARGS for a second run: tools/profiling/kernel_times.py's arguments
 #   (e.g. --only H24_N1_T65536, then the same with --package <commit>)
@@ -64,6 +66,8 @@ step ab "${AB_S:-0}" python3 tools/variants/ab_packages.py --out "$OUT/results" 
 step decode-sweep "${DSWEEP_S:-0}" python3 tools/sweeps/decode_sweep.py --out "$OUT/results"
 step bench "${BENCH_S:-400}" python3 -m fastkda.bench --append --out "$OUT/results" "$@"
 save_autotune  # now too, in case the call's own limit ends the script before its exit trap
+# shellcheck disable=SC2086
+step segment-sweep "${SSWEEP_S:-0}" python3 tools/sweeps/segment_sweep.py --out "$OUT/results" ${SSWEEP_ARGS:-}
 step plan-sweep "${PSWEEP_S:-0}" python3 tools/sweeps/plan_sweep.py --out "$OUT/results" --budget-s "${PSWEEP_BUDGET:-60}" \
   ${PSWEEP_ARGS:-}
 # shellcheck disable=SC2086  # the argument lists split on purpose
