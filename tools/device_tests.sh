@@ -22,8 +22,13 @@ mkdir -p "$OUT/results"
 LOG="$OUT/device.log"
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 FLA_FLASH_KDA=0
 if ls .whl/*.whl >/dev/null 2>&1; then  # peers travel as wheels (README of the device tool)
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH=$PYTHONPATH:/tmp/site
+  # a warm machine keeps /tmp between calls: the same wheels, already installed there, are not installed again
+  wheels=$(cd .whl && sha256sum -- *.whl)
+  if [ "$wheels" = "$(cat /tmp/site/.fastkda-wheels 2>/dev/null)" ] \
+      || { python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+             .whl/*.whl && echo "$wheels" > /tmp/site/.fastkda-wheels; }; then
+    export PYTHONPATH=$PYTHONPATH:/tmp/site
+  fi
 else  # the wheels are git-ignored: only the run's carry brings them
   echo "WARNING: no peer wheels in .whl/ (carry .whl): FlashKDA and FLA will be missing from the bench" | tee -a "$LOG"
 fi
