@@ -30,7 +30,9 @@ and per (chunk slot, head), the fp32 chunk decay ``decay = exp(G_C)`` (K values)
 Under sequence parallelism the fp32 buffer ends with two sections per (segment slot, head), rows of K values
 laid out as a state ``[v, k]``: ``transitions`` (V + K rows: the segment's exit state from a zero state, then the
 exit of the K identity columns, i.e. its transition matrix) and ``entries`` (V rows: the segment's entry state).
-Segment slots are laid out as the chunk slots are, with segments in place of chunks.
+Segment slots are laid out as the chunk slots are, with segments in place of chunks. Last, ``order`` (one int32
+per sequence, in fp32 slots): under the plan's ``longest_first``, the sequences from the longest down, which the
+solve kernel writes (:func:`write_longest_first`) and the serial recurrence's programs take in turn.
 Kernels receive the two buffers and each section's element offset (:class:`Workspace` fields); they address
 rows from their chunk's first token.
 """
@@ -125,6 +127,39 @@ def chunk_of_slot(slot, cu_seqlens, seq_len, num_seqs, C: tl.constexpr, IS_VARLE
 
 
 @triton.jit
+def span_lengths(cu_seqlens, m, inside, seq_len):
+    """Tokens of sequences ``m`` (a vector; ``inside`` masks it) as :func:`sequence_span` clamps their spans."""
+    start = tl.load(cu_seqlens + m, mask=inside, other=0)
+    end = tl.load(cu_seqlens + m + 1, mask=inside, other=0)
+    bos = tl.minimum(tl.maximum(start, 0), seq_len).to(tl.int32)
+    return tl.minimum(tl.maximum(end, bos), seq_len).to(tl.int32) - bos
+
+
+@triton.jit
+def sequence_order(ws_fp32, order_at):
+    """The workspace's ``order`` section as int32 (module docstring)."""
+    return (ws_fp32 + order_at).to(tl.pointer_type(tl.int32), bitcast=True)
+
+
+@triton.jit
+def write_longest_first(ws_fp32, order_at, cu_seqlens, n, seq_len, num_seqs):
+    """Place sequence ``n`` of a varlen batch in the ``order`` section: its rank when the sequences are sorted by
+    length, longest first, ties in index order. Every program ranks by the same clamped lengths, so the ranks of
+    sequences 0..N-1 are a permutation whatever ``cu_seqlens`` holds."""
+    bos, eos, _ = sequence_span(cu_seqlens, n, seq_len, num_seqs, True)
+    length = eos - bos
+    lanes = tl.arange(0, OWNER_LOOKUP_WIDTH)
+    rank = 0
+    for first in range(0, num_seqs, OWNER_LOOKUP_WIDTH):
+        m = first + lanes
+        inside = m < num_seqs
+        others = span_lengths(cu_seqlens, m, inside, seq_len)
+        ahead = inside & ((others > length) | ((others == length) & (m < n)))
+        rank += tl.sum(ahead.to(tl.int32), axis=0)
+    tl.store(sequence_order(ws_fp32, order_at) + rank, n)
+
+
+@triton.jit
 def entry_state(ws_fp32, entries_at, slot, h, H: tl.constexpr, V: tl.constexpr, K: tl.constexpr):
     """Pointer to the ``entries`` rows (``[V, K]``, fp32) of segment slot ``slot``, head ``h``."""
     return ws_fp32 + entries_at + ((slot * H + h) * V).to(tl.int64) * K
@@ -147,24 +182,25 @@ class WorkspaceLayout:
     scratch: int
     transitions: int
     entries: int
+    order: int
     bf16_elements: int
     fp32_elements: int
 
 
 @functools.lru_cache(maxsize=4096)
 def workspace_layout(rows: int, slots: int, heads: int, key_dim: int, value_dim: int, chunk: int,
-                     segment_slots: int = 0) -> WorkspaceLayout:
-    """The layout for ``rows`` (token, head) rows, ``slots`` chunk slots and ``segment_slots`` segment slots
-    (``kd`` and ``decay`` at offset 0)."""
+                     segment_slots: int = 0, sequences: int = 0) -> WorkspaceLayout:
+    """The layout for ``rows`` (token, head) rows, ``slots`` chunk slots, ``segment_slots`` segment slots and
+    ``sequences`` sequences (``kd`` and ``decay`` at offset 0)."""
     qg = rows * key_dim
     kg = qg + rows * key_dim
     A = kg + rows * key_dim
     scratch = slots * heads * key_dim
     transitions = scratch + rows * chunk
     entries = transitions + segment_slots * heads * (value_dim + key_dim) * key_dim
+    order = entries + segment_slots * heads * value_dim * key_dim
     return WorkspaceLayout(qg=qg, kg=kg, A=A, scratch=scratch, transitions=transitions, entries=entries,
-                           bf16_elements=A + rows * chunk,
-                           fp32_elements=entries + segment_slots * heads * value_dim * key_dim)
+                           order=order, bf16_elements=A + rows * chunk, fp32_elements=order + sequences)
 
 
 @dataclass
@@ -181,7 +217,8 @@ class Workspace:
     @staticmethod
     def allocate(plan, v, cu_seqlens) -> "Workspace":
         layout = workspace_layout(plan.batch * plan.seq_len * plan.heads, plan.chunk_slots, plan.heads,
-                                  plan.key_dim, plan.value_dim, plan.chunk, plan.segment_slots)
+                                  plan.key_dim, plan.value_dim, plan.chunk, plan.segment_slots,
+                                  plan.num_seqs if plan.longest_first else 0)
         return Workspace(bf16=torch.empty(layout.bf16_elements, dtype=torch.bfloat16, device=v.device),
                          fp32=torch.empty(layout.fp32_elements, dtype=torch.float32, device=v.device),
                          layout=layout, cu_seqlens=cu_seqlens, v=v)

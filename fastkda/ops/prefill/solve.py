@@ -12,7 +12,7 @@ import triton.language as tl
 from ..common import launch
 from ..tiles import load_lower, store_lower
 from .inputs import beta_rows
-from .layout import chunk_of_slot
+from .layout import chunk_of_slot, write_longest_first
 
 
 @triton.jit
@@ -35,12 +35,14 @@ def mm(a, b, DOT_PRECISION: tl.constexpr):
 
 @triton.jit(do_not_specialize=["H"])  # one compile for every head count
 def solve_kernel(
-    beta, cu_seqlens, ws_fp32, scratch_at, stride_beta_tok, stride_beta_head, seq_len, num_seqs,
+    beta, cu_seqlens, ws_fp32, scratch_at, order_at, stride_beta_tok, stride_beta_head, seq_len, num_seqs,
     H, C: tl.constexpr, BC: tl.constexpr, IS_VARLEN: tl.constexpr, BETA_SIGMOID: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, EMULATE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, EMULATE: tl.constexpr, LONGEST_FIRST: tl.constexpr,
 ):
     """One (chunk slot, head): T from the scratch's 16×16 blocks (diagonal ones strictly lower), then T·diag(β)
-    over the scratch (module docstring)."""
+    over the scratch (module docstring); under ``LONGEST_FIRST`` the programs of head 0 and slots 0..N-1 also
+    place sequence ``slot`` in the recurrence's order (varlen: every sequence owns at least slot ``n``'s
+    program, as ``chunk_slots`` > N)."""
     slot = tl.program_id(0)
     h = tl.program_id(1)
     chunk_start, eos = chunk_of_slot(slot, cu_seqlens, seq_len, num_seqs, C, IS_VARLEN)
@@ -65,14 +67,18 @@ def solve_kernel(
     store_lower(L_c, rows0, ok0, rows0, cb, H * C, T00 * b0[None, :], EMULATE)
     store_lower(L_c, rows1, ok1, rows1, cb, H * C, T10 * b0[None, :], EMULATE)
     store_lower(L_c, rows1, ok1, rows1, BC + cb, H * C, T11 * b1[None, :], EMULATE)
+    if LONGEST_FIRST:
+        if (h == 0) & (slot < num_seqs):
+            write_longest_first(ws_fp32, order_at, cu_seqlens, slot, seq_len, num_seqs)
 
 
 def launch_solve(plan, ws, beta, use_beta_sigmoid, emulate):
     """Launch :func:`solve_kernel` over the plan's grid on the workspace ``ws``."""
     launch(
         solve_kernel, plan.prepare_grid,
-        beta, ws.cu_seqlens if plan.varlen else ws.fp32, ws.fp32, ws.layout.scratch,
+        beta, ws.cu_seqlens if plan.varlen else ws.fp32, ws.fp32, ws.layout.scratch, ws.layout.order,
         beta.stride(1), beta.stride(2), plan.seq_len, plan.num_seqs, plan.heads,
         C=plan.chunk, BC=plan.block, IS_VARLEN=plan.varlen, BETA_SIGMOID=use_beta_sigmoid,
-        DOT_PRECISION=plan.dot_precision, EMULATE=emulate, num_warps=plan.solve_warps, num_stages=plan.solve_stages,
+        DOT_PRECISION=plan.dot_precision, EMULATE=emulate, LONGEST_FIRST=plan.longest_first,
+        num_warps=plan.solve_warps, num_stages=plan.solve_stages,
     )
