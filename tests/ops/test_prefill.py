@@ -74,10 +74,11 @@ def test_longest_first_takes_the_sequences_longest_first_with_the_same_bits():
     from fastkda.ops.prefill.layout import Workspace
 
     lengths = [3, 70, 0, 33, 70, 1, 130]
-    inp = make_inputs(lengths, heads=2, key_dim=64, seed=9)
-    base_o, base_s = run_triton(inp, 2)
-    out, final = run_triton(inp, 2, longest_first=True)
-    assert torch.equal(out, base_o) and torch.equal(final, base_s)
+    for cu_dtype in (torch.int32, torch.int64):
+        inp = make_inputs(lengths, heads=2, key_dim=64, seed=9, cu_dtype=cu_dtype)
+        base_o, base_s = run_triton(inp, 2)
+        out, final = run_triton(inp, 2, longest_first=True)
+        assert torch.equal(out, base_o) and torch.equal(final, base_s)
     plan = plan_for(inp, 2, longest_first=True)
     gate = (inp["A_log"], inp["dt_bias"], inp["lower_bound"], 0.125, True, True)
     for cu, want in ((inp["cu_seqlens"], [6, 1, 4, 3, 0, 5, 2]),

@@ -27,7 +27,7 @@ section    dtype  per row         holds
 =========  =====  ==============  ======================================================================
 
 and per (chunk slot, head), the fp32 chunk decay ``decay = exp(G_C)`` (K values) at the start of the fp32 buffer.
-Under sequence parallelism the fp32 buffer ends with two sections per (segment slot, head), rows of K values
+Under sequence parallelism the fp32 buffer then has two sections per (segment slot, head), rows of K values
 laid out as a state ``[v, k]``: ``transitions`` (V + K rows: the segment's exit state from a zero state, then the
 exit of the K identity columns, i.e. its transition matrix) and ``entries`` (V rows: the segment's entry state).
 Segment slots are laid out as the chunk slots are, with segments in place of chunks. Last, ``order`` (one int32

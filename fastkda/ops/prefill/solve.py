@@ -3,7 +3,9 @@
 One program per (chunk slot, head), on few warps: its products are 16×16 blocks, which more warps would only
 replicate. T is formed by blocks from the β·L scratch of the first kernel: the diagonal blocks' inverses by
 ``(I − L)(I + L²)(I + L⁴)(I + L⁸)`` (L is strictly lower, so nilpotent), then ``T10 = −T11·L10·T00``. Neither w
-nor u is formed: the recurrence takes T·diag(β) with kd and v (``recurrence.py``).
+nor u is formed: the recurrence takes T·diag(β) with kd and v (``recurrence.py``). Under the plan's
+``longest_first`` it also writes the order in which the recurrence's programs take the sequences
+(:func:`fastkda.ops.prefill.layout.write_longest_first`).
 """
 
 import triton
@@ -41,8 +43,7 @@ def solve_kernel(
 ):
     """One (chunk slot, head): T from the scratch's 16×16 blocks (diagonal ones strictly lower), then T·diag(β)
     over the scratch (module docstring); under ``LONGEST_FIRST`` the programs of head 0 and slots 0..N-1 also
-    place sequence ``slot`` in the recurrence's order (varlen: every sequence owns at least slot ``n``'s
-    program, as ``chunk_slots`` > N)."""
+    place sequence ``slot`` in the recurrence's order (a varlen grid has ``chunk_slots`` > N slots)."""
     slot = tl.program_id(0)
     h = tl.program_id(1)
     chunk_start, eos = chunk_of_slot(slot, cu_seqlens, seq_len, num_seqs, C, IS_VARLEN)
@@ -73,7 +74,8 @@ def solve_kernel(
 
 
 def launch_solve(plan, ws, beta, use_beta_sigmoid, emulate):
-    """Launch :func:`solve_kernel` over the plan's grid on the workspace ``ws``."""
+    """Launch :func:`solve_kernel` over the plan's grid on the workspace ``ws`` (and, under the plan's
+    ``longest_first``, its ``order`` section)."""
     launch(
         solve_kernel, plan.prepare_grid,
         beta, ws.cu_seqlens if plan.varlen else ws.fp32, ws.fp32, ws.layout.scratch, ws.layout.order,
