@@ -118,9 +118,9 @@ class PrefillPlan:
     ``recurrence_stages`` chunks in its shared-memory ring, at least 4) instead of the Triton one;
     ``warpgroup_transition``: the segments' transitions of 64- or 128-column slices likewise (``transition_stages``
     chunks in their ring, at least 4; the Triton transition kernel pipelines that many too); the CPU path and
-    Triton's interpreter run the Triton kernels. ``longest_first`` (varlen, serial): the recurrence's programs
-    take the sequences from the longest down (an order the solve kernel writes from ``cu_seqlens``), so that the
-    longest chains start in the first wave; the bits do not change. ``dot_precision``: the kernels' fp32 products
+    Triton's interpreter run the Triton kernels. ``longest_first`` (varlen): the recurrence's programs take their
+    rows (sequences, or segment programs) from the most work down (an order the solve kernel writes from
+    ``cu_seqlens``), so that the longest chains start in the first wave; the bits do not change. ``dot_precision``: the kernels' fp32 products
     ("tf32" or "ieee")."""
 
     seq_len: int
@@ -206,9 +206,8 @@ class PrefillPlan:
                    f"bytes of shared memory with an fp32 v; got slice_width={self.slice_width}, state_rows_v="
                    f"{self.state_rows_v}, recurrence_warps={self.recurrence_warps}, recurrence_stages="
                    f"{self.recurrence_stages}")
-        _check(not self.longest_first or (self.varlen and not self.segment_chunks),
-               f"longest_first orders the serial recurrence of a varlen batch (varlen=True, segment_chunks=0), got "
-               f"varlen={self.varlen}, segment_chunks={self.segment_chunks}")
+        _check(not self.longest_first or self.varlen,
+               "longest_first orders the recurrence of a varlen batch (varlen=True), got varlen=False")
         if self.warpgroup_transition:
             _check(self.segment_chunks > 0 and self.transition_width in WARPGROUP_SLICE_WIDTHS
                    and self.transition_stages >= 4
@@ -341,7 +340,7 @@ class PrefillPlan:
             + ("Sᵀ (rows = V)" if self.state_rows_v else "S (rows = K)")
             + ", v_new = T·β·(v − kd·S) each step"
             + ("; the Gluon kernel, a warpgroup per 64 columns" if self.warpgroup_recurrence else "")
-            + ("; the sequences longest first" if self.longest_first else ""),
+            + ("; the longest first" if self.longest_first else ""),
             ("sequence parallelism: off" if not self.segment_chunks else
              f"sequence parallelism: segments of {self.segment_chunks} chunks ({self.segment_tokens} tokens) from "
              f"each sequence's first token, {self.segment_slots} segment slots; transitions over V+K="
@@ -660,9 +659,11 @@ def _choose_plan(num_seqs, heads, seq_len, key_dim, value_dim, sms, varlen, lowe
     # more programs than SMs take turns: the longest sequences' programs first, else a long sequence late in the
     # batch starts its chain in the last wave (H64 varlen mix: a makespan of 132 chunk steps against 177 in
     # cu_seqlens order, at one program an SM; docs/perf-notes.md, "Longest sequences first")
-    longest_first = varlen and not segment_chunks and num_seqs > 1 and slices * pairs > sms
+    rows = num_seqs + segment_slot_count(seq_len, num_seqs, CHUNK * segment_chunks, varlen) if segment_chunks \
+        else num_seqs  # the recurrence's grid rows: sequences, or segment programs
+    longest_first = varlen and num_seqs > 1 and slices * heads * rows > sms
     if longest_first:
-        reason += "; the sequences longest first, as more programs than SMs take turns"
+        reason += "; the recurrence's longest programs first, as more programs than SMs take turns"
     prepare_warps = 4
     return PrefillPlan(
         seq_len=seq_len, num_seqs=num_seqs, varlen=varlen, heads=heads, key_dim=key_dim, value_dim=value_dim,

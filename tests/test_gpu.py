@@ -105,15 +105,16 @@ def test_cuda_graph_replay_with_new_inputs(lengths, varlen, v_slices):
     assert torch.equal(out, eager_o) and torch.equal(final, eager_s)
 
 
+@pytest.mark.parametrize("sequence_parallel", [False, 256])
 @pytest.mark.parametrize("gluon", [False, True])
-def test_longest_first_same_bits_and_replays_new_offsets(gluon):
-    """The plan's ``longest_first`` (8 sequences × 24 heads: 192 programs take turns on 132 SMs): the grid order's
-    bits, with the Triton and the Gluon recurrence; and a graph captured on one batch, replayed after another
-    batch's offsets (same N and T) are written, equals an eager call on them."""
+def test_longest_first_same_bits_and_replays_new_offsets(gluon, sequence_parallel):
+    """The plan's ``longest_first`` (8 sequences × 24 heads: 192 serial programs, or 600 segment programs, take
+    turns on 132 SMs): the grid order's bits, with the Triton and the Gluon recurrence; and a graph captured on
+    one batch, replayed after another batch's offsets (same N and T) are written, equals an eager call on them."""
     lengths = [300, 5, 0, 1200, 64, 1, 700, 30]
     inp = make_inputs(lengths, heads=24, key_dim=128, device="cuda", seed=21)
-    plan = plan_for(inp)
-    assert plan.longest_first and plan.programs > 132
+    plan = plan_for(inp, sequence_parallel=sequence_parallel)
+    assert plan.longest_first and plan.recurrence_grid[1] * plan.recurrence_grid[2] > 132
     if gluon:
         plan = plan.replace(warpgroup_recurrence=True, recurrence_stages=4)
     base_o, base_s, _ = run_prefill(inp, torch.float32, torch.float32, plan=plan.replace(longest_first=False))

@@ -147,19 +147,20 @@ def program_chunks(cu_seqlens, seq_len, num_seqs, segment_chunks, vs, lanes, ord
     sequence parallelism its segment slot and index ``j``; the chunks ``[c0, c_end)`` it steps over (none when
     not ``active``), ``c1`` the segment's end; whether it holds the sequence's first segment and that segment's
     slot (under ``SEGMENTED``; the serial program's own sequence and first chunk slot otherwise). ``lanes``:
-    :func:`fastkda.ops.prefill.layout.sequence_of_slot_with`'s. ``LONGEST_FIRST`` (serial only): program
-    ``program_id(2)`` takes the sequence at that place of ``order``, longest first, so that the longest chains
-    start in the first wave."""
-    if SEGMENTED:  # programs 0..N-1: each sequence's first segment; then one per segment slot, for the others
-        first_segment = tl.program_id(2) < num_seqs
-        slot = tl.maximum(tl.program_id(2) - num_seqs, 0)
-        n = tl.where(first_segment, tl.program_id(2),
+    :func:`fastkda.ops.prefill.layout.sequence_of_slot_with`'s. ``LONGEST_FIRST``: program ``program_id(2)``
+    takes the row (sequence, or segment program) at that place of ``order``, the most work first, so that the
+    longest chains start in the first wave."""
+    row = tl.program_id(2)
+    if LONGEST_FIRST:
+        row = tl.load(order + row)
+    if SEGMENTED:  # rows 0..N-1: each sequence's first segment; then one per segment slot, for the others
+        first_segment = row < num_seqs
+        slot = tl.maximum(row - num_seqs, 0)
+        n = tl.where(first_segment, row,
                      sequence_of_slot_with(lanes, slot, cu_seqlens, seq_len, num_seqs, C * segment_chunks,
                                            IS_VARLEN))
-    elif LONGEST_FIRST:
-        n = tl.load(order + tl.program_id(2))
     else:
-        n = tl.program_id(2)
+        n = row
     bos, eos, in_order = sequence_span(cu_seqlens, n, seq_len, num_seqs, IS_VARLEN)
     slot0 = first_slot(n, bos, seq_len, C, IS_VARLEN)
     num_chunks = tl.cdiv(eos - bos, C)

@@ -37,13 +37,13 @@ def mm(a, b, DOT_PRECISION: tl.constexpr):
 
 @triton.jit(do_not_specialize=["H"])  # one compile for every head count
 def solve_kernel(
-    beta, cu_seqlens, ws_fp32, scratch_at, order_at, stride_beta_tok, stride_beta_head, seq_len, num_seqs,
-    H, C: tl.constexpr, BC: tl.constexpr, IS_VARLEN: tl.constexpr, BETA_SIGMOID: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, EMULATE: tl.constexpr, LONGEST_FIRST: tl.constexpr,
+    beta, cu_seqlens, ws_fp32, scratch_at, order_at, order_count, segment_chunks, stride_beta_tok, stride_beta_head,
+    seq_len, num_seqs, H, C: tl.constexpr, BC: tl.constexpr, IS_VARLEN: tl.constexpr, BETA_SIGMOID: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, EMULATE: tl.constexpr, LONGEST_FIRST: tl.constexpr, SEGMENTED: tl.constexpr,
 ):
     """One (chunk slot, head): T from the scratch's 16×16 blocks (diagonal ones strictly lower), then T·diag(β)
-    over the scratch (module docstring); under ``LONGEST_FIRST`` the programs of head 0 and slots 0..N-1 also
-    place sequence ``slot`` in the recurrence's order (a varlen grid has ``chunk_slots`` > N slots)."""
+    over the scratch (module docstring); under ``LONGEST_FIRST`` the programs of head 0 also place the
+    recurrence's program rows ``slot``, ``slot`` + the grid's slots, ... below ``order_count`` in its order."""
     slot = tl.program_id(0)
     h = tl.program_id(1)
     chunk_start, eos = chunk_of_slot(slot, cu_seqlens, seq_len, num_seqs, C, IS_VARLEN)
@@ -69,8 +69,10 @@ def solve_kernel(
     store_lower(L_c, rows1, ok1, rows1, cb, H * C, T10 * b0[None, :], EMULATE)
     store_lower(L_c, rows1, ok1, rows1, BC + cb, H * C, T11 * b1[None, :], EMULATE)
     if LONGEST_FIRST:
-        if (h == 0) & (slot < num_seqs):
-            write_longest_first(ws_fp32, order_at, cu_seqlens, slot, seq_len, num_seqs)
+        if h == 0:
+            for z in range(slot, order_count, tl.num_programs(0)):
+                write_longest_first(ws_fp32, order_at, cu_seqlens, z, order_count, seq_len, num_seqs,
+                                    segment_chunks, C, SEGMENTED)
 
 
 def launch_solve(plan, ws, beta, use_beta_sigmoid, emulate):
@@ -79,8 +81,10 @@ def launch_solve(plan, ws, beta, use_beta_sigmoid, emulate):
     launch(
         solve_kernel, plan.prepare_grid,
         beta, ws.cu_seqlens if plan.varlen else ws.fp32, ws.fp32, ws.layout.scratch, ws.layout.order,
+        plan.recurrence_grid[2], plan.segment_chunks,
         beta.stride(1), beta.stride(2), plan.seq_len, plan.num_seqs, plan.heads,
         C=plan.chunk, BC=plan.block, IS_VARLEN=plan.varlen, BETA_SIGMOID=use_beta_sigmoid,
         DOT_PRECISION=plan.dot_precision, EMULATE=emulate, LONGEST_FIRST=plan.longest_first,
+        SEGMENTED=plan.sequence_parallel,
         num_warps=plan.solve_warps, num_stages=plan.solve_stages,
     )
