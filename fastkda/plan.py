@@ -118,8 +118,10 @@ class PrefillPlan:
     ``recurrence_stages`` chunks in its shared-memory ring, at least 4) instead of the Triton one;
     ``warpgroup_transition``: the segments' transitions of 64- or 128-column slices likewise (``transition_stages``
     chunks in their ring, at least 4; the Triton transition kernel pipelines that many too); the CPU path and
-    Triton's interpreter run the Triton kernels. ``dot_precision``: the kernels' fp32 products ("tf32" or
-    "ieee")."""
+    Triton's interpreter run the Triton kernels. ``longest_first`` (varlen): the recurrence's programs take their
+    rows (sequences, or segment programs) from the most work down (an order the solve kernel writes from
+    ``cu_seqlens``), so that the longest chains start in the first wave; the bits do not change. ``dot_precision``: the kernels' fp32 products
+    ("tf32" or "ieee")."""
 
     seq_len: int
     num_seqs: int
@@ -150,6 +152,7 @@ class PrefillPlan:
     transition_stages: int = 3
     warpgroup_recurrence: bool = False
     warpgroup_transition: bool = False
+    longest_first: bool = False
     dot_precision: str = "tf32"
     reason: str = dataclasses.field(default="", compare=False)
 
@@ -203,6 +206,8 @@ class PrefillPlan:
                    f"bytes of shared memory with an fp32 v; got slice_width={self.slice_width}, state_rows_v="
                    f"{self.state_rows_v}, recurrence_warps={self.recurrence_warps}, recurrence_stages="
                    f"{self.recurrence_stages}")
+        _check(not self.longest_first or self.varlen,
+               "longest_first orders the recurrence of a varlen batch (varlen=True), got varlen=False")
         if self.warpgroup_transition:
             _check(self.segment_chunks > 0 and self.transition_width in WARPGROUP_SLICE_WIDTHS
                    and self.transition_stages >= 4
@@ -334,7 +339,8 @@ class PrefillPlan:
             f"{self.recurrence_stages} stages, state held as "
             + ("Sᵀ (rows = V)" if self.state_rows_v else "S (rows = K)")
             + ", v_new = T·β·(v − kd·S) each step"
-            + ("; the Gluon kernel, a warpgroup per 64 columns" if self.warpgroup_recurrence else ""),
+            + ("; the Gluon kernel, a warpgroup per 64 columns" if self.warpgroup_recurrence else "")
+            + ("; the longest first" if self.longest_first else ""),
             ("sequence parallelism: off" if not self.segment_chunks else
              f"sequence parallelism: segments of {self.segment_chunks} chunks ({self.segment_tokens} tokens) from "
              f"each sequence's first token, {self.segment_slots} segment slots; transitions over V+K="
@@ -650,12 +656,20 @@ def _choose_plan(num_seqs, heads, seq_len, key_dim, value_dim, sms, varlen, lowe
     if gluon_recurrence or gluon_transition:
         gluon_parts = [part for part, on in (("transitions", gluon_transition), ("recurrence", gluon_recurrence)) if on]
         reason += f"; the {' and the '.join(gluon_parts)} on Gluon warpgroup kernels (Hopper)"
+    # more programs than SMs take turns: the longest sequences' programs first, else a long sequence late in the
+    # batch starts its chain in the last wave (H64 varlen mix: a makespan of 132 chunk steps against 177 in
+    # cu_seqlens order, at one program an SM; docs/perf-notes.md, "Longest sequences first")
+    rows = num_seqs + segment_slot_count(seq_len, num_seqs, CHUNK * segment_chunks, varlen) if segment_chunks \
+        else num_seqs  # the recurrence's grid rows: sequences, or segment programs
+    longest_first = varlen and num_seqs > 1 and slices * heads * rows > sms
+    if longest_first:
+        reason += "; the recurrence's longest programs first, as more programs than SMs take turns"
     prepare_warps = 4
     return PrefillPlan(
         seq_len=seq_len, num_seqs=num_seqs, varlen=varlen, heads=heads, key_dim=key_dim, value_dim=value_dim,
         lower_bound_gate=lower_bound_gate, sms=sms, chunk=CHUNK, block=BLOCK, cpu_chunk=CPU_CHUNK,
         v_slices=slices, state_rows_v=state_rows_v(width), warpgroup_recurrence=gluon_recurrence,
-        warpgroup_transition=gluon_transition, recurrence_warps=recurrence_warps(width),
+        warpgroup_transition=gluon_transition, longest_first=longest_first, recurrence_warps=recurrence_warps(width),
         recurrence_stages=WARPGROUP_STAGES if gluon_recurrence else 3,
         transition_stages=WARPGROUP_STAGES if gluon_transition else 3,
         prepare_warps=prepare_warps, prepare_stages=3, prepare_channels=prepare_channels(key_dim, lower_bound_gate),

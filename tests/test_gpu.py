@@ -10,7 +10,7 @@ import torch
 import fastkda
 from fastkda.bench.timing import capture_graph
 from fastkda.reference import kda_reference
-from helpers import make_inputs, rel_err, replay_with, run_prefill
+from helpers import make_inputs, plan_for, rel_err, replay_with, run_prefill
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -102,6 +102,33 @@ def test_cuda_graph_replay_with_new_inputs(lengths, varlen, v_slices):
     fresh = make_inputs(lengths, heads=12, key_dim=128, varlen=varlen, device="cuda", seed=4)
     replay_with(graph, inp, fresh, names, (out, final))
     eager_o, eager_s, _ = run_prefill(fresh, torch.float32, torch.float32, v_slices=v_slices)
+    assert torch.equal(out, eager_o) and torch.equal(final, eager_s)
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, 256])
+@pytest.mark.parametrize("gluon", [False, True])
+def test_longest_first_same_bits_and_replays_new_offsets(gluon, sequence_parallel):
+    """The plan's ``longest_first`` (8 sequences × 24 heads: 192 serial programs, or 600 segment programs, take
+    turns on 132 SMs): the grid order's bits, with the Triton and the Gluon recurrence; and a graph captured on
+    one batch, replayed after another batch's offsets (same N and T) are written, equals an eager call on them."""
+    lengths = [300, 5, 0, 1200, 64, 1, 700, 30]
+    inp = make_inputs(lengths, heads=24, key_dim=128, device="cuda", seed=21)
+    plan = plan_for(inp, sequence_parallel=sequence_parallel)
+    assert plan.longest_first and plan.recurrence_grid[1] * plan.recurrence_grid[2] > 132
+    if gluon:
+        plan = plan.replace(warpgroup_recurrence=True, recurrence_stages=4)
+    base_o, base_s, _ = run_prefill(inp, torch.float32, torch.float32, plan=plan.replace(longest_first=False))
+    out, final, _ = run_prefill(inp, torch.float32, torch.float32, plan=plan)
+    assert torch.equal(out, base_o) and torch.equal(final, base_s)
+    names = ("q", "k", "v", "g", "beta", "initial_state", "A_log", "dt_bias", "cu_seqlens")
+    out = torch.empty_like(inp["v"])
+    final = torch.empty_like(inp["initial_state"])
+    graph = capture_graph(lambda: fastkda.kda_prefill(
+        *(inp[x] for x in names[:5]), A_log=inp["A_log"], dt_bias=inp["dt_bias"], lower_bound=inp["lower_bound"],
+        initial_state=inp["initial_state"], final_state=final, cu_seqlens=inp["cu_seqlens"], out=out, plan=plan))
+    fresh = make_inputs([1200, 1, 700, 30, 0, 300, 64, 5], heads=24, key_dim=128, device="cuda", seed=22)
+    replay_with(graph, inp, fresh, names, (out, final))
+    eager_o, eager_s, _ = run_prefill(fresh, torch.float32, torch.float32, plan=plan)
     assert torch.equal(out, eager_o) and torch.equal(final, eager_s)
 
 

@@ -143,6 +143,25 @@ def test_on_hopper_the_automatic_plan_runs_the_gluon_kernels_where_they_were_mea
     assert opened.warpgroup_transition and opened.warpgroup_recurrence and opened.transition_width == 64
 
 
+def test_longest_first_where_a_varlen_batchs_programs_take_turns():
+    """The recurrence of a varlen batch whose programs outnumber the SMs takes its rows (sequences, or segment
+    programs) longest first; a batch that fits one wave, fixed-length rows (all one length) and one sequence keep
+    the grid's order; the describe line says it; a fixed-length plan asking for it is refused."""
+    mix = choose_plan(6, 96, 8192, 128, 128, 132, max_seqlen=3063)
+    assert mix.longest_first and not mix.segment_chunks and mix.programs > 132
+    assert "the longest first" in mix.describe()
+    chunked = choose_plan(13, 24, 8192, 128, 128, 132, max_seqlen=6144)  # the chunked-prefill mix: 32 rows
+    assert chunked.longest_first and chunked.segment_chunks and chunked.recurrence_grid[2] * 24 > 132
+    for facts, changes in (((5, 12, 1024), {}), ((8, 96, 1024), dict(varlen=False)), ((1, 96, 8192), {}),
+                           ((1, 12, 65536), {})):
+        plan = choose_plan(*facts, 128, 128, 132, **changes)
+        assert not plan.longest_first, facts
+        assert "longest first" not in plan.describe(), facts
+    assert choose_plan(1, 12, 65536, 128, 128, 132).segment_chunks
+    with pytest.raises(ValueError, match="longest_first orders the recurrence of a varlen batch"):
+        choose_plan(8, 96, 1024, 128, 128, 132, varlen=False).replace(longest_first=True)
+
+
 @pytest.mark.parametrize("facts", [dict(heads=0), dict(value_dim=96), dict(key_dim=32), dict(sms=0),
                                    dict(num_seqs=-1), dict(seq_len=-5)])
 def test_shapes_the_api_rejects_are_rejected(facts):

@@ -8,10 +8,10 @@ from fastkda.reference import kda_reference
 from helpers import plan_for
 
 
-def run_triton(inp, v_slices=1, final_dtype=torch.float32, use_final=True, sequence_parallel=False,
+def run_triton(inp, v_slices=1, final_dtype=torch.float32, use_final=True, sequence_parallel=False, errors=None,
                **plan_changes):
     """The kernels as the plan for ``inp`` at ``v_slices`` and ``sequence_parallel`` says, with ``plan_changes``,
-    into NaN-poisoned buffers."""
+    into NaN-poisoned buffers (malformed ``cu_seqlens`` counted in ``errors``, if given)."""
     from fastkda.ops.prefill import chunk_kda_forward
 
     plan = plan_for(inp, v_slices, sequence_parallel=sequence_parallel, **plan_changes)
@@ -22,7 +22,7 @@ def run_triton(inp, v_slices=1, final_dtype=torch.float32, use_final=True, seque
     chunk_kda_forward(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], plan=plan, A_log=inp["A_log"],
                       dt_bias=inp["dt_bias"], lower_bound=inp["lower_bound"], scale=key_dim ** -0.5,
                       initial_state=inp["initial_state"], cu_seqlens=inp["cu_seqlens"], use_qk_l2norm=True,
-                      use_beta_sigmoid=True, out=out, final_state=final)
+                      use_beta_sigmoid=True, out=out, final_state=final, errors=errors)
     return out, final
 
 

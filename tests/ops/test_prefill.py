@@ -66,6 +66,71 @@ def test_v_slices_and_state_forms_are_bitwise_identical(value_dim, v_slices, sta
     assert torch.equal(out, base_o) and torch.equal(final, base_s)
 
 
+def test_longest_first_takes_the_sequences_longest_first_with_the_same_bits():
+    """``longest_first``: the solve kernel writes the sequences sorted by length, longest first, ties in index
+    order, and the recurrence's programs taking them in that order give the same outputs and final states (and
+    count the same malformed offsets); on offsets past T the clamped lengths still give a permutation."""
+    from fastkda.ops.prefill import prepare, solve
+    from fastkda.ops.prefill.layout import Workspace
+
+    lengths = [3, 70, 0, 33, 70, 1, 130]
+    for cu_dtype in (torch.int32, torch.int64):
+        inp = make_inputs(lengths, heads=2, key_dim=64, seed=9, cu_dtype=cu_dtype)
+        base_o, base_s = run_triton(inp, 2)
+        out, final = run_triton(inp, 2, longest_first=True)
+        assert torch.equal(out, base_o) and torch.equal(final, base_s)
+    plan = plan_for(inp, 2, longest_first=True)
+    gate = (inp["A_log"], inp["dt_bias"], inp["lower_bound"], 0.125, True, True)
+    for cu, want in ((inp["cu_seqlens"], [6, 1, 4, 3, 0, 5, 2]),
+                     (torch.tensor([0, 3, 500, 0, 40, 307, 307, 307], dtype=torch.int32), [1, 4, 3, 0, 2, 5, 6])):
+        ws = Workspace.allocate(plan, inp["v"], cu)
+        ws.fp32.fill_(float("nan"))
+        prepare.launch_prepare(plan, ws, inp["q"], inp["k"], inp["g"], inp["beta"], *gate, True)
+        solve.launch_solve(plan, ws, inp["beta"], True, True)
+        assert ws.fp32[ws.layout.order:].view(torch.int32).tolist() == want
+    bad = inp["cu_seqlens"].clone()
+    bad[3] = 10_000  # past T: clamped and counted, the same count in either order
+    counts = []
+    for longest_first in (False, True):
+        errors = torch.zeros(3, dtype=torch.int32)
+        run_triton(dict(inp, cu_seqlens=bad), 2, errors=errors, longest_first=longest_first)
+        counts.append(errors.tolist())
+    assert counts[0] == counts[1] and counts[0][2] >= 1
+
+
+def test_longest_first_orders_the_segment_programs_with_the_same_bits():
+    """Under sequence parallelism the rerun's rows are each sequence's first segment, then one per segment slot
+    (idle where the slot holds no later segment): the solve kernel sorts them by their chunks, the most first,
+    ties in grid order, and the rerun taking them in that order gives the same bits."""
+    from fastkda.ops.prefill import prepare, solve
+    from fastkda.ops.prefill.layout import Workspace
+
+    lengths, segment_chunks = [3, 70, 0, 33, 200, 1, 130], 2
+    inp = make_inputs(lengths, heads=2, key_dim=64, seed=10)
+    base_o, base_s = run_triton(inp, 2, sequence_parallel=32 * segment_chunks)
+    out, final = run_triton(inp, 2, sequence_parallel=32 * segment_chunks, longest_first=True)
+    assert torch.equal(out, base_o) and torch.equal(final, base_s)
+    plan = plan_for(inp, 2, sequence_parallel=32 * segment_chunks, longest_first=True)
+    tokens, starts = 32 * segment_chunks, [sum(lengths[:n]) for n in range(len(lengths))]
+    firsts = [start // tokens + n for n, start in enumerate(starts)]
+    chunks = [-(-length // 32) for length in lengths]
+    rows = [min(segment_chunks, c) for c in chunks]
+    for slot in range(plan.segment_slots):
+        n = max(i for i, first in enumerate(firsts) if first <= slot)
+        j = slot - firsts[n]
+        rows.append(min((j + 1) * segment_chunks, chunks[n]) - j * segment_chunks
+                    if j > 0 and j * segment_chunks < chunks[n] else 0)
+    assert len(rows) == plan.recurrence_grid[2]
+    ws = Workspace.allocate(plan, inp["v"], inp["cu_seqlens"])
+    ws.fp32.fill_(float("nan"))
+    gate = (inp["A_log"], inp["dt_bias"], inp["lower_bound"], 0.125, True, True)
+    prepare.launch_prepare(plan, ws, inp["q"], inp["k"], inp["g"], inp["beta"], *gate, True)
+    solve.launch_solve(plan, ws, inp["beta"], True, True)
+    want = sorted(range(len(rows)), key=lambda z: (-rows[z], z))
+    assert ws.fp32[ws.layout.order:].view(torch.int32).tolist() == want
+    assert rows[want[0]] == segment_chunks and rows[want[-1]] == 0
+
+
 def test_fp32_inputs_are_bitwise_identical_across_slice_widths():
     """fp32 q, k, v (which the kernels take too): the 64-wide slices subtract the same v as the 128-wide one (the
     next chunk's v is carried as bf16 only when v is bf16)."""

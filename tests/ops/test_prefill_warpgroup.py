@@ -77,6 +77,18 @@ def test_segments_same_bits_as_the_triton_kernels(case, request):
     assert emulation.launches == 2 * len(expected)  # the Gluon transitions and rerun
 
 
+@pytest.mark.parametrize("sequence_parallel", [False, 64])
+def test_longest_first_same_bits_as_the_triton_kernel(sequence_parallel, request):
+    """The plan's ``longest_first``: the Gluon recurrence (serial, or the segments' rerun) reads its rows from the
+    order the solve kernel wrote and gives the Triton kernel's bits in the grid's order."""
+    inp = make_inputs([3, 90, 0, 40, 130], heads=2, key_dim=64, seed=41)
+    out, final = run_triton(inp, 1, sequence_parallel=sequence_parallel)
+    emulation = request.getfixturevalue("gluon")
+    got_o, got_s = run_triton(inp, 1, sequence_parallel=sequence_parallel, longest_first=True, **warpgroup())
+    assert torch.equal(got_o, out) and torch.equal(got_s, final)
+    assert emulation.launches == 1
+
+
 def test_open_entry_same_bits_as_the_triton_kernels(request):
     """Context parallelism's halves: every segment's transition from zero, then the rerun from an entry."""
     inp = make_inputs([150, 150], varlen=False, key_dim=64, value_dim=128, gate="weak", heads=1, seed=41)

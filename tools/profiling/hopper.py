@@ -80,7 +80,8 @@ def prefill_launches(plan, checkpoints=0, l2norm=True, beta_sigmoid=True):
     from fastkda.ops.prefill.layout import workspace_layout
 
     H, K, V, gate = plan.heads, plan.key_dim, plan.value_dim, plan.lower_bound_gate
-    at = workspace_layout(plan.batch * plan.seq_len * H, plan.chunk_slots, H, K, V, plan.chunk, plan.segment_slots)
+    at = workspace_layout(plan.batch * plan.seq_len * H, plan.chunk_slots, H, K, V, plan.chunk, plan.segment_slots,
+                          plan.recurrence_grid[2] if plan.longest_first else 0)
     cu = I32 if plan.varlen else F32  # an absent tensor is the fp32 workspace
     shared = dict(ws_bf16=BF16, ws_fp32=F32, seq_len=plan.seq_len, C=plan.chunk, IS_VARLEN=plan.varlen, EMULATE=False)
     precision = dict(DOT_PRECISION=plan.dot_precision)  # the kernels with fp32 products
@@ -92,15 +93,17 @@ def prefill_launches(plan, checkpoints=0, l2norm=True, beta_sigmoid=True):
         BK=plan.prepare_channels, LOWER_BOUND_GATE=gate, L2NORM=l2norm, RUN=plan.prepare_token_run)
     solve_args = dict(
         {name: value for name, value in shared.items() if name != "ws_bf16"}, **beta, **precision, cu_seqlens=cu,
-        scratch_at=at.scratch, num_seqs=plan.num_seqs, H=H, BC=plan.block)
+        scratch_at=at.scratch, order_at=at.order, order_count=plan.recurrence_grid[2],
+        segment_chunks=plan.segment_chunks, num_seqs=plan.num_seqs, H=H, BC=plan.block,
+        LONGEST_FIRST=plan.longest_first, SEGMENTED=plan.sequence_parallel)
     recurrence_args = dict(
-        shared, qg_at=at.qg, kg_at=at.kg, A_at=at.A, scratch_at=at.scratch, entries_at=at.entries,
+        shared, qg_at=at.qg, kg_at=at.kg, A_at=at.A, scratch_at=at.scratch, entries_at=at.entries, order_at=at.order,
         out=BF16, initial_state=F32, final_state=F32, cu_seqlens=cu, errors=I32,
         ckpt_offsets=I32 if checkpoints else F32, ckpt_states=F32, stride_out=H * V, num_seqs=plan.num_seqs,
         stride_ckpt_n=checkpoints if checkpoints > 1 else int(checkpoints == 1),
         stride_ckpt_j=int(checkpoints > 0), v=BF16, stride_v=H * V, H=H, K=K, V=V, BV=plan.slice_width,
         HAS_INITIAL=True, HAS_FINAL=True, NUM_CKPT=checkpoints, STATE_ROWS_V=plan.state_rows_v,
-        segment_chunks=plan.segment_chunks, SEGMENTED=plan.sequence_parallel)
+        segment_chunks=plan.segment_chunks, SEGMENTED=plan.sequence_parallel, LONGEST_FIRST=plan.longest_first)
     found = dict(prepare=(prepare.prepare_kernel, prepare_args, plan.prepare_warps, plan.prepare_stages,
                           plan.prepare_registers or None),
                  solve=(solve.solve_kernel, solve_args, plan.solve_warps, plan.solve_stages, None),

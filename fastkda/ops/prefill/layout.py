@@ -27,10 +27,13 @@ section    dtype  per row         holds
 =========  =====  ==============  ======================================================================
 
 and per (chunk slot, head), the fp32 chunk decay ``decay = exp(G_C)`` (K values) at the start of the fp32 buffer.
-Under sequence parallelism the fp32 buffer ends with two sections per (segment slot, head), rows of K values
+Under sequence parallelism the fp32 buffer then has two sections per (segment slot, head), rows of K values
 laid out as a state ``[v, k]``: ``transitions`` (V + K rows: the segment's exit state from a zero state, then the
 exit of the K identity columns, i.e. its transition matrix) and ``entries`` (V rows: the segment's entry state).
-Segment slots are laid out as the chunk slots are, with segments in place of chunks.
+Segment slots are laid out as the chunk slots are, with segments in place of chunks. Last, ``order`` (one int32
+per recurrence program row, in fp32 slots): under the plan's ``longest_first``, those rows (sequences, or under
+sequence parallelism segment programs) from the most work down, which the solve kernel writes
+(:func:`write_longest_first`) and the recurrence's programs take in turn.
 Kernels receive the two buffers and each section's element offset (:class:`Workspace` fields); they address
 rows from their chunk's first token.
 """
@@ -125,6 +128,78 @@ def chunk_of_slot(slot, cu_seqlens, seq_len, num_seqs, C: tl.constexpr, IS_VARLE
 
 
 @triton.jit
+def span_lengths(cu_seqlens, m, inside, seq_len):
+    """Tokens of sequences ``m`` (a vector; ``inside`` masks it) as :func:`sequence_span` clamps their spans."""
+    start = tl.load(cu_seqlens + m, mask=inside, other=0)
+    end = tl.load(cu_seqlens + m + 1, mask=inside, other=0)
+    bos = tl.minimum(tl.maximum(start, 0), seq_len).to(tl.int32)
+    return tl.minimum(tl.maximum(end, bos), seq_len).to(tl.int32) - bos
+
+
+@triton.jit
+def sequence_order(ws_fp32, order_at):
+    """The workspace's ``order`` section as int32 (module docstring)."""
+    return (ws_fp32 + order_at).to(tl.pointer_type(tl.int32), bitcast=True)
+
+
+@triton.jit
+def program_lengths(z, inside, cu_seqlens, seq_len, num_seqs, segment_chunks, C: tl.constexpr,
+                    SEGMENTED: tl.constexpr):
+    """The work of recurrence programs ``z`` (a vector; ``inside`` masks it): serial, their sequence's tokens;
+    under ``SEGMENTED``, their segment's chunks (programs 0..N-1 each sequence's first segment, then one per
+    segment slot, 0 for a slot that holds no later segment), as ``recurrence.program_chunks`` finds them, the
+    slot's sequence by a binary search at every N (the order needs the same lengths in every program, not the
+    lookup's exact path)."""
+    if SEGMENTED:
+        first = z < num_seqs
+        tokens = C * segment_chunks
+        slot = tl.maximum(z - num_seqs, 0)
+        lo = tl.zeros_like(z)
+        hi = lo + (num_seqs - 1)
+        steps = 1
+        width = 1
+        while width < num_seqs:
+            width *= 2
+            steps += 1
+        for _ in range(steps):  # the last sequence whose first slot is <= slot
+            mid = (lo + hi + 1) // 2
+            go = tl.load(cu_seqlens + mid, mask=inside, other=0).to(tl.int32) // tokens + mid <= slot
+            lo = tl.where(go, mid, lo)
+            hi = tl.where(go, hi, mid - 1)
+        n = tl.where(first, z, lo)
+    else:
+        n = z
+    bos = tl.minimum(tl.maximum(tl.load(cu_seqlens + n, mask=inside, other=0), 0), seq_len).to(tl.int32)
+    length = span_lengths(cu_seqlens, n, inside, seq_len)
+    if SEGMENTED:
+        chunks = tl.cdiv(length, C)
+        j = slot - (bos // tokens + n)
+        later = tl.where((j > 0) & (j * segment_chunks < chunks),
+                         tl.minimum(j * segment_chunks + segment_chunks, chunks) - j * segment_chunks, 0)
+        length = tl.where(first, tl.minimum(chunks, segment_chunks), later)
+    return tl.where(inside, length, 0)
+
+
+@triton.jit
+def write_longest_first(ws_fp32, order_at, cu_seqlens, z, count, seq_len, num_seqs, segment_chunks,
+                        C: tl.constexpr, SEGMENTED: tl.constexpr):
+    """Place recurrence program ``z`` of ``count`` in the ``order`` section: its rank when the programs are sorted
+    by their work (:func:`program_lengths`), the most first, ties in grid order. Every program ranks by the same
+    lengths, so the ranks of 0..count-1 are a permutation whatever ``cu_seqlens`` holds."""
+    lanes = tl.arange(0, OWNER_LOOKUP_WIDTH)
+    own = tl.sum(tl.where(lanes == 0, program_lengths(z + 0 * lanes, lanes == 0, cu_seqlens, seq_len, num_seqs,
+                                                      segment_chunks, C, SEGMENTED), 0), axis=0)
+    rank = 0
+    for first in range(0, count, OWNER_LOOKUP_WIDTH):
+        m = first + lanes
+        inside = m < count
+        others = program_lengths(m, inside, cu_seqlens, seq_len, num_seqs, segment_chunks, C, SEGMENTED)
+        ahead = inside & ((others > own) | ((others == own) & (m < z)))
+        rank += tl.sum(ahead.to(tl.int32), axis=0)
+    tl.store(sequence_order(ws_fp32, order_at) + rank, z)
+
+
+@triton.jit
 def entry_state(ws_fp32, entries_at, slot, h, H: tl.constexpr, V: tl.constexpr, K: tl.constexpr):
     """Pointer to the ``entries`` rows (``[V, K]``, fp32) of segment slot ``slot``, head ``h``."""
     return ws_fp32 + entries_at + ((slot * H + h) * V).to(tl.int64) * K
@@ -147,24 +222,25 @@ class WorkspaceLayout:
     scratch: int
     transitions: int
     entries: int
+    order: int
     bf16_elements: int
     fp32_elements: int
 
 
 @functools.lru_cache(maxsize=4096)
 def workspace_layout(rows: int, slots: int, heads: int, key_dim: int, value_dim: int, chunk: int,
-                     segment_slots: int = 0) -> WorkspaceLayout:
-    """The layout for ``rows`` (token, head) rows, ``slots`` chunk slots and ``segment_slots`` segment slots
-    (``kd`` and ``decay`` at offset 0)."""
+                     segment_slots: int = 0, sequences: int = 0) -> WorkspaceLayout:
+    """The layout for ``rows`` (token, head) rows, ``slots`` chunk slots, ``segment_slots`` segment slots and
+    ``sequences`` sequences (``kd`` and ``decay`` at offset 0)."""
     qg = rows * key_dim
     kg = qg + rows * key_dim
     A = kg + rows * key_dim
     scratch = slots * heads * key_dim
     transitions = scratch + rows * chunk
     entries = transitions + segment_slots * heads * (value_dim + key_dim) * key_dim
+    order = entries + segment_slots * heads * value_dim * key_dim
     return WorkspaceLayout(qg=qg, kg=kg, A=A, scratch=scratch, transitions=transitions, entries=entries,
-                           bf16_elements=A + rows * chunk,
-                           fp32_elements=entries + segment_slots * heads * value_dim * key_dim)
+                           order=order, bf16_elements=A + rows * chunk, fp32_elements=order + sequences)
 
 
 @dataclass
@@ -181,7 +257,8 @@ class Workspace:
     @staticmethod
     def allocate(plan, v, cu_seqlens) -> "Workspace":
         layout = workspace_layout(plan.batch * plan.seq_len * plan.heads, plan.chunk_slots, plan.heads,
-                                  plan.key_dim, plan.value_dim, plan.chunk, plan.segment_slots)
+                                  plan.key_dim, plan.value_dim, plan.chunk, plan.segment_slots,
+                                  plan.recurrence_grid[2] if plan.longest_first else 0)
         return Workspace(bf16=torch.empty(layout.bf16_elements, dtype=torch.bfloat16, device=v.device),
                          fp32=torch.empty(layout.fp32_elements, dtype=torch.float32, device=v.device),
                          layout=layout, cu_seqlens=cu_seqlens, v=v)

@@ -31,7 +31,8 @@ import triton.language as tl
 
 from ..common import bf16_operand, launch, store_as
 from ..tiles import load_lower, load_tile, load_tile_t, store_tile, store_tile_t, tile_offsets
-from .layout import OWNER_LOOKUP_WIDTH, entry_state, first_slot, segment_exit, sequence_of_slot_with, sequence_span
+from .layout import (OWNER_LOOKUP_WIDTH, entry_state, first_slot, segment_exit, sequence_of_slot_with,
+                     sequence_order, sequence_span)
 
 
 @triton.jit
@@ -138,23 +139,28 @@ def head_sections(ws_bf16, ws_fp32, qg_at, kg_at, A_at, scratch_at, v, out, h, K
 
 
 @triton.jit
-def program_chunks(cu_seqlens, seq_len, num_seqs, segment_chunks, vs, lanes, V: tl.constexpr, BV: tl.constexpr,
-                   C: tl.constexpr, IS_VARLEN: tl.constexpr, SEGMENTED: tl.constexpr, TRANSITION: tl.constexpr,
-                   OPEN_ENTRY: tl.constexpr):
+def program_chunks(cu_seqlens, seq_len, num_seqs, segment_chunks, vs, lanes, order, V: tl.constexpr,
+                   BV: tl.constexpr, C: tl.constexpr, IS_VARLEN: tl.constexpr, SEGMENTED: tl.constexpr,
+                   TRANSITION: tl.constexpr, OPEN_ENTRY: tl.constexpr, LONGEST_FIRST: tl.constexpr):
     """What program ``(vs, ·, program_id(2))`` of :func:`walk_chunks` walks: its sequence ``n`` (``bos``,
     ``eos``, whether its ``cu_seqlens`` entries are in order, its first chunk slot, its chunks), and under
     sequence parallelism its segment slot and index ``j``; the chunks ``[c0, c_end)`` it steps over (none when
     not ``active``), ``c1`` the segment's end; whether it holds the sequence's first segment and that segment's
     slot (under ``SEGMENTED``; the serial program's own sequence and first chunk slot otherwise). ``lanes``:
-    :func:`fastkda.ops.prefill.layout.sequence_of_slot_with`'s."""
-    if SEGMENTED:  # programs 0..N-1: each sequence's first segment; then one per segment slot, for the others
-        first_segment = tl.program_id(2) < num_seqs
-        slot = tl.maximum(tl.program_id(2) - num_seqs, 0)
-        n = tl.where(first_segment, tl.program_id(2),
+    :func:`fastkda.ops.prefill.layout.sequence_of_slot_with`'s. ``LONGEST_FIRST``: program ``program_id(2)``
+    takes the row (sequence, or segment program) at that place of ``order``, the most work first, so that the
+    longest chains start in the first wave."""
+    row = tl.program_id(2)
+    if LONGEST_FIRST:
+        row = tl.load(order + row)
+    if SEGMENTED:  # rows 0..N-1: each sequence's first segment; then one per segment slot, for the others
+        first_segment = row < num_seqs
+        slot = tl.maximum(row - num_seqs, 0)
+        n = tl.where(first_segment, row,
                      sequence_of_slot_with(lanes, slot, cu_seqlens, seq_len, num_seqs, C * segment_chunks,
                                            IS_VARLEN))
     else:
-        n = tl.program_id(2)
+        n = row
     bos, eos, in_order = sequence_span(cu_seqlens, n, seq_len, num_seqs, IS_VARLEN)
     slot0 = first_slot(n, bos, seq_len, C, IS_VARLEN)
     num_chunks = tl.cdiv(eos - bos, C)
@@ -188,13 +194,13 @@ def program_chunks(cu_seqlens, seq_len, num_seqs, segment_chunks, vs, lanes, V: 
 
 @triton.jit
 def walk_chunks(
-    ws_bf16, ws_fp32, qg_at, kg_at, A_at, scratch_at, transitions_at, entries_at, out, initial_state,
+    ws_bf16, ws_fp32, qg_at, kg_at, A_at, scratch_at, transitions_at, entries_at, order_at, out, initial_state,
     final_state, cu_seqlens, errors, ckpt_offsets, ckpt_states, stride_out, seq_len, num_seqs, stride_ckpt_n,
     stride_ckpt_j, v, stride_v, segment_chunks,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
     IS_VARLEN: tl.constexpr, HAS_INITIAL: tl.constexpr, HAS_FINAL: tl.constexpr, NUM_CKPT: tl.constexpr,
     STATE_ROWS_V: tl.constexpr, EMULATE: tl.constexpr, SEGMENTED: tl.constexpr, TRANSITION: tl.constexpr,
-    OPEN_ENTRY: tl.constexpr,
+    OPEN_ENTRY: tl.constexpr, LONGEST_FIRST: tl.constexpr,
 ):
     """One (V-slice, head, sequence), or under sequence parallelism one (slice, head, segment slot): the chunks
     in order (module docstring); ``TRANSITION``: the segment's transition instead (:func:`transition_kernel`;
@@ -205,8 +211,8 @@ def walk_chunks(
                                                                           scratch_at, v, out, h, K, V, C)
     lanes = tl.arange(0, OWNER_LOOKUP_WIDTH)
     n, bos, eos, in_order, slot0, num_chunks, slot, j, c0, c1, c_end, active, first_segment, own_slot = \
-        program_chunks(cu_seqlens, seq_len, num_seqs, segment_chunks, vs, lanes, V, BV, C, IS_VARLEN, SEGMENTED,
-                       TRANSITION, OPEN_ENTRY)
+        program_chunks(cu_seqlens, seq_len, num_seqs, segment_chunks, vs, lanes, sequence_order(ws_fp32, order_at), V,
+                       BV, C, IS_VARLEN, SEGMENTED, TRANSITION, OPEN_ENTRY, LONGEST_FIRST)
     kk = tl.arange(0, K)
     vv = vs * BV + tl.arange(0, BV)  # TRANSITION: columns V.. are the identity columns
     r = tl.arange(0, C)
@@ -274,18 +280,18 @@ def walk_chunks(
 
 @triton.jit
 def recurrence_kernel(
-    ws_bf16, ws_fp32, qg_at, kg_at, A_at, scratch_at, entries_at, out, initial_state, final_state, cu_seqlens,
+    ws_bf16, ws_fp32, qg_at, kg_at, A_at, scratch_at, entries_at, order_at, out, initial_state, final_state, cu_seqlens,
     errors, ckpt_offsets, ckpt_states, stride_out, seq_len, num_seqs, stride_ckpt_n, stride_ckpt_j, v, stride_v,
     segment_chunks, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
     IS_VARLEN: tl.constexpr, HAS_INITIAL: tl.constexpr, HAS_FINAL: tl.constexpr, NUM_CKPT: tl.constexpr,
-    STATE_ROWS_V: tl.constexpr, EMULATE: tl.constexpr, SEGMENTED: tl.constexpr,
+    STATE_ROWS_V: tl.constexpr, EMULATE: tl.constexpr, SEGMENTED: tl.constexpr, LONGEST_FIRST: tl.constexpr,
 ):
     """The recurrence: one (V-slice, head, sequence) over its chunks, or under sequence parallelism one (V-slice,
     head, segment slot) from the segment's entry state; outputs, checkpoints and final states."""
-    walk_chunks(ws_bf16, ws_fp32, qg_at, kg_at, A_at, scratch_at, 0, entries_at, out, initial_state,
+    walk_chunks(ws_bf16, ws_fp32, qg_at, kg_at, A_at, scratch_at, 0, entries_at, order_at, out, initial_state,
                 final_state, cu_seqlens, errors, ckpt_offsets, ckpt_states, stride_out, seq_len, num_seqs,
                 stride_ckpt_n, stride_ckpt_j, v, stride_v, segment_chunks, H, K, V, BV, C, IS_VARLEN, HAS_INITIAL,
-                HAS_FINAL, NUM_CKPT, STATE_ROWS_V, EMULATE, SEGMENTED, False, False)
+                HAS_FINAL, NUM_CKPT, STATE_ROWS_V, EMULATE, SEGMENTED, False, False, LONGEST_FIRST)
 
 
 @triton.jit
@@ -300,9 +306,9 @@ def transition_kernel(
     steps without outputs; writes the segment's exit and transition (``scan.py``). ``OPEN_ENTRY`` (the entry state
     comes later: :func:`fastkda.ops.prefill.open_entry_transitions`): every segment from zero and identity
     columns, the first and the last too."""
-    walk_chunks(ws_bf16, ws_fp32, 0, kg_at, 0, scratch_at, transitions_at, 0, ws_fp32, initial_state, ws_fp32,
+    walk_chunks(ws_bf16, ws_fp32, 0, kg_at, 0, scratch_at, transitions_at, 0, 0, ws_fp32, initial_state, ws_fp32,
                 cu_seqlens, ws_fp32, ws_fp32, ws_fp32, 0, seq_len, num_seqs, 0, 0, v, stride_v, segment_chunks, H, K,
-                V, BV, C, IS_VARLEN, HAS_INITIAL, False, 0, STATE_ROWS_V, EMULATE, True, True, OPEN_ENTRY)
+                V, BV, C, IS_VARLEN, HAS_INITIAL, False, 0, STATE_ROWS_V, EMULATE, True, True, OPEN_ENTRY, False)
 
 
 def recurrence_arguments(plan, ws, out, initial_state, final_state, checkpoint_offsets, checkpoint_states, errors):
@@ -314,7 +320,7 @@ def recurrence_arguments(plan, ws, out, initial_state, final_state, checkpoint_o
     checkpoints = 0 if checkpoint_offsets is None else (1 if checkpoint_offsets.dim() == 1 else
                                                         checkpoint_offsets.shape[1])
     layout = ws.layout
-    args = (ws.bf16, ws.fp32, layout.qg, layout.kg, layout.A, layout.scratch, layout.entries, out,
+    args = (ws.bf16, ws.fp32, layout.qg, layout.kg, layout.A, layout.scratch, layout.entries, layout.order, out,
             initial_state if initial_state is not None else absent,
             final_state if final_state is not None else absent,
             ws.cu_seqlens if plan.varlen else absent, errors,
@@ -324,7 +330,7 @@ def recurrence_arguments(plan, ws, out, initial_state, final_state, checkpoint_o
             ws.v, ws.v.stride(1), plan.segment_chunks)
     constexprs = dict(H=plan.heads, K=plan.key_dim, V=plan.value_dim, BV=plan.slice_width, C=plan.chunk,
                       IS_VARLEN=plan.varlen, HAS_INITIAL=initial_state is not None,
-                      HAS_FINAL=final_state is not None, NUM_CKPT=checkpoints)
+                      HAS_FINAL=final_state is not None, NUM_CKPT=checkpoints, LONGEST_FIRST=plan.longest_first)
     return args, constexprs
 
 

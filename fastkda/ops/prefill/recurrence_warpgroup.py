@@ -35,7 +35,7 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
 
 from ..tiles import lower_sectors, tile_offsets
-from .layout import OWNER_LOOKUP_WIDTH
+from .layout import OWNER_LOOKUP_WIDTH, sequence_order
 from .recurrence import finish_walk, head_sections, program_chunks, starting_state, store_checkpoint
 
 cta_barrier = getattr(gl, "barrier", None) or gl.thread_barrier  # a barrier of the program's threads (bar.sync): its
@@ -108,12 +108,13 @@ def store_output(o_s, half, out_h, bos, c, eos, stride_out, vs, BV: gl.constexpr
 
 @gluon.jit
 def warpgroup_walk(
-    ws_bf16, ws_fp32, qg_at, kg_at, A_at, scratch_at, transitions_at, entries_at, out, initial_state,
+    ws_bf16, ws_fp32, qg_at, kg_at, A_at, scratch_at, transitions_at, entries_at, order_at, out, initial_state,
     final_state, cu_seqlens, errors, ckpt_offsets, ckpt_states, stride_out, seq_len, num_seqs, stride_ckpt_n,
     stride_ckpt_j, v, stride_v, segment_chunks,
     H: gl.constexpr, K: gl.constexpr, V: gl.constexpr, BV: gl.constexpr, C: gl.constexpr,
     IS_VARLEN: gl.constexpr, HAS_INITIAL: gl.constexpr, HAS_FINAL: gl.constexpr, NUM_CKPT: gl.constexpr,
-    SEGMENTED: gl.constexpr, TRANSITION: gl.constexpr, OPEN_ENTRY: gl.constexpr, STAGES: gl.constexpr,
+    SEGMENTED: gl.constexpr, TRANSITION: gl.constexpr, OPEN_ENTRY: gl.constexpr, LONGEST_FIRST: gl.constexpr,
+    STAGES: gl.constexpr,
 ):
     """:func:`fastkda.ops.prefill.recurrence.walk_chunks` (its arguments, the state held transposed) on a
     warpgroup per 64 columns, with a ring of ``STAGES`` chunks (module docstring)."""
@@ -148,8 +149,8 @@ def warpgroup_walk(
                                                                           scratch_at, v, out, h, K, V, C)
     lanes = gl.arange(0, OWNER_LOOKUP_WIDTH, layout=VECTOR)
     n, bos, eos, in_order, slot0, num_chunks, slot, j, c0, c1, c_end, active, first_segment, own_slot = \
-        program_chunks(cu_seqlens, seq_len, num_seqs, segment_chunks, vs, lanes, V, BV, C, IS_VARLEN, SEGMENTED,
-                       TRANSITION, OPEN_ENTRY)
+        program_chunks(cu_seqlens, seq_len, num_seqs, segment_chunks, vs, lanes, sequence_order(ws_fp32, order_at), V,
+                       BV, C, IS_VARLEN, SEGMENTED, TRANSITION, OPEN_ENTRY, LONGEST_FIRST)
 
     kd_s = gl.allocate_shared_memory(gl.bfloat16, [STAGES, C, K], SHARED_K)
     kg_s = gl.allocate_shared_memory(gl.bfloat16, [STAGES, C, K], SHARED_K)
@@ -238,17 +239,17 @@ def warpgroup_walk(
 
 @gluon.jit
 def warpgroup_recurrence_kernel(
-    ws_bf16, ws_fp32, qg_at, kg_at, A_at, scratch_at, entries_at, out, initial_state, final_state, cu_seqlens,
+    ws_bf16, ws_fp32, qg_at, kg_at, A_at, scratch_at, entries_at, order_at, out, initial_state, final_state, cu_seqlens,
     errors, ckpt_offsets, ckpt_states, stride_out, seq_len, num_seqs, stride_ckpt_n, stride_ckpt_j, v, stride_v,
     segment_chunks, H: gl.constexpr, K: gl.constexpr, V: gl.constexpr, BV: gl.constexpr, C: gl.constexpr,
     IS_VARLEN: gl.constexpr, HAS_INITIAL: gl.constexpr, HAS_FINAL: gl.constexpr, NUM_CKPT: gl.constexpr,
-    SEGMENTED: gl.constexpr, STAGES: gl.constexpr,
+    SEGMENTED: gl.constexpr, LONGEST_FIRST: gl.constexpr, STAGES: gl.constexpr,
 ):
     """:func:`fastkda.ops.prefill.recurrence.recurrence_kernel` (its arguments) on a warpgroup per 64 columns."""
-    warpgroup_walk(ws_bf16, ws_fp32, qg_at, kg_at, A_at, scratch_at, 0, entries_at, out, initial_state, final_state,
-                   cu_seqlens, errors, ckpt_offsets, ckpt_states, stride_out, seq_len, num_seqs, stride_ckpt_n,
-                   stride_ckpt_j, v, stride_v, segment_chunks, H, K, V, BV, C, IS_VARLEN, HAS_INITIAL, HAS_FINAL,
-                   NUM_CKPT, SEGMENTED, False, False, STAGES)
+    warpgroup_walk(ws_bf16, ws_fp32, qg_at, kg_at, A_at, scratch_at, 0, entries_at, order_at, out, initial_state,
+                   final_state, cu_seqlens, errors, ckpt_offsets, ckpt_states, stride_out, seq_len, num_seqs,
+                   stride_ckpt_n, stride_ckpt_j, v, stride_v, segment_chunks, H, K, V, BV, C, IS_VARLEN, HAS_INITIAL,
+                   HAS_FINAL, NUM_CKPT, SEGMENTED, False, False, LONGEST_FIRST, STAGES)
 
 
 @gluon.jit
@@ -258,6 +259,7 @@ def warpgroup_transition_kernel(
     IS_VARLEN: gl.constexpr, HAS_INITIAL: gl.constexpr, OPEN_ENTRY: gl.constexpr, STAGES: gl.constexpr,
 ):
     """:func:`fastkda.ops.prefill.recurrence.transition_kernel` (its arguments) on a warpgroup per 64 columns."""
-    warpgroup_walk(ws_bf16, ws_fp32, 0, kg_at, 0, scratch_at, transitions_at, 0, ws_fp32, initial_state, ws_fp32,
-                   cu_seqlens, ws_fp32, ws_fp32, ws_fp32, 0, seq_len, num_seqs, 0, 0, v, stride_v, segment_chunks, H,
-                   K, V, BV, C, IS_VARLEN, HAS_INITIAL, False, 0, True, True, OPEN_ENTRY, STAGES)
+    warpgroup_walk(ws_bf16, ws_fp32, 0, kg_at, 0, scratch_at, transitions_at, 0, 0, ws_fp32, initial_state,
+                   ws_fp32, cu_seqlens, ws_fp32, ws_fp32, ws_fp32, 0, seq_len, num_seqs, 0, 0, v, stride_v,
+                   segment_chunks, H, K, V, BV, C, IS_VARLEN, HAS_INITIAL, False, 0, True, True, OPEN_ENTRY, False,
+                   STAGES)

@@ -3,7 +3,9 @@
 One program per (chunk slot, head), on few warps: its products are 16×16 blocks, which more warps would only
 replicate. T is formed by blocks from the β·L scratch of the first kernel: the diagonal blocks' inverses by
 ``(I − L)(I + L²)(I + L⁴)(I + L⁸)`` (L is strictly lower, so nilpotent), then ``T10 = −T11·L10·T00``. Neither w
-nor u is formed: the recurrence takes T·diag(β) with kd and v (``recurrence.py``).
+nor u is formed: the recurrence takes T·diag(β) with kd and v (``recurrence.py``). Under the plan's
+``longest_first`` it also writes the order in which the recurrence's programs take the sequences
+(:func:`fastkda.ops.prefill.layout.write_longest_first`).
 """
 
 import triton
@@ -12,7 +14,7 @@ import triton.language as tl
 from ..common import launch
 from ..tiles import load_lower, store_lower
 from .inputs import beta_rows
-from .layout import chunk_of_slot
+from .layout import chunk_of_slot, write_longest_first
 
 
 @triton.jit
@@ -35,12 +37,13 @@ def mm(a, b, DOT_PRECISION: tl.constexpr):
 
 @triton.jit(do_not_specialize=["H"])  # one compile for every head count
 def solve_kernel(
-    beta, cu_seqlens, ws_fp32, scratch_at, stride_beta_tok, stride_beta_head, seq_len, num_seqs,
-    H, C: tl.constexpr, BC: tl.constexpr, IS_VARLEN: tl.constexpr, BETA_SIGMOID: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, EMULATE: tl.constexpr,
+    beta, cu_seqlens, ws_fp32, scratch_at, order_at, order_count, segment_chunks, stride_beta_tok, stride_beta_head,
+    seq_len, num_seqs, H, C: tl.constexpr, BC: tl.constexpr, IS_VARLEN: tl.constexpr, BETA_SIGMOID: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, EMULATE: tl.constexpr, LONGEST_FIRST: tl.constexpr, SEGMENTED: tl.constexpr,
 ):
     """One (chunk slot, head): T from the scratch's 16×16 blocks (diagonal ones strictly lower), then T·diag(β)
-    over the scratch (module docstring)."""
+    over the scratch (module docstring); under ``LONGEST_FIRST`` the programs of head 0 also place the
+    recurrence's program rows ``slot``, ``slot`` + the grid's slots, ... below ``order_count`` in its order."""
     slot = tl.program_id(0)
     h = tl.program_id(1)
     chunk_start, eos = chunk_of_slot(slot, cu_seqlens, seq_len, num_seqs, C, IS_VARLEN)
@@ -65,14 +68,23 @@ def solve_kernel(
     store_lower(L_c, rows0, ok0, rows0, cb, H * C, T00 * b0[None, :], EMULATE)
     store_lower(L_c, rows1, ok1, rows1, cb, H * C, T10 * b0[None, :], EMULATE)
     store_lower(L_c, rows1, ok1, rows1, BC + cb, H * C, T11 * b1[None, :], EMULATE)
+    if LONGEST_FIRST:
+        if h == 0:
+            for z in range(slot, order_count, tl.num_programs(0)):
+                write_longest_first(ws_fp32, order_at, cu_seqlens, z, order_count, seq_len, num_seqs,
+                                    segment_chunks, C, SEGMENTED)
 
 
 def launch_solve(plan, ws, beta, use_beta_sigmoid, emulate):
-    """Launch :func:`solve_kernel` over the plan's grid on the workspace ``ws``."""
+    """Launch :func:`solve_kernel` over the plan's grid on the workspace ``ws`` (and, under the plan's
+    ``longest_first``, its ``order`` section)."""
     launch(
         solve_kernel, plan.prepare_grid,
-        beta, ws.cu_seqlens if plan.varlen else ws.fp32, ws.fp32, ws.layout.scratch,
+        beta, ws.cu_seqlens if plan.varlen else ws.fp32, ws.fp32, ws.layout.scratch, ws.layout.order,
+        plan.recurrence_grid[2], plan.segment_chunks,
         beta.stride(1), beta.stride(2), plan.seq_len, plan.num_seqs, plan.heads,
         C=plan.chunk, BC=plan.block, IS_VARLEN=plan.varlen, BETA_SIGMOID=use_beta_sigmoid,
-        DOT_PRECISION=plan.dot_precision, EMULATE=emulate, num_warps=plan.solve_warps, num_stages=plan.solve_stages,
+        DOT_PRECISION=plan.dot_precision, EMULATE=emulate, LONGEST_FIRST=plan.longest_first,
+        SEGMENTED=plan.sequence_parallel,
+        num_warps=plan.solve_warps, num_stages=plan.solve_stages,
     )
