@@ -145,15 +145,17 @@ def test_on_hopper_the_automatic_plan_runs_the_gluon_kernels_where_they_were_mea
 
 def test_longest_first_where_a_varlen_batchs_programs_take_turns():
     """The recurrence of a varlen batch whose programs outnumber the SMs takes its rows (sequences, or segment
-    programs) longest first; a batch that fits one wave, fixed-length rows (all one length) and one sequence keep
-    the grid's order; the describe line says it; a fixed-length plan asking for it is refused."""
+    programs) longest first; a batch that fits one wave, fixed-length rows, a varlen batch whose ``max_seqlen`` hint
+    says every sequence has one length (N·max_seqlen = T) and one sequence keep the grid's order; the describe line says it; a fixed-length plan asking for it is refused."""
     mix = choose_plan(6, 96, 8192, 128, 128, 132, max_seqlen=3063)
     assert mix.longest_first and not mix.segment_chunks and mix.programs > 132
     assert "the longest first" in mix.describe()
     chunked = choose_plan(13, 24, 8192, 128, 128, 132, max_seqlen=6144)  # the chunked-prefill mix: 32 rows
     assert chunked.longest_first and chunked.segment_chunks and chunked.recurrence_grid[2] * 24 > 132
+    equal = choose_plan(8, 96, 8192, 128, 128, 132, max_seqlen=1024)  # H96 1024x8: every sequence the hint's length
+    assert equal.programs > 132 and choose_plan(8, 96, 8192, 128, 128, 132, max_seqlen=1100).longest_first
     for facts, changes in (((5, 12, 1024), {}), ((8, 96, 1024), dict(varlen=False)), ((1, 96, 8192), {}),
-                           ((1, 12, 65536), {})):
+                           ((1, 12, 65536), {}), ((8, 96, 8192), dict(max_seqlen=1024))):
         plan = choose_plan(*facts, 128, 128, 132, **changes)
         assert not plan.longest_first, facts
         assert "longest first" not in plan.describe(), facts
