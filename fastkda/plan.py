@@ -120,8 +120,8 @@ class PrefillPlan:
     chunks in their ring, at least 4; the Triton transition kernel pipelines that many too); the CPU path and
     Triton's interpreter run the Triton kernels. ``longest_first`` (varlen): the recurrence's programs take their
     rows (sequences, or segment programs) from the most work down (an order the solve kernel writes from
-    ``cu_seqlens``), so that the longest chains start in the first wave; the bits do not change. ``dot_precision``: the kernels' fp32 products
-    ("tf32" or "ieee")."""
+    ``cu_seqlens``), so that the longest chains start in the first wave; the bits do not change.
+    ``dot_precision``: the kernels' fp32 products ("tf32" or "ieee")."""
 
     seq_len: int
     num_seqs: int
@@ -664,9 +664,13 @@ def _choose_plan(num_seqs, heads, seq_len, key_dim, value_dim, sms, varlen, lowe
     # a hint that every sequence has the longest's length (N·max_seqlen = T) leaves nothing to reorder, and the ranking
     # then only costs (H96 and H64 1024x8: 1.3-1.5% slower with it on an H100, same-run A/B against 2abb1c7)
     all_equal = bool(max_seqlen) and num_seqs * max_seqlen == seq_len
-    longest_first = varlen and num_seqs > 1 and not all_equal and slices * heads * rows > sms
+    take_turns = varlen and num_seqs > 1 and slices * heads * rows > sms
+    longest_first = take_turns and not all_equal
     if longest_first:
         reason += "; the recurrence's longest programs first, as more programs than SMs take turns"
+    elif take_turns:
+        reason += ("; the recurrence's programs in the grid's order, as the max_seqlen hint gives every sequence "
+                   "one length")
     prepare_warps = 4
     return PrefillPlan(
         seq_len=seq_len, num_seqs=num_seqs, varlen=varlen, heads=heads, key_dim=key_dim, value_dim=value_dim,

@@ -154,6 +154,7 @@ def test_longest_first_where_a_varlen_batchs_programs_take_turns():
     assert chunked.longest_first and chunked.segment_chunks and chunked.recurrence_grid[2] * 24 > 132
     equal = choose_plan(8, 96, 8192, 128, 128, 132, max_seqlen=1024)  # H96 1024x8: every sequence the hint's length
     assert equal.programs > 132 and choose_plan(8, 96, 8192, 128, 128, 132, max_seqlen=1100).longest_first
+    assert "the max_seqlen hint gives every sequence one length" in equal.describe()
     for facts, changes in (((5, 12, 1024), {}), ((8, 96, 1024), dict(varlen=False)), ((1, 96, 8192), {}),
                            ((1, 12, 65536), {}), ((8, 96, 8192), dict(max_seqlen=1024))):
         plan = choose_plan(*facts, 128, 128, 132, **changes)
