@@ -77,11 +77,10 @@ def prefill_launches(plan, checkpoints=0, l2norm=True, beta_sigmoid=True):
     ``warpgroup_transition``) on contiguous inputs (bf16 q, k, v, β and, under the lower-bound gate, g; an fp32
     log-decay g otherwise; fp32 states; int32 ``cu_seqlens``), with ``checkpoints`` (0, 1 or 2) per sequence."""
     from fastkda.ops.prefill import prepare, recurrence, scan, solve
-    from fastkda.ops.prefill.layout import workspace_layout
+    from fastkda.ops.prefill.layout import plan_layout
 
     H, K, V, gate = plan.heads, plan.key_dim, plan.value_dim, plan.lower_bound_gate
-    at = workspace_layout(plan.batch * plan.seq_len * H, plan.chunk_slots, H, K, V, plan.chunk, plan.segment_slots,
-                          plan.recurrence_grid[2] if plan.longest_first else 0)
+    at = plan_layout(plan)
     cu = I32 if plan.varlen else F32  # an absent tensor is the fp32 workspace
     shared = dict(ws_bf16=BF16, ws_fp32=F32, seq_len=plan.seq_len, C=plan.chunk, IS_VARLEN=plan.varlen, EMULATE=False)
     precision = dict(DOT_PRECISION=plan.dot_precision)  # the kernels with fp32 products

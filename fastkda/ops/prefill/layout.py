@@ -128,12 +128,13 @@ def chunk_of_slot(slot, cu_seqlens, seq_len, num_seqs, C: tl.constexpr, IS_VARLE
 
 
 @triton.jit
-def span_lengths(cu_seqlens, m, inside, seq_len):
-    """Tokens of sequences ``m`` (a vector; ``inside`` masks it) as :func:`sequence_span` clamps their spans."""
+def clamped_spans(cu_seqlens, m, inside, seq_len):
+    """First token and length of sequences ``m`` (a vector; ``inside`` masks it) as :func:`sequence_span` clamps
+    their spans."""
     start = tl.load(cu_seqlens + m, mask=inside, other=0)
     end = tl.load(cu_seqlens + m + 1, mask=inside, other=0)
     bos = tl.minimum(tl.maximum(start, 0), seq_len).to(tl.int32)
-    return tl.minimum(tl.maximum(end, bos), seq_len).to(tl.int32) - bos
+    return bos, tl.minimum(tl.maximum(end, bos), seq_len).to(tl.int32) - bos
 
 
 @triton.jit
@@ -169,8 +170,7 @@ def program_lengths(z, inside, cu_seqlens, seq_len, num_seqs, segment_chunks, C:
         n = tl.where(first, z, lo)
     else:
         n = z
-    bos = tl.minimum(tl.maximum(tl.load(cu_seqlens + n, mask=inside, other=0), 0), seq_len).to(tl.int32)
-    length = span_lengths(cu_seqlens, n, inside, seq_len)
+    bos, length = clamped_spans(cu_seqlens, n, inside, seq_len)
     if SEGMENTED:
         chunks = tl.cdiv(length, C)
         j = slot - (bos // tokens + n)
@@ -243,6 +243,14 @@ def workspace_layout(rows: int, slots: int, heads: int, key_dim: int, value_dim:
                            order=order, bf16_elements=A + rows * chunk, fp32_elements=order + sequences)
 
 
+def plan_layout(plan) -> WorkspaceLayout:
+    """The workspace layout of a prefill plan (its ``order`` section one row per recurrence program row under
+    ``longest_first``, else none)."""
+    return workspace_layout(plan.batch * plan.seq_len * plan.heads, plan.chunk_slots, plan.heads, plan.key_dim,
+                            plan.value_dim, plan.chunk, plan.segment_slots,
+                            plan.recurrence_grid[2] if plan.longest_first else 0)
+
+
 @dataclass
 class Workspace:
     """The preparation's output for one call: the two buffers, their :class:`WorkspaceLayout`, and what the
@@ -256,9 +264,7 @@ class Workspace:
 
     @staticmethod
     def allocate(plan, v, cu_seqlens) -> "Workspace":
-        layout = workspace_layout(plan.batch * plan.seq_len * plan.heads, plan.chunk_slots, plan.heads,
-                                  plan.key_dim, plan.value_dim, plan.chunk, plan.segment_slots,
-                                  plan.recurrence_grid[2] if plan.longest_first else 0)
+        layout = plan_layout(plan)
         return Workspace(bf16=torch.empty(layout.bf16_elements, dtype=torch.bfloat16, device=v.device),
                          fp32=torch.empty(layout.fp32_elements, dtype=torch.float32, device=v.device),
                          layout=layout, cu_seqlens=cu_seqlens, v=v)
