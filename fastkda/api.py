@@ -102,6 +102,8 @@ def _prefill_impl(
             _checked_mode_may_sync(q)
         if cu_seqlens is not None and cu_seqlens.numel() > 1:
             value_checks.cu_seqlens_values(cu_seqlens, q.shape[1])
+            if plan.equal_rows:
+                value_checks.equal_lengths(cu_seqlens, plan.seq_len)
         if checkpoint_offsets is not None:
             value_checks.checkpoint_offsets_values(checkpoint_offsets, plan.chunk)
     if checks:
@@ -174,8 +176,12 @@ def kda_prefill(
             length (``False``, or the same int).
         max_seqlen: with ``cu_seqlens``, the longest sequence's length if the caller knows it on the host (as
             flash-attn takes it; serving engines keep it in their batch metadata): the automatic plan then cuts
-            sequences of that length. A hint only: a wrong value costs time, never correctness. Without it the plan
-            assumes one sequence may hold every token, and cuts only where a balanced batch gains too.
+            sequences of that length, and where it gives every sequence one length (N · max_seqlen = T) runs them
+            as N rows of max_seqlen tokens (the same bits, faster), which needs ``cu_seqlens`` to agree: there,
+            offsets that give another length break the contract (CPU tensors and checked mode raise
+            ``ValueError``; on the GPU they are counted, :func:`fastkda.error_counts`, the results then
+            unspecified). Otherwise a wrong value costs time, never correctness. Without it the plan assumes one
+            sequence may hold every token, and cuts only where a balanced batch gains too.
         checkpoint_offsets, checkpoint_states: prefix-cache checkpoints. Offsets ``[N]`` or ``[N, 2]`` (the
             dtype of ``cu_seqlens``) from each sequence's start, multiples of the chunk, 32 (CPU tensors are
             checked; on the GPU another value never matches); the fp32 state after that many tokens is written to
@@ -245,8 +251,8 @@ def _check_plan_fits(plan, facts, varlen, lower_bound_gate, v_slices, sequence_p
         fail("v_slices", "'auto' when a plan is given (the plan holds v_slices)", v_slices)
     if not (isinstance(sequence_parallel, str) and sequence_parallel == "auto"):
         fail("sequence_parallel", "'auto' when a plan is given (the plan holds the segments)", sequence_parallel)
-    made_for = (plan.num_seqs, plan.heads, plan.seq_len, plan.key_dim, plan.value_dim, plan.varlen,
-                plan.lower_bound_gate)
+    made_for = (plan.num_seqs, plan.heads, plan.seq_len * (plan.num_seqs if plan.equal_rows else 1),
+                plan.key_dim, plan.value_dim, plan.varlen or plan.equal_rows, plan.lower_bound_gate)
     needed = (*facts, varlen, lower_bound_gate)
     if made_for != needed:
         names = ("num_seqs", "heads", "seq_len", "key_dim", "value_dim", "varlen", "lower_bound_gate")

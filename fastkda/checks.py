@@ -35,6 +35,18 @@ def cu_seqlens_values(cu_seqlens, length):
         fail("cu_seqlens", f"nondecreasing from 0 to T={length}", shown)
 
 
+def equal_lengths(cu_seqlens, length):
+    """Every sequence ``length`` tokens long, as a ``max_seqlen`` hint with N·max_seqlen = T says (the call runs
+    the sequences as rows of that length: :attr:`fastkda.plan.PrefillPlan.equal_rows`)."""
+    offsets = cu_seqlens.tolist()
+    lengths = [b - a for a, b in zip(offsets, offsets[1:])]
+    other = next((n for n, x in enumerate(lengths) if x != length), None)
+    if other is not None:
+        fail("max_seqlen", f"at least the longest sequence's length (with N·max_seqlen = T every sequence has "
+                           f"max_seqlen={length} tokens)",
+             f"{length} with sequence {other} of {lengths[other]} tokens")
+
+
 def checkpoint_offsets_values(checkpoint_offsets, chunk):
     """Offsets non-negative multiples of the chunk (on the GPU without checks, another value never matches a
     chunk boundary and is not written)."""

@@ -120,7 +120,11 @@ class PrefillPlan:
     chunks in their ring, at least 4; the Triton transition kernel pipelines that many too); the CPU path and
     Triton's interpreter run the Triton kernels. ``longest_first`` (varlen): the recurrence's programs take their
     rows (sequences, or segment programs) from the most work down (an order the solve kernel writes from
-    ``cu_seqlens``), so that the longest chains start in the first wave; the bits do not change.
+    ``cu_seqlens``), so that the longest chains start in the first wave; the bits do not change. ``equal_rows``: a
+    varlen call whose ``max_seqlen`` hint says every sequence has one length (N·max_seqlen = T) runs as
+    ``num_seqs`` rows of ``seq_len`` tokens (``varlen`` False: the chunk slots and the recurrence's programs laid
+    out from the rows alone, no lookup in ``cu_seqlens``, the same bits), and the solve kernel counts the sequences
+    whose ``cu_seqlens`` entries are not the rows' (:mod:`fastkda.errors`).
     ``dot_precision``: the kernels' fp32 products ("tf32" or "ieee")."""
 
     seq_len: int
@@ -153,6 +157,7 @@ class PrefillPlan:
     warpgroup_recurrence: bool = False
     warpgroup_transition: bool = False
     longest_first: bool = False
+    equal_rows: bool = False
     dot_precision: str = "tf32"
     reason: str = dataclasses.field(default="", compare=False)
 
@@ -208,6 +213,8 @@ class PrefillPlan:
                    f"{self.recurrence_stages}")
         _check(not self.longest_first or self.varlen,
                "longest_first orders the recurrence of a varlen batch (varlen=True), got varlen=False")
+        _check(not (self.equal_rows and self.varlen),
+               "equal_rows runs a varlen call as rows (varlen=False), got varlen=True")
         if self.warpgroup_transition:
             _check(self.segment_chunks > 0 and self.transition_width in WARPGROUP_SLICE_WIDTHS
                    and self.transition_stages >= 4
@@ -321,7 +328,8 @@ class PrefillPlan:
         """The plan in words, one line per stage."""
         chain = -(-self.seq_len // self.chunk)
         layout = (f"{self.num_seqs} sequence(s), {self.seq_len} tokens in all (varlen)" if self.varlen
-                  else f"{self.batch} sequence(s) of {self.seq_len} tokens")
+                  else f"{self.batch} sequence(s) of {self.seq_len} tokens"
+                  + (" (varlen, run as rows)" if self.equal_rows else ""))
         gate = "lower-bound gate" if self.lower_bound_gate else "precomputed gate"
         return "\n".join([
             f"shape: {layout}, {self.heads} heads, K={self.key_dim}, V={self.value_dim}, {gate}, {self.sms} SMs",
@@ -581,9 +589,10 @@ def choose_plan(num_seqs: int, heads: int, seq_len: int, key_dim: int, value_dim
     :data:`V_SLICE_CHOICES`. ``sequence_parallel``: ``"auto"`` (then ``$FASTKDA_SEQUENCE_PARALLEL`` if set) cuts
     sequences into segments where the step model predicts at least 25% off the serial recurrence for the longest
     sequence the facts allow; ``False`` keeps the serial recurrence; an int forces segments of that many tokens.
-    ``max_seqlen`` (varlen): the longest sequence's length if the caller knows it (as flash-attn takes it), a hint
-    for the segment length only (a wrong one costs time, never correctness); without it the plan assumes one
-    sequence may hold every token. ``warpgroup_mma``: the GPU runs Hopper's warpgroup MMA
+    ``max_seqlen`` (varlen): the longest sequence's length if the caller knows it (as flash-attn takes it): the
+    segment length is planned for it, and where it gives every sequence one length (N·max_seqlen = T) the plan
+    runs the sequences as rows (``equal_rows``, which needs ``cu_seqlens`` to agree); without it the plan assumes
+    one sequence may hold every token. ``warpgroup_mma``: the GPU runs Hopper's warpgroup MMA
     (:func:`has_warpgroup_mma`); then the segments' transitions and the recurrence of 64- or 128-column slices
     (but a serial one whose programs fill less than half the SMs) run the Gluon kernels at
     :data:`WARPGROUP_STAGES` stages (the plan's ``warpgroup_transition`` and ``warpgroup_recurrence``: where the
@@ -605,6 +614,15 @@ def _choose_plan(num_seqs, heads, seq_len, key_dim, value_dim, sms, varlen, lowe
         _check(value >= least, f"{name} must be >= {least}, got {value}")
     for name, value in (("key_dim", key_dim), ("value_dim", value_dim)):
         _check(value in SUPPORTED_DIMS, f"{name} must be one of {SUPPORTED_DIMS}, got {value}")
+    if varlen and max_seqlen and num_seqs * max_seqlen == seq_len:
+        # every sequence has the hint's length: as rows, the preparation's slots need no lookup in cu_seqlens and
+        # no empty slots, and the first kernel stores only the in-chunk matrices' lower sectors (H96 and H64 1024x8
+        # 2.3-2.6% faster, H12 N5 T1024 2.0%, on an H100 in a same-run A/B: docs/perf-notes.md, item 14)
+        as_rows = _choose_plan(num_seqs, heads, max_seqlen, key_dim, value_dim, sms, False, lower_bound_gate,
+                               choice, sp_choice, 0, warpgroup_mma)
+        return dataclasses.replace(as_rows, equal_rows=True, reason=(
+            f"the max_seqlen hint gives every sequence one length ({num_seqs} x {max_seqlen} = {seq_len} tokens): "
+            f"they run as rows, cu_seqlens checked on the device; {as_rows.reason}"))
     pairs = max(num_seqs * heads, 1)
     if choice != "auto":
         slices = choice
@@ -661,16 +679,9 @@ def _choose_plan(num_seqs, heads, seq_len, key_dim, value_dim, sms, varlen, lowe
     # cu_seqlens order, at one program an SM; docs/perf-notes.md, "Longest sequences first")
     rows = num_seqs + segment_slot_count(seq_len, num_seqs, CHUNK * segment_chunks, varlen) if segment_chunks \
         else num_seqs  # the recurrence's grid rows: sequences, or segment programs
-    # a hint that every sequence has the longest's length (N·max_seqlen = T) leaves nothing to reorder, and the ranking
-    # then only costs (H96 and H64 1024x8: 1.3-1.5% slower with it on an H100, same-run A/B against 2abb1c7)
-    all_equal = bool(max_seqlen) and num_seqs * max_seqlen == seq_len
-    take_turns = varlen and num_seqs > 1 and slices * heads * rows > sms
-    longest_first = take_turns and not all_equal
+    longest_first = varlen and num_seqs > 1 and slices * heads * rows > sms
     if longest_first:
         reason += "; the recurrence's longest programs first, as more programs than SMs take turns"
-    elif take_turns:
-        reason += ("; the recurrence's programs in the grid's order, as the max_seqlen hint gives every sequence "
-                   "one length")
     prepare_warps = 4
     return PrefillPlan(
         seq_len=seq_len, num_seqs=num_seqs, varlen=varlen, heads=heads, key_dim=key_dim, value_dim=value_dim,

@@ -217,6 +217,28 @@ def test_bad_sequence_parallel_arguments_are_rejected():
         fastkda.kda_prefill(*args, **kw, plan=plan_for(inp, sms=1), sequence_parallel=64)
 
 
+def test_a_hint_of_equal_lengths_needs_offsets_that_agree():
+    """N·max_seqlen = T runs the sequences as rows: the CPU path gives what the call without the hint gives, a
+    caller's plan made with the hint fits the call, and offsets that give another length raise naming max_seqlen
+    (on CPU tensors always), before anything is written."""
+    from helpers import plan_for
+
+    inp = make_inputs([40, 40, 40], seed=62)
+    want_o, want_s = call(inp)
+    o, s = call(inp, max_seqlen=40)
+    assert torch.equal(o, want_o) and torch.equal(s, want_s)
+    plan = plan_for(inp, sms=1, max_seqlen=40)
+    assert plan.equal_rows
+    o, s = call(inp, plan=plan)
+    assert torch.equal(o, want_o) and torch.equal(s, want_s)
+    inp["cu_seqlens"] = torch.tensor([0, 30, 80, 120], dtype=inp["cu_seqlens"].dtype)
+    out = torch.full_like(inp["v"], float("nan"))
+    with pytest.raises(ValueError, match="max_seqlen must be at least the longest sequence's length"):
+        call(inp, max_seqlen=40, out=out)
+    assert out.isnan().all()
+    call(inp, max_seqlen=50)  # N·max_seqlen != T: a hint for the plan only
+
+
 def test_open_entry_prefill_equals_the_prefill_from_its_entry():
     """The two halves of a prefill whose entry state comes later (several segments, K != V, two rows, bf16 entry)
     give what kda_prefill gives from that entry state, and its map gives the final state of any entry; the second

@@ -132,6 +132,46 @@ def test_longest_first_same_bits_and_replays_new_offsets(gluon, sequence_paralle
     assert torch.equal(out, eager_o) and torch.equal(final, eager_s)
 
 
+@pytest.mark.parametrize("gluon", [False, True])
+def test_equal_rows_same_bits_offsets_counted_and_replayed(gluon):
+    """8 sequences of 1000 tokens × 24 heads with the hint N·max_seqlen = T, run as rows (the plan's
+    ``equal_rows``), with the Triton and the Gluon recurrence: the bits of the call without the hint; offsets that
+    give other lengths raise in checked mode and are counted on the fast path, once per sequence whose entries
+    disagree, eager and on a graph's replay; a graph captured with the hint, replayed on fresh inputs, equals an
+    eager call on them."""
+    inp = make_inputs([1000] * 8, heads=24, key_dim=128, device="cuda", seed=23)
+    plan = plan_for(inp, max_seqlen=1000).replace(warpgroup_recurrence=gluon, recurrence_stages=4 if gluon else 3)
+    assert plan.equal_rows and not plan.longest_first
+    base_o, base_s, _ = run_prefill(inp, torch.float32, torch.float32, sequence_parallel=False)
+    out, final, _ = run_prefill(inp, torch.float32, torch.float32, plan=plan)
+    assert torch.equal(out, base_o) and torch.equal(final, base_s)
+    names = ("q", "k", "v", "g", "beta", "initial_state", "A_log", "dt_bias", "cu_seqlens")
+    errors = torch.zeros(3, dtype=torch.int32, device="cuda")
+    out = torch.empty_like(inp["v"])
+    final = torch.empty_like(inp["initial_state"])
+
+    def call(**kw):
+        return fastkda.kda_prefill(
+            *(inp[x] for x in names[:5]), A_log=inp["A_log"], dt_bias=inp["dt_bias"], lower_bound=inp["lower_bound"],
+            initial_state=inp["initial_state"], final_state=final, cu_seqlens=inp["cu_seqlens"], out=out,
+            max_seqlen=1000, errors=errors, **kw)
+
+    graph = capture_graph(lambda: call(plan=plan))
+    fresh = make_inputs([1000] * 8, heads=24, key_dim=128, device="cuda", seed=24)
+    replay_with(graph, inp, fresh, names, (out, final))
+    eager_o, eager_s, _ = run_prefill(fresh, torch.float32, torch.float32, plan=plan)
+    assert torch.equal(out, eager_o) and torch.equal(final, eager_s)
+    assert errors.tolist() == [0, 0, 0]
+    inp["cu_seqlens"].copy_(torch.tensor([0, 900, 2000, 3000, 4000, 5000, 6000, 7000, 8000]))  # 0 and 1 disagree
+    graph.replay()
+    call()
+    torch.cuda.synchronize()
+    assert errors.tolist() == [0, 0, 4]
+    assert torch.isfinite(out).all() and torch.isfinite(final).all()
+    with pytest.raises(ValueError, match="max_seqlen"):
+        call(checks=True)
+
+
 @pytest.mark.parametrize("pool_dtype,gate,spec", [(torch.float32, "lower_bound", False),
                                                   (torch.bfloat16, "precomputed", False),
                                                   (torch.float32, "lower_bound", True)])

@@ -146,7 +146,8 @@ def test_on_hopper_the_automatic_plan_runs_the_gluon_kernels_where_they_were_mea
 def test_longest_first_where_a_varlen_batchs_programs_take_turns():
     """The recurrence of a varlen batch whose programs outnumber the SMs takes its rows (sequences, or segment
     programs) longest first; a batch that fits one wave, fixed-length rows, a varlen batch whose ``max_seqlen`` hint
-    says every sequence has one length (N·max_seqlen = T) and one sequence keep the grid's order; the describe line says it; a fixed-length plan asking for it is refused."""
+    says every sequence has one length (N·max_seqlen = T: it runs as rows) and one sequence keep the grid's order;
+    the describe line says it; a fixed-length plan asking for it is refused."""
     mix = choose_plan(6, 96, 8192, 128, 128, 132, max_seqlen=3063)
     assert mix.longest_first and not mix.segment_chunks and mix.programs > 132
     assert "the longest first" in mix.describe()
@@ -287,6 +288,28 @@ def test_sequence_parallel_values_and_environment(monkeypatch):
         requested_sequence_parallel("auto")
     with pytest.raises(ValueError, match="transition_width"):
         choose_plan(1, 12, 8192, 64, 64, 132, sequence_parallel=1024).replace(transition_width=128)
+
+
+def test_a_hint_of_equal_lengths_runs_the_sequences_as_rows():
+    """N·max_seqlen = T: every sequence has the hint's length, so the plan is the fixed-length rows' plan with
+    ``equal_rows`` (no empty slots, the same segments as the varlen reading of the hint); not without a hint, nor
+    where the hint leaves room for other lengths. Its launch numbers carry it; a caller's plan made so fits the
+    varlen call it was made for; a varlen plan cannot ask for it."""
+    rows = choose_plan(8, 96, 8192, 128, 128, 132, max_seqlen=1024)
+    assert rows.equal_rows and not rows.varlen and (rows.num_seqs, rows.seq_len, rows.batch) == (8, 1024, 8)
+    assert rows.replace(equal_rows=False) == choose_plan(8, 96, 1024, 128, 128, 132, varlen=False)
+    assert rows.chunk_slots == 256 and "(varlen, run as rows)" in rows.describe()
+    assert "cu_seqlens checked on the device" in rows.reason
+    assert PrefillPlan.from_launch_numbers(rows.launch_numbers(), rows.dot_precision) == rows
+    long = choose_plan(2, 12, 65536, 128, 128, 132, max_seqlen=32768)
+    assert long.equal_rows and long.segment_chunks == choose_plan(2, 12, 32768, 128, 128, 132,
+                                                                 varlen=False).segment_chunks > 0
+    assert "max_seqlen" in choose_plan(2, 12, 65536, 128, 128, 132, max_seqlen=32000).reason  # a varlen reading
+    for hint in (None, 1100, 1000, 0):
+        assert not choose_plan(8, 96, 8192, 128, 128, 132, max_seqlen=hint).equal_rows, hint
+    assert not choose_plan(8, 96, 1024, 128, 128, 132, varlen=False).equal_rows
+    with pytest.raises(ValueError, match="equal_rows runs a varlen call as rows"):
+        choose_plan(8, 96, 8192, 128, 128, 132).replace(equal_rows=True)
 
 
 def test_shorter_sequences_share_the_rerun():

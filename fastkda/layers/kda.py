@@ -144,7 +144,8 @@ class KimiDeltaAttention(nn.Module):
                 (``[N]``, each in [1, T]) as :func:`fastkda.kda_decode` takes them.
             has_initial_state: prefill, ``[N]`` bool: False where a sequence starts from zeros whatever its slot
                 holds; None reads every slot (a freshly allocated slot holds zeros).
-            max_seqlen: prefill, the longest sequence's length if known on the host (a planning hint).
+            max_seqlen: prefill, the longest sequence's length if known on the host (as
+                :func:`fastkda.kda_prefill` takes it: where it gives every sequence one length, they must have it).
             checkpoint_offsets: prefill with a cache, ``[N]`` token offsets (multiples of 32, each within its
                 sequence) at which to keep a prefix-cache checkpoint: then returns ``(output, (recurrent [N, H,
                 V, K] fp32, conv [N, C, W−1]))``, the states after that many tokens, for

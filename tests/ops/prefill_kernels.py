@@ -9,12 +9,12 @@ from helpers import plan_for
 
 
 def run_triton(inp, v_slices=1, final_dtype=torch.float32, use_final=True, sequence_parallel=False, errors=None,
-               **plan_changes):
-    """The kernels as the plan for ``inp`` at ``v_slices`` and ``sequence_parallel`` says, with ``plan_changes``,
-    into NaN-poisoned buffers (malformed ``cu_seqlens`` counted in ``errors``, if given)."""
+               max_seqlen=None, **plan_changes):
+    """The kernels as the plan for ``inp`` at ``v_slices``, ``sequence_parallel`` and ``max_seqlen`` says, with
+    ``plan_changes``, into NaN-poisoned buffers (malformed ``cu_seqlens`` counted in ``errors``, if given)."""
     from fastkda.ops.prefill import chunk_kda_forward
 
-    plan = plan_for(inp, v_slices, sequence_parallel=sequence_parallel, **plan_changes)
+    plan = plan_for(inp, v_slices, sequence_parallel=sequence_parallel, max_seqlen=max_seqlen, **plan_changes)
     key_dim = inp["q"].shape[3]
     out = torch.full_like(inp["v"], float("nan"))
     final = (torch.full((plan.num_seqs, plan.heads, plan.value_dim, key_dim), float("nan"), dtype=final_dtype)

@@ -66,6 +66,26 @@ def test_v_slices_and_state_forms_are_bitwise_identical(value_dim, v_slices, sta
     assert torch.equal(out, base_o) and torch.equal(final, base_s)
 
 
+@pytest.mark.parametrize("cu_dtype", [torch.int32, torch.int64])
+def test_equal_rows_same_bits_and_offsets_that_disagree_counted(cu_dtype):
+    """A varlen batch whose ``max_seqlen`` hint gives every sequence one length (N·max_seqlen = T) runs as rows
+    (the plan's ``equal_rows``): the varlen layout's bits, serial and in segments, nothing counted. Offsets that
+    give other lengths are counted once per sequence whose entries disagree, and every output is still written."""
+    inp = make_inputs([40, 40, 40], heads=2, key_dim=64, seed=5, cu_dtype=cu_dtype)
+    assert plan_for(inp, 2, max_seqlen=40).equal_rows and not plan_for(inp, 2, max_seqlen=40).varlen
+    for segments in (False, 32):
+        errors = torch.zeros(3, dtype=torch.int32)
+        base_o, base_s = run_triton(inp, 2, sequence_parallel=segments)
+        out, final = run_triton(inp, 2, sequence_parallel=segments, max_seqlen=40, errors=errors)
+        assert torch.equal(out, base_o) and torch.equal(final, base_s)
+        assert errors.tolist() == [0, 0, 0]
+    inp["cu_seqlens"] = torch.tensor([0, 30, 80, 120], dtype=cu_dtype)  # sequences 0 and 1 disagree, 2 agrees
+    errors = torch.zeros(3, dtype=torch.int32)
+    out, final = run_triton(inp, 2, max_seqlen=40, errors=errors)
+    assert errors.tolist() == [0, 0, 2]
+    assert torch.isfinite(out).all() and torch.isfinite(final).all()
+
+
 def test_longest_first_takes_the_sequences_longest_first_with_the_same_bits():
     """``longest_first``: the solve kernel writes the sequences sorted by length, longest first, ties in index
     order, and the recurrence's programs taking them in that order give the same outputs and final states (and
@@ -86,7 +106,7 @@ def test_longest_first_takes_the_sequences_longest_first_with_the_same_bits():
         ws = Workspace.allocate(plan, inp["v"], cu)
         ws.fp32.fill_(float("nan"))
         prepare.launch_prepare(plan, ws, inp["q"], inp["k"], inp["g"], inp["beta"], *gate, True)
-        solve.launch_solve(plan, ws, inp["beta"], True, True)
+        solve.launch_solve(plan, ws, inp["beta"], True, None, True)
         assert ws.fp32[ws.layout.order:].view(torch.int32).tolist() == want
     bad = inp["cu_seqlens"].clone()
     bad[3] = 10_000  # past T: clamped and counted, the same count in either order
@@ -125,7 +145,7 @@ def test_longest_first_orders_the_segment_programs_with_the_same_bits():
     ws.fp32.fill_(float("nan"))
     gate = (inp["A_log"], inp["dt_bias"], inp["lower_bound"], 0.125, True, True)
     prepare.launch_prepare(plan, ws, inp["q"], inp["k"], inp["g"], inp["beta"], *gate, True)
-    solve.launch_solve(plan, ws, inp["beta"], True, True)
+    solve.launch_solve(plan, ws, inp["beta"], True, None, True)
     want = sorted(range(len(rows)), key=lambda z: (-rows[z], z))
     assert ws.fp32[ws.layout.order:].view(torch.int32).tolist() == want
     assert rows[want[0]] == segment_chunks and rows[want[-1]] == 0

@@ -45,7 +45,7 @@ def stages(inp, plan):
 
     def prepare(ws):
         _prepare(plan, ws, inp["q"], inp["k"], inp["g"], inp["beta"], inp["A_log"], inp["dt_bias"], LOWER_BOUND,
-                 inp["scale"], True, True, False)
+                 inp["scale"], True, True, errors, False)
 
     def recur(ws):
         launch_recurrence(plan, ws, out, inp["initial_state"], final, None, None, errors, False)

@@ -30,12 +30,13 @@ from .scan import launch_scan
 from .solve import launch_solve
 
 
-def _prepare(plan, ws, q, k, g, beta, A_log, dt_bias, lower_bound, scale, use_qk_l2norm, use_beta_sigmoid, emulate):
+def _prepare(plan, ws, q, k, g, beta, A_log, dt_bias, lower_bound, scale, use_qk_l2norm, use_beta_sigmoid, errors,
+             emulate):
     """The first two stages (the preparation and the inverse) into ``ws``, where there are chunks."""
     if plan.chunk_slots:
         launch_prepare(plan, ws, q, k, g, beta, A_log, dt_bias, lower_bound, scale, use_qk_l2norm, use_beta_sigmoid,
                        emulate)
-        launch_solve(plan, ws, beta, use_beta_sigmoid, emulate)
+        launch_solve(plan, ws, beta, use_beta_sigmoid, errors, emulate)
 
 
 def chunk_kda_forward(q, k, v, g, beta, *, plan, A_log, dt_bias, lower_bound, scale, initial_state, cu_seqlens,
@@ -43,13 +44,15 @@ def chunk_kda_forward(q, k, v, g, beta, *, plan, A_log, dt_bias, lower_bound, sc
                       checkpoint_states=None, errors=None):
     """The three stages on validated inputs (``q, k, g [B, T, H, K]``, ``v [B, T, H, V]`` with ``[H, D]``
     contiguous per token, ``beta [B, T, H]`` any strides) as ``plan`` says; writes ``out``, ``final_state`` and
-    the checkpoints in place and counts malformed ``cu_seqlens`` in ``errors`` (default: the device's
+    the checkpoints in place and counts malformed ``cu_seqlens`` (and, under the plan's ``equal_rows``, ones that
+    disagree with its rows) in ``errors`` (default: the device's
     :func:`fastkda.errors.counters`)."""
     ws = Workspace.allocate(plan, v, cu_seqlens)
     emulate = interpreting()
-    _prepare(plan, ws, q, k, g, beta, A_log, dt_bias, lower_bound, scale, use_qk_l2norm, use_beta_sigmoid, emulate)
+    errors = counters(q.device) if errors is None else errors
+    _prepare(plan, ws, q, k, g, beta, A_log, dt_bias, lower_bound, scale, use_qk_l2norm, use_beta_sigmoid, errors,
+             emulate)
     if plan.num_seqs:
-        errors = counters(q.device) if errors is None else errors
         if plan.sequence_parallel:
             launch_transitions(plan, ws, initial_state, emulate)
             launch_scan(plan, ws, initial_state, errors)
@@ -65,9 +68,10 @@ def open_entry_transitions(q, k, v, g, beta, *, plan, A_log, dt_bias, lower_boun
     ``X·𝒜ᵀ + ℬᵀ``) and returns the workspace :func:`open_entry_finish` takes."""
     ws = Workspace.allocate(plan, v, None)
     emulate = interpreting()
-    _prepare(plan, ws, q, k, g, beta, A_log, dt_bias, lower_bound, scale, use_qk_l2norm, use_beta_sigmoid, emulate)
+    errors = counters(q.device) if errors is None else errors
+    _prepare(plan, ws, q, k, g, beta, A_log, dt_bias, lower_bound, scale, use_qk_l2norm, use_beta_sigmoid, errors,
+             emulate)
     if plan.num_seqs:
-        errors = counters(q.device) if errors is None else errors
         launch_transitions(plan, ws, None, emulate, open_entry=True)
         launch_scan(plan, ws, None, errors, exit_maps=exit_maps)
     return ws

@@ -37,15 +37,26 @@ def mm(a, b, DOT_PRECISION: tl.constexpr):
 
 @triton.jit(do_not_specialize=["H"])  # one compile for every head count
 def solve_kernel(
-    beta, cu_seqlens, ws_fp32, scratch_at, order_at, order_count, segment_chunks, stride_beta_tok, stride_beta_head,
-    seq_len, num_seqs, H, C: tl.constexpr, BC: tl.constexpr, IS_VARLEN: tl.constexpr, BETA_SIGMOID: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, EMULATE: tl.constexpr, LONGEST_FIRST: tl.constexpr, SEGMENTED: tl.constexpr,
+    beta, cu_seqlens, errors, ws_fp32, scratch_at, order_at, order_count, segment_chunks, stride_beta_tok,
+    stride_beta_head, seq_len, num_seqs, H, C: tl.constexpr, BC: tl.constexpr, IS_VARLEN: tl.constexpr,
+    BETA_SIGMOID: tl.constexpr, DOT_PRECISION: tl.constexpr, EMULATE: tl.constexpr, LONGEST_FIRST: tl.constexpr,
+    SEGMENTED: tl.constexpr, EQUAL_ROWS: tl.constexpr,
 ):
     """One (chunk slot, head): T from the scratch's 16×16 blocks (diagonal ones strictly lower), then T·diag(β)
     over the scratch (module docstring); under ``LONGEST_FIRST`` the programs of head 0 also place the
-    recurrence's program rows ``slot``, ``slot`` + the grid's slots, ... below ``order_count`` in its order."""
+    recurrence's program rows ``slot``, ``slot`` + the grid's slots, ... below ``order_count`` in its order. Under
+    ``EQUAL_ROWS`` (a varlen call run as rows: the plan's ``equal_rows``) the program of each row's first chunk
+    and head 0 counts the row's sequence in ``errors`` if its ``cu_seqlens`` entries are not the row's."""
     slot = tl.program_id(0)
     h = tl.program_id(1)
+    if EQUAL_ROWS:
+        if h == 0:
+            row_slots = tl.cdiv(seq_len, C)
+            if slot % row_slots == 0:  # fastkda.errors: "cu_seqlens", once per sequence
+                n = slot // row_slots
+                start = tl.load(cu_seqlens + n)
+                end = tl.load(cu_seqlens + n + 1)
+                tl.atomic_add(errors + 2, 1, mask=(start != n * seq_len) | (end - start != seq_len), sem="relaxed")
     chunk_start, eos = chunk_of_slot(slot, cu_seqlens, seq_len, num_seqs, C, IS_VARLEN)
     cb = tl.arange(0, BC)
     rows0 = cb  # the rows of the chunk's two blocks, counted from its first token
@@ -75,16 +86,19 @@ def solve_kernel(
                                     segment_chunks, C, SEGMENTED)
 
 
-def launch_solve(plan, ws, beta, use_beta_sigmoid, emulate):
+def launch_solve(plan, ws, beta, use_beta_sigmoid, errors, emulate):
     """Launch :func:`solve_kernel` over the plan's grid on the workspace ``ws`` (and, under the plan's
-    ``longest_first``, its ``order`` section)."""
+    ``longest_first``, its ``order`` section); under its ``equal_rows``, ``cu_seqlens`` that disagree with the rows
+    are counted in ``errors``."""
+    reads_offsets = plan.varlen or plan.equal_rows
     launch(
         solve_kernel, plan.prepare_grid,
-        beta, ws.cu_seqlens if plan.varlen else ws.fp32, ws.fp32, ws.layout.scratch, ws.layout.order,
+        beta, ws.cu_seqlens if reads_offsets else ws.fp32, errors if plan.equal_rows else ws.fp32, ws.fp32,
+        ws.layout.scratch, ws.layout.order,
         plan.recurrence_grid[2], plan.segment_chunks,
         beta.stride(1), beta.stride(2), plan.seq_len, plan.num_seqs, plan.heads,
         C=plan.chunk, BC=plan.block, IS_VARLEN=plan.varlen, BETA_SIGMOID=use_beta_sigmoid,
         DOT_PRECISION=plan.dot_precision, EMULATE=emulate, LONGEST_FIRST=plan.longest_first,
-        SEGMENTED=plan.sequence_parallel,
+        SEGMENTED=plan.sequence_parallel, EQUAL_ROWS=plan.equal_rows,
         num_warps=plan.solve_warps, num_stages=plan.solve_stages,
     )
