@@ -62,8 +62,9 @@ def test_lower_row_bytes_counts_sectors_up_to_the_diagonal():
 def test_kernel_work_counts_the_first_kernels_writes_as_its_stores_mask_them():
     """Whole rows of M and β·L on varlen inputs under the lower-bound gate; their sectors up to the diagonal on
     fixed-length inputs and under the precomputed gate (``prepare.py``)."""
-    workload = dict(H=4, lengths=[CHUNK])
+    workload = dict(H=4, lengths=[CHUNK, 0])  # two lengths: one sequence alone would run as rows (equal_rows)
     varlen = plan_of(workload, 1)
+    assert varlen.varlen
     masked = (48 + 80) * 4 * CHUNK  # M's and β·L's bytes a row, sector by sector
     whole = (CHUNK * 2 + CHUNK * 4) * 4 * CHUNK
     assert kernel_work(workload, varlen)["prepare"][0] - kernel_work(
