@@ -121,7 +121,8 @@ class PrefillPlan:
     Triton's interpreter run the Triton kernels. ``longest_first`` (varlen): the recurrence's programs take their
     rows (sequences, or segment programs) from the most work down (an order the solve kernel writes from
     ``cu_seqlens``), so that the longest chains start in the first wave; the bits do not change. ``equal_rows``: a
-    varlen call whose ``max_seqlen`` hint says every sequence has one length (N·max_seqlen = T) runs as
+    varlen call of one sequence, or whose ``max_seqlen`` hint says every sequence has one length (N·max_seqlen =
+    T), runs as
     ``num_seqs`` rows of ``seq_len`` tokens (``varlen`` False: the chunk slots and the recurrence's programs laid
     out from the rows alone, no lookup in ``cu_seqlens``, the same bits), and the solve kernel counts the sequences
     whose ``cu_seqlens`` entries are not the rows' (:mod:`fastkda.errors`).
@@ -591,8 +592,8 @@ def choose_plan(num_seqs: int, heads: int, seq_len: int, key_dim: int, value_dim
     sequence the facts allow; ``False`` keeps the serial recurrence; an int forces segments of that many tokens.
     ``max_seqlen`` (varlen): the longest sequence's length if the caller knows it (as flash-attn takes it): the
     segment length is planned for it, and where it gives every sequence one length (N·max_seqlen = T) the plan
-    runs the sequences as rows (``equal_rows``, which needs ``cu_seqlens`` to agree); without it the plan assumes
-    one sequence may hold every token. ``warpgroup_mma``: the GPU runs Hopper's warpgroup MMA
+    runs the sequences as rows (``equal_rows``, which needs ``cu_seqlens`` to agree; one sequence runs so without
+    a hint); without it the plan assumes one sequence may hold every token. ``warpgroup_mma``: the GPU runs Hopper's warpgroup MMA
     (:func:`has_warpgroup_mma`); then the segments' transitions and the recurrence of 64- or 128-column slices
     (but a serial one whose programs fill less than half the SMs) run the Gluon kernels at
     :data:`WARPGROUP_STAGES` stages (the plan's ``warpgroup_transition`` and ``warpgroup_recurrence``: where the
@@ -614,15 +615,18 @@ def _choose_plan(num_seqs, heads, seq_len, key_dim, value_dim, sms, varlen, lowe
         _check(value >= least, f"{name} must be >= {least}, got {value}")
     for name, value in (("key_dim", key_dim), ("value_dim", value_dim)):
         _check(value in SUPPORTED_DIMS, f"{name} must be one of {SUPPORTED_DIMS}, got {value}")
-    if varlen and max_seqlen and num_seqs * max_seqlen == seq_len:
-        # every sequence has the hint's length: as rows, the preparation's slots need no lookup in cu_seqlens and
-        # no empty slots, and the first kernel stores only the in-chunk matrices' lower sectors (H96 and H64 1024x8
-        # 2.3-2.6% faster, H12 N5 T1024 2.0%, on an H100 in a same-run A/B: docs/perf-notes.md, item 14)
-        as_rows = _choose_plan(num_seqs, heads, max_seqlen, key_dim, value_dim, sms, False, lower_bound_gate,
-                               choice, sp_choice, 0, warpgroup_mma)
+    if varlen and seq_len and (num_seqs == 1 or max_seqlen and num_seqs * max_seqlen == seq_len):
+        # every sequence has one length (one sequence: all T tokens, as valid offsets say; several: the hint's
+        # length): as rows, the preparation's slots need no lookup in cu_seqlens and no empty slots, and the first
+        # kernel stores only the in-chunk matrices' lower sectors (H96 and H64 1024x8 2.3-2.6% faster, H12 N5
+        # T1024 2.0%, on an H100 in a same-run A/B: docs/perf-notes.md, item 14)
+        length = seq_len // num_seqs
+        as_rows = _choose_plan(num_seqs, heads, length, key_dim, value_dim, sms, False, lower_bound_gate, choice,
+                               sp_choice, 0, warpgroup_mma)
+        why = ("one sequence holds every token" if num_seqs == 1 else
+               f"the max_seqlen hint gives every sequence one length ({num_seqs} x {max_seqlen} = {seq_len} tokens)")
         return dataclasses.replace(as_rows, equal_rows=True, reason=(
-            f"the max_seqlen hint gives every sequence one length ({num_seqs} x {max_seqlen} = {seq_len} tokens): "
-            f"they run as rows, cu_seqlens checked on the device; {as_rows.reason}"))
+            f"{why}: run as rows, cu_seqlens checked on the device; {as_rows.reason}"))
     pairs = max(num_seqs * heads, 1)
     if choice != "auto":
         slices = choice

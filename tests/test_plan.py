@@ -292,8 +292,8 @@ def test_sequence_parallel_values_and_environment(monkeypatch):
 
 def test_a_hint_of_equal_lengths_runs_the_sequences_as_rows():
     """N·max_seqlen = T: every sequence has the hint's length, so the plan is the fixed-length rows' plan with
-    ``equal_rows`` (no empty slots, the same segments as the varlen reading of the hint); not without a hint, nor
-    where the hint leaves room for other lengths. Its launch numbers carry it; a caller's plan made so fits the
+    ``equal_rows`` (no empty slots, the same segments as the varlen reading of the hint); so is one sequence's,
+    without a hint; not several without one, nor where the hint leaves room for other lengths. Its launch numbers carry it; a caller's plan made so fits the
     varlen call it was made for; a varlen plan cannot ask for it."""
     rows = choose_plan(8, 96, 8192, 128, 128, 132, max_seqlen=1024)
     assert rows.equal_rows and not rows.varlen and (rows.num_seqs, rows.seq_len, rows.batch) == (8, 1024, 8)
@@ -307,6 +307,9 @@ def test_a_hint_of_equal_lengths_runs_the_sequences_as_rows():
     assert "max_seqlen" in choose_plan(2, 12, 65536, 128, 128, 132, max_seqlen=32000).reason  # a varlen reading
     for hint in (None, 1100, 1000, 0):
         assert not choose_plan(8, 96, 8192, 128, 128, 132, max_seqlen=hint).equal_rows, hint
+    alone = choose_plan(1, 12, 1000, 128, 128, 132)  # one sequence: valid offsets give it every token, no hint needed
+    assert alone.equal_rows and alone.seq_len == 1000 and "one sequence holds every token" in alone.reason
+    assert not choose_plan(1, 12, 0, 128, 128, 132).equal_rows and not choose_plan(0, 12, 0, 128, 128, 132).equal_rows
     assert not choose_plan(8, 96, 1024, 128, 128, 132, varlen=False).equal_rows
     with pytest.raises(ValueError, match="equal_rows runs a varlen call as rows"):
         choose_plan(8, 96, 8192, 128, 128, 132).replace(equal_rows=True)
