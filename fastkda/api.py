@@ -161,7 +161,9 @@ def kda_prefill(
             fp32 one.
         cu_seqlens: ``[N+1]`` int32/int64 token offsets for varlen (B must be 1), nondecreasing from 0 to T; empty
             sequences allowed. CPU tensors are checked; on the GPU (without ``checks``) entries outside ``[0, T]``
-            or out of order are clamped and counted (:func:`fastkda.error_counts`), the results then unspecified.
+            or out of order are clamped and counted (:func:`fastkda.error_counts`), the results then unspecified;
+            a call run as rows (one sequence, or see ``max_seqlen``) reads no offsets but counts the sequences whose
+            entries are not their row's.
         use_qk_l2norm, use_beta_sigmoid: turn off for callers who already normalised q/k or applied σ to beta.
         out: optional preallocated output, shape and dtype of v, contiguous, sharing no memory with an input.
         v_slices: ``"auto"`` (the launch plan, :mod:`fastkda.plan`), or 1, 2, 4; ``$FASTKDA_V_SLICES``
@@ -180,8 +182,9 @@ def kda_prefill(
             as N rows of max_seqlen tokens (the same bits, faster), which needs ``cu_seqlens`` to agree: there,
             offsets that give another length break the contract (CPU tensors and checked mode raise
             ``ValueError``; on the GPU they are counted, :func:`fastkda.error_counts`, the results then
-            unspecified). Otherwise a wrong value costs time, never correctness. Without it the plan assumes one
-            sequence may hold every token, and cuts only where a balanced batch gains too.
+            unspecified). So a CUDA graph captured with such a hint replays only offsets of that length. Otherwise
+            a wrong value costs time, never correctness. Without it the plan assumes one sequence may hold every
+            token, and cuts only where a balanced batch gains too.
         checkpoint_offsets, checkpoint_states: prefix-cache checkpoints. Offsets ``[N]`` or ``[N, 2]`` (the
             dtype of ``cu_seqlens``) from each sequence's start, multiples of the chunk, 32 (CPU tensors are
             checked; on the GPU another value never matches); the fp32 state after that many tokens is written to

@@ -36,15 +36,17 @@ def cu_seqlens_values(cu_seqlens, length):
 
 
 def equal_lengths(cu_seqlens, length):
-    """Every sequence ``length`` tokens long, as a ``max_seqlen`` hint with N·max_seqlen = T says (the call runs
-    the sequences as rows of that length: :attr:`fastkda.plan.PrefillPlan.equal_rows`)."""
+    """Every sequence ``length`` tokens long, as a plan that runs the sequences as rows of that length needs
+    (:attr:`fastkda.plan.PrefillPlan.equal_rows`: a ``max_seqlen`` hint with N·max_seqlen = T). Offsets from 0 to
+    T that give another length give some sequence more, which is named (the hint is below the longest length)."""
     offsets = cu_seqlens.tolist()
     lengths = [b - a for a, b in zip(offsets, offsets[1:])]
-    other = next((n for n, x in enumerate(lengths) if x != length), None)
-    if other is not None:
-        fail("max_seqlen", f"at least the longest sequence's length (with N·max_seqlen = T every sequence has "
-                           f"max_seqlen={length} tokens)",
-             f"{length} with sequence {other} of {lengths[other]} tokens")
+    if any(x != length for x in lengths):
+        longer = next(n for n, x in enumerate(lengths) if x > length)
+        fail("cu_seqlens", f"offsets that give every sequence {length} tokens, the plan's rows (a max_seqlen hint with "
+                           f"N·max_seqlen = T, or a plan made with one, runs the sequences as rows: the hint must be "
+                           f"at least the longest sequence's length)",
+             f"sequence {longer} of {lengths[longer]} tokens")
 
 
 def checkpoint_offsets_values(checkpoint_offsets, chunk):

@@ -15,8 +15,9 @@ The counters, in their order in the tensor (the kernels add to them by position)
 1. ``accepted``: a ``num_accepted_tokens`` entry outside ``[1, T]`` (the sequence is a null row).
 2. ``cu_seqlens``: a prefill sequence whose ``cu_seqlens`` entries lie outside ``[0, T]`` or decrease (its span is
    clamped into ``[0, T]`` and to a non-negative length; its outputs are then unspecified but stay in their buffers),
-   or, in a call run as rows of its ``max_seqlen`` hint's length (N·max_seqlen = T), whose entries are not its
-   row's (the outputs are then unspecified, and stay in their buffers).
+   or, in a call run as rows (one sequence, or a ``max_seqlen`` hint with N·max_seqlen = T: the plan's
+   ``equal_rows``), whose entries are not its row's (nothing is clamped there: the rows run as the plan says, the
+   offsets unread but for this count; the outputs are then unspecified, and stay in their buffers).
 """
 
 from __future__ import annotations

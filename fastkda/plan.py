@@ -591,11 +591,11 @@ def choose_plan(num_seqs: int, heads: int, seq_len: int, key_dim: int, value_dim
     sequences into segments where the step model predicts at least 25% off the serial recurrence for the longest
     sequence the facts allow; ``False`` keeps the serial recurrence; an int forces segments of that many tokens.
     ``max_seqlen`` (varlen): the longest sequence's length if the caller knows it (as flash-attn takes it): the
-    segment length is planned for it, and where it gives every sequence one length (N·max_seqlen = T) the plan
-    runs the sequences as rows (``equal_rows``, which needs ``cu_seqlens`` to agree; one sequence runs so without
-    a hint); without it the plan assumes one sequence may hold every token. ``warpgroup_mma``: the GPU runs Hopper's warpgroup MMA
-    (:func:`has_warpgroup_mma`); then the segments' transitions and the recurrence of 64- or 128-column slices
-    (but a serial one whose programs fill less than half the SMs) run the Gluon kernels at
+    segment length is planned for it, and where it gives every sequence one length (N·max_seqlen = T) the plan runs
+    the sequences as rows (``equal_rows``, which needs ``cu_seqlens`` to agree; one sequence runs so without a
+    hint); without it the plan assumes one sequence may hold every token. ``warpgroup_mma``: the GPU runs Hopper's
+    warpgroup MMA (:func:`has_warpgroup_mma`); then the segments' transitions and the recurrence of 64- or
+    128-column slices (but a serial one whose programs fill less than half the SMs) run the Gluon kernels at
     :data:`WARPGROUP_STAGES` stages (the plan's ``warpgroup_transition`` and ``warpgroup_recurrence``: where the
     H200 measured them faster). Raises ``ValueError`` for shapes the kernels do not take."""
     if max_seqlen is not None:

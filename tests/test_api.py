@@ -169,10 +169,13 @@ def test_fla_adapter_softplus_gate_and_precomputed_gate():
     assert torch.equal(o2, o) and torch.equal(s2, s)
 
 
-def test_torch_compile_treats_prefill_as_one_op():
-    inp = make_inputs([0, 25, 40], seed=18)
+@pytest.mark.parametrize("lengths, hint", [([0, 25, 40], None), ([70], None), ([40, 40, 40], 40)])
+def test_torch_compile_treats_prefill_as_one_op(lengths, hint):
+    """Varlen, and run as rows (one sequence; a hint of equal lengths): the compiled graph gives the eager bits."""
+    inp = make_inputs(lengths, seed=18)
     kw = dict(A_log=inp["A_log"], dt_bias=inp["dt_bias"], lower_bound=inp["lower_bound"],
-              initial_state=inp["initial_state"], cu_seqlens=inp["cu_seqlens"], output_final_state=True)
+              initial_state=inp["initial_state"], cu_seqlens=inp["cu_seqlens"], output_final_state=True,
+              max_seqlen=hint)
 
     def layer(q, k, v, g, beta):
         o, s = fastkda.kda_prefill(q, k, v, g, beta, **kw)
@@ -233,7 +236,8 @@ def test_a_hint_of_equal_lengths_needs_offsets_that_agree():
     assert torch.equal(o, want_o) and torch.equal(s, want_s)
     inp["cu_seqlens"] = torch.tensor([0, 30, 80, 120], dtype=inp["cu_seqlens"].dtype)
     out = torch.full_like(inp["v"], float("nan"))
-    with pytest.raises(ValueError, match="max_seqlen must be at least the longest sequence's length"):
+    wrong = "cu_seqlens must be offsets that give every sequence 40 tokens.*max_seqlen.*sequence 1 of 50"
+    with pytest.raises(ValueError, match=wrong):
         call(inp, max_seqlen=40, out=out)
     assert out.isnan().all()
     call(inp, max_seqlen=50)  # N·max_seqlen != T: a hint for the plan only

@@ -293,8 +293,8 @@ def test_sequence_parallel_values_and_environment(monkeypatch):
 def test_a_hint_of_equal_lengths_runs_the_sequences_as_rows():
     """N·max_seqlen = T: every sequence has the hint's length, so the plan is the fixed-length rows' plan with
     ``equal_rows`` (no empty slots, the same segments as the varlen reading of the hint); so is one sequence's,
-    without a hint; not several without one, nor where the hint leaves room for other lengths. Its launch numbers carry it; a caller's plan made so fits the
-    varlen call it was made for; a varlen plan cannot ask for it."""
+    without a hint; not several without one, nor where the hint leaves room for other lengths. Its launch numbers
+    carry it; a caller's plan made so fits the varlen call it was made for; a varlen plan cannot ask for it."""
     rows = choose_plan(8, 96, 8192, 128, 128, 132, max_seqlen=1024)
     assert rows.equal_rows and not rows.varlen and (rows.num_seqs, rows.seq_len, rows.batch) == (8, 1024, 8)
     assert rows.replace(equal_rows=False) == choose_plan(8, 96, 1024, 128, 128, 132, varlen=False)

@@ -49,7 +49,8 @@ def chunk_kda_forward(q, k, v, g, beta, *, plan, A_log, dt_bias, lower_bound, sc
     :func:`fastkda.errors.counters`)."""
     ws = Workspace.allocate(plan, v, cu_seqlens)
     emulate = interpreting()
-    errors = counters(q.device) if errors is None else errors
+    if errors is None and plan.num_seqs:
+        errors = counters(q.device)
     _prepare(plan, ws, q, k, g, beta, A_log, dt_bias, lower_bound, scale, use_qk_l2norm, use_beta_sigmoid, errors,
              emulate)
     if plan.num_seqs:
@@ -68,7 +69,8 @@ def open_entry_transitions(q, k, v, g, beta, *, plan, A_log, dt_bias, lower_boun
     ``X·𝒜ᵀ + ℬᵀ``) and returns the workspace :func:`open_entry_finish` takes."""
     ws = Workspace.allocate(plan, v, None)
     emulate = interpreting()
-    errors = counters(q.device) if errors is None else errors
+    if errors is None and plan.num_seqs:
+        errors = counters(q.device)
     _prepare(plan, ws, q, k, g, beta, A_log, dt_bias, lower_bound, scale, use_qk_l2norm, use_beta_sigmoid, errors,
              emulate)
     if plan.num_seqs:
