@@ -49,7 +49,10 @@ save_autotune() {  # the timings of every autotuned kernel so far, one small fil
 }
 trap save_autotune EXIT
 today="benchmarks/results/$(date +%F)-NVIDIA_H200.json"
-[ -f "$today" ] && cp "$today" "$OUT/results/"
+# the bench appends to today's committed file; a second run of this script in the same call keeps what the first
+# wrote (session 25 lost a bench step's rows to this copy). Export FASTKDA_COMMIT for the whole command: without it
+# the copied tree's stale .git stamps the rows.
+[ -f "$today" ] && [ ! -f "$OUT/results/$(basename "$today")" ] && cp "$today" "$OUT/results/"
 
 step() {  # step NAME SECONDS COMMAND...: run unless SECONDS is 0, append to the log, show its summary lines
   local name=$1 seconds=$2; shift 2
