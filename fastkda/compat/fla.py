@@ -104,7 +104,9 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
     ``use_gate_in_kernel`` it come with a ``lower_bound`` in [-5, 0) is kept (without it FLA takes any λ < 0, and
     so does this). ``lower_bound`` without ``use_gate_in_kernel`` is ignored, as in FLA (g is then the log-decay).
     ``cp_context`` (multi-device context parallelism) is refused.
-    ``sequence_parallel`` and ``max_seqlen`` as in :func:`fastkda.kda_prefill`. ``disable_recompute``,
+    ``sequence_parallel`` and ``max_seqlen`` as in :func:`fastkda.kda_prefill`; without ``max_seqlen``,
+    ``cu_seqlens_cpu`` (FLA's host copy of the offsets) gives it, so that the plan knows the longest sequence as
+    FLA's own chunk indices do. ``disable_recompute``,
     ``use_graph``, ``max_num_seqs`` and other training-only arguments are ignored: fastkda's prefill takes any
     ``cu_seqlens`` (also zero-length tail sequences) inside CUDA-graph capture anyway."""
     state_v_first = _renamed_layout(state_v_first, kwargs)
@@ -126,6 +128,9 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
                           lower_bound=lower_bound, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
                           allow_neg_eigval=allow_neg_eigval)
     h0 = _other_layout(initial_state, state_v_first)
+    if max_seqlen is None and cu_seqlens_cpu is not None and cu_seqlens_cpu.numel() > 1:
+        offsets = cu_seqlens_cpu.tolist()
+        max_seqlen = max(b - a for a, b in zip(offsets, offsets[1:]))
     if not return_intermediate_states:
         o, final = kda_prefill(*tensors.values(), **kw, initial_state=h0, output_final_state=output_final_state,
                                cu_seqlens=cu_seqlens, sequence_parallel=sequence_parallel, max_seqlen=max_seqlen)

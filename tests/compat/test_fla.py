@@ -223,3 +223,27 @@ def test_fused_recurrent_fwd_in_place_final_state():
                                               cu_seqlens=inp["cu_seqlens"], out=out)
     assert o is out and returned is states
     assert rel_err(o, ref_o) < OUT_ERR and rel_err(kv(states), ref_s) < STATE_ERR
+
+
+def test_cu_seqlens_cpu_gives_the_plan_its_longest_length(monkeypatch):
+    """FLA's host copy of the offsets gives ``max_seqlen`` when the caller passes none (the plan then knows the
+    longest sequence, and runs equal lengths as rows); a given ``max_seqlen`` is kept; the results are the call's
+    with that hint."""
+    import fastkda
+
+    seen = []
+
+    def recording(*args, **kw):
+        seen.append(kw["max_seqlen"])
+        return fastkda.kda_prefill(*args, **kw)
+    monkeypatch.setattr(fla, "kda_prefill", recording)
+    inp = make_inputs([40, 40, 40], seed=71)
+    args = [inp[x] for x in ("q", "k", "v", "g", "beta")]
+    cu = inp["cu_seqlens"]
+    o, _ = fla.chunk_kda(*args, **lower_bound_gate(inp), cu_seqlens=cu, cu_seqlens_cpu=cu.cpu())
+    fla.chunk_kda(*args, **lower_bound_gate(inp), cu_seqlens=cu, cu_seqlens_cpu=cu.cpu(), max_seqlen=50)
+    fla.chunk_kda(*args, **lower_bound_gate(inp), cu_seqlens=cu)
+    assert seen == [40, 50, None]
+    want, _ = fastkda.kda_prefill(*args, A_log=inp["A_log"], dt_bias=inp["dt_bias"], lower_bound=inp["lower_bound"],
+                                  cu_seqlens=cu, max_seqlen=40)
+    assert torch.equal(o, want)
