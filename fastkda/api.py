@@ -101,9 +101,7 @@ def _prefill_impl(
         if checks:
             _checked_mode_may_sync(q)
         if cu_seqlens is not None and cu_seqlens.numel() > 1:
-            value_checks.cu_seqlens_values(cu_seqlens, q.shape[1])
-            if plan.equal_rows:
-                value_checks.equal_lengths(cu_seqlens, plan.seq_len)
+            value_checks.cu_seqlens_values(cu_seqlens, q.shape[1], plan.seq_len if plan.equal_rows else None)
         if checkpoint_offsets is not None:
             value_checks.checkpoint_offsets_values(checkpoint_offsets, plan.chunk)
     if checks:

@@ -27,25 +27,23 @@ def requested(checks) -> bool:
     return checks
 
 
-def cu_seqlens_values(cu_seqlens, length):
-    """Offsets nondecreasing from 0 to T."""
+def cu_seqlens_values(cu_seqlens, length, row_length=None):
+    """Offsets nondecreasing from 0 to T; with ``row_length``, every sequence that many tokens long, as a plan
+    that runs the sequences as rows of that length needs (:attr:`fastkda.plan.PrefillPlan.equal_rows`: a
+    ``max_seqlen`` hint with N·max_seqlen = T). Offsets from 0 to T that give another length give some sequence
+    more, which is named (the hint is below the longest length). One read of the offsets for both checks."""
     offsets = cu_seqlens.tolist()
     if offsets[0] != 0 or offsets[-1] != length or any(b < a for a, b in zip(offsets, offsets[1:])):
         shown = offsets if len(offsets) <= 16 else offsets[:8] + ["..."] + offsets[-8:]
         fail("cu_seqlens", f"nondecreasing from 0 to T={length}", shown)
-
-
-def equal_lengths(cu_seqlens, length):
-    """Every sequence ``length`` tokens long, as a plan that runs the sequences as rows of that length needs
-    (:attr:`fastkda.plan.PrefillPlan.equal_rows`: a ``max_seqlen`` hint with N·max_seqlen = T). Offsets from 0 to
-    T that give another length give some sequence more, which is named (the hint is below the longest length)."""
-    offsets = cu_seqlens.tolist()
+    if row_length is None:
+        return
     lengths = [b - a for a, b in zip(offsets, offsets[1:])]
-    if any(x != length for x in lengths):
-        longer = next(n for n, x in enumerate(lengths) if x > length)
-        fail("cu_seqlens", f"offsets that give every sequence {length} tokens, the plan's rows (a max_seqlen hint with "
-                           f"N·max_seqlen = T, or a plan made with one, runs the sequences as rows: the hint must be "
-                           f"at least the longest sequence's length)",
+    if any(x != row_length for x in lengths):
+        longer = next(n for n, x in enumerate(lengths) if x > row_length)
+        fail("cu_seqlens", f"offsets that give every sequence {row_length} tokens, the plan's rows (a max_seqlen "
+                           f"hint with N·max_seqlen = T, or a plan made with one, runs the sequences as rows: the "
+                           f"hint must be at least the longest sequence's length)",
              f"sequence {longer} of {lengths[longer]} tokens")
 
 

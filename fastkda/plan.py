@@ -122,10 +122,9 @@ class PrefillPlan:
     rows (sequences, or segment programs) from the most work down (an order the solve kernel writes from
     ``cu_seqlens``), so that the longest chains start in the first wave; the bits do not change. ``equal_rows``: a
     varlen call of one sequence, or whose ``max_seqlen`` hint says every sequence has one length (N·max_seqlen =
-    T), runs as
-    ``num_seqs`` rows of ``seq_len`` tokens (``varlen`` False: the chunk slots and the recurrence's programs laid
-    out from the rows alone, no lookup in ``cu_seqlens``, the same bits), and the solve kernel counts the sequences
-    whose ``cu_seqlens`` entries are not the rows' (:mod:`fastkda.errors`).
+    T), runs as ``num_seqs`` rows of ``seq_len`` tokens (``varlen`` False: the chunk slots and the recurrence's
+    programs laid out from the rows alone, no lookup in ``cu_seqlens``, the same bits), and the solve kernel counts
+    the sequences whose ``cu_seqlens`` entries are not the rows' (:mod:`fastkda.errors`).
     ``dot_precision``: the kernels' fp32 products ("tf32" or "ieee")."""
 
     seq_len: int
@@ -618,8 +617,8 @@ def _choose_plan(num_seqs, heads, seq_len, key_dim, value_dim, sms, varlen, lowe
     if varlen and seq_len and (num_seqs == 1 or max_seqlen and num_seqs * max_seqlen == seq_len):
         # every sequence has one length (one sequence: all T tokens, as valid offsets say; several: the hint's
         # length): as rows, the preparation's slots need no lookup in cu_seqlens and no empty slots, and the first
-        # kernel stores only the in-chunk matrices' lower sectors (H96 and H64 1024x8 2.3-2.6% faster, H12 N5
-        # T1024 2.0%, on an H100 in a same-run A/B: docs/perf-notes.md, item 14)
+        # kernel stores only the in-chunk matrices' lower sectors (H96 and H64 1024x8 2.3% and 3.1% faster, H12 N5
+        # T1024 2.6%, on the H200 in a same-run A/B: docs/perf-notes.md, "Session 25")
         length = seq_len // num_seqs
         as_rows = _choose_plan(num_seqs, heads, length, key_dim, value_dim, sms, False, lower_bound_gate, choice,
                                sp_choice, 0, warpgroup_mma)
