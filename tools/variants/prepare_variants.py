@@ -1,11 +1,12 @@
-"""Time prefill variants in one device call (the whole call, eager), each checked against the first (they differ
-only in rounding) and against float64 on the spec's accuracy case. A variant is a set of plan changes
+"""Time prefill variants in one device call (the whole call, eager or CUDA-graph replay), each checked against the
+first (they differ only in rounding) and against float64 on the spec's accuracy case. A variant is a set of plan changes
 (``--set``) on the committed kernels, or another copy of the whole prefill package (``--source DIR``,
 ``variant.py``); it runs that package's ``chunk_kda_forward`` under the plan ``fastkda.kda_prefill`` would make,
 changed.
 
 python tools/variants/prepare_variants.py [--only H96_B1_T8192 ...] [--source PREFILL_DIR ...]
-    [--set prepare_warps=8,solve_stages=2 ...]
+    [--set prepare_warps=8,solve_stages=2 ...] [--mode eager|graph]
+(graph: for the short rows, whose eager time is the host's)
 Every variant is first compiled in a process of its own, all at once (Triton's cache is shared on disk), so the
 device call pays for one compile, not one per variant."""
 
@@ -19,7 +20,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: fastkda and tools
 
 from fastkda.bench.runners import accuracy  # noqa: E402
-from fastkda.bench.timing import time_eager  # noqa: E402
+from fastkda.bench.timing import time_mode  # noqa: E402
 from fastkda.bench.workloads import load_workloads, make_prefill_inputs  # noqa: E402
 from tools.plan_changes import add_set_argument  # noqa: E402
 from tools.variants.variant import Variant, variant_package, variant_runner  # noqa: E402
@@ -38,6 +39,7 @@ def parser():
     found.add_argument("--only", nargs="*", default=["H96_B1_T8192", "H12_N1_T8192"])
     found.add_argument("--source", nargs="*", default=[], help="other prefill package folders to time as variants")
     add_set_argument(found, what="plan changes to time as variants, one variant per argument")
+    found.add_argument("--mode", choices=("eager", "graph"), default="eager", help="how each call is timed")
     found.add_argument("--compile-only", type=int, help="run variant INDEX once on each workload (cache warm-up)")
     return found
 
@@ -74,12 +76,12 @@ def main(argv=None):
                     if expected is None:
                         expected = out.float().clone()
                     err = ((out.float() - expected).norm() / expected.norm()).item()
-                    ms = time_eager(run)
+                    ms = time_mode(run, args.mode)
                     if label not in errors:  # against float64 on the spec's accuracy case, once per variant
                         errors[label] = accuracy(lambda i: variant_runner(package, variant.changes, i), "cuda")
                     found[(w["name"], label)] = ms
-                    print(f"[variants] {w['name']} {label}: {ms:.3f} ms (whole call), vs first {err:.1e}, vs float64 "
-                          f"output {errors[label][0]:.2e} state {errors[label][1]:.2e}", flush=True)
+                    print(f"[variants] {w['name']} {label}: {ms:.4f} ms (whole call, {args.mode}), vs first {err:.1e}, "
+                          f"vs float64 output {errors[label][0]:.2e} state {errors[label][1]:.2e}", flush=True)
                 except Exception as error:  # one broken variant must not hide the others' numbers
                     print(f"[variants] {w['name']} {label}: failed: {type(error).__name__}: {str(error)[:300]}",
                           flush=True)
