@@ -124,7 +124,10 @@ class PrefillPlan:
     varlen call of one sequence, or whose ``max_seqlen`` hint says every sequence has one length (N·max_seqlen =
     T), runs as ``num_seqs`` rows of ``seq_len`` tokens (``varlen`` False: the chunk slots and the recurrence's
     programs laid out from the rows alone, no lookup in ``cu_seqlens``, the same bits), and the solve kernel counts
-    the sequences whose ``cu_seqlens`` entries are not the rows' (:mod:`fastkda.errors`).
+    the sequences whose ``cu_seqlens`` entries are not the rows' (:mod:`fastkda.errors`). ``horner_inverse`` (tf32
+    products only): the solve kernel inverts a diagonal block whose entries are at most 1 by Horner's rule in fp16
+    operands (``fastkda/ops/prefill/solve.py``; other bits, the same accuracy); off in every plan made here until a
+    same-run A/B on the device decides (docs/perf-notes.md, "Session 26").
     ``dot_precision``: the kernels' fp32 products ("tf32" or "ieee")."""
 
     seq_len: int
@@ -158,6 +161,7 @@ class PrefillPlan:
     warpgroup_transition: bool = False
     longest_first: bool = False
     equal_rows: bool = False
+    horner_inverse: bool = False
     dot_precision: str = "tf32"
     reason: str = dataclasses.field(default="", compare=False)
 
@@ -213,6 +217,9 @@ class PrefillPlan:
                    f"{self.recurrence_stages}")
         _check(not self.longest_first or self.varlen,
                "longest_first orders the recurrence of a varlen batch (varlen=True), got varlen=False")
+        _check(not self.horner_inverse or self.dot_precision == "tf32",
+               f"horner_inverse takes fp16 operands in place of tf32 ones (dot_precision='tf32'), got "
+               f"dot_precision={self.dot_precision!r}")
         _check(not (self.equal_rows and self.varlen),
                "equal_rows runs a varlen call as rows (varlen=False), got varlen=True")
         if self.warpgroup_transition:
@@ -339,7 +346,8 @@ class PrefillPlan:
             f"{_counted(self.prepare_warps, 'warp')}, {self.prepare_stages} stages, "
             f"{self.prepare_channels} key channels per step, {self.prepare_token_run} consecutive tokens per thread"
             + (f", at most {self.prepare_registers} registers a thread" if self.prepare_registers else "") + "; "
-            f"solve kernel on {_counted(self.solve_warps, 'warp')}, {self.solve_stages} stages: T·diag(β)",
+            f"solve kernel on {_counted(self.solve_warps, 'warp')}, {self.solve_stages} stages: T·diag(β)"
+            + (", diagonal blocks by Horner's rule in fp16 operands" if self.horner_inverse else ""),
             f"recurrence: v_slices={self.v_slices} (V cut into {self.v_slices} slice(s) of {self.slice_width} "
             f"columns): {self.programs} programs "
             + ("per segment of each sequence" if self.segment_chunks else f"on {self.sms} SMs")

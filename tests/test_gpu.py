@@ -72,6 +72,36 @@ def test_accuracy_bar_spec_case():
     assert err_o <= OUT_BOUND and err_s <= STATE_BOUND
 
 
+@pytest.mark.parametrize("gate", ["lower_bound", "precomputed"])
+def test_horner_inverse_accuracy(gate):
+    """The plan's ``horner_inverse`` (the solve's diagonal blocks by Horner's rule in fp16 operands) on the spec's
+    case under both gates: within the bar, as the series is."""
+    inp = make_inputs([2048], heads=4, key_dim=128, device="cuda", seed=1, gate=gate)
+    out, final, h0 = run_prefill(inp, torch.float32, torch.float32, plan=plan_for(inp, horner_inverse=True))
+    ref_o, ref_s = reference(inp, h0)
+    err_o, err_s = rel_err(out, ref_o), rel_err(final, ref_s)
+    print(f"\n[accuracy] Horner inverse, {gate} gate T=2048 H=4: output {err_o:.3e}, final state {err_s:.3e}")
+    assert err_o <= OUT_BOUND and err_s <= STATE_BOUND
+
+
+def test_horner_inverse_keeps_the_series_past_entries_of_one():
+    """Keys of norm 1.3 along one direction, β near 1 and almost no decay: every in-chunk entry of β·L is about
+    1.7, past what Horner's fp16 form is given, so every block falls back to the series: finite, and the series'
+    own bits (an ill-conditioned case: the chunked form in fp32 is 1.7e-2 from float64 on it, the CPU path too)."""
+    inp = make_inputs([300, 77], heads=2, key_dim=128, device="cuda", seed=3, gate="precomputed")
+    direction = torch.nn.functional.normalize(torch.randn(128, device="cuda"), dim=0)
+    k = (1.3 * direction + 1e-3 * torch.randn_like(inp["k"].float())).bfloat16()
+    inp.update(k=k, g=torch.full_like(inp["g"], -1e-3), beta=torch.full_like(inp["beta"], 0.99))
+    outs = []
+    for horner in (False, True):
+        out = torch.full_like(inp["v"], float("nan"))
+        fastkda.kda_prefill(inp["q"], k, inp["v"], inp["g"], inp["beta"], cu_seqlens=inp["cu_seqlens"],
+                            use_qk_l2norm=False, use_beta_sigmoid=False, out=out,
+                            plan=plan_for(inp, horner_inverse=horner))
+        outs.append(out)
+    assert torch.isfinite(outs[1]).all() and torch.equal(outs[0], outs[1])
+
+
 def test_precomputed_gate_down_to_minus_1e4():
     inp = make_inputs([2048], heads=4, key_dim=128, device="cuda", seed=2, gate="precomputed")
     inp["g"][0, 1000:1010] = -1e4

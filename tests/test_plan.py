@@ -166,6 +166,19 @@ def test_longest_first_where_a_varlen_batchs_programs_take_turns():
         choose_plan(8, 96, 1024, 128, 128, 132, varlen=False).replace(longest_first=True)
 
 
+def test_horner_inverse_is_off_in_every_plan_made_and_needs_tf32_products():
+    """The solve's Horner form waits for its device A/B (docs/perf-notes.md): no plan made here takes it; a plan
+    changed to it says so, and refuses it under exact ("ieee") products, which its fp16 operands would not keep."""
+    for facts in ((5, 12, 1024), (1, 12, 65536), (8, 96, 8192)):
+        assert not choose_plan(*facts, 128, 128, 132, warpgroup_mma=True).horner_inverse, facts
+    plan = choose_plan(5, 12, 5120, 128, 128, 132, max_seqlen=1024)
+    assert "Horner" not in plan.describe() and "Horner's rule" in plan.replace(horner_inverse=True).describe()
+    with pytest.raises(ValueError, match="horner_inverse"):
+        plan.replace(horner_inverse=True, dot_precision="ieee")
+    horner = plan.replace(horner_inverse=True)
+    assert type(plan).from_launch_numbers(horner.launch_numbers()) == horner  # as the custom op rebuilds it
+
+
 @pytest.mark.parametrize("facts", [dict(heads=0), dict(value_dim=96), dict(key_dim=32), dict(sms=0),
                                    dict(num_seqs=-1), dict(seq_len=-5)])
 def test_shapes_the_api_rejects_are_rejected(facts):

@@ -151,6 +151,47 @@ def test_longest_first_orders_the_segment_programs_with_the_same_bits():
     assert rows[want[0]] == segment_chunks and rows[want[-1]] == 0
 
 
+@pytest.mark.parametrize("horner", [False, True])
+@pytest.mark.parametrize("size, bound", [(0.3, 1e-3), (1.0, 3e-3), (4.0, 1e-4)])
+def test_solve_inverts_blocks_of_any_entry_size(size, bound, horner):
+    """The solve kernel's T·diag(β) against float64, from a β·L scratch with entries up to ``size``. Under the
+    plan's ``horner_inverse``: at most 1 (every block under the lower-bound or precomputed gate with normalised keys
+    and β ≤ 1), fp16 operands, whose rounding is tf32's; at 4 the fp16 form's partial sums leave fp16's range, so
+    the block must keep the series at the plan's precision (the interpreter's fp32 here) to stay finite and
+    accurate."""
+    from fastkda.ops.prefill.layout import Workspace
+    from fastkda.ops.prefill.solve import launch_solve
+
+    inp = make_inputs([64], varlen=False, seed=5)
+    plan = plan_for(inp, horner_inverse=horner)
+    gen = torch.Generator().manual_seed(int(size * 10))
+    _, length, heads, _ = inp["q"].shape
+    C = plan.chunk
+    chunks = length // C
+    S = torch.tril(size * (2 * torch.rand(chunks, heads, C, C, generator=gen) - 1), -1)
+    beta = torch.rand(1, length, heads, generator=gen)
+    ws = Workspace.allocate(plan, inp["v"], None)
+    layout = ws.layout
+    rows = ws.fp32[layout.scratch:layout.scratch + length * heads * C].view(chunks, C, heads, C)
+    rows.copy_(S.permute(0, 2, 1, 3))  # row (token, head) of the chunk: its β·L row
+    launch_solve(plan, ws, beta, False, None, True)
+    eye = torch.eye(C, dtype=torch.float64)
+    beta_columns = beta.double().view(chunks, C, heads).permute(0, 2, 1)[:, :, None, :]
+    expected = torch.linalg.inv(eye + S.double()) * beta_columns
+    got = rows.permute(0, 2, 1, 3).double()
+    lower = torch.tril(torch.ones(C, C, dtype=torch.bool))
+    assert rel_err(got[..., lower], expected[..., lower]) < bound
+
+
+def test_horner_inverse_matches_float64():
+    """The whole prefill under the plan's ``horner_inverse``, empty and 1-token sequences among others."""
+    inp = make_inputs([0, 70, 1, 130, 0], varlen=True, seed=201)
+    out, final = run_triton(inp, horner_inverse=True)
+    ref_o, ref_s = reference(inp)
+    assert rel_err(out, ref_o) < OUT_BOUND
+    assert rel_err(final, ref_s) < STATE_BOUND
+
+
 def test_fp32_inputs_are_bitwise_identical_across_slice_widths():
     """fp32 q, k, v (which the kernels take too): the 64-wide slices subtract the same v as the 128-wide one (the
     next chunk's v is carried as bf16 only when v is bf16)."""

@@ -95,7 +95,8 @@ def prefill_launches(plan, checkpoints=0, l2norm=True, beta_sigmoid=True):
         cu_seqlens=I32 if plan.varlen or plan.equal_rows else F32, errors=I32 if plan.equal_rows else F32,
         scratch_at=at.scratch, order_at=at.order, order_count=plan.recurrence_grid[2],
         segment_chunks=plan.segment_chunks, num_seqs=plan.num_seqs, H=H, BC=plan.block,
-        LONGEST_FIRST=plan.longest_first, SEGMENTED=plan.sequence_parallel, EQUAL_ROWS=plan.equal_rows)
+        LONGEST_FIRST=plan.longest_first, SEGMENTED=plan.sequence_parallel, EQUAL_ROWS=plan.equal_rows,
+        HORNER=plan.horner_inverse)
     recurrence_args = dict(
         shared, qg_at=at.qg, kg_at=at.kg, A_at=at.A, scratch_at=at.scratch, entries_at=at.entries, order_at=at.order,
         out=BF16, initial_state=F32, final_state=F32, cu_seqlens=cu, errors=I32,

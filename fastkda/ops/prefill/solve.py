@@ -3,8 +3,18 @@
 One program per (chunk slot, head), on few warps: its products are 16×16 blocks, which more warps would only
 replicate. T is formed by blocks from the β·L scratch of the first kernel: the diagonal blocks' inverses by
 ``(I − L)(I + L²)(I + L⁴)(I + L⁸)`` (L is strictly lower, so nilpotent), then ``T10 = −T11·L10·T00``. Neither w
-nor u is formed: the recurrence takes T·diag(β) with kd and v (``recurrence.py``). Under the plan's
-``longest_first`` it also writes the order in which the recurrence's programs take the sequences
+nor u is formed: the recurrence takes T·diag(β) with kd and v (``recurrence.py``).
+
+Under the plan's ``horner_inverse`` (tf32 products only), a diagonal block whose entries are all at most 1 in size
+(so with normalised keys, β ≤ 1 and decays ≤ 1) is inverted by Horner's rule instead, ``X ← I − X·L`` fourteen
+times, with fp16 operands and fp32 sums: each product's left operand is the last one's sum, which an fp16 product
+takes where it lies, and its right one is ``−L``, laid out once, so the loop changes no layout (the series changes
+two operands' a step, in shuffles: most of its instructions). fp16 keeps tf32's 10 mantissa bits, rounded to
+nearest, and no operand leaves its range: X is a partial sum Σ (−L)^m, an entry of which sums at most 2^14 paths of
+products of entries ≤ 1. Other blocks (larger entries, NaN) and T10, whose factors have no such bound, keep the
+series at the plan's precision.
+
+Under the plan's ``longest_first`` it also writes the order in which the recurrence's programs take the sequences
 (:func:`fastkda.ops.prefill.layout.write_longest_first`).
 """
 
@@ -31,6 +41,40 @@ def unit_lower_inverse_block(L, BC: tl.constexpr, DOT_PRECISION: tl.constexpr):
 
 
 @triton.jit
+def unit_lower_inverse_horner_fp16(L, BC: tl.constexpr):
+    """:func:`unit_lower_inverse_block` for an L whose entries are at most 1 in size, by Horner's rule:
+    ``X ← I − X·L`` from ``X = I − L``, BC − 2 times (L^BC = 0, so the last X is the inverse), in fp16 operands with
+    fp32 sums (the module docstring says why nothing leaves fp16's range). Each product's left operand is the last
+    one's sum, which an fp16 product takes in place, and its right one ``−L``, laid out once: no layout change in
+    the loop, where the product form changes the layout of two of its operands a step."""
+    cb = tl.arange(0, BC)
+    eye = tl.where(cb[:, None] == cb[None, :], 1.0, 0.0)
+    minus_L = (-L).to(tl.float16)
+    X = eye - L
+    for _ in tl.static_range(BC - 2):
+        X = tl.dot(X.to(tl.float16), minus_L, eye)
+    return X
+
+
+@triton.jit
+def diagonal_inverses(L00, L11, BC: tl.constexpr, DOT_PRECISION: tl.constexpr, HORNER: tl.constexpr):
+    """The inverses of ``I + L00`` and ``I + L11``: under ``HORNER``, by Horner's rule in fp16 operands where the
+    module docstring allows it; else by the series at the plan's precision."""
+    if HORNER:
+        largest = tl.maximum(tl.max(tl.abs(L00)), tl.max(tl.abs(L11)))
+        if largest <= 1.0:  # false for NaN too
+            T00 = unit_lower_inverse_horner_fp16(L00, BC)
+            T11 = unit_lower_inverse_horner_fp16(L11, BC)
+        else:
+            T00 = unit_lower_inverse_block(L00, BC, DOT_PRECISION)
+            T11 = unit_lower_inverse_block(L11, BC, DOT_PRECISION)
+    else:
+        T00 = unit_lower_inverse_block(L00, BC, DOT_PRECISION)
+        T11 = unit_lower_inverse_block(L11, BC, DOT_PRECISION)
+    return T00, T11
+
+
+@triton.jit
 def mm(a, b, DOT_PRECISION: tl.constexpr):
     return tl.dot(a, b, input_precision=DOT_PRECISION)
 
@@ -40,7 +84,7 @@ def solve_kernel(
     beta, cu_seqlens, errors, ws_fp32, scratch_at, order_at, order_count, segment_chunks, stride_beta_tok,
     stride_beta_head, seq_len, num_seqs, H, C: tl.constexpr, BC: tl.constexpr, IS_VARLEN: tl.constexpr,
     BETA_SIGMOID: tl.constexpr, DOT_PRECISION: tl.constexpr, EMULATE: tl.constexpr, LONGEST_FIRST: tl.constexpr,
-    SEGMENTED: tl.constexpr, EQUAL_ROWS: tl.constexpr,
+    SEGMENTED: tl.constexpr, EQUAL_ROWS: tl.constexpr, HORNER: tl.constexpr,
 ):
     """One (chunk slot, head): T from the scratch's 16×16 blocks (diagonal ones strictly lower), then T·diag(β)
     over the scratch (module docstring); under ``LONGEST_FIRST`` the programs of head 0 also place the
@@ -71,8 +115,7 @@ def solve_kernel(
     L11 = load_lower(L_c, rows1, ok1, rows1, BC + cb, H * C)
     b0 = beta_rows(beta_c, rows0, ok0, stride_beta_tok, BETA_SIGMOID)
     b1 = beta_rows(beta_c, rows1, ok1, stride_beta_tok, BETA_SIGMOID)
-    T00 = unit_lower_inverse_block(L00, BC, DOT_PRECISION)
-    T11 = unit_lower_inverse_block(L11, BC, DOT_PRECISION)
+    T00, T11 = diagonal_inverses(L00, L11, BC, DOT_PRECISION, HORNER)
     T10 = -mm(T11, mm(L10, T00, DOT_PRECISION), DOT_PRECISION)
     tl.debug_barrier()  # every thread's L loaded before any T overwrites it
     # the upper-right block (rows 0.., columns BC..) lies past the diagonal's sectors: no kernel reads it
@@ -99,6 +142,6 @@ def launch_solve(plan, ws, beta, use_beta_sigmoid, errors, emulate):
         beta.stride(1), beta.stride(2), plan.seq_len, plan.num_seqs, plan.heads,
         C=plan.chunk, BC=plan.block, IS_VARLEN=plan.varlen, BETA_SIGMOID=use_beta_sigmoid,
         DOT_PRECISION=plan.dot_precision, EMULATE=emulate, LONGEST_FIRST=plan.longest_first,
-        SEGMENTED=plan.sequence_parallel, EQUAL_ROWS=plan.equal_rows,
+        SEGMENTED=plan.sequence_parallel, EQUAL_ROWS=plan.equal_rows, HORNER=plan.horner_inverse,
         num_warps=plan.solve_warps, num_stages=plan.solve_stages,
     )
