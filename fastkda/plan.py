@@ -126,7 +126,7 @@ class PrefillPlan:
     programs laid out from the rows alone, no lookup in ``cu_seqlens``, the same bits), and the solve kernel counts
     the sequences whose ``cu_seqlens`` entries are not the rows' (:mod:`fastkda.errors`). ``horner_inverse`` (tf32
     products only): the solve kernel inverts a diagonal block whose entries are at most 1 by Horner's rule in fp16
-    operands (``fastkda/ops/prefill/solve.py``; other bits, the same accuracy); off in every plan made here until a
+    operands (``fastkda/ops/prefill/solve.py``; other bits, as accurate or more); off in every plan made here until a
     same-run A/B on the device decides (docs/perf-notes.md, "Session 26").
     ``dot_precision``: the kernels' fp32 products ("tf32" or "ieee")."""
 

@@ -9,10 +9,10 @@ Under the plan's ``horner_inverse`` (tf32 products only), a diagonal block whose
 (so with normalised keys, β ≤ 1 and decays ≤ 1) is inverted by Horner's rule instead, ``X ← I − X·L`` fourteen
 times, with fp16 operands and fp32 sums: each product's left operand is the last one's sum, which an fp16 product
 takes where it lies, and its right one is ``−L``, laid out once, so the loop changes no layout (the series changes
-two operands' a step, in shuffles: most of its instructions). fp16 keeps tf32's 10 mantissa bits, rounded to
-nearest, and no operand leaves its range: X is a partial sum Σ (−L)^m, an entry of which sums at most 2^14 paths of
-products of entries ≤ 1. Other blocks (larger entries, NaN) and T10, whose factors have no such bound, keep the
-series at the plan's precision.
+two operands' a step, in shuffles: most of its instructions). fp16 keeps tf32's 10 mantissa bits, rounded to nearest
+(entries below 2^-14 keep fewer, off by at most 2^-25), and no operand leaves its range: X is a partial sum of
+the powers (−L)^m, an entry of which sums at most 2^14 paths of products of entries ≤ 1. Other blocks (larger entries, NaN) and
+T10, whose factors have no such bound, keep the series at the plan's precision.
 
 Under the plan's ``longest_first`` it also writes the order in which the recurrence's programs take the sequences
 (:func:`fastkda.ops.prefill.layout.write_longest_first`).
@@ -61,8 +61,9 @@ def diagonal_inverses(L00, L11, BC: tl.constexpr, DOT_PRECISION: tl.constexpr, H
     """The inverses of ``I + L00`` and ``I + L11``: under ``HORNER``, by Horner's rule in fp16 operands where the
     module docstring allows it; else by the series at the plan's precision."""
     if HORNER:
-        largest = tl.maximum(tl.max(tl.abs(L00)), tl.max(tl.abs(L11)))
-        if largest <= 1.0:  # false for NaN too
+        # entries past 1 in size, NaN included (it fails the comparison; a max would skip it on the GPU)
+        outside = tl.sum(tl.where(tl.abs(L00) <= 1.0, 0, 1)) + tl.sum(tl.where(tl.abs(L11) <= 1.0, 0, 1))
+        if outside == 0:
             T00 = unit_lower_inverse_horner_fp16(L00, BC)
             T11 = unit_lower_inverse_horner_fp16(L11, BC)
         else:
