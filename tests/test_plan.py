@@ -176,7 +176,7 @@ def test_horner_inverse_is_off_in_every_plan_made_and_needs_tf32_products():
     with pytest.raises(ValueError, match="horner_inverse"):
         plan.replace(horner_inverse=True, dot_precision="ieee")
     horner = plan.replace(horner_inverse=True)
-    assert type(plan).from_launch_numbers(horner.launch_numbers()) == horner  # as the custom op rebuilds it
+    assert PrefillPlan.from_launch_numbers(horner.launch_numbers()) == horner  # as the custom op rebuilds it
 
 
 @pytest.mark.parametrize("facts", [dict(heads=0), dict(value_dim=96), dict(key_dim=32), dict(sms=0),
