@@ -10,9 +10,9 @@ Under the plan's ``horner_inverse`` (tf32 products only), a diagonal block whose
 times, with fp16 operands and fp32 sums: each product's left operand is the last one's sum, which an fp16 product
 takes where it lies, and its right one is ``−L``, laid out once, so the loop changes no layout (the series changes
 two operands' a step, in shuffles: most of its instructions). fp16 keeps tf32's 10 mantissa bits, rounded to nearest
-(entries below 2^-14 keep fewer, off by at most 2^-25), and no operand leaves its range: X is a partial sum of
-the powers (−L)^m, an entry of which sums at most 2^14 paths of products of entries ≤ 1. Other blocks (larger entries, NaN) and
-T10, whose factors have no such bound, keep the series at the plan's precision.
+(entries below 2^-14 keep fewer, off by at most 2^-25), and no operand leaves its range: X is a partial sum of the
+powers (−L)^m, an entry of which sums at most 2^14 paths of products of entries ≤ 1. Other blocks (larger entries,
+NaN) and T10, whose factors have no such bound, keep the series at the plan's precision.
 
 Under the plan's ``longest_first`` it also writes the order in which the recurrence's programs take the sequences
 (:func:`fastkda.ops.prefill.layout.write_longest_first`).
