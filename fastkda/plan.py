@@ -41,6 +41,8 @@ WARPGROUP_STAGES = 4  # the Gluon recurrence's ring of chunks in the automatic p
 WARPGROUP_SLICE_WIDTHS = (64, 128)  # the Gluon recurrence's slices: a warpgroup per 64 columns (the products' rows)
 SHARED_MEMORY_PER_PROGRAM = 232448  # bytes of shared memory one program may take on sm_90 (227 KB)
 SOLVE_WARPS = 1  # the inverse works in 16x16 blocks: one warp holds them, and more programs per SM hide latency
+HORNER_PROGRAMS_PER_SM = 32  # (chunk, head) pairs an SM at most for Horner's rule (horner_inverse): in about one
+# wave of solve programs a program's chain of layout changes is the kernel's time, past that its tensor-core products
 ENV_SEQUENCE_PARALLEL = "FASTKDA_SEQUENCE_PARALLEL"
 SCAN_WIDTH = 16  # state columns per program of the segment scan: fixed, so the scan's bits never depend on the plan
 MAX_SEGMENTS = 32  # segments of one sequence at most (each adds a step to the scan, and rounding to the state)
@@ -72,13 +74,15 @@ def warpgroup_shared_bytes(width: int, key_dim: int, stages: int, chunk: int = 3
     return stages * per_stage + 2 * 2 * chunk * chunk * 2 + 2 * chunk * width * v_bytes
 
 
-def segment_slot_count(seq_len: int, num_seqs: int, segment_tokens: int, varlen: bool) -> int:
-    """Segment slots for segments of ``segment_tokens`` (0: none; :attr:`PrefillPlan.segment_slots`)."""
-    if not segment_tokens:
+def slot_count(seq_len: int, num_seqs: int, span: int, varlen: bool) -> int:
+    """Slots of ``span`` tokens (0: none) for ``num_seqs`` sequences, each owning ``ceil(len / span)`` of them:
+    ``num_seqs`` rows of ``seq_len`` tokens, or (varlen) ``seq_len`` tokens in all, a bound that holds for any
+    cut into sequences. Chunk slots (:attr:`PrefillPlan.chunk_slots`), segment slots, the conv's token blocks."""
+    if not span:
         return 0
     if varlen:
-        return seq_len // segment_tokens + num_seqs + 1
-    return num_seqs * -(-seq_len // segment_tokens)
+        return seq_len // span + num_seqs + 1
+    return num_seqs * -(-seq_len // span)
 
 
 def _counted(count: int, noun: str) -> str:
@@ -126,8 +130,9 @@ class PrefillPlan:
     programs laid out from the rows alone, no lookup in ``cu_seqlens``, the same bits), and the solve kernel counts
     the sequences whose ``cu_seqlens`` entries are not the rows' (:mod:`fastkda.errors`). ``horner_inverse`` (tf32
     products only): the solve kernel inverts a diagonal block whose entries are at most 1 by Horner's rule in fp16
-    operands (``fastkda/ops/prefill/solve.py``; other bits, as accurate or more); off in every plan made here until a
-    same-run A/B on the device decides (docs/perf-notes.md, "Session 26").
+    operands (``fastkda/ops/prefill/solve.py``; other bits, as accurate or more); the automatic plan sets it where
+    the call's (chunk, head) pairs are at most :data:`HORNER_PROGRAMS_PER_SM` an SM (the ``replace`` to "ieee"
+    products must clear it too).
     ``dot_precision``: the kernels' fp32 products ("tf32" or "ieee")."""
 
     seq_len: int
@@ -219,7 +224,7 @@ class PrefillPlan:
                "longest_first orders the recurrence of a varlen batch (varlen=True), got varlen=False")
         _check(not self.horner_inverse or self.dot_precision == "tf32",
                f"horner_inverse takes fp16 operands in place of tf32 ones (dot_precision='tf32'), got "
-               f"dot_precision={self.dot_precision!r}")
+               f"dot_precision={self.dot_precision!r}: replace horner_inverse=False with it")
         _check(not (self.equal_rows and self.varlen),
                "equal_rows runs a varlen call as rows (varlen=False), got varlen=True")
         if self.warpgroup_transition:
@@ -252,9 +257,7 @@ class PrefillPlan:
         """Chunk slots of the preparation's grid and workspace: sequence n owns ``ceil(len_n / chunk)``
         consecutive slots from ``n·ceil(seq_len / chunk)`` (fixed length) or ``cu_seqlens[n] // chunk + n``
         (varlen), a layout every kernel derives from host-known values (``fastkda/ops/prefill/layout.py``)."""
-        if self.varlen:
-            return self.batch * self.seq_len // self.chunk + self.num_seqs + 1
-        return self.batch * -(-self.seq_len // self.chunk)
+        return slot_count(self.seq_len, self.num_seqs, self.chunk, self.varlen)
 
     @property
     def prepare_grid(self) -> tuple:
@@ -276,7 +279,7 @@ class PrefillPlan:
         """Segment slots, laid out as the chunk slots are with segments in place of chunks: sequence n owns
         ``ceil(len_n / segment_tokens)`` slots from ``n·ceil(seq_len / segment_tokens)`` (fixed length) or
         ``cu_seqlens[n] // segment_tokens + n`` (varlen), whatever the lengths (0 when off)."""
-        return segment_slot_count(self.seq_len, self.num_seqs, self.segment_tokens, self.varlen)
+        return slot_count(self.seq_len, self.num_seqs, self.segment_tokens, self.varlen)
 
     @property
     def transition_rows_v(self) -> bool:
@@ -663,7 +666,7 @@ def _choose_plan(num_seqs, heads, seq_len, key_dim, value_dim, sms, varlen, lowe
     serial_reason = ("sequence parallelism off (requested)" if sp_choice is False
                      else f"the serial recurrence (segments are not predicted to gain {1 - SP_GAIN:.0%})")
     if segmentation:
-        programs = num_seqs + segment_slot_count(seq_len, num_seqs, CHUNK * segmentation[0], varlen)
+        programs = num_seqs + slot_count(seq_len, num_seqs, CHUNK * segmentation[0], varlen)
         if programs > MAX_GRID_Z:  # the segmented kernels' grid would not launch
             _check(sp_choice == "auto", f"sequence_parallel={sp_choice} needs {programs} programs on the grid's "
                                         f"third axis, more than CUDA's {MAX_GRID_Z}")
@@ -688,12 +691,21 @@ def _choose_plan(num_seqs, heads, seq_len, key_dim, value_dim, sms, varlen, lowe
     # more programs than SMs take turns: the longest sequences' programs first, else a long sequence late in the
     # batch starts its chain in the last wave (H64 varlen mix: a makespan of 132 chunk steps against 177 in
     # cu_seqlens order, at one program an SM; docs/perf-notes.md, "Longest sequences first")
-    rows = num_seqs + segment_slot_count(seq_len, num_seqs, CHUNK * segment_chunks, varlen) if segment_chunks \
+    rows = num_seqs + slot_count(seq_len, num_seqs, CHUNK * segment_chunks, varlen) if segment_chunks \
         else num_seqs  # the recurrence's grid rows: sequences, or segment programs
     longest_first = varlen and num_seqs > 1 and slices * heads * rows > sms
     if longest_first:
         reason += "; the recurrence's longest programs first, as more programs than SMs take turns"
     prepare_warps = 4
+    # the solve's busy programs, counted from the tokens alone, so that a varlen call run as rows (equal_rows)
+    # decides as the varlen plan would: the same bits with or without the max_seqlen hint. Measured in one process
+    # on an H100 (docs/perf-notes.md, "Session 27"): H12 N1 / N4 / N5 T1024 and the H12 chunked mix 0.8-1.4%
+    # faster, the rows of 24576 programs 0.3-0.4% slower
+    solve_programs = heads * -(-seq_len * (1 if varlen else num_seqs) // CHUNK)
+    horner_inverse = solve_programs <= HORNER_PROGRAMS_PER_SM * sms
+    if horner_inverse:
+        reason += (f"; the solve's diagonal blocks by Horner's rule ({solve_programs} chunks x heads, at most "
+                   f"{HORNER_PROGRAMS_PER_SM} an SM)")
     return PrefillPlan(
         seq_len=seq_len, num_seqs=num_seqs, varlen=varlen, heads=heads, key_dim=key_dim, value_dim=value_dim,
         lower_bound_gate=lower_bound_gate, sms=sms, chunk=CHUNK, block=BLOCK, cpu_chunk=CPU_CHUNK,
@@ -704,7 +716,7 @@ def _choose_plan(num_seqs, heads, seq_len, key_dim, value_dim, sms, varlen, lowe
         prepare_warps=prepare_warps, prepare_stages=3, prepare_channels=prepare_channels(key_dim, lower_bound_gate),
         prepare_token_run=prepare_token_run(CHUNK, key_dim, prepare_warps),
         prepare_registers=prepare_registers(lower_bound_gate, prepare_warps), solve_warps=SOLVE_WARPS,
-        solve_stages=3, segment_chunks=segment_chunks,
+        solve_stages=3, horner_inverse=horner_inverse, segment_chunks=segment_chunks,
         transition_width=transition_width, scan_warps=8 if key_dim >= 128 else 4, reason=reason)
 
 
@@ -737,7 +749,7 @@ def _choose_open_entry_plan(num_seqs, heads, seq_len, key_dim, value_dim, sms, l
     slices = [s for s in RERUN_SLICE_CHOICES if value_dim // s >= 64] or [1]
     if choice == "auto":
         lengths = sorted({-(-chunks // segments) for segments in range(1, MAX_SEGMENTS + 1)})  # chunks a segment
-        fitting = [n for n in lengths if num_seqs + segment_slot_count(seq_len, num_seqs, CHUNK * n, False)
+        fitting = [n for n in lengths if num_seqs + slot_count(seq_len, num_seqs, CHUNK * n, False)
                    <= MAX_GRID_Z]
         _check(bool(fitting), f"{num_seqs} rows of {seq_len} tokens need more than CUDA's {MAX_GRID_Z} grid rows "
                               f"even in one segment each: split the batch")

@@ -98,3 +98,21 @@ def replay_with(graph, inp, fresh, names, buffers):
         buffer.fill_(float("nan"))
     graph.replay()
     torch.cuda.synchronize()
+
+
+def solve_lower(plan, inp, entries, beta, emulate):
+    """The solve kernel alone on a β·L scratch of ``entries`` (``[chunks, heads, C, C]``, strictly lower below
+    its diagonal after ``tril``) under ``plan`` (for ``inp``, one sequence of ``chunks`` full chunks), with
+    ``beta`` (``[1, tokens, heads]``): its T·diag(β) as ``[chunks, heads, C, C]``, and float64's."""
+    from fastkda.ops.prefill.layout import Workspace
+    from fastkda.ops.prefill.solve import launch_solve
+
+    chunks, heads, C, _ = entries.shape
+    S = torch.tril(entries, -1)
+    ws = Workspace.allocate(plan, inp["v"], None)
+    rows = ws.fp32[ws.layout.scratch:ws.layout.scratch + chunks * C * heads * C].view(chunks, C, heads, C)
+    rows.copy_(S.permute(0, 2, 1, 3))  # row (token, head) of the chunk: its β·L row
+    launch_solve(plan, ws, beta, False, None, emulate)
+    eye = torch.eye(C, dtype=torch.float64, device=S.device)
+    beta_columns = beta.double().view(chunks, C, heads).permute(0, 2, 1)[:, :, None, :]
+    return rows.permute(0, 2, 1, 3), torch.linalg.inv(eye + S.double()) * beta_columns

@@ -10,14 +10,15 @@ import torch
 import fastkda
 from fastkda.bench.timing import capture_graph
 from fastkda.reference import kda_reference
-from helpers import make_inputs, plan_for, rel_err, replay_with, run_prefill
+from helpers import make_inputs, plan_for, rel_err, replay_with, run_prefill, solve_lower
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 OUT_BOUND, STATE_BOUND = 4e-3, 3e-3
 BF16_STATE_BOUND = 6e-3  # a bf16 final state adds its own rounding (≈2e-3 rms)
 # (initial, final) dtype: none; in / out / in+out, each in bf16 and fp32
-STATE_CASES = [(None, None)] + [case for d in (torch.bfloat16, torch.float32) for case in ((d, None), (None, d), (d, d))]
+STATE_CASES = [(None, None)] + [case for d in (torch.bfloat16, torch.float32)
+                                 for case in ((d, None), (None, d), (d, d))]
 
 
 def reference(inp, h0):
@@ -85,21 +86,24 @@ def test_horner_inverse_accuracy(gate):
 
 
 def test_horner_inverse_keeps_the_series_past_entries_of_one():
-    """Keys of norm 1.3 along one direction, β near 1 and almost no decay: every in-chunk entry of β·L is about
-    1.7, past what Horner's fp16 form is given, so every block falls back to the series: finite, and the series'
-    own bits (an ill-conditioned case: the chunked form in fp32 is 1.7e-2 from float64 on it, the CPU path too)."""
-    inp = make_inputs([300, 77], heads=2, key_dim=128, device="cuda", seed=3, gate="precomputed")
-    direction = torch.nn.functional.normalize(torch.randn(128, device="cuda"), dim=0)
-    k = (1.3 * direction + 1e-3 * torch.randn_like(inp["k"].float())).bfloat16()
-    inp.update(k=k, g=torch.full_like(inp["g"], -1e-3), beta=torch.full_like(inp["beta"], 0.99))
-    outs = []
-    for horner in (False, True):
-        out = torch.full_like(inp["v"], float("nan"))
-        fastkda.kda_prefill(inp["q"], k, inp["v"], inp["g"], inp["beta"], cu_seqlens=inp["cu_seqlens"],
-                            use_qk_l2norm=False, use_beta_sigmoid=False, out=out,
-                            plan=plan_for(inp, horner_inverse=horner))
-        outs.append(out)
-    assert torch.isfinite(outs[1]).all() and torch.equal(outs[0], outs[1])
+    """The solve kernel alone on a β·L scratch of entries in ±0.3 (a well-conditioned inverse), where every other
+    chunk has one entry of 2 in its first diagonal block. Under the plan's ``horner_inverse`` those chunks keep the
+    series, with the bits of the plan without it; the others take Horner's rule, with other bits; both within 1e-3
+    of float64. (An entry past 1 can take Horner's fp16 partial sums past fp16's range: the interpreter's test at
+    entries of 4, ``tests/ops/test_prefill.py``, fails without this fallback.)"""
+    inp = make_inputs([512], varlen=False, heads=3, key_dim=128, device="cuda", seed=11)
+    plan = plan_for(inp)
+    chunks, C = 512 // plan.chunk, plan.chunk
+    gen = torch.Generator().manual_seed(12)
+    entries = 0.3 * (2 * torch.rand(chunks, 3, C, C, generator=gen) - 1)
+    entries[0::2, :, 9, 4] = 2.0
+    beta = torch.rand(1, 512, 3, generator=gen).cuda()
+    (series, expected), (horner, _) = [solve_lower(plan.replace(horner_inverse=on), inp, entries.cuda(), beta, False)
+                                       for on in (False, True)]
+    assert torch.equal(horner[0::2], series[0::2]) and not torch.equal(horner[1::2], series[1::2])
+    lower = torch.tril(torch.ones(C, C, dtype=torch.bool, device="cuda"))
+    for got in (series, horner):
+        assert rel_err(got.double()[..., lower], expected[..., lower]) < 1e-3
 
 
 def test_precomputed_gate_down_to_minus_1e4():

@@ -166,17 +166,34 @@ def test_longest_first_where_a_varlen_batchs_programs_take_turns():
         choose_plan(8, 96, 1024, 128, 128, 132, varlen=False).replace(longest_first=True)
 
 
-def test_horner_inverse_is_off_in_every_plan_made_and_needs_tf32_products():
-    """The solve's Horner form waits for its device A/B (docs/perf-notes.md): no plan made here takes it; a plan
-    changed to it says so, and refuses it under exact ("ieee") products, which its fp16 operands would not keep."""
-    for facts in ((5, 12, 1024), (1, 12, 65536), (8, 96, 8192)):
-        assert not choose_plan(*facts, 128, 128, 132, warpgroup_mma=True).horner_inverse, facts
+def test_horner_inverse_where_the_solve_runs_in_about_a_wave_and_only_with_tf32_products():
+    """The solve's Horner form where the call's (chunk, head) pairs are at most HORNER_PROGRAMS_PER_SM an SM (H12
+    N5 T1024: 1920 on 132 SMs; the chunked mix: 3072), the series past that (H96 1024x8: 24576; the chunked mix on
+    90 SMs); counted from the tokens, so that a varlen call run as rows decides as without the hint (the same
+    bits). The plan says which, and refuses it under exact ("ieee") products, which its fp16 operands would not
+    keep."""
+    from fastkda.plan import HORNER_PROGRAMS_PER_SM
+
+    chunked_mix = (13, 12, 8192)
+    for facts, sms, on in (((5, 12, 1024), 132, True), ((1, 12, 1024), 132, True), (chunked_mix, 132, True),
+                           (chunked_mix, 90, False), ((8, 96, 1024), 132, False), ((1, 12, 65536), 132, False)):
+        varlen = facts is chunked_mix
+        plan = choose_plan(*facts, 128, 128, sms, varlen=varlen, warpgroup_mma=True)
+        tokens = facts[2] * (1 if varlen else facts[0])
+        assert (tokens // 32 * plan.heads <= HORNER_PROGRAMS_PER_SM * sms) == on, facts
+        assert plan.horner_inverse == on and ("Horner's rule" in plan.describe()) == on, (facts, sms)
+        assert ("Horner's rule" in plan.reason) == on, (facts, sms)
+    # at the edge (4224 pairs on 132 SMs), with the max_seqlen hint (rows) and without (varlen)
+    for heads, on in ((33, True), (34, False)):
+        assert choose_plan(4, heads, 4096, 128, 128, 132).horner_inverse == on
+        assert choose_plan(4, heads, 4096, 128, 128, 132, max_seqlen=1024).horner_inverse == on
     plan = choose_plan(5, 12, 5120, 128, 128, 132, max_seqlen=1024)
-    assert "Horner" not in plan.describe() and "Horner's rule" in plan.replace(horner_inverse=True).describe()
-    with pytest.raises(ValueError, match="horner_inverse"):
-        plan.replace(horner_inverse=True, dot_precision="ieee")
-    horner = plan.replace(horner_inverse=True)
-    assert PrefillPlan.from_launch_numbers(horner.launch_numbers()) == horner  # as the custom op rebuilds it
+    assert plan.horner_inverse
+    with pytest.raises(ValueError, match="replace horner_inverse=False"):
+        plan.replace(dot_precision="ieee")
+    exact = plan.replace(horner_inverse=False, dot_precision="ieee")
+    assert "Horner's rule in fp16 operands" not in exact.describe()  # the reason keeps the plan's choice
+    assert PrefillPlan.from_launch_numbers(plan.launch_numbers()) == plan  # as the custom op rebuilds it
 
 
 @pytest.mark.parametrize("facts", [dict(heads=0), dict(value_dim=96), dict(key_dim=32), dict(sms=0),

@@ -23,7 +23,7 @@ import triton.language as tl
 
 from .common import interpreting, launch, load_f32, store_as
 from .prefill.layout import first_slot, sequence_of_slot, sequence_span
-from ..plan import conv_launch, conv_update_launch, segment_slot_count
+from ..plan import conv_launch, conv_update_launch, slot_count
 
 
 @triton.jit
@@ -212,7 +212,7 @@ def causal_conv1d_forward(x, weight, bias, conv_states, slots, has_initial_state
     absent = weight  # stands for absent optional tensors; never dereferenced
     launch(
         conv_kernel,  # token blocks laid out as the prefill's chunk slots, counted by the same function
-        (segment_slot_count(tokens, num_seqs, block_t, varlen), triton.cdiv(channels, block_c), 1),
+        (slot_count(tokens, num_seqs, block_t, varlen), triton.cdiv(channels, block_c), 1),
         x, weight, bias if bias is not None else absent, conv_states if has_states else absent,
         slots if slots is not None else absent, has_initial_state if has_initial_state is not None else absent,
         cu_seqlens if varlen else absent, out,

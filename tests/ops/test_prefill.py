@@ -6,7 +6,7 @@ The kernels keep bf16 operands as their exact bf16 roundings in fp32 under the i
 import pytest
 import torch
 
-from helpers import make_inputs, needs_interpreter, plan_for, rel_err
+from helpers import make_inputs, needs_interpreter, plan_for, rel_err, solve_lower
 from prefill_kernels import reference, run_open_entry, run_triton
 
 pytestmark = needs_interpreter
@@ -160,30 +160,16 @@ def test_solve_inverts_blocks_of_any_entry_size(size, bound, horner):
     the block must keep the series at the plan's precision (the interpreter's fp32 here) to stay finite and
     accurate. "ones": every entry below the diagonal 1, the edge of Horner's range, whose inverse (I minus the
     subdiagonal) every form gets exactly, and where a Horner step too few leaves an error of 1 in a corner."""
-    from fastkda.ops.prefill.layout import Workspace
-    from fastkda.ops.prefill.solve import launch_solve
-
     inp = make_inputs([64], varlen=False, seed=5)
     plan = plan_for(inp, horner_inverse=horner)
     gen = torch.Generator().manual_seed(7)
     _, length, heads, _ = inp["q"].shape
-    C = plan.chunk
-    chunks = length // C
+    chunks, C = length // plan.chunk, plan.chunk
     entries = torch.ones(chunks, heads, C, C) if size == "ones" else size * (
         2 * torch.rand(chunks, heads, C, C, generator=gen) - 1)
-    S = torch.tril(entries, -1)
-    beta = torch.rand(1, length, heads, generator=gen)
-    ws = Workspace.allocate(plan, inp["v"], None)
-    layout = ws.layout
-    rows = ws.fp32[layout.scratch:layout.scratch + length * heads * C].view(chunks, C, heads, C)
-    rows.copy_(S.permute(0, 2, 1, 3))  # row (token, head) of the chunk: its β·L row
-    launch_solve(plan, ws, beta, False, None, True)
-    eye = torch.eye(C, dtype=torch.float64)
-    beta_columns = beta.double().view(chunks, C, heads).permute(0, 2, 1)[:, :, None, :]
-    expected = torch.linalg.inv(eye + S.double()) * beta_columns
-    got = rows.permute(0, 2, 1, 3).double()
+    got, expected = solve_lower(plan, inp, entries, torch.rand(1, length, heads, generator=gen), True)
     lower = torch.tril(torch.ones(C, C, dtype=torch.bool))
-    assert rel_err(got[..., lower], expected[..., lower]) < bound
+    assert rel_err(got.double()[..., lower], expected[..., lower]) < bound
 
 
 def test_horner_inverse_matches_float64():
@@ -288,7 +274,7 @@ def test_every_launch_number_comes_from_the_plan(monkeypatch):
     inp = make_inputs([40, 90], heads=3, key_dim=64, value_dim=128, gate="precomputed", seed=5)
     plan = plan_for(inp, 2, prepare_warps=2, prepare_stages=1, prepare_channels=16, prepare_token_run=2,
                     solve_warps=1, solve_stages=2, recurrence_warps=8, recurrence_stages=2,
-                    state_rows_v=False, dot_precision="ieee")
+                    state_rows_v=False, horner_inverse=False, dot_precision="ieee")
     chunk_kda_forward(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], plan=plan, A_log=None, dt_bias=None,
                       lower_bound=None, scale=0.125, initial_state=None, cu_seqlens=inp["cu_seqlens"],
                       use_qk_l2norm=True, use_beta_sigmoid=True, out=torch.empty_like(inp["v"]), final_state=None)
