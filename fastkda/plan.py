@@ -111,11 +111,7 @@ class PrefillPlan:
     bits) of the first kernel, and
     ``prepare_registers``, its cap on registers per thread (0: the compiler's choice; a cap fits more programs on
     an SM at the price of spills; derived from the warps, so a plan changed to other warps keeps the old cap unless
-    it is changed too); ``prepare_programs_per_sm`` (lower-bound gate; 0: one program per (chunk slot, head)):
-    the first kernel on a persistent grid of that many programs an SM, which walk the pairs in a loop of
-    ``prepare_stages`` stages, the next pairs' rows prefetched (the same bits; off in every plan made here until a
-    same-run A/B on the device decides: docs/perf-notes.md, "The first kernel on a persistent grid"); warps and
-    stages of the solve kernel. Sequence parallelism
+    it is changed too); warps and stages of the solve kernel. Sequence parallelism
     (``docs/sequence-parallel.md``): ``segment_chunks`` (0: off) cuts every sequence, from its first token, into
     segments of that many chunks; the transition kernel runs each segment from a zero state over the V value
     columns and K identity columns in slices of ``transition_width``, the scan (``scan_warps``, ``scan_stages``:
@@ -161,7 +157,6 @@ class PrefillPlan:
     solve_warps: int
     solve_stages: int
     prepare_registers: int = 0
-    prepare_programs_per_sm: int = 0
     segment_chunks: int = 0
     transition_width: int = 0
     scan_warps: int = 4
@@ -195,9 +190,6 @@ class PrefillPlan:
                                                         f"{getattr(self, name)}")
         _check(self.prepare_registers == 0 or 24 <= self.prepare_registers <= 255,
                f"prepare_registers must be 0 (the compiler's choice) or 24..255, got {self.prepare_registers}")
-        _check(0 <= self.prepare_programs_per_sm <= 32 and (not self.prepare_programs_per_sm or self.lower_bound_gate),
-               f"prepare_programs_per_sm must be 0 (one program per chunk slot and head) or 1..32 under the "
-               f"lower-bound gate, got {self.prepare_programs_per_sm} (lower_bound_gate={self.lower_bound_gate})")
         for name in ("recurrence_stages", "prepare_stages", "solve_stages", "transition_stages"):
             _check(getattr(self, name) >= 1, f"{name} must be >= 1, got {getattr(self, name)}")
         _check(self.prepare_channels in (16, 32, 64, 128) and self.key_dim % self.prepare_channels == 0,
@@ -271,14 +263,6 @@ class PrefillPlan:
     def prepare_grid(self) -> tuple:
         """Grid of both preparation kernels: one program per (chunk slot, head)."""
         return (self.chunk_slots, self.heads, 1)
-
-    @property
-    def prepare_kernel_grid(self) -> tuple:
-        """Grid of the first preparation kernel: :attr:`prepare_grid`, or under ``prepare_programs_per_sm`` that
-        many programs an SM (at most one per pair), which walk the (chunk slot, head) pairs."""
-        if not self.prepare_programs_per_sm:
-            return self.prepare_grid
-        return (max(min(self.prepare_programs_per_sm * self.sms, self.chunk_slots * self.heads), 1), 1, 1)
 
     @property
     def sequence_parallel(self) -> bool:
@@ -364,9 +348,7 @@ class PrefillPlan:
             f"preparation: {self.chunk_slots} chunk slots x {self.heads} heads; first kernel on "
             f"{_counted(self.prepare_warps, 'warp')}, {self.prepare_stages} stages, "
             f"{self.prepare_channels} key channels per step, {self.prepare_token_run} consecutive tokens per thread"
-            + (f", at most {self.prepare_registers} registers a thread" if self.prepare_registers else "")
-            + (f", a persistent grid of {self.prepare_programs_per_sm} programs an SM walking them, the next "
-               f"pairs' rows prefetched" if self.prepare_programs_per_sm else "") + "; "
+            + (f", at most {self.prepare_registers} registers a thread" if self.prepare_registers else "") + "; "
             f"solve kernel on {_counted(self.solve_warps, 'warp')}, {self.solve_stages} stages: T·diag(β)"
             + (", diagonal blocks by Horner's rule in fp16 operands" if self.horner_inverse else ""),
             f"recurrence: v_slices={self.v_slices} (V cut into {self.v_slices} slice(s) of {self.slice_width} "

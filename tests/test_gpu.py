@@ -73,21 +73,6 @@ def test_accuracy_bar_spec_case():
     assert err_o <= OUT_BOUND and err_s <= STATE_BOUND
 
 
-@pytest.mark.parametrize("programs, stages", [(1, 3), (3, 2), (3, 3)])
-def test_persistent_first_kernel_gives_the_same_bits(programs, stages):
-    """The first kernel on a persistent grid (the plan's ``prepare_programs_per_sm``, its loop pipelined by
-    Triton over ``prepare_stages``): its programs walk 2-8 (chunk slot, head) pairs each, varlen (an empty and a
-    short sequence among them) and fixed-length rows, and give the bits of one program per pair."""
-    for lengths, varlen in (([1000, 3000, 0, 17], True), ([1024] * 8, False)):
-        inp = make_inputs(lengths, heads=4, key_dim=128, varlen=varlen, device="cuda", seed=31)
-        plan = plan_for(inp)
-        walking = plan.replace(prepare_programs_per_sm=programs, prepare_stages=stages)
-        assert plan.chunk_slots * plan.heads > walking.prepare_kernel_grid[0]
-        (out, final, _), (out_w, final_w, _) = [run_prefill(inp, torch.float32, torch.float32, plan=p)
-                                                for p in (plan, walking)]
-        assert torch.isfinite(out).all() and torch.equal(out, out_w) and torch.equal(final, final_w)
-
-
 @pytest.mark.parametrize("gate", ["lower_bound", "precomputed"])
 def test_horner_inverse_accuracy(gate):
     """The plan's ``horner_inverse`` (the solve's diagonal blocks by Horner's rule in fp16 operands) on the spec's

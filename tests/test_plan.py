@@ -196,25 +196,6 @@ def test_horner_inverse_where_the_solve_runs_in_about_a_wave_and_only_with_tf32_
     assert PrefillPlan.from_launch_numbers(plan.launch_numbers()) == plan  # as the custom op rebuilds it
 
 
-def test_persistent_first_kernel_is_off_in_every_plan_made_and_needs_the_lower_bound_gate():
-    """The first kernel's persistent grid waits for its device A/B (docs/perf-notes.md): no plan made here takes
-    it. A plan changed to it launches that many programs an SM, never more than the (chunk slot, head) pairs, says
-    so, and survives the custom op's round trip; the precomputed gate's channel loop refuses it."""
-    for facts in ((5, 12, 1024), (1, 12, 65536), (8, 96, 8192)):
-        assert not choose_plan(*facts, 128, 128, 132, warpgroup_mma=True).prepare_programs_per_sm, facts
-    plan = choose_plan(5, 12, 5120, 128, 128, 132, max_seqlen=1024)
-    assert plan.prepare_kernel_grid == plan.prepare_grid == (160, 12, 1)
-    walking = plan.replace(prepare_programs_per_sm=3)
-    assert walking.prepare_kernel_grid == (396, 1, 1) and walking.prepare_grid == (160, 12, 1)
-    assert plan.replace(prepare_programs_per_sm=32).prepare_kernel_grid == (1920, 1, 1)  # one program per pair
-    assert "persistent grid of 3 programs an SM" in walking.describe() and "persistent" not in plan.describe()
-    assert PrefillPlan.from_launch_numbers(walking.launch_numbers()) == walking
-    with pytest.raises(ValueError, match="prepare_programs_per_sm"):
-        choose_plan(5, 12, 5120, 128, 128, 132, lower_bound_gate=False).replace(prepare_programs_per_sm=2)
-    with pytest.raises(ValueError, match="prepare_programs_per_sm"):
-        plan.replace(prepare_programs_per_sm=-1)
-
-
 @pytest.mark.parametrize("facts", [dict(heads=0), dict(value_dim=96), dict(key_dim=32), dict(sms=0),
                                    dict(num_seqs=-1), dict(seq_len=-5)])
 def test_shapes_the_api_rejects_are_rejected(facts):

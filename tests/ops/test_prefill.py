@@ -172,19 +172,6 @@ def test_solve_inverts_blocks_of_any_entry_size(size, bound, horner):
     assert rel_err(got.double()[..., lower], expected[..., lower]) < bound
 
 
-@pytest.mark.parametrize("case", [dict(lengths=[0, 70, 1, 130, 0], varlen=True), dict(lengths=[64, 40, 64],
-                                                                                       varlen=False)])
-def test_persistent_first_kernel_gives_the_same_bits(case):
-    """The first kernel on a persistent grid (the plan's ``prepare_programs_per_sm``): 2 programs (1 SM) walking
-    every (chunk slot, head) pair, empty and 1-token sequences among them, give the bits of one program per pair."""
-    inp = make_inputs(case["lengths"], varlen=case["varlen"], heads=3, seed=211)
-    plan = plan_for(inp, prepare_programs_per_sm=2, sms=1)
-    assert plan.prepare_kernel_grid == (2, 1, 1) and plan.chunk_slots * plan.heads > 2
-    out, final = run_triton(inp)
-    walked_out, walked_final = run_triton(inp, prepare_programs_per_sm=2, sms=1)
-    assert torch.equal(out, walked_out) and torch.equal(final, walked_final)
-
-
 def test_horner_inverse_matches_float64():
     """The whole prefill under the plan's ``horner_inverse``, empty and 1-token sequences among others."""
     inp = make_inputs([0, 70, 1, 130, 0], varlen=True, seed=201)

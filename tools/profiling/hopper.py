@@ -89,8 +89,7 @@ def prefill_launches(plan, checkpoints=0, l2norm=True, beta_sigmoid=True):
         shared, **beta, **precision, q=BF16, k=BF16, g=BF16 if gate else F32, A_log=F32, dt_bias=F32, cu_seqlens=cu,
         qg_at=at.qg, kg_at=at.kg, A_at=at.A, scratch_at=at.scratch, stride_q=H * K, stride_k=H * K, stride_g=H * K,
         num_seqs=plan.num_seqs, lower_bound=LOWER_BOUND if gate else 0.0, scale=K ** -0.5, H=H, K=K, BC=plan.block,
-        BK=plan.prepare_channels, LOWER_BOUND_GATE=gate, L2NORM=l2norm, RUN=plan.prepare_token_run,
-        slots=plan.chunk_slots, PERSISTENT=plan.prepare_programs_per_sm > 0, LOOP_STAGES=plan.prepare_stages)
+        BK=plan.prepare_channels, LOWER_BOUND_GATE=gate, L2NORM=l2norm, RUN=plan.prepare_token_run)
     solve_args = dict(
         {name: value for name, value in shared.items() if name != "ws_bf16"}, **beta, **precision,
         cu_seqlens=I32 if plan.varlen or plan.equal_rows else F32, errors=I32 if plan.equal_rows else F32,

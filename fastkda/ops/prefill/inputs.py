@@ -23,15 +23,12 @@ def beta_rows(beta_c, rows, valid, stride_tok, BETA_SIGMOID: tl.constexpr):
 
 @triton.jit
 def log2_decay_block(g_c, rows, valid, stride_g, h, kk, A_log, dt_bias, lower_bound,
-                     K: tl.constexpr, LOWER_BOUND_GATE: tl.constexpr, EMULATE: tl.constexpr,
-                     PREFETCHED: tl.constexpr = False):
+                     K: tl.constexpr, LOWER_BOUND_GATE: tl.constexpr, EMULATE: tl.constexpr):
     """Log-decay of one ``[C, BK]`` block of key channels **in base 2** (``a·log2(e)``, so every decay factor
-    is one ``ex2``), zero outside the ``valid`` rows (``g_c`` points at the chunk's first token and head).
-    ``PREFETCHED``: in a loop whose loads Triton's pipeliner prefetches, which a barrier in it would stop."""
+    is one ``ex2``), zero outside the ``valid`` rows (``g_c`` points at the chunk's first token and head)."""
     gv = load_rows(g_c, rows, valid, kk, stride_g).to(tl.float32)
     if LOWER_BOUND_GATE:  # λ·σ(e^A_log·(g + b)) = λ / (1 + 2^(-e^A_log·log2(e)·(g + b)))
-        if not PREFETCHED:
-            tl.debug_barrier()  # every load of g issued before bias's layout conversion waits for bias
+        tl.debug_barrier()  # every load of g issued before bias's layout conversion waits for bias
         slope = tl.exp(tl.load(A_log + h).to(tl.float32)) * LOG2E
         bias = tl.load(dt_bias + h * K + kk).to(tl.float32)
         a = (lower_bound * LOG2E) * fast_reciprocal(1.0 + fast_exp2(-slope * (gv + bias[None, :]), EMULATE), EMULATE)

@@ -1,13 +1,12 @@
 """Preparation, first kernel: everything of a chunk that does not depend on the state, but the inverse.
 
-One program per (chunk slot, head) (``layout.py``), or under the plan's ``prepare_programs_per_sm`` a persistent grid
-whose programs walk the pairs, the next ones' rows prefetched (``prepare_kernel``). It loads the chunk's q, k, g and β
-rows, applies the norms and the gate, forms the cumulative log-decay ``G`` (base 2) over the chunk, and writes ``qg =
-qd``, ``kg = kr``, kd (into the ``kd`` section, for the recurrence), the chunk decay ``exp(G_C)``, ``M =
-lower_incl(qd·kiᵀ)`` to ``A`` and ``β·L = strictly_lower(β·kd·kiᵀ)`` to the fp32 scratch. M and β·L are written up to
-their diagonal's sectors (``tiles.lower_sectors``; the kernels after it read no more), except under the lower-bound gate
-on varlen inputs, where whole rows are written: the masked stores made the fixed-length kernel faster and the varlen one
-no faster, in every form tried (docs/perf-notes.md, "The in-chunk matrices' zero sectors left unread").
+One program per (chunk slot, head) (``layout.py``). It loads the chunk's q, k, g and β rows, applies the norms and
+the gate, forms the cumulative log-decay ``G`` (base 2) over the chunk, and writes ``qg = qd``, ``kg = kr``, kd
+(into the ``kd`` section, for the recurrence), the chunk decay ``exp(G_C)``, ``M = lower_incl(qd·kiᵀ)`` to ``A``
+and ``β·L = strictly_lower(β·kd·kiᵀ)`` to the fp32 scratch. M and β·L are written up to their diagonal's sectors
+(``tiles.lower_sectors``; the kernels after it read no more), except under the lower-bound gate on varlen inputs,
+where whole rows are written: the masked stores made the fixed-length kernel faster and the varlen one no faster,
+in every form tried (docs/perf-notes.md, "The in-chunk matrices' zero sectors left unread").
 
 No factor it forms spans more than half the chunk's decay (16 tokens at the lower bound), so nothing overflows:
 
@@ -128,15 +127,14 @@ def sum_over_rows(x):
 @triton.jit
 def midpoint_products(q_b, k_b, g_c, r, valid, stride_g, h, kk, A_log, dt_bias, lower_bound, bv, qg_c, kd_c, kg_c,
                       A_c, L_c, decay_c, H, K: tl.constexpr, C: tl.constexpr, RUN: tl.constexpr,
-                      DOT_PRECISION: tl.constexpr, EMULATE: tl.constexpr, IS_VARLEN: tl.constexpr,
-                      PREFETCHED: tl.constexpr):
+                      DOT_PRECISION: tl.constexpr, EMULATE: tl.constexpr, IS_VARLEN: tl.constexpr):
     """The first kernel's work under the lower-bound gate (module docstring), from a chunk's normalised ``[C, K]``
     q and k rows (row i holding token ``r[i]``): M = lower_incl((q̂·2^(G - G_last/2))·(k̂·2^(G_last/2 - G))ᵀ), β·L
     likewise, and qg, kd, kg as the same factors times per-channel decays, all K channels at once (channel steps,
     which hold a fraction of the registers, were slower: docs/perf-notes.md)."""
     RUNS: tl.constexpr = C // RUN
-    a = tl.reshape(log2_decay_block(g_c, r, valid, stride_g, h, kk, A_log, dt_bias, lower_bound, K, True, EMULATE,
-                                    PREFETCHED), (RUN, RUNS, K))  # [j, s]: token s·RUN + j
+    a = tl.reshape(log2_decay_block(g_c, r, valid, stride_g, h, kk, A_log, dt_bias, lower_bound, K, True, EMULATE),
+                   (RUN, RUNS, K))  # [j, s]: token s·RUN + j
     run_total = tl.sum(a, axis=0)  # in-thread
     run_end = tl.cumsum(run_total, axis=0)  # G at each run's last token
     G = tl.reshape(tl.cumsum(a, axis=0) + (run_end - run_total)[None, :, :], (C, K))
@@ -172,19 +170,21 @@ def midpoint_products(q_b, k_b, g_c, r, valid, stride_g, h, kk, A_log, dt_bias, 
         store_lower(L_c, r, valid, r, cc, H * C, L, EMULATE)
 
 
-@triton.jit
-def prepare_chunk(
-    slot, h, q, k, g, beta, A_log, dt_bias, cu_seqlens, ws_bf16, ws_fp32, qg_at, kg_at, A_at, scratch_at,
+@triton.jit(do_not_specialize=["H"])  # one compile for every head count
+def prepare_kernel(
+    q, k, g, beta, A_log, dt_bias, cu_seqlens, ws_bf16, ws_fp32, qg_at, kg_at, A_at, scratch_at,
     stride_q, stride_k, stride_g, stride_beta_tok, stride_beta_head, seq_len, num_seqs, lower_bound, scale,
     H, K: tl.constexpr, C: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
     IS_VARLEN: tl.constexpr, LOWER_BOUND_GATE: tl.constexpr, L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr,
-    RUN: tl.constexpr, DOT_PRECISION: tl.constexpr, EMULATE: tl.constexpr, PREFETCHED: tl.constexpr,
+    RUN: tl.constexpr, DOT_PRECISION: tl.constexpr, EMULATE: tl.constexpr,
 ):
     """One (chunk slot, head): norms, gate, cumulative decays, qg, kg, kd, the chunk decay, M and β·L (module
     docstring): under the lower-bound gate :func:`midpoint_products`, over all K channels at once; under a
     precomputed gate ``BK`` channels at a time, M and L accumulated as ``C / BC`` ``[C, BC]`` column blocks."""
     NB: tl.constexpr = C // BC
     tl.static_assert(NB == 2)
+    slot = tl.program_id(0)
+    h = tl.program_id(1)
     chunk_start, eos = chunk_of_slot(slot, cu_seqlens, seq_len, num_seqs, C, IS_VARLEN)
     if LOWER_BOUND_GATE:  # row i holds token r[i]: each thread's rows are RUN consecutive tokens
         r = (tl.arange(0, C) % (C // RUN)) * RUN + tl.arange(0, C) // (C // RUN)
@@ -212,7 +212,7 @@ def prepare_chunk(
         tl.static_assert(BK == K)  # one channel step (the plan's rule under this gate)
         midpoint_products(q_t * qs[:, None], k_t * ks[:, None], g_c, r, valid, stride_g, h, kall, A_log, dt_bias,
                           lower_bound, bv, qg_c, kd_c, kg_c, A_c, L_c, decay_c, H, K, C, RUN, DOT_PRECISION,
-                          EMULATE, IS_VARLEN, PREFETCHED)
+                          EMULATE, IS_VARLEN)
     else:
         zero = tl.zeros((C, BC), dtype=tl.float32)
         M0, M1, L0, L1 = zero, zero, zero, zero
@@ -251,32 +251,6 @@ def prepare_chunk(
         store_column_block(A_c, L_c, valid, M1, L1, bv, 1, H, C, BC, EMULATE)
 
 
-@triton.jit(do_not_specialize=["H", "slots"])  # one compile for every head count and length
-def prepare_kernel(
-    q, k, g, beta, A_log, dt_bias, cu_seqlens, ws_bf16, ws_fp32, qg_at, kg_at, A_at, scratch_at,
-    stride_q, stride_k, stride_g, stride_beta_tok, stride_beta_head, seq_len, num_seqs, lower_bound, scale,
-    H, slots, K: tl.constexpr, C: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
-    IS_VARLEN: tl.constexpr, LOWER_BOUND_GATE: tl.constexpr, L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr,
-    RUN: tl.constexpr, DOT_PRECISION: tl.constexpr, EMULATE: tl.constexpr, PERSISTENT: tl.constexpr,
-    LOOP_STAGES: tl.constexpr,
-):
-    """:func:`prepare_chunk` of one (chunk slot, head) per program; under ``PERSISTENT`` (the plan's
-    ``prepare_programs_per_sm``) each program walks the pairs ``p``, ``p`` + the grid, ... (head fastest) in a
-    loop of ``LOOP_STAGES`` stages, so that Triton's pipeliner copies the next pairs' rows into shared memory while
-    one computes."""
-    if PERSISTENT:
-        for pair in tl.range(tl.program_id(0), slots * H, tl.num_programs(0), num_stages=LOOP_STAGES):
-            prepare_chunk(pair // H, pair % H, q, k, g, beta, A_log, dt_bias, cu_seqlens, ws_bf16, ws_fp32, qg_at,
-                          kg_at, A_at, scratch_at, stride_q, stride_k, stride_g, stride_beta_tok, stride_beta_head,
-                          seq_len, num_seqs, lower_bound, scale, H, K, C, BC, BK, IS_VARLEN, LOWER_BOUND_GATE,
-                          L2NORM, BETA_SIGMOID, RUN, DOT_PRECISION, EMULATE, True)
-    else:
-        prepare_chunk(tl.program_id(0), tl.program_id(1), q, k, g, beta, A_log, dt_bias, cu_seqlens, ws_bf16,
-                      ws_fp32, qg_at, kg_at, A_at, scratch_at, stride_q, stride_k, stride_g, stride_beta_tok,
-                      stride_beta_head, seq_len, num_seqs, lower_bound, scale, H, K, C, BC, BK, IS_VARLEN,
-                      LOWER_BOUND_GATE, L2NORM, BETA_SIGMOID, RUN, DOT_PRECISION, EMULATE, False)
-
-
 def launch_prepare(plan, ws, q, k, g, beta, A_log, dt_bias, lower_bound, scale, use_qk_l2norm, use_beta_sigmoid,
                    emulate):
     """Launch :func:`prepare_kernel` over the plan's grid into the workspace ``ws``."""
@@ -284,14 +258,13 @@ def launch_prepare(plan, ws, q, k, g, beta, A_log, dt_bias, lower_bound, scale, 
     gate = (A_log, dt_bias) if plan.lower_bound_gate else (absent, absent)
     layout = ws.layout
     launch(
-        prepare_kernel, plan.prepare_kernel_grid,
+        prepare_kernel, plan.prepare_grid,
         q, k, g, beta, *gate, ws.cu_seqlens if plan.varlen else absent, ws.bf16, ws.fp32,
         layout.qg, layout.kg, layout.A, layout.scratch, q.stride(1), k.stride(1), g.stride(1), beta.stride(1),
         beta.stride(2), plan.seq_len, plan.num_seqs, float(lower_bound) if plan.lower_bound_gate else 0.0,
-        float(scale), plan.heads, plan.chunk_slots,
+        float(scale), plan.heads,
         K=plan.key_dim, C=plan.chunk, BC=plan.block, BK=plan.prepare_channels, IS_VARLEN=plan.varlen,
         LOWER_BOUND_GATE=plan.lower_bound_gate, L2NORM=use_qk_l2norm, BETA_SIGMOID=use_beta_sigmoid,
         RUN=plan.prepare_token_run, DOT_PRECISION=plan.dot_precision, EMULATE=emulate,
-        PERSISTENT=plan.prepare_programs_per_sm > 0, LOOP_STAGES=plan.prepare_stages, num_warps=plan.prepare_warps,
-        num_stages=plan.prepare_stages, maxnreg=plan.prepare_registers or None,
+        num_warps=plan.prepare_warps, num_stages=plan.prepare_stages, maxnreg=plan.prepare_registers or None,
     )
