@@ -58,9 +58,10 @@ step() {  # step NAME SECONDS COMMAND...: run unless SECONDS is 0, append to the
   local name=$1 seconds=$2; shift 2
   [ "$seconds" = 0 ] && return
   echo "== $name" >> "$LOG"
-  timeout "$seconds" "$@" > "/tmp/$name.log" 2>&1
-  local rc=$?
-  cat "/tmp/$name.log" >> "$LOG"
+  # the log grows as the step runs: a call that its own limit ends keeps what the step printed (session 27 lost
+  # a whole GPU-test step that the limit cut, when the log was copied after the step)
+  timeout "$seconds" "$@" 2>&1 | tee "/tmp/$name.log" >> "$LOG"
+  local rc=${PIPESTATUS[0]}
   echo "== $name (rc=$rc)"
   grep -E "^\[|passed|failed|Error" "/tmp/$name.log" | grep -v " eager: " | tail -40
 }
