@@ -14,3 +14,4 @@ if not torch.cuda.is_available() and interpreter.unavailable_reason() is None:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 if interpreter.active():
     interpreter.install_ordered_dot()
+    interpreter.install_one_patch_per_launch()

@@ -9,6 +9,10 @@ terms onto the accumulator in one fixed order, k = 0, 1, ..., with plain fp32 mu
 operations on any CPU), so the interpreter's results are the same everywhere and a product's element depends on
 its row and column alone, as it does on the GPU. Adding onto the accumulator, as the tensor cores' k-steps do,
 also makes one product over a concatenated K add what two chained products add (``recurrence.py``). The GPU tests keep their own bitwise checks on the real tensor cores.
+
+The interpreter also re-patches ``triton.language`` (a walk over every member of the module) at each call of a
+``@triton.jit`` helper inside a kernel, although the kernel's launch has already patched it: a third of the
+interpreter tests' time. :func:`install_one_patch_per_launch` keeps the launch's patch for its helpers.
 """
 
 import os
@@ -63,6 +67,47 @@ def install_ordered_dot():
 
     create_dot.ordered = True
     builder.create_dot = create_dot
+
+
+def install_one_patch_per_launch():
+    """Patch ``triton.language`` for the interpreter once per kernel launch, not again at every helper call inside
+    it (see the module docstring). A call with no launch open is a launch: its scope's ``restore`` closes it. A
+    helper that sees a language module the launch has not patched yet (Triton's own ``tl.sum`` sees
+    ``triton.language.core``) patches it once, into the launch's scope, so the launch's end restores it too."""
+    import inspect
+
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    if getattr(interpreter._patch_lang, "once_per_launch", False):
+        return
+    patch_lang = interpreter._patch_lang
+    launch = {}  # while a launch is open: its scope and the language modules patched in it
+
+    def languages(fn):
+        return {id(value) for value in fn.__globals__.values() if inspect.ismodule(value) and value in (tl, tl.core)}
+
+    def patch_once(fn):
+        seen = languages(fn)
+        if launch and seen <= launch["languages"]:
+            return interpreter._LangPatchScope()  # nothing to restore: the launch's patch stays
+        scope = patch_lang(fn)
+        if launch:  # a helper's new module: restored with the launch, after the launch's own changes
+            launch["scope"]._changes.extend(scope._changes)
+            launch["languages"] |= seen
+            return interpreter._LangPatchScope()
+        launch.update(scope=scope, languages=seen)
+        restore = scope.restore
+
+        def close():
+            launch.clear()
+            restore()
+
+        scope.restore = close
+        return scope
+
+    patch_once.once_per_launch = True
+    interpreter._patch_lang = patch_once
 
 
 def active():
