@@ -4,7 +4,18 @@
 import os
 import sys
 
-import torch
+
+def _cores():
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+# Under pytest-xdist (the README's test command), each worker's OpenMP threads (torch, and the BLAS numpy uses) get
+# an equal share of the cores, not all of them each (faster: docs/perf-notes.md, "Session 28"). Set before torch
+# is imported, which reads it then; a value the caller set is kept.
+if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, _cores() // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))))
+
+import torch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # helpers.py and interpreter.py, from any subfolder
 
