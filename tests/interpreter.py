@@ -11,8 +11,8 @@ its row and column alone, as it does on the GPU. Adding onto the accumulator, as
 also makes one product over a concatenated K add what two chained products add (``recurrence.py``). The GPU tests keep their own bitwise checks on the real tensor cores.
 
 The interpreter also re-patches ``triton.language`` (a walk over every member of the module) at each call of a
-``@triton.jit`` helper inside a kernel, although the kernel's launch has already patched it: a third of the
-interpreter tests' time. :func:`install_one_patch_per_launch` keeps the launch's patch for its helpers.
+``@triton.jit`` helper inside a kernel, although the kernel's launch has already patched it (its cost:
+docs/perf-notes.md, "Session 28"). :func:`install_one_patch_per_launch` keeps the launch's patch for its helpers.
 """
 
 import os

@@ -9,7 +9,8 @@ import torch
 import interpreter
 
 if not interpreter.active():
-    pytest.skip("the harness patches Triton's CPU interpreter, which these tests do not run on", allow_module_level=True)
+    pytest.skip("the harness patches Triton's CPU interpreter, which these tests do not run on",
+                allow_module_level=True)
 
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
