@@ -26,3 +26,4 @@ if not torch.cuda.is_available() and interpreter.unavailable_reason() is None:
 if interpreter.active():
     interpreter.install_ordered_dot()
     interpreter.install_one_patch_per_launch()
+    interpreter.skip_dead_overflow_checks()

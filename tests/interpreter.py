@@ -13,6 +13,9 @@ also makes one product over a concatenated K add what two chained products add (
 The interpreter also re-patches ``triton.language`` (a walk over every member of the module) at each call of a
 ``@triton.jit`` helper inside a kernel, although the kernel's launch has already patched it (its cost:
 docs/perf-notes.md, "Session 28"). :func:`install_one_patch_per_launch` keeps the launch's patch for its helpers.
+And with its default options it checks every 32-bit integer add, subtract and multiply for overflow (the sum again
+in 64 bits, two comparisons), then drops the check's assert, since asserts are off unless ``debug`` is:
+:func:`skip_dead_overflow_checks` stops the work that no test can see.
 """
 
 import os
@@ -108,6 +111,18 @@ def install_one_patch_per_launch():
 
     patch_once.once_per_launch = True
     interpreter._patch_lang = patch_once
+
+
+def skip_dead_overflow_checks():
+    """Turn off the interpreter's overflow checks of 32-bit integer arithmetic while its ``debug`` option is off
+    (Triton 3.6's default), under which their asserts are dropped (the module docstring)."""
+    import dataclasses
+
+    from triton.runtime import interpreter
+
+    builder = interpreter.interpreter_builder
+    if not builder.options.debug:
+        builder.options = dataclasses.replace(builder.options, sanitize_overflow=False)
 
 
 def active():

@@ -1,6 +1,8 @@
 """The tests' interpreter harness (``tests/interpreter.py``): one patch of ``triton.language`` per kernel launch,
-whatever the number of helper calls inside it, and the language as it was once the launch ends."""
+whatever the number of helper calls inside it, and the language as it was once the launch ends; the integer
+overflow checks skipped only where their asserts are dropped."""
 
+import dataclasses
 import inspect
 
 import pytest
@@ -29,6 +31,11 @@ def _sums_kernel(x_ptr, out_ptr, N: tl.constexpr):
     for _ in range(4):  # helper calls at run time, every program
         total += _total(x)
     tl.store(out_ptr + tl.program_id(0), total)
+
+
+@triton.jit
+def _int32_sum_kernel(x_ptr, out_ptr):
+    tl.store(out_ptr, tl.load(x_ptr) + tl.load(x_ptr + 1))
 
 
 @triton.jit
@@ -79,3 +86,24 @@ def test_the_language_is_restored_after_a_launch_and_after_a_failing_one():
     assert (tl.core.reduce, tl.core.tensor.__add__) == core_before
     _sums_kernel[(1,)](torch.arange(8, dtype=torch.float32), out, N=8)  # and a launch after works as before
     assert out.item() == 4 * 28.0
+
+
+def test_overflow_checks_skipped_only_where_their_asserts_are_dropped(monkeypatch):
+    builder = triton_interpreter.interpreter_builder
+    assert not builder.options.debug and not builder.options.sanitize_overflow  # the harness's choice
+    x = torch.tensor([2 ** 31 - 1, 1], dtype=torch.int32)
+
+    def int32_sum(options):
+        monkeypatch.setattr(builder, "options", options)
+        out = torch.zeros(1, dtype=torch.int32)
+        _int32_sum_kernel[(1,)](x, out)
+        return out.item()
+
+    checked = dataclasses.replace(builder.options, sanitize_overflow=True)
+    assert int32_sum(checked) == int32_sum(builder.options) == -2 ** 31  # checked or not: wrapped, nothing raised
+    debugging = dataclasses.replace(checked, debug=True)
+    monkeypatch.setattr(builder, "options", debugging)
+    interpreter.skip_dead_overflow_checks()
+    assert builder.options is debugging  # under debug the checks stay, and they are live
+    with pytest.raises(Exception, match="int32 overflow"):
+        int32_sum(debugging)
