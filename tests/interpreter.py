@@ -8,7 +8,8 @@ V-slices would take for a kernel bug. :func:`install_ordered_dot` makes the inte
 terms onto the accumulator in one fixed order, k = 0, 1, ..., with plain fp32 multiplies and adds (exact IEEE
 operations on any CPU), so the interpreter's results are the same everywhere and a product's element depends on
 its row and column alone, as it does on the GPU. Adding onto the accumulator, as the tensor cores' k-steps do,
-also makes one product over a concatenated K add what two chained products add (``recurrence.py``). The GPU tests keep their own bitwise checks on the real tensor cores.
+also makes one product over a concatenated K add what two chained products add (``recurrence.py``). The GPU tests
+keep their own bitwise checks on the real tensor cores.
 
 The interpreter also re-patches ``triton.language`` (a walk over every member of the module) at each call of a
 ``@triton.jit`` helper inside a kernel, although the kernel's launch has already patched it (its cost:
