@@ -90,7 +90,8 @@ def test_the_language_is_restored_after_a_launch_and_after_a_failing_one():
 
 def test_overflow_checks_skipped_only_where_their_asserts_are_dropped(monkeypatch):
     builder = triton_interpreter.interpreter_builder
-    assert not builder.options.debug and not builder.options.sanitize_overflow  # the harness's choice
+    unchecked = builder.options
+    assert not unchecked.debug and not unchecked.sanitize_overflow  # the harness's choice
     x = torch.tensor([2 ** 31 - 1, 1], dtype=torch.int32)
 
     def int32_sum(options):
@@ -99,8 +100,8 @@ def test_overflow_checks_skipped_only_where_their_asserts_are_dropped(monkeypatc
         _int32_sum_kernel[(1,)](x, out)
         return out.item()
 
-    checked = dataclasses.replace(builder.options, sanitize_overflow=True)
-    assert int32_sum(checked) == int32_sum(builder.options) == -2 ** 31  # checked or not: wrapped, nothing raised
+    checked = dataclasses.replace(unchecked, sanitize_overflow=True)
+    assert int32_sum(checked) == int32_sum(unchecked) == -2 ** 31  # checked or not: wrapped, nothing raised
     debugging = dataclasses.replace(checked, debug=True)
     monkeypatch.setattr(builder, "options", debugging)
     interpreter.skip_dead_overflow_checks()
