@@ -68,6 +68,15 @@ def opcode_totals(rows):
     return sorted(totals.items(), key=lambda kv: -kv[1])
 
 
+def stall_reasons(rows):
+    """``[(reason, share)]`` of the stall samples over the whole kernel, largest first (ncu's ``stall_*``
+    columns, the "Not Issued" ones left out)."""
+    names = [name for name in rows[0] if name.startswith("stall_") and "Not Issued" not in name]
+    totals = {name[len("stall_"):]: sum(number(r[name]) for r in rows) for name in names}
+    whole = sum(totals.values()) or 1.0
+    return sorted(((reason, t / whole) for reason, t in totals.items()), key=lambda kv: -kv[1])
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser()
     parser.add_argument("csv_path")
@@ -76,6 +85,7 @@ def main(argv=None):
     rows = read_page(args.csv_path)
     by_opcode = opcode_totals(rows)
     total = sum(s for _, s in by_opcode) or 1.0
+    print("[ncu] stall reasons: " + ", ".join(f"{reason} {share:.1%}" for reason, share in stall_reasons(rows)[:10]))
     print("[ncu] stall samples by opcode: " + ", ".join(f"{op} {s / total:.1%}" for op, s in by_opcode[:15]))
     for share, count, address, source in hotspots(rows, args.top):
         print(f"[ncu] {share:6.2%} {int(count):7d}  {address}  {source}")

@@ -17,7 +17,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: fastkda and tools
 
-from tools.profiling.ncu_hotspots import column, columns, number, read_page  # noqa: E402
+from tools.profiling.ncu_hotspots import column, columns, number, read_page, stall_reasons  # noqa: E402
 from tools.profiling.sass_lines import instructions, source_text  # noqa: E402
 
 EXCESSIVE = ("l1 wavefronts shared excessive",)
@@ -26,15 +26,6 @@ EXCESSIVE = ("l1 wavefronts shared excessive",)
 def shared_column(header):
     """The column of all shared-memory wavefronts (not its "excessive" or "ideal" siblings)."""
     return next((name for name in header if name.lower().strip() == "l1 wavefronts shared"), None)
-
-
-def stall_reasons(rows):
-    """``[(reason, share)]`` of the stall samples over the whole kernel, largest first (ncu's ``stall_*``
-    columns, the "Not Issued" ones left out)."""
-    names = [name for name in rows[0] if name.startswith("stall_") and "Not Issued" not in name]
-    totals = {name[len("stall_"):]: sum(number(r[name]) for r in rows) for name in names}
-    whole = sum(totals.values()) or 1.0
-    return sorted(((reason, t / whole) for reason, t in totals.items()), key=lambda kv: -kv[1])
 
 
 def per_source_line(rows, line_of):
