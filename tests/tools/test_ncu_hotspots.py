@@ -22,3 +22,13 @@ def test_ranks_lines_and_opcodes_by_stall_samples(tmp_path, capsys):
     out = capsys.readouterr().out.splitlines()
     assert out[0] == "[ncu] stall samples by opcode: BAR 70.0%, FMUL 20.0%, LDG 10.0%"
     assert "70.00%" in out[1] and "BAR.SYNC" in out[1] and "FMUL" in out[2] and len(out) == 3
+
+
+def test_stall_reasons_lead_when_the_page_has_them(tmp_path, capsys):
+    path = tmp_path / "page.csv"
+    path.write_text('"Address","Source","Warp Stall Sampling (All Samples)","stall_barrier","stall_no_instruction",'
+                    '"stall_Not Issued"\n"0x0","BAR.SYNC 0x0","8","6","2","5"\n"0x10","NOP","2","0","2","1"\n')
+    assert ncu_hotspots.main([str(path), "--top", "1"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "[ncu] stall reasons: barrier 60.0%, no_instruction 40.0%"
+    assert out[1].startswith("[ncu] stall samples by opcode: BAR 80.0%")

@@ -85,7 +85,9 @@ def main(argv=None):
     rows = read_page(args.csv_path)
     by_opcode = opcode_totals(rows)
     total = sum(s for _, s in by_opcode) or 1.0
-    print("[ncu] stall reasons: " + ", ".join(f"{reason} {share:.1%}" for reason, share in stall_reasons(rows)[:10]))
+    reasons = stall_reasons(rows)
+    if reasons:  # pages printed without ncu's per-reason columns have none
+        print("[ncu] stall reasons: " + ", ".join(f"{reason} {share:.1%}" for reason, share in reasons[:10]))
     print("[ncu] stall samples by opcode: " + ", ".join(f"{op} {s / total:.1%}" for op, s in by_opcode[:15]))
     for share, count, address, source in hotspots(rows, args.top):
         print(f"[ncu] {share:6.2%} {int(count):7d}  {address}  {source}")

@@ -51,7 +51,8 @@ def main(argv=None):
     for index, source in enumerate(args.sources or [None]):
         variant = Variant(changes, source)
         started = time.time()
-        with variant_package(variant, f"_accuracy_variant_{index}") as package:
+        # the process id in the copy's name: two runs side by side (tests on xdist workers) keep their own copies
+        with variant_package(variant, f"_accuracy_variant_{os.getpid()}_{index}") as package:
             found[variant.label] = errors(package, changes, inp, reference, args.v_slices)
         print(f"[accuracy] {variant.label}: output {found[variant.label][0]:.3e} state {found[variant.label][1]:.3e} "
               f"({time.time() - started:.0f} s, CPU interpreter)", flush=True)
