@@ -72,6 +72,18 @@ DECODE_VARIANTS = {
         (_DECODE_TOKEN_SLOT_STORE, "            tl.store(pool + write_slot * (H * V * K) + state_cols, "
          "S.to(pool.dtype.element_ty), mask=writes, cache_modifier='.cs')\n")],
 }
+# the output from the decayed old state, S_new·q = (S·diag(decay))·q + u·(k·q): its K reduction no longer waits
+# for u and the update, so the two passes over S are independent (fewer dependent steps on a lone program's chain)
+DECODE_VARIANTS["output in one pass"] = [
+    ("""    u = b_t * (v_t - tl.sum(S * (decay * k_t)[None, :], axis=1))
+    S = S * decay[None, :] + u[:, None] * k_t[None, :]
+    return S, tl.sum(S * (q_t * scale)[None, :], axis=1)
+""", """    qs = q_t * scale
+    u = b_t * (v_t - tl.sum(S * (decay * k_t)[None, :], axis=1))
+    o = tl.sum(S * (decay * qs)[None, :], axis=1) + u * tl.sum(k_t * qs)
+    S = S * decay[None, :] + u[:, None] * k_t[None, :]
+    return S, o
+""")]
 # the token's K-wide inputs loaded as [BV, K] tiles in the state's layout (every row the same channels), so that no
 # layout conversion (a shared-memory round trip behind a barrier) sits between one input's load and the next's
 _INPUTS_2D = [
