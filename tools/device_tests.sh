@@ -86,13 +86,13 @@ step kernel-times-2 "${KERNELS2_S:-0}" python3 tools/profiling/kernel_times.py $
 step checkpoint-cost "${CKPT_S:-0}" python3 tools/sweeps/checkpoint_cost.py
 NCU_KERNEL=${NCU_KERNEL:-prepare} NCU_WORKLOAD=${NCU_WORKLOAD:-H96_B1_T8192}  # the kernel's Triton name less _kernel
 [ "$NCU_KERNEL" = scan ] && ncu_name=segment_scan || ncu_name=$NCU_KERNEL
-# a decode workload (decode_*) runs the decode step and its memory floor (NCU_KERNEL=decode or state_chain); the
-# line report then needs the shape in NCU_LINES_ARGS (e.g. "--heads 12 --seqs 1")
-case $NCU_WORKLOAD in decode_*) ncu_runner=tools/profiling/ncu_decode.py lines_shape=${NCU_LINES_ARGS:-} ;;
-  *) ncu_runner=tools/profiling/ncu_prepare.py lines_shape="--workload $NCU_WORKLOAD" ;; esac
+# a decode workload (decode_*) runs the decode step and its memory floor (NCU_KERNEL=decode or state_chain; this
+# tree's kernels only, no NCU_PACKAGE)
+ncu_runner=tools/profiling/ncu_prepare.py
+case $NCU_WORKLOAD in decode_*) ncu_runner=tools/profiling/ncu_decode.py ;; esac
 step ncu "${NCU_S:-0}" bash -c "ncu --clock-control none --set full --import-source yes -k regex:${ncu_name}_kernel \
   --launch-count 1 -f -o /tmp/k python3 $ncu_runner --only $NCU_WORKLOAD ${NCU_PACKAGE:+--package $NCU_PACKAGE} \
   && ncu -i /tmp/k.ncu-rep --page details && ncu -i /tmp/k.ncu-rep --page source --print-source sass --csv \
   > /tmp/k-sass.csv && gzip -c /tmp/k-sass.csv > $OUT/results/ncu-$NCU_KERNEL-$NCU_WORKLOAD-sass.csv.gz \
   && python3 tools/profiling/ncu_hotspots.py /tmp/k-sass.csv \
-  && python3 tools/profiling/ncu_lines.py $NCU_KERNEL /tmp/k-sass.csv $lines_shape"
+  && python3 tools/profiling/ncu_lines.py $NCU_KERNEL /tmp/k-sass.csv --workload $NCU_WORKLOAD"

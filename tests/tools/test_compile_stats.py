@@ -101,6 +101,27 @@ def test_sass_count_reads_the_decode_kernels_sass():
     assert int(line.split("instructions ")[1].split(",")[0]) > 100 and "LDG" in line
 
 
+
+WORKLOAD_SHAPES = r"""
+import sys
+sys.path.insert(0, ".")
+from tools.profiling import hopper
+print(hopper.workload_shape("decode_H12_N32"), hopper.workload_shape("H12_N2_T1024"))
+for name in ("decode_H12_N64_spec4", "decode_H12_N256_bf16", "no_such_workload"):
+    try:
+        hopper.workload_shape(name)
+    except SystemExit as refused:
+        print(name, "refused:", refused)
+"""
+
+
+def test_a_one_token_decode_workload_names_its_shape_and_other_decode_workloads_are_refused():
+    lines = run_tool(code=WORKLOAD_SHAPES).splitlines()
+    assert lines[0] == f"(12, {[1] * 32}, False) (12, [1024, 1024], True)"
+    assert [line.split(" refused:")[0] for line in lines[1:]] == ["decode_H12_N64_spec4", "decode_H12_N256_bf16",
+                                                                   "no_such_workload"]
+    assert "not a one-token step on an fp32 pool" in lines[1] and "not a one-token step" in lines[2]
+
 # The Gluon recurrence (plan.warpgroup_recurrence) compiled as its launches compile it, in each of its forms: a
 # Gluon API change, a spill, or ptxas serialising the wgmma products (warning C7514: a cp.async between a wgmma and
 # its wait did it once) fails here, on any machine with Triton's ptxas.

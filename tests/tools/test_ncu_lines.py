@@ -10,8 +10,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository r
 
 INTERPRET_BEFORE = os.environ.get("TRITON_INTERPRET")
 from tools.profiling import ncu_lines  # noqa: E402
-from tools.profiling.ncu_hotspots import read_page  # noqa: E402
-from tools.profiling import ncu_hotspots  # noqa: E402
+from tools.profiling.ncu_hotspots import read_page, stall_reasons  # noqa: E402
 from tools.profiling.sass_lines import instructions  # noqa: E402
 
 LISTING = '''\t//## File "/src/kernel.py", line 10
@@ -50,7 +49,7 @@ def test_page_summed_per_line_with_conflicts_and_stall_reasons(tmp_path):
     found = ncu_lines.per_source_line(rows, line_of)
     assert found[("/src/std.py", 293)] == dict(samples=60.0, shared=320.0, excessive=300.0)
     assert found[("/src/kernel.py", 10)]["samples"] == 30.0 and found[("/src/kernel.py", 12)]["shared"] == 8.0
-    assert ncu_hotspots.stall_reasons(rows) == [("barrier", 0.7), ("long_sb", 0.3)]
+    assert stall_reasons(rows) == [("barrier", 0.7), ("long_sb", 0.3)]
     out = ncu_lines.report(rows, line_of, top=2)
     assert "shared-memory wavefronts 0.00 M" in out[1] and len(out) == 4
     assert "60.0%" in out[2] and "std.py:293" in out[2] and "kernel.py:10" in out[3]

@@ -187,8 +187,8 @@ def add_plan_arguments(parser):
     """The shape a plan is made for (a workload of the shipped file, or heads, sequences and tokens) and the
     changes to it (``--set``, ``--decode-set``)."""
     parser.add_argument("--workload", default=DEFAULT_WORKLOAD,
-                        help=f"a prefill workload of the shipped workloads file (default {DEFAULT_WORKLOAD}); "
-                             "--heads and --seqs replace it")
+                        help=f"a prefill workload of the shipped workloads file (default {DEFAULT_WORKLOAD}), or "
+                             "a one-token fp32-pool decode workload; --heads and --seqs replace it")
     parser.add_argument("--heads", type=int, help="heads (with --seqs and --tokens instead of --workload)")
     parser.add_argument("--seqs", type=int, default=1, help="sequences")
     parser.add_argument("--tokens", type=int, default=8192, help="tokens per sequence")
@@ -203,6 +203,25 @@ def add_plan_arguments(parser):
     add_set_argument(parser, DecodePlan, dest="decode_set", flag="--decode-set", what="launch numbers of decode's plan")
 
 
+def workload_shape(name):
+    """``(heads, lengths, varlen)`` of a workload of the shipped file: a prefill workload's own, or a decode
+    workload's sequences of one token each (the decode launch compiled here is the one-token step on an fp32
+    pool, :func:`decode_launch`, so a speculative or bf16-pool workload is refused rather than compiled as
+    another kernel)."""
+    workloads = load_workloads()
+    found = {w["name"]: w for w in workloads["prefill"]}
+    if name in found:
+        return found[name]["H"], found[name]["lengths"], is_varlen(found[name])
+    decode = {w["name"]: w for w in workloads["decode"]}
+    if name not in decode:
+        raise SystemExit(f"no prefill or decode workload {name!r} in fastkda's workloads file")
+    w = decode[name]
+    if w["tokens_per_seq"] != 1 or w.get("state_dtype", "fp32") != "fp32":
+        raise SystemExit(f"decode workload {name!r} is not a one-token step on an fp32 pool, the decode launch "
+                         "compiled here; give --heads and --seqs for its plan instead")
+    return w["H"], [1] * w["N"], False
+
+
 def plans_from_arguments(args):
     """(prefill plan, decode plan) for the parsed :func:`add_plan_arguments`: the automatic plans an sm_90 GPU
     makes (its warpgroup MMA, so the Gluon kernels where the plan takes them), with the longest length as the
@@ -210,10 +229,7 @@ def plans_from_arguments(args):
     if args.heads is not None:
         heads, lengths, varlen = args.heads, [args.tokens] * args.seqs, not args.fixed
     else:
-        found = [w for w in load_workloads()["prefill"] if w["name"] == args.workload]
-        if not found:
-            raise SystemExit(f"no prefill workload {args.workload!r} in fastkda's workloads file")
-        heads, lengths, varlen = found[0]["H"], found[0]["lengths"], is_varlen(found[0])
+        heads, lengths, varlen = workload_shape(args.workload)
     seq_len = sum(lengths) if varlen else lengths[0]
     plan = choose_plan(len(lengths), heads, seq_len, args.dim, args.dim, args.sms, varlen=varlen,
                        lower_bound_gate=not args.precomputed_gate, max_seqlen=max(lengths) if varlen else None,

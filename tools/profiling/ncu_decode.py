@@ -19,11 +19,12 @@ from fastkda.bench.workloads import load_workloads, make_decode_inputs  # noqa: 
 
 
 def main(argv=None):
-    names = [w["name"] for w in load_workloads()["decode"]]
+    workloads = {w["name"]: w for w in load_workloads()["decode"]}
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--only", default="decode_H12_N1", choices=names, help="the decode workload to run once")
+    parser.add_argument("--only", default="decode_H12_N1", choices=list(workloads),
+                        help="the decode workload to run once")
     args = parser.parse_args(argv)
-    workload = next(w for w in load_workloads()["decode"] if w["name"] == args.only)
+    workload = workloads[args.only]
     inp = make_decode_inputs(workload, "cuda")
     fastkda_decode_runner(inp)()
     floor_decode_runner(inp)()
