@@ -818,17 +818,23 @@ def choose_decode_plan(num_seqs: int, heads: int, value_dim: int, sms: int, v_sl
                        tokens: int = 1) -> DecodePlan:
     """Decode's plan: slices of :data:`DECODE_SLICE_WIDTH` columns unless overridden. Decode is bound by the
     state's bytes, not by a serial chain, so the slice width is set by registers: a narrow slice leaves room for
-    several programs per SM to keep loads in flight. One token per sequence (``tokens``) on at least one program
-    per SM: one warp per 16-column slice (:func:`single_warp_decode`)."""
+    several programs per SM to keep loads in flight. The warps of a 16-column slice walking one token per sequence
+    follow the grid (:func:`one_token_decode_warps`)."""
     return _choose_decode_plan(num_seqs, heads, value_dim, sms, requested_v_slices(v_slices), tokens)
 
 
-def single_warp_decode(programs: int, tokens: int, sms: int) -> bool:
-    """Whether 16-column decode slices run on one warp rather than two: where one token per sequence is walked and
-    the grid fills every SM, the step is bound by bytes in flight and half the warps keep more programs resident
-    (the decode sweep at dd98b4a: bf16 pools −12–14%, fp32 N64/N256 −3–4%); with one program per SM or less
-    (H12 N1) or several tokens (speculative) the chain is longer and two warps are 2–5% faster."""
-    return tokens == 1 and programs >= sms
+LONE_DECODE_WARPS = 8  # warps of a one-token 16-column decode program on a grid of fewer programs than SMs
+
+
+def one_token_decode_warps(programs: int, sms: int) -> int:
+    """Warps of a 16-column decode slice when one token per sequence is walked. Where the grid fills every SM the
+    step is bound by bytes in flight and one warp keeps more programs resident (the decode sweep at dd98b4a: bf16
+    pools −12–14%, fp32 N64/N256 −3–4% against two). Where the grid leaves SMs idle (H12 N1: 96 programs on 132)
+    each program is alone on its SM and its time is its own instruction chain: eight warps give each thread one
+    state row of the slice's sixteen rather than eight, so the K reductions take fewer steps (ptxas, sm_90a: 736
+    SASS instructions a warp on two warps, 456 on eight). Several tokens (speculative decode) keep two warps:
+    there the chain's per-token stores and inputs, not the reductions, set the time."""
+    return 1 if programs >= sms else LONE_DECODE_WARPS
 
 
 @functools.lru_cache(maxsize=4096)
@@ -841,9 +847,11 @@ def _choose_decode_plan(num_seqs, heads, value_dim, sms, choice, tokens):
         slices = choice
         reason = f"v_slices={choice} requested"
     warps = decode_warps(value_dim // slices)
-    if value_dim // slices == DECODE_SLICE_WIDTH and single_warp_decode(num_seqs * heads * slices, tokens, sms):
-        warps = 1
-        reason += "; one warp a slice: one token per sequence on a grid that fills every SM"
+    if value_dim // slices == DECODE_SLICE_WIDTH and tokens == 1:
+        programs = num_seqs * heads * slices
+        warps = one_token_decode_warps(programs, sms)
+        reason += (f"; {warps} warp(s) a slice: one token per sequence on {programs} programs for {sms} SMs "
+                   f"({'bytes in flight' if warps == 1 else 'each program alone on its SM: its chain'} sets the time)")
     return DecodePlan(num_seqs, heads, value_dim, slices, warps, reason)
 
 

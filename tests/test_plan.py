@@ -228,7 +228,9 @@ def test_bad_environment_is_rejected(monkeypatch):
 def test_decode_plan_uses_narrow_slices_and_honours_overrides(monkeypatch):
     assert choose_decode_plan(256, 96, 128, 132).v_slices == 8  # 16-column slices
     assert choose_decode_plan(256, 96, 128, 132).warps == 1  # one token, a full grid: one warp a slice
-    assert choose_decode_plan(1, 12, 128, 132).warps == 2  # 96 programs on 132 SMs: the chain counts
+    assert choose_decode_plan(1, 12, 128, 132).warps == 8  # 96 programs on 132 SMs: each alone, its chain counts
+    assert choose_decode_plan(1, 16, 128, 132).warps == 8  # 128 programs: still fewer than SMs
+    assert choose_decode_plan(1, 17, 128, 132).warps == 1  # 136 programs fill every SM: bytes in flight
     assert choose_decode_plan(64, 12, 128, 132, tokens=4).warps == 2  # speculative tokens: the chain counts
     assert choose_decode_plan(1, 12, 64, 132).v_slices == 4
     assert choose_decode_plan(1, 12, 128, 132, v_slices=1).warps == 8

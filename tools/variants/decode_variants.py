@@ -1,7 +1,7 @@
 """Source variants of the decode kernels (``--kernel decode_step``: the layer's fused decode step; ``--kernel
-decode``: KDA decode), timed beside the committed kernel, the KDA-only step and (for decode) its memory floor in
-one process (CUDA-graph replay), so that a change to a kernel, or the cost of one of its parts, is measured before
-it is made.
+decode``: KDA decode), timed beside the committed kernel, the KDA-only step and (for decode) its memory floor on
+the auto plan and on each setting, in one process (CUDA-graph replay), so that a change to a kernel, or the cost
+of one of its parts, is measured before it is made.
 
 A variant is a list of text edits to the kernel's module (``fastkda/ops/decode_step.py`` or ``decode.py``; each
 must match exactly once). The edited source is written beside the committed module as
@@ -25,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository r
 import fastkda.ops.decode as committed_decode  # noqa: E402
 import fastkda.ops.decode_step as committed_step  # noqa: E402
 from fastkda.bench.report import tool_results_file, write_tool_results  # noqa: E402
+from fastkda.bench.floor import state_chain_runner  # noqa: E402
 from fastkda.bench.runners import fastkda_decode_runner, floor_decode_runner, step_inputs  # noqa: E402
 from fastkda.bench.workloads import LOWER_BOUND, load_workloads, make_decode_inputs  # noqa: E402
 from fastkda.plan import choose_decode_plan  # noqa: E402
@@ -210,8 +211,11 @@ def main(argv=None):
             continue
         inp = make_decode_inputs(w, "cuda")
         references = {"KDA-only step, auto plan": fastkda_decode_runner(inp)}
-        if args.kernel == "decode":  # what the bars of decode are held against
+        if args.kernel == "decode":  # what the bars of decode are held against, on each setting's grid and warps
             references["memory floor, auto plan"] = floor_decode_runner(inp)
+            for setting in settings:
+                if setting != "auto":
+                    references[f"memory floor, {setting}"] = state_chain_runner(inp, plan_of(w, setting))
         for label, run in references.items():
             ms = time_graph(run)
             rows.append(dict(workload=w["name"], setting=label, variant=None, ms=round(ms, 5)))
