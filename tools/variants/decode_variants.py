@@ -107,9 +107,10 @@ DECODE_VARIANTS = {
 DECODE_VARIANTS["output in one pass"] = [
     ("""    u = b_t * (v_t - tl.sum(S * (decay * k_t)[None, :], axis=1))
     S = S * decay[None, :] + u[:, None] * k_t[None, :]
-    return S, tl.sum(S * q_s[None, :], axis=1)
-""", """    u = b_t * (v_t - tl.sum(S * (decay * k_t)[None, :], axis=1))
-    o = tl.sum(S * (decay * q_s)[None, :], axis=1) + u * tl.sum(k_t * q_s)
+    return S, tl.sum(S * (q_t * scale)[None, :], axis=1)
+""", """    qs = q_t * scale
+    u = b_t * (v_t - tl.sum(S * (decay * k_t)[None, :], axis=1))
+    o = tl.sum(S * (decay * qs)[None, :], axis=1) + u * tl.sum(k_t * qs)
     S = S * decay[None, :] + u[:, None] * k_t[None, :]
     return S, o
 """)]
@@ -123,10 +124,10 @@ _INPUTS_2D = [
 """),
     ("""    u = b_t * (v_t - tl.sum(S * (decay * k_t)[None, :], axis=1))
     S = S * decay[None, :] + u[:, None] * k_t[None, :]
-    return S, tl.sum(S * q_s[None, :], axis=1)
+    return S, tl.sum(S * (q_t * scale)[None, :], axis=1)
 """, """    u = b_t * (v_t - tl.sum(S * (decay * k_t), axis=1))
     S = S * decay + u[:, None] * k_t
-    return S, tl.sum(S * q_s, axis=1)
+    return S, tl.sum(S * (q_t * scale), axis=1)
 """),
     ("""    vv = vs * BV + tl.arange(0, BV)
     # the first token's inputs""", """    vv = vs * BV + tl.arange(0, BV)
