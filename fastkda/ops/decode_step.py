@@ -2,11 +2,8 @@
 update, the q/k/v split, KDA decode over the state pool, and the gated RMSNorm.
 
 One program per (V-slice, head, sequence), as :mod:`fastkda.ops.decode`: each program runs the conv for the K q and
-K k channels of its head (the W−1 state columns of its slot and the new token) and the token's coefficients
-(:func:`fastkda.ops.decode.token_coefficients`), then walks its ``[BV, K]`` state slice in chunks of
-:data:`fastkda.plan.DECODE_STEP_CHUNK` columns: each chunk's v channels' conv, its KDA update
-(:func:`fastkda.ops.decode.state_update`) and its stores, the next chunk's loads issued before the current one
-computes. A wide slice (a whole head) so holds one chunk's registers, twice, rather than the head's.
+K k channels of its head and its slice's v channels (the W−1 state columns of its slot and the new token), then the
+token's KDA update on its ``[BV, K]`` state slice (:func:`fastkda.ops.decode.token_step`) and writes that slice back.
 
 Two things are shared by a head's slices. The norm needs the whole head's output: each program writes its slice's
 output (fp32) and sum of squares to a workspace row, then takes a ticket (an atomic add, acquire-release); the
@@ -14,8 +11,8 @@ program that takes the last ticket reads every slice's sum in slice order (deter
 output, applies the gate and writes it, and puts the ticket back to 0 (so a CUDA graph replays from zeros). And the
 q/k channels' conv state: every slice reads it, so only the last program, which knows that every slice has read it
 (their reads come before their tickets), writes its new value; each program writes its own v channels' state.
-With one slice per head, the program normalises its head from its own workspace row (behind a barrier) and writes
-the q/k state itself: no ticket, fence or atomic.
+With one slice per head (a plan that asks for it), the program normalises its head and writes the q/k state itself,
+without workspace or ticket.
 
 A negative slot, or one at or past the pool's size, is a padding row: zeros for the conv state and the recurrent
 state, a zero output, nothing written to either pool (counted as the decode kernel counts it).
@@ -189,7 +186,8 @@ def fused_decode_step(mixed, conv_pool, conv_weight, g, beta, out_gate, norm_wei
         mixed.stride(0), conv_pool.stride(0), conv_pool.stride(1), conv_pool.stride(2), conv_weight.stride(0),
         conv_weight.stride(1), g.stride(0), beta.stride(0), beta.stride(1), out_gate.stride(0), slots.stride(0),
         float(lower_bound) if lower_bound_gate else 0.0, float(scale), float(eps), state_pool.shape[0],
-        H=heads, K=key_dim, V=value_dim, BV=plan.slice_width, CHUNKS=step_chunks(plan.slice_width),
-        SLICES=plan.v_slices, W=width, LOWER_BOUND_GATE=lower_bound_gate, L2NORM=use_qk_l2norm,
+        H=heads, K=key_dim, V=value_dim, BV=plan.slice_width, CHUNKS=step_chunks(plan.slice_width), SLICES=plan.v_slices,
+        W=width,
+        LOWER_BOUND_GATE=lower_bound_gate, L2NORM=use_qk_l2norm,
         BETA_SIGMOID=use_beta_sigmoid, EMULATE=interpreting(), num_warps=plan.warps,
     )
