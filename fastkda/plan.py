@@ -857,14 +857,6 @@ def _choose_decode_plan(num_seqs, heads, value_dim, sms, choice, tokens):
 
 DECODE_STEP_SLICE_WIDTH = 32  # state columns per program of the fused decode step (on DECODE_STEP_WARPS warps)
 DECODE_STEP_WARPS = 4
-DECODE_STEP_CHUNK = 32  # state columns the fused step updates at once; a wider slice walks its chunks in turn
-
-
-def step_chunks(slice_width: int) -> int:
-    """Chunks of :data:`DECODE_STEP_CHUNK` columns the fused decode step walks in a slice of ``slice_width``
-    columns: a wide slice (a whole head in one program, no join between programs) holds one chunk's registers at
-    a time, as a 32-column slice does."""
-    return max(slice_width // DECODE_STEP_CHUNK, 1)
 
 
 @functools.lru_cache(maxsize=4096)  # called on every eager decode step

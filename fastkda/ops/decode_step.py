@@ -22,10 +22,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ..plan import step_chunks
 from .common import interpreting, launch, load_f32, store_as
 from .conv import conv_sum, load_columns, store_shifted
-from .decode import gate_parameters, state_update, token_coefficients
+from .decode import gate_parameters, token_step
 
 
 @triton.jit
@@ -66,51 +65,23 @@ def normalised_head(o, total, n, h, out_gate, norm_weight, stride_gate, eps, liv
 
 
 @triton.jit
-def finish_head(partial, sums, out, out_gate, norm_weight, mixed_row, conv_row, q_ch, k_ch, qk_ok, head, n, h,
-                stride_gate, stride_cc, stride_cj, eps, live, V: tl.constexpr, SLICES: tl.constexpr,
-                W: tl.constexpr, EMULATE: tl.constexpr):
-    """The head's last program, once every slice has read the q/k conv state and written its output and sum of
-    squares to the workspace: shifts the q/k conv state, normalises and gates the head's output, writes it."""
-    shift_qk_conv_state(mixed_row, conv_row, q_ch, k_ch, qk_ok, stride_cc, stride_cj, W, EMULATE)
-    ss = tl.arange(0, SLICES)
-    dd = tl.arange(0, V)
-    y = normalised_head(tl.load(partial + head * V + dd), tl.sum(tl.load(sums + head * SLICES + ss)), n, h,
-                        out_gate, norm_weight, stride_gate, eps, live, V)
-    store_as(out + head * V + dd, y, dd < V, EMULATE)
-
-
-@triton.jit
-def chunk_inputs(mixed_row, conv_row, pool, row, chunk, h, kk, live, stride_cc, stride_cj, H: tl.constexpr,
-                 K: tl.constexpr, V: tl.constexpr, BC: tl.constexpr, W: tl.constexpr):
-    """What chunk ``chunk`` (BC state columns of head h) of a program loads: its v channels' conv state column
-    pointers and columns, the token's v inputs, and the state chunk ``[BC, K]`` (fp32) with its pointers and mask."""
-    vv = chunk * BC + tl.arange(0, BC)
-    v_ok = vv < V
-    v_ch = 2 * H * K + h * V + vv
-    v_column = conv_column(conv_row, v_ch, stride_cc)
-    v_columns = load_columns(v_column, v_ok & live, stride_cj, W - 1)  # kept for the v state's shift
-    v_x = load_f32(mixed_row + v_ch, v_ok)
-    state = pool + row * (H * V * K) + (h * V + vv[:, None]) * K + kk[None, :]
-    m_state = live & v_ok[:, None] & (kk[None, :] < K)
-    return v_column, v_columns, v_x, state, m_state, load_f32(state, m_state)
-
-
-@triton.jit
 def decode_step_kernel(
     mixed, conv_pool, conv_weight, g, beta, out_gate, norm_weight, A_log, dt_bias, pool, slots, partial, sums,
     tickets, out, errors,
     stride_mixed, stride_cp, stride_cc, stride_cj, stride_wc, stride_wj, stride_g, stride_beta, stride_beta_h,
     stride_gate,
     stride_slot, lower_bound, scale, eps, pool_slots,
-    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, CHUNKS: tl.constexpr,
-    SLICES: tl.constexpr, W: tl.constexpr, LOWER_BOUND_GATE: tl.constexpr, L2NORM: tl.constexpr,
-    BETA_SIGMOID: tl.constexpr, EMULATE: tl.constexpr,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, SLICES: tl.constexpr, W: tl.constexpr,
+    LOWER_BOUND_GATE: tl.constexpr, L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr,
+    EMULATE: tl.constexpr,
 ):
     vs = tl.program_id(0)
     h = tl.program_id(1)
     n = tl.program_id(2)
     kk = tl.arange(0, K)
+    vv = vs * BV + tl.arange(0, BV)
     k_ok = kk < K
+    v_ok = vv < V
     slot = tl.load(slots + n * stride_slot).to(tl.int64)
     live = (slot >= 0) & (slot < pool_slots)
     row = tl.where(live, slot, 0)
@@ -118,50 +89,46 @@ def decode_step_kernel(
     conv_row = conv_pool + row * stride_cp
     q_ch = h * K + kk  # the conv's channels: q | k | v, H heads each
     k_ch = H * K + h * K + kk
+    v_ch = 2 * H * K + h * V + vv
     q_columns = load_columns(conv_column(conv_row, q_ch, stride_cc), k_ok & live, stride_cj, W - 1)
     k_columns = load_columns(conv_column(conv_row, k_ch, stride_cc), k_ok & live, stride_cj, W - 1)
+    v_column = conv_column(conv_row, v_ch, stride_cc)
+    v_columns = load_columns(v_column, v_ok & live, stride_cj, W - 1)  # kept for the v state's shift
+    v_x = load_f32(mixed_row + v_ch, v_ok)
     q_t = conv_output(load_f32(mixed_row + q_ch, k_ok), q_columns, conv_weight, q_ch, k_ok, stride_wc, stride_wj, W)
     k_t = conv_output(load_f32(mixed_row + k_ch, k_ok), k_columns, conv_weight, k_ch, k_ok, stride_wc, stride_wj, W)
+    v_t = conv_output(v_x, v_columns, conv_weight, v_ch, v_ok, stride_wc, stride_wj, W)
     g_t = load_f32(g + n.to(tl.int64) * stride_g + h * K + kk, k_ok)
     b_t = tl.load(beta + n * stride_beta + h * stride_beta_h).to(tl.float32)
     a_scale, bias = gate_parameters(A_log, dt_bias, h, kk, K, LOWER_BOUND_GATE)
-    q_s, k_n, decay, b_n = token_coefficients(q_t, k_t, g_t, b_t, a_scale, bias, lower_bound, scale,
-                                              LOWER_BOUND_GATE, L2NORM, BETA_SIGMOID)
-    head = n.to(tl.int64) * H + h
-    total = 0.0
-    # the program's BV columns in CHUNKS chunks, unrolled: each chunk's v conv, state update and stores, its output
-    # to the workspace and its sum of squares into the program's total; the next chunk's loads are issued before
-    # this chunk's (a barrier after its state's store keeps later loads from moving above it)
-    v_column, v_columns, v_x, state, m_state, S = chunk_inputs(
-        mixed_row, conv_row, pool, row, vs * CHUNKS, h, kk, live, stride_cc, stride_cj, H, K, V, BV // CHUNKS, W)
-    for c in tl.static_range(CHUNKS):
-        vv = (vs * CHUNKS + c) * (BV // CHUNKS) + tl.arange(0, BV // CHUNKS)
-        if c + 1 < CHUNKS:
-            next_inputs = chunk_inputs(mixed_row, conv_row, pool, row, vs * CHUNKS + c + 1, h, kk, live, stride_cc,
-                                       stride_cj, H, K, V, BV // CHUNKS, W)
-        v_t = conv_output(v_x, v_columns, conv_weight, 2 * H * K + h * V + vv, vv < V, stride_wc, stride_wj, W)
-        S, o_t = state_update(S, q_s, k_n, v_t, decay, b_n)
-        o_t = tl.where(live, o_t, 0.0)
-        store_as(state, S, m_state, EMULATE)
-        tl.debug_barrier()  # every thread's reads of the old conv row before any thread's writes
-        store_shifted(v_column, v_columns, v_x, (vv < V) & live, stride_cj, W - 1, EMULATE)
-        tl.store(partial + head * V + vv, o_t, mask=vv < V)
-        total += tl.sum(o_t * o_t)
-        if c + 1 < CHUNKS:
-            v_column, v_columns, v_x, state, m_state, S = next_inputs
+    state_cols = (h * V + vv[:, None]) * K + kk[None, :]
+    m_state = live & v_ok[:, None] & k_ok[None, :]
+    S = load_f32(pool + row * (H * V * K) + state_cols, m_state)
+    S, o_t = token_step(S, q_t, k_t, v_t, g_t, b_t, a_scale, bias, lower_bound, scale, LOWER_BOUND_GATE, L2NORM,
+                        BETA_SIGMOID)
+    o_t = tl.where(live, o_t, 0.0)
+    store_as(pool + row * (H * V * K) + state_cols, S, m_state, EMULATE)
+    tl.debug_barrier()  # every thread's reads of the old conv row before any thread's writes
+    store_shifted(v_column, v_columns, v_x, v_ok & live, stride_cj, W - 1, EMULATE)
     tl.atomic_add(errors, (slot >= pool_slots).to(tl.int32), mask=(vs == 0) & (h == 0) & (slot >= pool_slots),
                   sem="relaxed")  # "slot", as the decode kernel counts it
-    tl.store(sums + head * SLICES + vs, total)
-    if SLICES == 1:  # the whole head in this program: its own stores, behind a barrier, are the join
-        tl.debug_barrier()
-        finish_head(partial, sums, out, out_gate, norm_weight, mixed_row, conv_row, q_ch, k_ch, k_ok & live, head,
-                    n, h, stride_gate, stride_cc, stride_cj, eps, live, V, SLICES, W, EMULATE)
+    head = n.to(tl.int64) * H + h
+    if SLICES == 1:  # the whole head in this program: no other program reads its q/k state or needs its output
+        shift_qk_conv_state(mixed_row, conv_row, q_ch, k_ch, k_ok & live, stride_cc, stride_cj, W, EMULATE)
+        y = normalised_head(o_t, tl.sum(o_t * o_t), n, h, out_gate, norm_weight, stride_gate, eps, live, V)
+        store_as(out + head * V + vv, y, v_ok, EMULATE)
     else:
+        tl.store(partial + head * V + vv, o_t, mask=v_ok)
+        tl.store(sums + head * SLICES + vs, tl.sum(o_t * o_t))
         tl.debug_barrier()  # every thread's stores and q/k state reads of this program before its ticket (release)
         ticket = tl.atomic_add(tickets + head, 1, sem="acq_rel")
         if ticket == SLICES - 1:  # every slice of this head has read the q/k state and written its output
-            finish_head(partial, sums, out, out_gate, norm_weight, mixed_row, conv_row, q_ch, k_ch, k_ok & live,
-                        head, n, h, stride_gate, stride_cc, stride_cj, eps, live, V, SLICES, W, EMULATE)
+            shift_qk_conv_state(mixed_row, conv_row, q_ch, k_ch, k_ok & live, stride_cc, stride_cj, W, EMULATE)
+            ss = tl.arange(0, SLICES)
+            dd = tl.arange(0, V)
+            y = normalised_head(tl.load(partial + head * V + dd), tl.sum(tl.load(sums + head * SLICES + ss)), n, h,
+                                out_gate, norm_weight, stride_gate, eps, live, V)
+            store_as(out + head * V + dd, y, dd < V, EMULATE)
             tl.store(tickets + head, 0)
 
 
@@ -186,8 +153,7 @@ def fused_decode_step(mixed, conv_pool, conv_weight, g, beta, out_gate, norm_wei
         mixed.stride(0), conv_pool.stride(0), conv_pool.stride(1), conv_pool.stride(2), conv_weight.stride(0),
         conv_weight.stride(1), g.stride(0), beta.stride(0), beta.stride(1), out_gate.stride(0), slots.stride(0),
         float(lower_bound) if lower_bound_gate else 0.0, float(scale), float(eps), state_pool.shape[0],
-        H=heads, K=key_dim, V=value_dim, BV=plan.slice_width, CHUNKS=step_chunks(plan.slice_width), SLICES=plan.v_slices,
-        W=width,
+        H=heads, K=key_dim, V=value_dim, BV=plan.slice_width, SLICES=plan.v_slices, W=width,
         LOWER_BOUND_GATE=lower_bound_gate, L2NORM=use_qk_l2norm,
         BETA_SIGMOID=use_beta_sigmoid, EMULATE=interpreting(), num_warps=plan.warps,
     )

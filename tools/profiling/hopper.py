@@ -26,7 +26,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from fastkda.bench.workloads import DIM, LOWER_BOUND, is_varlen, load_workloads  # noqa: E402
-from fastkda.plan import choose_decode_plan, choose_decode_step_plan, choose_plan, step_chunks  # noqa: E402
+from fastkda.plan import choose_decode_plan, choose_decode_step_plan, choose_plan  # noqa: E402
 from tools.plan_changes import add_set_argument, combined  # noqa: E402
 
 BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"  # ptxas, nvdisasm
@@ -178,8 +178,8 @@ def decode_step_launch(plan, key_dim=DIM, width=4, pool=F32):
         stride_mixed=channels, stride_cp=channels * (width - 1), stride_cc=1, stride_cj=channels,
         stride_wc=width, stride_wj=1, stride_g=H * K, stride_beta=H, stride_beta_h=1, stride_gate=H * V,
         stride_slot=1, lower_bound=LOWER_BOUND, scale=K ** -0.5, eps=1e-5, pool_slots=plan.num_seqs + 1,
-        H=H, K=K, V=V, BV=plan.slice_width, CHUNKS=step_chunks(plan.slice_width), SLICES=plan.v_slices, W=width,
-        LOWER_BOUND_GATE=True, L2NORM=True, BETA_SIGMOID=True, EMULATE=False)
+        H=H, K=K, V=V, BV=plan.slice_width, SLICES=plan.v_slices, W=width, LOWER_BOUND_GATE=True, L2NORM=True,
+        BETA_SIGMOID=True, EMULATE=False)
     return decode_step_kernel, args, plan.warps, 3, None
 
 

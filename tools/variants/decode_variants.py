@@ -26,8 +26,7 @@ import fastkda.ops.decode as committed_decode  # noqa: E402
 import fastkda.ops.decode_step as committed_step  # noqa: E402
 from fastkda.bench.report import tool_results_file, write_tool_results  # noqa: E402
 from fastkda.bench.floor import state_chain_runner  # noqa: E402
-from fastkda.bench.runners import (fastkda_decode_runner, fastkda_three_ops_runner, floor_decode_runner,  # noqa: E402
-                                   step_inputs)
+from fastkda.bench.runners import fastkda_decode_runner, floor_decode_runner, step_inputs  # noqa: E402
 from fastkda.bench.workloads import LOWER_BOUND, load_workloads, make_decode_inputs  # noqa: E402
 from fastkda.plan import choose_decode_plan  # noqa: E402
 from fastkda.errors import KINDS  # noqa: E402
@@ -44,20 +43,8 @@ _QK_CONV = ("    q_t = conv_output(load_f32(mixed_row + q_ch, k_ok), q_columns, 
             "stride_wc, stride_wj, W)\n"
             "    k_t = conv_output(load_f32(mixed_row + k_ch, k_ok), k_columns, conv_weight, k_ch, k_ok, "
             "stride_wc, stride_wj, W)\n")
-_STATE_LOAD = "    return v_column, v_columns, v_x, state, m_state, load_f32(state, m_state)\n"
-_STATE_STORE = "        store_as(state, S, m_state, EMULATE)\n"
-_JOIN_TAIL = "".join(line + "\n" for line in """    tl.store(sums + head * SLICES + vs, total)
-    if SLICES == 1:  # the whole head in this program: its own stores, behind a barrier, are the join
-        tl.debug_barrier()
-        finish_head(partial, sums, out, out_gate, norm_weight, mixed_row, conv_row, q_ch, k_ch, k_ok & live, head,
-                    n, h, stride_gate, stride_cc, stride_cj, eps, live, V, SLICES, W, EMULATE)
-    else:
-        tl.debug_barrier()  # every thread's stores and q/k state reads of this program before its ticket (release)
-        ticket = tl.atomic_add(tickets + head, 1, sem="acq_rel")
-        if ticket == SLICES - 1:  # every slice of this head has read the q/k state and written its output
-            finish_head(partial, sums, out, out_gate, norm_weight, mixed_row, conv_row, q_ch, k_ch, k_ok & live,
-                        head, n, h, stride_gate, stride_cc, stride_cj, eps, live, V, SLICES, W, EMULATE)
-            tl.store(tickets + head, 0)""".splitlines())  # the join: the kernel's tail after the chunks
+_STATE_LOAD = "    S = load_f32(pool + row * (H * V * K) + state_cols, m_state)\n"
+_STATE_STORE = "    store_as(pool + row * (H * V * K) + state_cols, S, m_state, EMULATE)\n"
 
 STEP_VARIANTS = {
     "committed": [],
@@ -66,26 +53,10 @@ STEP_VARIANTS = {
     # prices of the parts (wrong outputs)
     "without the q/k conv": [(_QK_CONV, "    q_t = load_f32(mixed_row + q_ch, k_ok)\n"
                                         "    k_t = load_f32(mixed_row + k_ch, k_ok)\n")],
-    # a wide slice's chunks each loaded at its own turn, not while the chunk before computes
-    "chunks loaded in turn": [
-        ("""    v_column, v_columns, v_x, state, m_state, S = chunk_inputs(
-        mixed_row, conv_row, pool, row, vs * CHUNKS, h, kk, live, stride_cc, stride_cj, H, K, V, BV // CHUNKS, W)
-""", ""),
-        ("""        if c + 1 < CHUNKS:
-            next_inputs = chunk_inputs(mixed_row, conv_row, pool, row, vs * CHUNKS + c + 1, h, kk, live, stride_cc,
-                                       stride_cj, H, K, V, BV // CHUNKS, W)
-""", """        v_column, v_columns, v_x, state, m_state, S = chunk_inputs(
-            mixed_row, conv_row, pool, row, vs * CHUNKS + c, h, kk, live, stride_cc, stride_cj, H, K, V, BV // CHUNKS,
-            W)
-"""),
-        ("""        if c + 1 < CHUNKS:
-            v_column, v_columns, v_x, state, m_state, S = next_inputs
-""", "")],
-    "without the join": [("        tl.store(partial + head * V + vv, o_t, mask=vv < V)\n",
-                          "        store_as(out + head * V + vv, o_t, vv < V, EMULATE)\n"),
-                         (_JOIN_TAIL, "")],
-    "without the state": [(_STATE_LOAD, "    return v_column, v_columns, v_x, state, m_state, "
-                                        "tl.zeros((BC, K), dtype=tl.float32)\n"), (_STATE_STORE, "")],
+    "without the join": [("    if SLICES == 1:",
+                          "    store_as(out + head * V + vv, o_t, v_ok, EMULATE)\n    if SLICES < 0:"),
+                         ("    else:\n        tl.store(partial", "    elif SLICES < 0:\n        tl.store(partial")],
+    "without the state": [(_STATE_LOAD, "    S = tl.zeros((BV, K), dtype=tl.float32)\n"), (_STATE_STORE, "")],
 }
 
 _DECODE_STATE_LOAD = "    S = load_f32(pool + read_slot * (H * V * K) + state_cols, m_state)\n"
@@ -240,8 +211,6 @@ def main(argv=None):
             continue
         inp = make_decode_inputs(w, "cuda")
         references = {"KDA-only step, auto plan": fastkda_decode_runner(inp)}
-        if args.kernel == "decode_step":  # the step's other form: conv update, KDA decode, gated norm in turn
-            references["three launches"] = fastkda_three_ops_runner(inp)
         if args.kernel == "decode":  # what the bars of decode are held against, on each setting's grid and warps
             references["memory floor, auto plan"] = floor_decode_runner(inp)
             for setting in settings:
