@@ -1,7 +1,7 @@
 """Source variants of the decode kernels (``--kernel decode_step``: the layer's fused decode step; ``--kernel
-decode``: KDA decode), timed beside the committed kernel, the KDA-only step and (for decode) its memory floor on
-the auto plan and on each setting, in one process (CUDA-graph replay), so that a change to a kernel, or the cost
-of one of its parts, is measured before it is made.
+decode``: KDA decode), timed beside the committed kernel, the KDA-only step, (for the step) its three launches
+and (for decode) its memory floor on the auto plan and on each setting, in one process (CUDA-graph replay), so
+that a change to a kernel, or the cost of one of its parts, is measured before it is made.
 
 A variant is a list of text edits to the kernel's module (``fastkda/ops/decode_step.py`` or ``decode.py``; each
 must match exactly once). The edited source is written beside the committed module as
@@ -26,7 +26,8 @@ import fastkda.ops.decode as committed_decode  # noqa: E402
 import fastkda.ops.decode_step as committed_step  # noqa: E402
 from fastkda.bench.report import tool_results_file, write_tool_results  # noqa: E402
 from fastkda.bench.floor import state_chain_runner  # noqa: E402
-from fastkda.bench.runners import fastkda_decode_runner, floor_decode_runner, step_inputs  # noqa: E402
+from fastkda.bench.runners import (fastkda_decode_runner, fastkda_three_ops_runner, floor_decode_runner,  # noqa: E402
+                                   step_inputs)
 from fastkda.bench.workloads import LOWER_BOUND, load_workloads, make_decode_inputs  # noqa: E402
 from fastkda.plan import choose_decode_plan  # noqa: E402
 from fastkda.errors import KINDS  # noqa: E402
@@ -211,6 +212,8 @@ def main(argv=None):
             continue
         inp = make_decode_inputs(w, "cuda")
         references = {"KDA-only step, auto plan": fastkda_decode_runner(inp)}
+        if args.kernel == "decode_step":  # the step's other form: conv update, KDA decode, gated norm in turn
+            references["three launches"] = fastkda_three_ops_runner(inp)
         if args.kernel == "decode":  # what the bars of decode are held against, on each setting's grid and warps
             references["memory floor, auto plan"] = floor_decode_runner(inp)
             for setting in settings:
