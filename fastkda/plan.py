@@ -857,6 +857,7 @@ def _choose_decode_plan(num_seqs, heads, value_dim, sms, choice, tokens):
 
 DECODE_STEP_SLICE_WIDTH = 32  # state columns per program of the fused decode step (on DECODE_STEP_WARPS warps)
 DECODE_STEP_WARPS = 4
+DECODE_STEP_CHUNK = 32  # state columns a one-slice step program updates at once (it walks its head's chunks in turn)
 
 
 @functools.lru_cache(maxsize=4096)  # called on every eager decode step

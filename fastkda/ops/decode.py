@@ -44,10 +44,10 @@ def gate_parameters(A_log, dt_bias, h, kk, K: tl.constexpr, LOWER_BOUND_GATE: tl
 
 
 @triton.jit
-def token_step(S, q_t, k_t, v_t, g_t, b_t, a_scale, bias, lower_bound, scale, LOWER_BOUND_GATE: tl.constexpr,
-               L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr):
-    """One token of spec §1 on a ``[BV, K]`` fp32 state slice from raw inputs (norms, gate and β's sigmoid as the
-    flags say): returns the new slice and the slice's output ``[BV]``."""
+def token_coefficients(q_t, k_t, g_t, b_t, a_scale, bias, lower_bound, scale, LOWER_BOUND_GATE: tl.constexpr,
+                       L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr):
+    """What a token's update needs of its raw inputs, the same for every V column: the scaled query, the key
+    (norms, gate and β's sigmoid as the flags say), the decay ``[K]`` and β."""
     if L2NORM:
         q_t = q_t * tl.rsqrt(tl.sum(q_t * q_t) + 1e-6)
         k_t = k_t * tl.rsqrt(tl.sum(k_t * k_t) + 1e-6)
@@ -57,12 +57,28 @@ def token_step(S, q_t, k_t, v_t, g_t, b_t, a_scale, bias, lower_bound, scale, LO
         a_t = tl.minimum(g_t, 0.0)
     if BETA_SIGMOID:
         b_t = tl.sigmoid(b_t)
-    decay = tl.exp(a_t)
+    return q_t * scale, k_t, tl.exp(a_t), b_t
+
+
+@triton.jit
+def state_update(S, q_s, k_t, v_t, decay, b_t):
+    """One token of spec §1 on a ``[BV, K]`` fp32 state slice from :func:`token_coefficients`' values and the
+    slice's ``v [BV]``: returns the new slice and the slice's output ``[BV]``."""
     # the state is held as [BV, K] (memory order, K reductions inside a warp);
     # (diag(decay)·S)ᵀk = Sᵀ(decay ⊙ k): one pass over S for the product, one for the update
     u = b_t * (v_t - tl.sum(S * (decay * k_t)[None, :], axis=1))
     S = S * decay[None, :] + u[:, None] * k_t[None, :]
-    return S, tl.sum(S * (q_t * scale)[None, :], axis=1)
+    return S, tl.sum(S * q_s[None, :], axis=1)
+
+
+@triton.jit
+def token_step(S, q_t, k_t, v_t, g_t, b_t, a_scale, bias, lower_bound, scale, LOWER_BOUND_GATE: tl.constexpr,
+               L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr):
+    """One token of spec §1 on a ``[BV, K]`` fp32 state slice from raw inputs: returns the new slice and the
+    slice's output ``[BV]``."""
+    q_s, k_t, decay, b_t = token_coefficients(q_t, k_t, g_t, b_t, a_scale, bias, lower_bound, scale,
+                                              LOWER_BOUND_GATE, L2NORM, BETA_SIGMOID)
+    return state_update(S, q_s, k_t, v_t, decay, b_t)
 
 
 @triton.jit

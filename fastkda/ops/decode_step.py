@@ -11,8 +11,9 @@ program that takes the last ticket reads every slice's sum in slice order (deter
 output, applies the gate and writes it, and puts the ticket back to 0 (so a CUDA graph replays from zeros). And the
 q/k channels' conv state: every slice reads it, so only the last program, which knows that every slice has read it
 (their reads come before their tickets), writes its new value; each program writes its own v channels' state.
-With one slice per head (a plan that asks for it), the program normalises its head and writes the q/k state itself,
-without workspace or ticket.
+With one slice per head (a plan that asks for it) the step is another kernel, :func:`head_step_kernel`: one program
+a head walks the head's state in chunks of :data:`fastkda.plan.DECODE_STEP_CHUNK` columns, normalises the head and
+writes the q/k state itself, without ticket.
 
 A negative slot, or one at or past the pool's size, is a padding row: zeros for the conv state and the recurrent
 state, a zero output, nothing written to either pool (counted as the decode kernel counts it).
@@ -22,9 +23,10 @@ import torch
 import triton
 import triton.language as tl
 
+from ..plan import DECODE_STEP_CHUNK
 from .common import interpreting, launch, load_f32, store_as
 from .conv import conv_sum, load_columns, store_shifted
-from .decode import gate_parameters, token_step
+from .decode import gate_parameters, state_update, token_coefficients, token_step
 
 
 @triton.jit
@@ -113,47 +115,105 @@ def decode_step_kernel(
     tl.atomic_add(errors, (slot >= pool_slots).to(tl.int32), mask=(vs == 0) & (h == 0) & (slot >= pool_slots),
                   sem="relaxed")  # "slot", as the decode kernel counts it
     head = n.to(tl.int64) * H + h
-    if SLICES == 1:  # the whole head in this program: no other program reads its q/k state or needs its output
+    tl.store(partial + head * V + vv, o_t, mask=v_ok)
+    tl.store(sums + head * SLICES + vs, tl.sum(o_t * o_t))
+    tl.debug_barrier()  # every thread's stores and q/k state reads of this program before its ticket (release)
+    ticket = tl.atomic_add(tickets + head, 1, sem="acq_rel")
+    if ticket == SLICES - 1:  # every slice of this head has read the q/k state and written its output
         shift_qk_conv_state(mixed_row, conv_row, q_ch, k_ch, k_ok & live, stride_cc, stride_cj, W, EMULATE)
-        y = normalised_head(o_t, tl.sum(o_t * o_t), n, h, out_gate, norm_weight, stride_gate, eps, live, V)
-        store_as(out + head * V + vv, y, v_ok, EMULATE)
-    else:
-        tl.store(partial + head * V + vv, o_t, mask=v_ok)
-        tl.store(sums + head * SLICES + vs, tl.sum(o_t * o_t))
-        tl.debug_barrier()  # every thread's stores and q/k state reads of this program before its ticket (release)
-        ticket = tl.atomic_add(tickets + head, 1, sem="acq_rel")
-        if ticket == SLICES - 1:  # every slice of this head has read the q/k state and written its output
-            shift_qk_conv_state(mixed_row, conv_row, q_ch, k_ch, k_ok & live, stride_cc, stride_cj, W, EMULATE)
-            ss = tl.arange(0, SLICES)
-            dd = tl.arange(0, V)
-            y = normalised_head(tl.load(partial + head * V + dd), tl.sum(tl.load(sums + head * SLICES + ss)), n, h,
-                                out_gate, norm_weight, stride_gate, eps, live, V)
-            store_as(out + head * V + dd, y, dd < V, EMULATE)
-            tl.store(tickets + head, 0)
+        ss = tl.arange(0, SLICES)
+        dd = tl.arange(0, V)
+        y = normalised_head(tl.load(partial + head * V + dd), tl.sum(tl.load(sums + head * SLICES + ss)), n, h,
+                            out_gate, norm_weight, stride_gate, eps, live, V)
+        store_as(out + head * V + dd, y, dd < V, EMULATE)
+        tl.store(tickets + head, 0)
+
+
+@triton.jit
+def head_step_kernel(
+    mixed, conv_pool, conv_weight, g, beta, out_gate, norm_weight, A_log, dt_bias, pool, slots, partial, out, errors,
+    stride_mixed, stride_cp, stride_cc, stride_cj, stride_wc, stride_wj, stride_g, stride_beta, stride_beta_h,
+    stride_gate, stride_slot, lower_bound, scale, eps, pool_slots,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BC: tl.constexpr, W: tl.constexpr,
+    LOWER_BOUND_GATE: tl.constexpr, L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr, EMULATE: tl.constexpr,
+):
+    """The step with one program per (head, sequence): the head's q/k conv and the token's coefficients once, then
+    its state in chunks of BC columns, one after another (unrolled): each chunk's v conv, update and stores, its
+    output to the program's workspace row and its sum of squares to the total; then, behind a barrier, the
+    head's norm and the q/k conv state's shift by the same program: no ticket, fence or atomic, and a chunk's
+    registers (a BC-column slice's) rather than the head's."""
+    h = tl.program_id(1)
+    n = tl.program_id(2)
+    kk = tl.arange(0, K)
+    k_ok = kk < K
+    slot = tl.load(slots + n * stride_slot).to(tl.int64)
+    live = (slot >= 0) & (slot < pool_slots)
+    row = tl.where(live, slot, 0)
+    mixed_row = mixed + n.to(tl.int64) * stride_mixed
+    conv_row = conv_pool + row * stride_cp
+    q_ch = h * K + kk  # the conv's channels: q | k | v, H heads each
+    k_ch = H * K + h * K + kk
+    q_columns = load_columns(conv_column(conv_row, q_ch, stride_cc), k_ok & live, stride_cj, W - 1)
+    k_columns = load_columns(conv_column(conv_row, k_ch, stride_cc), k_ok & live, stride_cj, W - 1)
+    q_t = conv_output(load_f32(mixed_row + q_ch, k_ok), q_columns, conv_weight, q_ch, k_ok, stride_wc, stride_wj, W)
+    k_t = conv_output(load_f32(mixed_row + k_ch, k_ok), k_columns, conv_weight, k_ch, k_ok, stride_wc, stride_wj, W)
+    g_t = load_f32(g + n.to(tl.int64) * stride_g + h * K + kk, k_ok)
+    b_t = tl.load(beta + n * stride_beta + h * stride_beta_h).to(tl.float32)
+    a_scale, bias = gate_parameters(A_log, dt_bias, h, kk, K, LOWER_BOUND_GATE)
+    q_s, k_n, decay, b_n = token_coefficients(q_t, k_t, g_t, b_t, a_scale, bias, lower_bound, scale,
+                                              LOWER_BOUND_GATE, L2NORM, BETA_SIGMOID)
+    head = n.to(tl.int64) * H + h
+    total = 0.0
+    for c in tl.static_range(V // BC):
+        vv = c * BC + tl.arange(0, BC)
+        v_ch = 2 * H * K + h * V + vv
+        v_column = conv_column(conv_row, v_ch, stride_cc)
+        v_columns = load_columns(v_column, live, stride_cj, W - 1)  # kept for the v state's shift
+        v_x = load_f32(mixed_row + v_ch, vv < V)
+        v_t = conv_output(v_x, v_columns, conv_weight, v_ch, vv < V, stride_wc, stride_wj, W)
+        state = pool + row * (H * V * K) + (h * V + vv[:, None]) * K + kk[None, :]
+        m_state = live & k_ok[None, :]
+        S, o_t = state_update(load_f32(state, m_state), q_s, k_n, v_t, decay, b_n)
+        o_t = tl.where(live, o_t, 0.0)
+        store_as(state, S, m_state, EMULATE)
+        tl.debug_barrier()  # every thread's reads of the chunk's old conv columns before any thread's writes
+        store_shifted(v_column, v_columns, v_x, live, stride_cj, W - 1, EMULATE)
+        tl.store(partial + head * V + vv, o_t)
+        total += tl.sum(o_t * o_t)
+    tl.atomic_add(errors, (slot >= pool_slots).to(tl.int32), mask=(h == 0) & (slot >= pool_slots),
+                  sem="relaxed")  # "slot", as the decode kernel counts it
+    tl.debug_barrier()  # the chunks' outputs in the workspace before they are read back
+    shift_qk_conv_state(mixed_row, conv_row, q_ch, k_ch, k_ok & live, stride_cc, stride_cj, W, EMULATE)
+    dd = tl.arange(0, V)
+    y = normalised_head(tl.load(partial + head * V + dd), total, n, h, out_gate, norm_weight, stride_gate, eps, live,
+                        V)
+    store_as(out + head * V + dd, y, dd < V, EMULATE)
 
 
 def fused_decode_step(mixed, conv_pool, conv_weight, g, beta, out_gate, norm_weight, state_pool, slots, *, plan,
                       A_log, dt_bias, lower_bound, scale, eps, use_qk_l2norm, use_beta_sigmoid, tickets, out, errors):
-    """Launch :func:`decode_step_kernel` on validated inputs (``fastkda.api.kda_decode_step``) as the decode plan
-    says; ``out [N, H, V]`` contiguous, written; both pools updated in place; ``tickets [N·H]`` int32 zeros, left
-    as zeros."""
+    """Launch the step on validated inputs (``fastkda.api.kda_decode_step``) as the decode plan says: one program a
+    head (:func:`head_step_kernel`) for one slice a head, else the sliced form joined by tickets
+    (:func:`decode_step_kernel`); ``out [N, H, V]`` contiguous, written; both pools updated in place; ``tickets
+    [N·H]`` int32 zeros, left as zeros."""
     num_seqs, heads, key_dim = g.shape
     if num_seqs == 0:
         return
     value_dim = plan.value_dim
     partial = torch.empty(num_seqs, heads, value_dim, dtype=torch.float32, device=out.device)
-    sums = torch.empty(num_seqs, heads, plan.v_slices, dtype=torch.float32, device=out.device)
     lower_bound_gate = lower_bound is not None
-    width = conv_weight.shape[1]
     absent = slots  # stands for absent optional tensors; never dereferenced
-    launch(
-        decode_step_kernel, (plan.v_slices, heads, num_seqs),
-        mixed, conv_pool, conv_weight, g, beta, out_gate, norm_weight, A_log if lower_bound_gate else absent,
-        dt_bias if lower_bound_gate else absent, state_pool, slots, partial, sums, tickets, out, errors,
-        mixed.stride(0), conv_pool.stride(0), conv_pool.stride(1), conv_pool.stride(2), conv_weight.stride(0),
-        conv_weight.stride(1), g.stride(0), beta.stride(0), beta.stride(1), out_gate.stride(0), slots.stride(0),
-        float(lower_bound) if lower_bound_gate else 0.0, float(scale), float(eps), state_pool.shape[0],
-        H=heads, K=key_dim, V=value_dim, BV=plan.slice_width, SLICES=plan.v_slices, W=width,
-        LOWER_BOUND_GATE=lower_bound_gate, L2NORM=use_qk_l2norm,
-        BETA_SIGMOID=use_beta_sigmoid, EMULATE=interpreting(), num_warps=plan.warps,
-    )
+    inputs = (mixed, conv_pool, conv_weight, g, beta, out_gate, norm_weight, A_log if lower_bound_gate else absent,
+              dt_bias if lower_bound_gate else absent, state_pool, slots, partial)
+    strides = (mixed.stride(0), conv_pool.stride(0), conv_pool.stride(1), conv_pool.stride(2), conv_weight.stride(0),
+               conv_weight.stride(1), g.stride(0), beta.stride(0), beta.stride(1), out_gate.stride(0), slots.stride(0),
+               float(lower_bound) if lower_bound_gate else 0.0, float(scale), float(eps), state_pool.shape[0])
+    flags = dict(H=heads, K=key_dim, V=value_dim, W=conv_weight.shape[1], LOWER_BOUND_GATE=lower_bound_gate,
+                 L2NORM=use_qk_l2norm, BETA_SIGMOID=use_beta_sigmoid, EMULATE=interpreting(), num_warps=plan.warps)
+    if plan.v_slices == 1:
+        launch(head_step_kernel, (1, heads, num_seqs), *inputs, out, errors, *strides,
+               BC=min(DECODE_STEP_CHUNK, value_dim), **flags)
+        return
+    sums = torch.empty(num_seqs, heads, plan.v_slices, dtype=torch.float32, device=out.device)
+    launch(decode_step_kernel, (plan.v_slices, heads, num_seqs), *inputs, sums, tickets, out, errors, *strides,
+           BV=plan.slice_width, SLICES=plan.v_slices, **flags)

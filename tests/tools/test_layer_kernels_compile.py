@@ -20,22 +20,27 @@ sys.path.insert(0, ".")
 from tools.profiling.hopper import compile_for_hopper
 from fastkda.ops.conv import conv_kernel, conv_update_kernel
 from fastkda.ops.decode import decode_kernel
-from fastkda.ops.decode_step import decode_step_kernel
+from fastkda.ops.decode_step import decode_step_kernel, head_step_kernel
 from fastkda.ops.norm import gated_rmsnorm_kernel
-from fastkda.plan import conv_update_launch
+from fastkda.plan import DECODE_STEP_CHUNK, conv_update_launch
 
 H, K, V, W, C = 12, 128, 128, 4, 3 * 12 * 128
 B, F, I = "*bf16", "*fp32", "*i32"
 for gate in (True, False):
     stride_cc, stride_cj = (1, C) if gate else (W - 1, 1)  # conv pools channel-last (KDACache's), then contiguous
-    for slices, warps in ((8, 1), (8, 2), (4, 4), (1, 8)):
-        compile_for_hopper(decode_step_kernel, dict(
+    for slices, warps in ((8, 1), (8, 2), (4, 4), (1, 8), (1, 4)):  # one slice: one program a head
+        step = dict(
             mixed=B, conv_pool=F, conv_weight=B, g=B if gate else F, beta=B, out_gate=B, norm_weight=F, A_log=F,
-            dt_bias=F, pool=F, slots=I, partial=F, sums=F, tickets=I, out=B, errors=I, stride_mixed=C,
+            dt_bias=F, pool=F, slots=I, partial=F, out=B, errors=I, stride_mixed=C,
             stride_cp=C * (W - 1), stride_cc=stride_cc, stride_cj=stride_cj, stride_wc=W, stride_wj=1, stride_g=H * K,
             stride_beta=H, stride_beta_h=1, stride_gate=H * V, stride_slot=1, lower_bound=-5.0, scale=K ** -0.5,
-            eps=1e-5, pool_slots=33, H=H, K=K, V=V, BV=V // slices, SLICES=slices, W=W,
-            LOWER_BOUND_GATE=gate, L2NORM=True, BETA_SIGMOID=True, EMULATE=False), warps, 3)
+            eps=1e-5, pool_slots=33, H=H, K=K, V=V, W=W, LOWER_BOUND_GATE=gate, L2NORM=True, BETA_SIGMOID=True,
+            EMULATE=False)
+        if slices == 1:
+            compile_for_hopper(head_step_kernel, dict(step, BC=DECODE_STEP_CHUNK), warps, 3)
+        else:
+            compile_for_hopper(decode_step_kernel, dict(step, sums=F, tickets=I, BV=V // slices, SLICES=slices), warps,
+                               3)
         print("decode_step", gate, slices, warps, flush=True)
     compile_for_hopper(decode_kernel, dict(
         q=B, k=B, v=B, g=B if gate else F, beta=B, A_log=F, dt_bias=F, pool=F, slots=I, num_accepted=I, out=B,
@@ -74,4 +79,4 @@ def test_layer_kernels_compile_for_hopper():
     done = subprocess.run([sys.executable, "-c", COMPILE], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr
-    assert done.stdout.count("decode_step") == 8 and done.stdout.count("conv") == 9 and done.stdout.count("conv update") == 6 and "norm" in done.stdout
+    assert done.stdout.count("decode_step") == 10 and done.stdout.count("conv") == 9 and done.stdout.count("conv update") == 6 and "norm" in done.stdout

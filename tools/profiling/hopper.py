@@ -26,7 +26,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from fastkda.bench.workloads import DIM, LOWER_BOUND, is_varlen, load_workloads  # noqa: E402
-from fastkda.plan import choose_decode_plan, choose_decode_step_plan, choose_plan  # noqa: E402
+from fastkda.plan import DECODE_STEP_CHUNK, choose_decode_plan, choose_decode_step_plan, choose_plan  # noqa: E402
 from tools.plan_changes import add_set_argument, combined  # noqa: E402
 
 BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"  # ptxas, nvdisasm
@@ -168,19 +168,21 @@ def decode_step_launch(plan, key_dim=DIM, width=4, pool=F32):
     ``[N, 2·H·K + H·V]``, a bf16 conv pool ``[slots, channels, width − 1]`` held channel-last (the bench's, as
     ``fastkda.cache.conv_state_pool`` holds it) and a state ``pool`` of that pointer type, one slot per sequence and
     a spare."""
-    from fastkda.ops.decode_step import decode_step_kernel
+    from fastkda.ops.decode_step import decode_step_kernel, head_step_kernel
 
     H, K, V = plan.heads, key_dim, plan.value_dim
     channels = 2 * H * K + H * V
     args = dict(
         mixed=BF16, conv_pool=BF16, conv_weight=BF16, g=BF16, beta=BF16, out_gate=BF16, norm_weight=F32,
-        A_log=F32, dt_bias=F32, pool=pool, slots=I32, partial=F32, sums=F32, tickets=I32, out=BF16, errors=I32,
+        A_log=F32, dt_bias=F32, pool=pool, slots=I32, partial=F32, out=BF16, errors=I32,
         stride_mixed=channels, stride_cp=channels * (width - 1), stride_cc=1, stride_cj=channels,
         stride_wc=width, stride_wj=1, stride_g=H * K, stride_beta=H, stride_beta_h=1, stride_gate=H * V,
         stride_slot=1, lower_bound=LOWER_BOUND, scale=K ** -0.5, eps=1e-5, pool_slots=plan.num_seqs + 1,
-        H=H, K=K, V=V, BV=plan.slice_width, SLICES=plan.v_slices, W=width, LOWER_BOUND_GATE=True, L2NORM=True,
-        BETA_SIGMOID=True, EMULATE=False)
-    return decode_step_kernel, args, plan.warps, 3, None
+        H=H, K=K, V=V, W=width, LOWER_BOUND_GATE=True, L2NORM=True, BETA_SIGMOID=True, EMULATE=False)
+    if plan.v_slices == 1:  # one program a head (fused_decode_step's dispatch)
+        return head_step_kernel, dict(args, BC=min(DECODE_STEP_CHUNK, V)), plan.warps, 3, None
+    return decode_step_kernel, dict(args, sums=F32, tickets=I32, BV=plan.slice_width, SLICES=plan.v_slices), \
+        plan.warps, 3, None
 
 
 def add_plan_arguments(parser):

@@ -38,12 +38,13 @@ MODULE = "_decode_variant"
 _ERRORS_COUNT = ("    tl.atomic_add(errors, (slot >= pool_slots).to(tl.int32), "
                  "mask=(vs == 0) & (h == 0) & (slot >= pool_slots),\n"
                  '                  sem="relaxed")  # "slot", as the decode kernel counts it\n')
-_JOIN = """            tl.store(tickets + head, 0)
-"""  # the kernel's last line
+_JOIN = """        tl.store(tickets + head, 0)
+"""  # the ticket kernel's last line
+_V_CONV = "    v_t = conv_output(v_x, v_columns, conv_weight, v_ch, v_ok, stride_wc, stride_wj, W)\n"
 _QK_CONV = ("    q_t = conv_output(load_f32(mixed_row + q_ch, k_ok), q_columns, conv_weight, q_ch, k_ok, "
             "stride_wc, stride_wj, W)\n"
             "    k_t = conv_output(load_f32(mixed_row + k_ch, k_ok), k_columns, conv_weight, k_ch, k_ok, "
-            "stride_wc, stride_wj, W)\n")
+            "stride_wc, stride_wj, W)\n" + _V_CONV)  # the sliced kernel's (the one-program kernel has the same two)
 _STATE_LOAD = "    S = load_f32(pool + row * (H * V * K) + state_cols, m_state)\n"
 _STATE_STORE = "    store_as(pool + row * (H * V * K) + state_cols, S, m_state, EMULATE)\n"
 
@@ -53,10 +54,13 @@ STEP_VARIANTS = {
     "errors counted last": [(_ERRORS_COUNT, ""), (_JOIN, _JOIN + _ERRORS_COUNT)],
     # prices of the parts (wrong outputs)
     "without the q/k conv": [(_QK_CONV, "    q_t = load_f32(mixed_row + q_ch, k_ok)\n"
-                                        "    k_t = load_f32(mixed_row + k_ch, k_ok)\n")],
-    "without the join": [("    if SLICES == 1:",
-                          "    store_as(out + head * V + vv, o_t, v_ok, EMULATE)\n    if SLICES < 0:"),
-                         ("    else:\n        tl.store(partial", "    elif SLICES < 0:\n        tl.store(partial")],
+                                        "    k_t = load_f32(mixed_row + k_ch, k_ok)\n" + _V_CONV)],
+    "without the join": [("""    tl.store(partial + head * V + vv, o_t, mask=v_ok)
+    tl.store(sums + head * SLICES + vs, tl.sum(o_t * o_t))
+    tl.debug_barrier()  # every thread's stores and q/k state reads of this program before its ticket (release)
+    ticket = tl.atomic_add(tickets + head, 1, sem="acq_rel")
+    if ticket == SLICES - 1:""", """    store_as(out + head * V + vv, o_t, v_ok, EMULATE)
+    if SLICES < 0:""")],
     "without the state": [(_STATE_LOAD, "    S = tl.zeros((BV, K), dtype=tl.float32)\n"), (_STATE_STORE, "")],
 }
 
@@ -79,10 +83,9 @@ DECODE_VARIANTS = {
 DECODE_VARIANTS["output in one pass"] = [
     ("""    u = b_t * (v_t - tl.sum(S * (decay * k_t)[None, :], axis=1))
     S = S * decay[None, :] + u[:, None] * k_t[None, :]
-    return S, tl.sum(S * (q_t * scale)[None, :], axis=1)
-""", """    qs = q_t * scale
-    u = b_t * (v_t - tl.sum(S * (decay * k_t)[None, :], axis=1))
-    o = tl.sum(S * (decay * qs)[None, :], axis=1) + u * tl.sum(k_t * qs)
+    return S, tl.sum(S * q_s[None, :], axis=1)
+""", """    u = b_t * (v_t - tl.sum(S * (decay * k_t)[None, :], axis=1))
+    o = tl.sum(S * (decay * q_s)[None, :], axis=1) + u * tl.sum(k_t * q_s)
     S = S * decay[None, :] + u[:, None] * k_t[None, :]
     return S, o
 """)]
@@ -96,10 +99,10 @@ _INPUTS_2D = [
 """),
     ("""    u = b_t * (v_t - tl.sum(S * (decay * k_t)[None, :], axis=1))
     S = S * decay[None, :] + u[:, None] * k_t[None, :]
-    return S, tl.sum(S * (q_t * scale)[None, :], axis=1)
+    return S, tl.sum(S * q_s[None, :], axis=1)
 """, """    u = b_t * (v_t - tl.sum(S * (decay * k_t), axis=1))
     S = S * decay + u[:, None] * k_t
-    return S, tl.sum(S * (q_t * scale), axis=1)
+    return S, tl.sum(S * q_s, axis=1)
 """),
     ("""    vv = vs * BV + tl.arange(0, BV)
     # the first token's inputs""", """    vv = vs * BV + tl.arange(0, BV)
