@@ -58,6 +58,16 @@ def shift_qk_conv_state(mixed_row, conv_row, q_ch, k_ch, ok, stride_cc, stride_c
 
 
 @triton.jit
+def sequence_rows(slots, n, stride_slot, pool_slots, mixed, stride_mixed, conv_pool, stride_cp):
+    """Sequence n's slot, whether it is live (a slot inside the pool), the pool row it reads (0 for a padding row),
+    and pointers to its conv input row and its conv pool row."""
+    slot = tl.load(slots + n * stride_slot).to(tl.int64)
+    live = (slot >= 0) & (slot < pool_slots)
+    row = tl.where(live, slot, 0)
+    return slot, live, row, mixed + n.to(tl.int64) * stride_mixed, conv_pool + row * stride_cp
+
+
+@triton.jit
 def normalised_head(o, total, n, h, out_gate, norm_weight, stride_gate, eps, live, V: tl.constexpr):
     """The gated RMSNorm of one head's output ``o [V]`` (fp32) whose sum of squares is ``total``."""
     dd = tl.arange(0, V)
@@ -84,11 +94,8 @@ def decode_step_kernel(
     vv = vs * BV + tl.arange(0, BV)
     k_ok = kk < K
     v_ok = vv < V
-    slot = tl.load(slots + n * stride_slot).to(tl.int64)
-    live = (slot >= 0) & (slot < pool_slots)
-    row = tl.where(live, slot, 0)
-    mixed_row = mixed + n.to(tl.int64) * stride_mixed
-    conv_row = conv_pool + row * stride_cp
+    slot, live, row, mixed_row, conv_row = sequence_rows(slots, n, stride_slot, pool_slots, mixed, stride_mixed,
+                                                         conv_pool, stride_cp)
     q_ch = h * K + kk  # the conv's channels: q | k | v, H heads each
     k_ch = H * K + h * K + kk
     v_ch = 2 * H * K + h * V + vv
@@ -146,11 +153,8 @@ def head_step_kernel(
     n = tl.program_id(2)
     kk = tl.arange(0, K)
     k_ok = kk < K
-    slot = tl.load(slots + n * stride_slot).to(tl.int64)
-    live = (slot >= 0) & (slot < pool_slots)
-    row = tl.where(live, slot, 0)
-    mixed_row = mixed + n.to(tl.int64) * stride_mixed
-    conv_row = conv_pool + row * stride_cp
+    slot, live, row, mixed_row, conv_row = sequence_rows(slots, n, stride_slot, pool_slots, mixed, stride_mixed,
+                                                         conv_pool, stride_cp)
     q_ch = h * K + kk  # the conv's channels: q | k | v, H heads each
     k_ch = H * K + h * K + kk
     q_columns = load_columns(conv_column(conv_row, q_ch, stride_cc), k_ok & live, stride_cj, W - 1)
