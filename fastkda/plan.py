@@ -860,6 +860,12 @@ DECODE_STEP_WARPS = 4
 DECODE_STEP_CHUNK = 32  # state columns a one-slice step program updates at once (it walks its head's chunks in turn)
 
 
+def decode_step_chunk(value_dim: int) -> int:
+    """State columns the one-program-a-head step (``decode_step.head_step_kernel``) updates at once: a 32-column
+    slice's registers, so that several programs share an SM."""
+    return min(DECODE_STEP_CHUNK, value_dim)
+
+
 @functools.lru_cache(maxsize=4096)  # called on every eager decode step
 def choose_decode_step_plan(num_seqs: int, heads: int, value_dim: int, sms: int):
     """The layer's decode step (:func:`fastkda.kda_decode_step`): the plan of its one fused kernel, or None where

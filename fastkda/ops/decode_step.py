@@ -12,7 +12,7 @@ output, applies the gate and writes it, and puts the ticket back to 0 (so a CUDA
 q/k channels' conv state: every slice reads it, so only the last program, which knows that every slice has read it
 (their reads come before their tickets), writes its new value; each program writes its own v channels' state.
 With one slice per head (a plan that asks for it) the step is another kernel, :func:`head_step_kernel`: one program
-a head walks the head's state in chunks of :data:`fastkda.plan.DECODE_STEP_CHUNK` columns, normalises the head and
+a head walks the head's state in chunks of :func:`fastkda.plan.decode_step_chunk` columns, normalises the head and
 writes the q/k state itself, without ticket.
 
 A negative slot, or one at or past the pool's size, is a padding row: zeros for the conv state and the recurrent
@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..plan import DECODE_STEP_CHUNK
+from ..plan import decode_step_chunk
 from .common import interpreting, launch, load_f32, store_as
 from .conv import conv_sum, load_columns, store_shifted
 from .decode import gate_parameters, state_update, token_coefficients, token_step
@@ -216,7 +216,7 @@ def fused_decode_step(mixed, conv_pool, conv_weight, g, beta, out_gate, norm_wei
                  L2NORM=use_qk_l2norm, BETA_SIGMOID=use_beta_sigmoid, EMULATE=interpreting(), num_warps=plan.warps)
     if plan.v_slices == 1:
         launch(head_step_kernel, (1, heads, num_seqs), *inputs, out, errors, *strides,
-               BC=min(DECODE_STEP_CHUNK, value_dim), **flags)
+               BC=decode_step_chunk(value_dim), **flags)
         return
     sums = torch.empty(num_seqs, heads, plan.v_slices, dtype=torch.float32, device=out.device)
     launch(decode_step_kernel, (plan.v_slices, heads, num_seqs), *inputs, sums, tickets, out, errors, *strides,

@@ -22,7 +22,7 @@ from fastkda.ops.conv import conv_kernel, conv_update_kernel
 from fastkda.ops.decode import decode_kernel
 from fastkda.ops.decode_step import decode_step_kernel, head_step_kernel
 from fastkda.ops.norm import gated_rmsnorm_kernel
-from fastkda.plan import DECODE_STEP_CHUNK, conv_update_launch
+from fastkda.plan import conv_update_launch, decode_step_chunk
 
 H, K, V, W, C = 12, 128, 128, 4, 3 * 12 * 128
 B, F, I = "*bf16", "*fp32", "*i32"
@@ -37,7 +37,7 @@ for gate in (True, False):
             eps=1e-5, pool_slots=33, H=H, K=K, V=V, W=W, LOWER_BOUND_GATE=gate, L2NORM=True, BETA_SIGMOID=True,
             EMULATE=False)
         if slices == 1:
-            compile_for_hopper(head_step_kernel, dict(step, BC=DECODE_STEP_CHUNK), warps, 3)
+            compile_for_hopper(head_step_kernel, dict(step, BC=decode_step_chunk(V)), warps, 3)
         else:
             compile_for_hopper(decode_step_kernel, dict(step, sums=F, tickets=I, BV=V // slices, SLICES=slices), warps,
                                3)

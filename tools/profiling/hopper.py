@@ -26,7 +26,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from fastkda.bench.workloads import DIM, LOWER_BOUND, is_varlen, load_workloads  # noqa: E402
-from fastkda.plan import DECODE_STEP_CHUNK, choose_decode_plan, choose_decode_step_plan, choose_plan  # noqa: E402
+from fastkda.plan import choose_decode_plan, choose_decode_step_plan, choose_plan, decode_step_chunk  # noqa: E402
 from tools.plan_changes import add_set_argument, combined  # noqa: E402
 
 BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"  # ptxas, nvdisasm
@@ -180,7 +180,7 @@ def decode_step_launch(plan, key_dim=DIM, width=4, pool=F32):
         stride_slot=1, lower_bound=LOWER_BOUND, scale=K ** -0.5, eps=1e-5, pool_slots=plan.num_seqs + 1,
         H=H, K=K, V=V, W=width, LOWER_BOUND_GATE=True, L2NORM=True, BETA_SIGMOID=True, EMULATE=False)
     if plan.v_slices == 1:  # one program a head (fused_decode_step's dispatch)
-        return head_step_kernel, dict(args, BC=min(DECODE_STEP_CHUNK, V)), plan.warps, 3, None
+        return head_step_kernel, dict(args, BC=decode_step_chunk(V)), plan.warps, 3, None
     return decode_step_kernel, dict(args, sums=F32, tickets=I32, BV=plan.slice_width, SLICES=plan.v_slices), \
         plan.warps, 3, None
 
