@@ -826,8 +826,9 @@ def kda_decode_step(mixed, conv_states, conv_weight, g, beta, output_gate, norm_
                     use_beta_sigmoid=True, tickets=None, plan=None):
     """The KDA layer's decode step for one token per sequence (spec §9 steps 2, 5 and 6): the conv update of q, k
     and v with SiLU, KDA decode over the state pool, and the gated RMSNorm of each head's output. Returns
-    ``[N, H, V]`` in mixed's dtype (before ``o_proj``). On the GPU one kernel (``fastkda/ops/decode_step.py``)
-    where the step is latency-bound, else the three launches :func:`causal_conv1d_update`, :func:`kda_decode` and
+    ``[N, H, V]`` in mixed's dtype (before ``o_proj``). On the GPU one kernel (``fastkda/ops/decode_step.py``:
+    slices of a head joined by tickets, or one program a head) where the step is latency-bound, else the three
+    launches :func:`causal_conv1d_update`, :func:`kda_decode` and
     :func:`gated_rmsnorm` (:func:`fastkda.plan.choose_decode_step_plan` decides); on the CPU those three. The fused
     kernel keeps the conv's output in fp32 where the three round it to mixed's dtype: outputs agree to bf16's
     rounding, not bit for bit.

@@ -872,17 +872,29 @@ def choose_decode_step_plan(num_seqs: int, heads: int, value_dim: int, sms: int)
     it runs as three launches (the conv's decode step, KDA decode, the gated norm).
 
     Fused up to four heads per SM: there the step is latency-bound, or nearly, and two launches fewer save more
-    than the fused kernel adds (H12 N32, 384 heads: 27.1 us fused against 30.5 for the three launches at a93d5ff
-    and 13389df). Past that the step is bound by bytes, and every slice of a head repeats the conv of its q and k
-    channels, so the three launches win (H12 N256: the fused kernel's best plan 156 us, the three launches 134).
-    The fused kernel's slices: 32 columns on 4 warps (four slices a head at V = 128; the sweep of 68d5227 over
-    H12 N1-N32 and H96 N1-N4: the best or within 2.2% of 16 columns on 2 warps everywhere, 64 columns on 8 warps
-    18-31% slower, where a93d5ff had them within 1%)."""
-    if num_seqs * heads > 4 * sms:
+    than the fused kernel adds. Past that the step is bound by bytes and the three launches, each stage at its own
+    occupancy, win (H100 at a1de4fd, µs: H12 N256 154 against 159 for the best fused form, bf16 H12 N256 87
+    against 90, H96 N64 296 against 309, bf16 H96 N256 612 against 666). Two fused forms:
+
+    - from two heads per SM, one program a head (one slice: ``head_step_kernel``, its state in 32-column chunks in
+      turn, no join between programs), where every SM holds several heads and the sliced form's join and
+      repeated q/k conv cost more than a head's chunks in turn (H12 N32, 384 heads: 27.2 against 29.8 for 32-column
+      slices and 30.3 for the three launches, same run);
+    - below that, 32-column slices on 4 warps joined by tickets (four slices a head at V = 128), where a head's
+      chunks in turn would be its program's whole chain (H12 N1: 9.7 against 15.1 µs; the sweep of 68d5227 over
+      H12 N1-N32 and H96 N1-N4: 32 columns on 4 warps the best or within 2.2% of 16 on 2 everywhere). Between 96
+      heads (sliced faster, H96 N1) and 384 (one program a head faster) no row has been measured; the threshold
+      of two heads an SM lies between them."""
+    total = num_seqs * heads
+    if total > 4 * sms:
         return None
+    if total >= 2 * sms:
+        return DecodePlan(num_seqs, heads, value_dim, 1, DECODE_STEP_WARPS,
+                          f"fused: {total} heads on {sms} SMs, one program a head on {DECODE_STEP_WARPS} warps "
+                          f"(its state in chunks of {decode_step_chunk(value_dim)} columns)")
     slices = max(value_dim // DECODE_STEP_SLICE_WIDTH, 1)
     return DecodePlan(num_seqs, heads, value_dim, slices, DECODE_STEP_WARPS,
-                      f"fused: {num_seqs * heads} heads on {sms} SMs, {slices} slice(s) a head of "
+                      f"fused: {total} heads on {sms} SMs, {slices} slice(s) a head of "
                       f"{value_dim // slices} columns on {DECODE_STEP_WARPS} warps")
 
 

@@ -245,7 +245,9 @@ def test_decode_plan_uses_narrow_slices_and_honours_overrides(monkeypatch):
 def test_decode_step_fuses_only_where_it_is_latency_bound():
     fused = choose_decode_step_plan(1, 12, 128, 132)
     assert (fused.v_slices, fused.warps) == (4, 4)  # 32-column slices on 4 warps
-    assert choose_decode_step_plan(44, 12, 128, 132) is not None  # 528 heads on 132 SMs
+    assert choose_decode_step_plan(44, 12, 128, 132).v_slices == 1  # 528 heads on 132 SMs: one program a head
+    assert choose_decode_step_plan(22, 12, 128, 132).v_slices == 1  # 264: two heads an SM
+    assert choose_decode_step_plan(21, 12, 128, 132).v_slices == 4  # 252: sliced, joined by tickets
     assert choose_decode_step_plan(45, 12, 128, 132) is None  # past four heads an SM: three launches
     assert choose_decode_step_plan(1, 96, 64, 132).v_slices == 2
     assert conv_update_launch(256, 4608, False) == (1, 128, 4) and conv_update_launch(256, 4608, True) == (4, 256, 4)
