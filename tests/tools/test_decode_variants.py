@@ -43,3 +43,13 @@ def test_a_variant_of_the_other_kernel_is_refused(capsys):
     with pytest.raises(SystemExit):
         decode_variants.main(["--kernel", "decode", "--variants", "without the join"])
     assert "unknown decode variants ['without the join']" in capsys.readouterr().err
+
+
+def test_extra_shapes_are_one_token_fp32_workloads_and_bad_ones_are_refused(capsys):
+    from tools.variants import decode_variants
+
+    assert decode_variants.extra_workload("96:2") == dict(name="decode_H96_N2", H=96, N=2, tokens_per_seq=1)
+    for bad in ("96", "96:x", "0:2"):
+        with pytest.raises(SystemExit):
+            decode_variants.main(["--shapes", bad])
+        assert "--shapes" in capsys.readouterr().err

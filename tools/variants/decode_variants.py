@@ -10,7 +10,7 @@ must match exactly once). The edited source is written beside the committed modu
 replaced. The variants whose names start with "without" leave out a part of the step to price it: their outputs
 are wrong, their times are what counts.
 
-python tools/variants/decode_variants.py [--kernel decode_step|decode] [--only decode_H12_N1 ...]
+python tools/variants/decode_variants.py [--kernel decode_step|decode] [--only decode_H12_N1 ...] [--shapes 96:2 ...]
     [--settings auto 32:4 16:2] [--variants NAME ...] [--out DIR]   ->  <date>-<gpu>-<kernel>-variants.json
 """
 
@@ -182,6 +182,18 @@ def decode_runner(module, inp, plan):
     return run
 
 
+def extra_workload(spec):
+    """A one-token fp32-pool decode workload from ``HEADS:SEQS`` (a head count the workloads file lacks, e.g. to
+    place a plan's threshold between two of its rows)."""
+    try:
+        heads, seqs = (int(part) for part in spec.split(":"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected HEADS:SEQS, got {spec!r}") from None
+    if heads < 1 or seqs < 1:
+        raise argparse.ArgumentTypeError(f"heads and sequences must be positive, got {spec!r}")
+    return dict(name=f"decode_H{heads}_N{seqs}", H=heads, N=seqs, tokens_per_seq=1)
+
+
 def plan_of(workload, setting):
     """The decode plan of ``setting``: "auto" (decode's own plan for the workload) or ``COLUMNS:WARPS``."""
     if setting == "auto":
@@ -197,6 +209,8 @@ def main(argv=None):
                         help="decode workloads (default: all; the fused step takes the one-token ones)")
     parser.add_argument("--settings", nargs="*", metavar="auto|COLUMNS:WARPS",
                         help="the kernel's slices (default: 32:4 for the step, auto for decode)")
+    parser.add_argument("--shapes", nargs="*", default=[], metavar="HEADS:SEQS", type=extra_workload,
+                        help="one-token fp32-pool decode shapes to time besides the workloads (e.g. 96:2)")
     parser.add_argument("--variants", nargs="*", metavar="NAME", help="default: all of the kernel's")
     parser.add_argument("--out", default="fastkda-results", help="folder for the results file")
     args = parser.parse_args(argv)
@@ -210,8 +224,11 @@ def main(argv=None):
     from fastkda.bench.timing import time_graph
 
     rows = []
-    for w in load_workloads()["decode"]:
-        if w["name"] not in (args.only or names) or (args.kernel == "decode_step" and w["tokens_per_seq"] != 1):
+    chosen_workloads = [w for w in load_workloads()["decode"] if w["name"] in (args.only or names)]
+    if args.shapes and not args.only:  # shapes alone: those, not every workload besides them
+        chosen_workloads = []
+    for w in chosen_workloads + args.shapes:
+        if args.kernel == "decode_step" and w["tokens_per_seq"] != 1:
             continue
         inp = make_decode_inputs(w, "cuda")
         references = {"KDA-only step, auto plan": fastkda_decode_runner(inp)}
