@@ -843,9 +843,9 @@ def kda_decode_step(mixed, conv_states, conv_weight, g, beta, output_gate, norm_
         state_pool ``[P, H, V, K]`` (fp32 or bf16), slots ``[N]``: as :func:`kda_decode`; a negative slot is a
             padding row (zero output, neither pool read or written).
         tickets: ``[N·H]`` int32 zeros the kernel uses to join a head's slices and leaves as zeros (a caller that
-            keeps one saves a memset per step); None allocates one.
+            keeps one saves a memset per step); None allocates one where the plan has several slices a head.
         plan: a :class:`fastkda.plan.DecodePlan` for the fused kernel on the GPU, whatever the automatic choice
-            (``fastkda.choose_decode_plan(..., tokens=1)``, as :func:`kda_decode` takes one).
+            (:func:`fastkda.plan.choose_decode_step_plan`'s; one slice a head runs one program a head).
     """
     one_token = g[:, None] if isinstance(g, torch.Tensor) and g.dim() == 3 else None  # [N, 1, H, K], as decode's q
     scale, lower_bound = scalar_defaults(one_token, scale, lower_bound)
@@ -879,7 +879,7 @@ def kda_decode_step(mixed, conv_states, conv_weight, g, beta, output_gate, norm_
                        lower_bound=lower_bound, scale=scale, use_qk_l2norm=use_qk_l2norm,
                        use_beta_sigmoid=use_beta_sigmoid)
         return gated_rmsnorm(o[:, 0], output_gate, norm_weight, eps)
-    if tickets is None:
+    if tickets is None and plan.v_slices > 1:  # one program a head needs no join
         tickets = torch.zeros(num_seqs * heads, dtype=torch.int32, device=mixed.device)
     out = torch.empty(num_seqs, heads, value_dim, dtype=mixed.dtype, device=mixed.device)
     fused_decode_step(mixed, conv_states, conv_weight, g, beta, output_gate, norm_weight, state_pool, slots,

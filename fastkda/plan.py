@@ -828,12 +828,12 @@ LONE_DECODE_WARPS = 8  # warps of a one-token 16-column decode program on a grid
 
 def one_token_decode_warps(programs: int, sms: int) -> int:
     """Warps of a 16-column decode slice when one token per sequence is walked. Where the grid fills every SM the
-    step is bound by bytes in flight and one warp keeps more programs resident (the decode sweep at dd98b4a: bf16
-    pools −12–14%, fp32 N64/N256 −3–4% against two). Where the grid leaves SMs idle (H12 N1: 96 programs on 132)
-    each program is alone on its SM and its time is its own instruction chain: eight warps give each thread one
-    state row of the slice's sixteen rather than eight, so the K reductions take fewer steps (ptxas, sm_90a: 736
-    SASS instructions a warp on two warps, 456 on eight). Several tokens (speculative decode) keep two warps:
-    there the chain's per-token stores and inputs, not the reductions, set the time."""
+    step is bound by bytes in flight and one warp keeps more programs resident. Where the grid leaves SMs idle
+    (H12 N1: 96 programs on 132) each program is alone on its SM and its time is its own instruction chain: eight
+    warps give each thread two state rows of the slice's sixteen rather than eight, so the K reductions take fewer
+    steps (ptxas, sm_90a: 736 SASS instructions a warp on two warps, 456 on eight). Several tokens (speculative
+    decode) keep two warps, which eight lose to. Measured in docs/perf-notes.md, "Session 31" and the decode sweeps
+    of 2026-12-01."""
     return 1 if programs >= sms else LONE_DECODE_WARPS
 
 
@@ -873,18 +873,17 @@ def choose_decode_step_plan(num_seqs: int, heads: int, value_dim: int, sms: int)
 
     Fused up to four heads per SM: there the step is latency-bound, or nearly, and two launches fewer save more
     than the fused kernel adds. Past that the step is bound by bytes and the three launches, each stage at its own
-    occupancy, win (H100 at a1de4fd, µs: H12 N256 154 against 159 for the best fused form, bf16 H12 N256 87
-    against 90, H96 N64 296 against 309, bf16 H96 N256 612 against 666). Two fused forms:
+    occupancy, are faster than either fused form. The two fused forms:
 
-    - from two heads per SM, one program a head (one slice: ``head_step_kernel``, its state in 32-column chunks in
-      turn, no join between programs), where every SM holds several heads and the sliced form's join and
-      repeated q/k conv cost more than a head's chunks in turn (H12 N32, 384 heads: 27.2 against 29.8 for 32-column
-      slices and 30.3 for the three launches, same run);
+    - from two heads per SM, one program a head (one slice: ``head_step_kernel``, its state in chunks in turn, no
+      join between programs), where every SM holds several heads and the sliced form's join and its repeated q/k
+      conv cost more than a head's chunks in turn;
     - below that, 32-column slices on 4 warps joined by tickets (four slices a head at V = 128), where a head's
-      chunks in turn would be its program's whole chain (H12 N1: 9.7 against 15.1 µs; the sweep of 68d5227 over
-      H12 N1-N32 and H96 N1-N4: 32 columns on 4 warps the best or within 2.2% of 16 on 2 everywhere). Between 96
-      heads (sliced faster, H96 N1) and 384 (one program a head faster) no row has been measured; the threshold
-      of two heads an SM lies between them."""
+      chunks in turn would be its program's whole chain.
+
+    Measured in docs/perf-notes.md ("The fused step's head in one program", session 31; the step sweeps before
+    it). The threshold of two heads an SM lies between the rows measured on either side of it (96 and 384
+    heads), not on a measurement of its own."""
     total = num_seqs * heads
     if total > 4 * sms:
         return None

@@ -211,8 +211,8 @@ def test_equal_rows_same_bits_offsets_counted_and_replayed(gluon):
                                                        (torch.float32, "lower_bound", True, 5),
                                                        (torch.float32, "precomputed", False, 3)])
 def test_decode_matches_float64(pool_dtype, gate, spec, seqs):
-    """Decode against float64 on 160 one-token programs (one warp each), speculative tokens (two warps) and 96
-    one-token programs (fewer than the SMs: eight warps each)."""
+    """Decode against float64 on 160 one-token programs (one warp each on a GPU of at most 160 SMs), speculative
+    tokens (two warps) and 96 one-token programs (eight warps each on a GPU of more than 96 SMs)."""
     from fastkda.reference import kda_decode_reference
 
     tokens = 4 if spec else 1

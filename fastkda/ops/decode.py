@@ -33,7 +33,7 @@ def token_inputs(q, k, v, g, beta, n, t, T, h, kk, vv, stride_q, stride_k, strid
 @triton.jit
 def gate_parameters(A_log, dt_bias, h, kk, K: tl.constexpr, LOWER_BOUND_GATE: tl.constexpr):
     """Head h's ``(exp(A_log[h]), dt_bias[h, kk])`` for the lower-bound gate; placeholders without it (unused by
-    :func:`token_step` then)."""
+    :func:`token_coefficients` then)."""
     if LOWER_BOUND_GATE:
         a_scale = tl.exp(tl.load(A_log + h).to(tl.float32))
         bias = tl.load(dt_bias + h * K + kk).to(tl.float32)

@@ -147,8 +147,8 @@ def head_step_kernel(
     """The step with one program per (head, sequence): the head's q/k conv and the token's coefficients once, then
     its state in chunks of BC columns, one after another (unrolled): each chunk's v conv, update and stores, its
     output to the program's workspace row and its sum of squares to the total; then, behind a barrier, the
-    head's norm and the q/k conv state's shift by the same program: no ticket, fence or atomic, and a chunk's
-    registers (a BC-column slice's) rather than the head's."""
+    head's norm and the q/k conv state's shift by the same program: no ticket or fence (its one atomic is the
+    bad-slot count's), and a chunk's registers (a BC-column slice's) rather than the head's."""
     h = tl.program_id(1)
     n = tl.program_id(2)
     kk = tl.arange(0, K)
@@ -199,7 +199,7 @@ def fused_decode_step(mixed, conv_pool, conv_weight, g, beta, out_gate, norm_wei
     """Launch the step on validated inputs (``fastkda.api.kda_decode_step``) as the decode plan says: one program a
     head (:func:`head_step_kernel`) for one slice a head, else the sliced form joined by tickets
     (:func:`decode_step_kernel`); ``out [N, H, V]`` contiguous, written; both pools updated in place; ``tickets
-    [N·H]`` int32 zeros, left as zeros."""
+    [N·H]`` int32 zeros, left as zeros (unread by one program a head, where it may be None)."""
     num_seqs, heads, key_dim = g.shape
     if num_seqs == 0:
         return

@@ -37,7 +37,9 @@ def cpu_step(inp, slots):
     return out, inp["conv_states"], inp["state_pool"]
 
 
-def fused_step(inp, slots, v_slices):
+def fused_step(inp, slots, v_slices, errors=None):
+    """The fused kernel on ``inp`` (copied) under ``v_slices`` slices a head (1: one program a head), its error
+    counts added to ``errors`` when given."""
     from fastkda.ops.decode_step import fused_decode_step
 
     inp = {name: x.clone() if isinstance(x, torch.Tensor) else x for name, x in inp.items()}
@@ -49,7 +51,7 @@ def fused_step(inp, slots, v_slices):
                       inp["output_gate"], inp["norm_weight"], inp["state_pool"], slots, plan=plan, A_log=inp["A_log"],
                       dt_bias=inp["dt_bias"], lower_bound=inp["lower_bound"], scale=DIM ** -0.5, eps=1e-5,
                       use_qk_l2norm=True, use_beta_sigmoid=True, tickets=tickets, out=out,
-                      errors=torch.zeros(3, dtype=torch.int32))
+                      errors=torch.zeros(3, dtype=torch.int32) if errors is None else errors)
     assert torch.equal(tickets, torch.zeros_like(tickets))  # left as zeros for the next step (or graph replay)
     return out, inp["conv_states"], inp["state_pool"]
 
@@ -73,16 +75,33 @@ def test_fused_step_equals_the_three_ops(lower_bound, v_slices):
 
 
 @needs_interpreter
-def test_fused_step_over_a_channel_last_conv_pool():
+@pytest.mark.parametrize("v_slices", [1, 4])
+def test_a_slot_past_the_pool_is_counted_once_and_touches_nothing(v_slices):
+    """A slot at or past the pool's size makes a padding row (zero output, neither pool touched) and is counted
+    once per sequence under "slot", whatever the heads and slices."""
+    inp = step_inputs(4, 5, seed=9)
+    slots = torch.tensor([4, 5, 1, 9], dtype=torch.int32)  # two sequences name rows past the pool's five
+    errors = torch.zeros(3, dtype=torch.int32)
+    out, conv_states, state_pool = fused_step(inp, slots, v_slices, errors)
+    assert errors.tolist() == [2, 0, 0]
+    assert torch.equal(out[[1, 3]], torch.zeros_like(out[[1, 3]]))
+    assert torch.equal(conv_states[[0, 2, 3]], inp["conv_states"][[0, 2, 3]])
+    assert torch.equal(state_pool[[0, 2, 3]], inp["state_pool"][[0, 2, 3]])
+    assert not torch.equal(state_pool[[4, 1]], inp["state_pool"][[4, 1]])
+
+
+@needs_interpreter
+@pytest.mark.parametrize("v_slices", [1, 2])
+def test_fused_step_over_a_channel_last_conv_pool(v_slices):
     """KDACache's conv pool layout (``[P, C, W−1]`` over ``[P, W−1, C]`` memory): the same outputs and pools as
     over a contiguous pool, bit for bit, the pool still channel-last."""
     inp = step_inputs(2, 4, seed=5)
     slots = torch.tensor([3, 0], dtype=torch.int32)
-    want = fused_step(inp, slots, 2)
+    want = fused_step(inp, slots, v_slices)
     channel_last = conv_state_pool(4, channels=inp["conv_states"].shape[1], kernel=WIDTH,
                                    dtype=torch.float32)
     channel_last.copy_(inp["conv_states"])
-    got = fused_step({**inp, "conv_states": channel_last}, slots, 2)
+    got = fused_step({**inp, "conv_states": channel_last}, slots, v_slices)
     assert got[1].stride(1) == 1
     assert all(torch.equal(a, b) for a, b in zip(got, want))
 
@@ -117,12 +136,13 @@ def test_errors_name_the_argument():
 
 
 @needs_interpreter
-def test_fused_step_reads_beta_through_its_head_stride():
+@pytest.mark.parametrize("v_slices", [1, 4])
+def test_fused_step_reads_beta_through_its_head_stride(v_slices):
     inp = step_inputs(2, 3, seed=7)
     inp["beta"] = inp["beta"].t().contiguous().t()  # [N, H] with strides (1, N): heads strided
     slots = torch.tensor([2, 0], dtype=torch.int32)
     want = cpu_step(inp, slots)
-    got = fused_step(inp, slots, 4)
+    got = fused_step(inp, slots, v_slices)
     assert rel_err(got[0], want[0]) < 1e-5 and rel_err(got[2], want[2]) < 1e-5
 
 
