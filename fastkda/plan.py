@@ -883,7 +883,7 @@ def choose_decode_step_plan(num_seqs: int, heads: int, value_dim: int, sms: int)
 
     Measured in docs/perf-notes.md ("The fused step's head in one program", session 31; the step sweeps before
     it). The threshold of two heads an SM lies between the rows measured on either side of it (96 and 384
-    heads), not on a measurement of its own."""
+    heads, V = 128), not on a measurement of its own; V = 64 takes the same rule unmeasured."""
     total = num_seqs * heads
     if total > 4 * sms:
         return None
