@@ -170,11 +170,12 @@ def head_step_kernel(
     total = 0.0
     for c in tl.static_range(V // BC):
         vv = c * BC + tl.arange(0, BC)
+        v_ok = vv < V  # all true (BC divides V); the conv's helpers take a mask
         v_ch = 2 * H * K + h * V + vv
         v_column = conv_column(conv_row, v_ch, stride_cc)
         v_columns = load_columns(v_column, live, stride_cj, W - 1)  # kept for the v state's shift
-        v_x = load_f32(mixed_row + v_ch, vv < V)
-        v_t = conv_output(v_x, v_columns, conv_weight, v_ch, vv < V, stride_wc, stride_wj, W)
+        v_x = load_f32(mixed_row + v_ch, v_ok)
+        v_t = conv_output(v_x, v_columns, conv_weight, v_ch, v_ok, stride_wc, stride_wj, W)
         state = pool + row * (H * V * K) + (h * V + vv[:, None]) * K + kk[None, :]
         m_state = live & k_ok[None, :]
         S, o_t = state_update(load_f32(state, m_state), q_s, k_n, v_t, decay, b_n)

@@ -234,9 +234,9 @@ def main(argv=None):
     from fastkda.bench.timing import time_graph
 
     rows = []
-    chosen_workloads = [w for w in load_workloads()["decode"] if w["name"] in (args.only or names)]
-    if args.shapes and not args.only:  # shapes alone: those, not every workload besides them
-        chosen_workloads = []
+    # shapes alone: those, not every workload besides them
+    chosen_workloads = [] if args.shapes and not args.only else [
+        w for w in load_workloads()["decode"] if w["name"] in (args.only or names)]
     for w in chosen_workloads + args.shapes:
         if args.kernel == "decode_step" and w["tokens_per_seq"] != 1:
             continue
