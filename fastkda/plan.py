@@ -773,7 +773,8 @@ class DecodePlan:
     """What the decode kernel launches with: ``v_slices`` programs per (sequence, head), each holding a
     ``[value_dim / v_slices, key_dim]`` fp32 slice of the state on ``warps`` warps, and why. ``head_program``
     (the fused decode step's only, with several slices): one more program a head, ahead of its slices, makes the
-    token's q/k conv and coefficients once for them (``decode_step.staged_step_kernel``)."""
+    token's conv and coefficients once for them (``decode_step.staged_step_kernel``), ``head_lead`` heads ahead
+    of them in the grid."""
 
     num_seqs: int
     heads: int
@@ -781,6 +782,7 @@ class DecodePlan:
     v_slices: int
     warps: int
     head_program: bool = False
+    head_lead: int = 0
     reason: str = dataclasses.field(default="", compare=False)
 
     def __post_init__(self):
@@ -791,6 +793,8 @@ class DecodePlan:
         _check(self.warps in WARP_CHOICES, f"decode warps must be one of {WARP_CHOICES}, got {self.warps}")
         _check(not self.head_program or self.v_slices > 1, "a head program serves several slices a head, got "
                f"v_slices={self.v_slices}")
+        _check(self.head_lead >= 0 and (self.head_program or not self.head_lead),
+               f"head_lead={self.head_lead} needs a head program and may not be negative")
 
     @property
     def slice_width(self) -> int:

@@ -166,11 +166,12 @@ def test_fused_decode_step_equals_the_three_ops(heads, num_seqs, layout):
     fused_want, unfused_want = three_ops(mixed.float()), three_ops(mixed)
     tickets = torch.zeros(num_seqs * heads, dtype=torch.int32, device="cuda")
     auto_fused = choose_decode_step_plan(num_seqs, heads, dim, sm_count(0)) is not None
-    forms = ((None, None, False), (8, 1, False), (8, 2, False), (4, 4, False), (2, 8, False), (1, 8, False),
-             (8, 1, True), (4, 4, True))  # the automatic plan; tickets, one program a head, a head program
-    for slices, warps, head_program in forms:
+    # the automatic plan; tickets; one program a head; a head program in its slices' group and ahead of them
+    forms = ((None, None, False, 0), (8, 1, False, 0), (8, 2, False, 0), (4, 4, False, 0), (2, 8, False, 0),
+             (1, 8, False, 0), (8, 1, True, 0), (4, 4, True, 0), (8, 1, True, 5), (8, 1, True, 256))
+    for slices, warps, head_program, head_lead in forms:
         plan = None if slices is None else fastkda.DecodePlan(num_seqs, heads, dim, slices, warps,
-                                                              head_program=head_program)
+                                                              head_program=head_program, head_lead=head_lead)
         got_pools = conv_pool.clone(), state_pool.clone()
         got = fastkda.kda_decode_step(mixed, got_pools[0], conv_weight, g, beta, output_gate, norm_weight,
                                       got_pools[1], slots, **gate, tickets=tickets, plan=plan)
@@ -181,8 +182,8 @@ def test_fused_decode_step_equals_the_three_ops(heads, num_seqs, layout):
         assert rel_err(got, want) < 1e-2, plan
         assert rel_err(got_pools[0], pools[0]) < 1e-6 and rel_err(got_pools[1], pools[1]) < 1e-5, plan
         assert torch.equal(tickets, torch.zeros_like(tickets))
-    for head_program in (False, True):  # the ticketed forms, replayed
-        sliced = fastkda.DecodePlan(num_seqs, heads, dim, 8, 1, head_program=head_program)
+    for head_program, head_lead in ((False, 0), (True, 0), (True, 5)):  # the ticketed forms, replayed
+        sliced = fastkda.DecodePlan(num_seqs, heads, dim, 8, 1, head_program=head_program, head_lead=head_lead)
         step = lambda: fastkda.kda_decode_step(mixed, got_pools[0], conv_weight, g, beta,  # noqa: E731
                                                output_gate, norm_weight, got_pools[1], slots, **gate,
                                                tickets=tickets, plan=sliced)

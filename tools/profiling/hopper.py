@@ -183,7 +183,8 @@ def decode_step_launch(plan, key_dim=DIM, width=4, pool=F32):
         return head_step_kernel, dict(args, BC=decode_step_chunk(V)), plan.warps, 3, None
     sliced = dict(args, sums=F32, tickets=I32, BV=plan.slice_width, SLICES=plan.v_slices)
     if plan.head_program:
-        return staged_step_kernel, dict(sliced, coefficients=F32), plan.warps, 3, None
+        return staged_step_kernel, dict(sliced, coefficients=F32, num_seqs=plan.num_seqs, lead=plan.head_lead), \
+            plan.warps, 3, None
     return decode_step_kernel, sliced, plan.warps, 3, None
 
 
