@@ -324,7 +324,7 @@ def fused_decode_step(mixed, conv_pool, conv_weight, g, beta, out_gate, norm_wei
         coefficients = torch.empty(num_seqs, heads, 3 * key_dim + value_dim + 4, dtype=torch.float32,
                                    device=out.device)
         groups = num_seqs * heads + plan.head_lead
-        launch(staged_step_kernel, (groups * (plan.v_slices + 1),), *inputs, sums, coefficients, tickets, out,
+        launch(staged_step_kernel, (groups * (plan.v_slices + 1), 1, 1), *inputs, sums, coefficients, tickets, out,
                errors, *strides, num_seqs, plan.head_lead, BV=plan.slice_width, SLICES=plan.v_slices, **flags)
         return
     launch(decode_step_kernel, (plan.v_slices, heads, num_seqs), *inputs, sums, tickets, out, errors, *strides,
