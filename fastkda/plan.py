@@ -771,18 +771,13 @@ def _choose_open_entry_plan(num_seqs, heads, seq_len, key_dim, value_dim, sms, l
 @dataclass(frozen=True)
 class DecodePlan:
     """What the decode kernel launches with: ``v_slices`` programs per (sequence, head), each holding a
-    ``[value_dim / v_slices, key_dim]`` fp32 slice of the state on ``warps`` warps, and why. ``head_program``
-    (the fused decode step's only, with several slices): one more program a head, ahead of its slices, makes the
-    token's conv and coefficients once for them (``decode_step.staged_step_kernel``), ``head_lead`` heads ahead
-    of them in the grid."""
+    ``[value_dim / v_slices, key_dim]`` fp32 slice of the state on ``warps`` warps, and why."""
 
     num_seqs: int
     heads: int
     value_dim: int
     v_slices: int
     warps: int
-    head_program: bool = False
-    head_lead: int = 0
     reason: str = dataclasses.field(default="", compare=False)
 
     def __post_init__(self):
@@ -791,10 +786,6 @@ class DecodePlan:
                f"v_slices={self.v_slices} leaves decode slices narrower than {MIN_SLICE_WIDTH} columns of "
                f"V={self.value_dim}")
         _check(self.warps in WARP_CHOICES, f"decode warps must be one of {WARP_CHOICES}, got {self.warps}")
-        _check(not self.head_program or self.v_slices > 1, "a head program serves several slices a head, got "
-               f"v_slices={self.v_slices}")
-        _check(self.head_lead >= 0 and (self.head_program or not self.head_lead),
-               f"head_lead={self.head_lead} needs a head program and may not be negative")
 
     @property
     def slice_width(self) -> int:
@@ -861,7 +852,7 @@ def _choose_decode_plan(num_seqs, heads, value_dim, sms, choice, tokens):
         warps = one_token_decode_warps(programs, sms)
         reason += (f"; {warps} warp(s) a slice: one token per sequence on {programs} programs for {sms} SMs "
                    f"({'bytes in flight' if warps == 1 else 'each program alone on its SM: its chain'} sets the time)")
-    return DecodePlan(num_seqs, heads, value_dim, slices, warps, reason=reason)
+    return DecodePlan(num_seqs, heads, value_dim, slices, warps, reason)
 
 
 DECODE_STEP_SLICE_WIDTH = 32  # state columns per program of the fused decode step (on DECODE_STEP_WARPS warps)
@@ -898,11 +889,11 @@ def choose_decode_step_plan(num_seqs: int, heads: int, value_dim: int, sms: int)
         return None
     if total >= 2 * sms:
         return DecodePlan(num_seqs, heads, value_dim, 1, DECODE_STEP_WARPS,
-                          reason=f"fused: {total} heads on {sms} SMs, one program a head on {DECODE_STEP_WARPS} warps "
+                          f"fused: {total} heads on {sms} SMs, one program a head on {DECODE_STEP_WARPS} warps "
                           f"(its state in chunks of {decode_step_chunk(value_dim)} columns)")
     slices = max(value_dim // DECODE_STEP_SLICE_WIDTH, 1)
     return DecodePlan(num_seqs, heads, value_dim, slices, DECODE_STEP_WARPS,
-                      reason=f"fused: {total} heads on {sms} SMs, {slices} slice(s) a head of "
+                      f"fused: {total} heads on {sms} SMs, {slices} slice(s) a head of "
                       f"{value_dim // slices} columns on {DECODE_STEP_WARPS} warps")
 
 

@@ -195,106 +195,6 @@ def head_step_kernel(
     store_as(out + head * V + dd, y, dd < V, EMULATE)
 
 
-@triton.jit
-def head_inputs_row(K: tl.constexpr, V: tl.constexpr):
-    """Elements of a head's row of the staged step's workspace: the token's scaled query, key and decay (K each),
-    its v (V) and β, padded to a multiple of 4 (16-byte rows)."""
-    return 3 * K + V + 4
-
-
-@triton.jit
-def staged_step_kernel(
-    mixed, conv_pool, conv_weight, g, beta, out_gate, norm_weight, A_log, dt_bias, pool, slots, partial, sums,
-    coefficients, tickets, out, errors,
-    stride_mixed, stride_cp, stride_cc, stride_cj, stride_wc, stride_wj, stride_g, stride_beta, stride_beta_h,
-    stride_gate, stride_slot, lower_bound, scale, eps, pool_slots, num_seqs, lead,
-    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, SLICES: tl.constexpr, W: tl.constexpr,
-    LOWER_BOUND_GATE: tl.constexpr, L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr, EMULATE: tl.constexpr,
-):
-    """The step with a head program ahead of the head's slices. The grid is one row of groups of SLICES + 1
-    programs: group j's first program is head j's head program (heads numbered sequence-major), the others are
-    head j − ``lead``'s slices (the first ``lead`` groups have no slices, the last ``lead`` no head program), so
-    that a head's program starts ``lead`` groups before its slices and is done, when the lead covers the groups
-    resident at once, before they look. A head program runs the conv of all the head's q, k and v channels, the
-    norms, the gate and β once, writes the token's inputs to the head's workspace row (:func:`head_inputs_row`),
-    shifts the head's conv state and adds 1 to the head's ticket (release). The slices each issue their state
-    slice's loads, wait for the ticket to leave 0 (acquire), read the row and update their slice: KDA decode's
-    work and the join's, nothing repeated a slice. They join as the ticket kernel's slices do; the one that takes
-    the last ticket normalises the head and puts the ticket back to 0. A slice waits only on a lower-numbered
-    program, which the GPU starts first (blocks start in the order of their index; the interpreter runs them in
-    that order)."""
-    group = tl.program_id(0) // (SLICES + 1)
-    role = tl.program_id(0) % (SLICES + 1)
-    head_index = group if role == 0 else group - lead
-    if (head_index >= 0) & (head_index < num_seqs * H):
-        h = head_index % H
-        n = head_index // H
-        kk = tl.arange(0, K)
-        k_ok = kk < K
-        slot, live, row, mixed_row, conv_row = sequence_rows(slots, n, stride_slot, pool_slots, mixed, stride_mixed,
-                                                             conv_pool, stride_cp)
-        head = n.to(tl.int64) * H + h
-        inputs_row = coefficients + head * head_inputs_row(K, V)  # q_s [K] | k [K] | decay [K] | v [V] | β
-        if role == 0:
-            q_ch = h * K + kk  # the conv's channels: q | k | v, H heads each
-            k_ch = H * K + h * K + kk
-            dd = tl.arange(0, V)
-            v_ch = 2 * H * K + h * V + dd
-            q_column, k_column = conv_column(conv_row, q_ch, stride_cc), conv_column(conv_row, k_ch, stride_cc)
-            v_column = conv_column(conv_row, v_ch, stride_cc)
-            q_columns = load_columns(q_column, k_ok & live, stride_cj, W - 1)
-            k_columns = load_columns(k_column, k_ok & live, stride_cj, W - 1)
-            v_columns = load_columns(v_column, (dd < V) & live, stride_cj, W - 1)
-            q_x = load_f32(mixed_row + q_ch, k_ok)
-            k_x = load_f32(mixed_row + k_ch, k_ok)
-            v_x = load_f32(mixed_row + v_ch, dd < V)
-            q_t = conv_output(q_x, q_columns, conv_weight, q_ch, k_ok, stride_wc, stride_wj, W)
-            k_t = conv_output(k_x, k_columns, conv_weight, k_ch, k_ok, stride_wc, stride_wj, W)
-            v_t = conv_output(v_x, v_columns, conv_weight, v_ch, dd < V, stride_wc, stride_wj, W)
-            g_t = load_f32(g + n.to(tl.int64) * stride_g + h * K + kk, k_ok)
-            b_t = tl.load(beta + n * stride_beta + h * stride_beta_h).to(tl.float32)
-            a_scale, bias = gate_parameters(A_log, dt_bias, h, kk, K, LOWER_BOUND_GATE)
-            q_s, k_n, decay, b_n = token_coefficients(q_t, k_t, g_t, b_t, a_scale, bias, lower_bound, scale,
-                                                      LOWER_BOUND_GATE, L2NORM, BETA_SIGMOID)
-            tl.store(inputs_row + kk, q_s)
-            tl.store(inputs_row + K + kk, k_n)
-            tl.store(inputs_row + 2 * K + kk, decay)
-            tl.store(inputs_row + 3 * K + dd, v_t)
-            tl.store(inputs_row + 3 * K + V, b_n)
-            tl.atomic_add(errors, (slot >= pool_slots).to(tl.int32), mask=(h == 0) & (slot >= pool_slots),
-                          sem="relaxed")  # "slot", as the decode kernel counts it
-            tl.debug_barrier()  # every thread's reads of the old conv columns before any thread's writes
-            store_shifted(q_column, q_columns, q_x, k_ok & live, stride_cj, W - 1, EMULATE)
-            store_shifted(k_column, k_columns, k_x, k_ok & live, stride_cj, W - 1, EMULATE)
-            store_shifted(v_column, v_columns, v_x, (dd < V) & live, stride_cj, W - 1, EMULATE)
-            tl.debug_barrier()  # every thread's stores before the release
-            tl.atomic_add(tickets + head, 1, sem="release")
-        else:
-            vv = (role - 1) * BV + tl.arange(0, BV)
-            v_ok = vv < V
-            state = pool + row * (H * V * K) + (h * V + vv[:, None]) * K + kk[None, :]
-            m_state = live & v_ok[:, None] & k_ok[None, :]
-            S = load_f32(state, m_state)  # first: the slice's bytes in flight while the head program works
-            ticket = tl.atomic_add(tickets + head, 0, sem="acquire")
-            while ticket == 0:  # the head program's inputs not yet released
-                ticket = tl.atomic_add(tickets + head, 0, sem="acquire")
-            S, o_t = state_update(S, tl.load(inputs_row + kk), tl.load(inputs_row + K + kk),
-                                  tl.load(inputs_row + 3 * K + vv, mask=v_ok), tl.load(inputs_row + 2 * K + kk),
-                                  tl.load(inputs_row + 3 * K + V))
-            o_t = tl.where(live, o_t, 0.0)
-            store_as(state, S, m_state, EMULATE)
-            tl.store(partial + head * V + vv, o_t, mask=v_ok)
-            tl.store(sums + head * SLICES + role - 1, tl.sum(o_t * o_t))
-            tl.debug_barrier()  # every thread's stores of this program before its ticket (release)
-            ticket = tl.atomic_add(tickets + head, 1, sem="acq_rel")
-            if ticket == SLICES:  # the head program's 1 and every other slice's: this is the head's last program
-                ss = tl.arange(0, SLICES)
-                dd = tl.arange(0, V)
-                y = normalised_head(tl.load(partial + head * V + dd), tl.sum(tl.load(sums + head * SLICES + ss)), n,
-                                    h, out_gate, norm_weight, stride_gate, eps, live, V)
-                store_as(out + head * V + dd, y, dd < V, EMULATE)
-                tl.store(tickets + head, 0)
-
 def fused_decode_step(mixed, conv_pool, conv_weight, g, beta, out_gate, norm_weight, state_pool, slots, *, plan,
                       A_log, dt_bias, lower_bound, scale, eps, use_qk_l2norm, use_beta_sigmoid, tickets, out, errors):
     """Launch the step on validated inputs (``fastkda.api.kda_decode_step``) as the decode plan says: one program a
@@ -320,12 +220,5 @@ def fused_decode_step(mixed, conv_pool, conv_weight, g, beta, out_gate, norm_wei
                BC=decode_step_chunk(value_dim), **flags)
         return
     sums = torch.empty(num_seqs, heads, plan.v_slices, dtype=torch.float32, device=out.device)
-    if plan.head_program:
-        coefficients = torch.empty(num_seqs, heads, 3 * key_dim + value_dim + 4, dtype=torch.float32,
-                                   device=out.device)
-        groups = num_seqs * heads + plan.head_lead
-        launch(staged_step_kernel, (groups * (plan.v_slices + 1), 1, 1), *inputs, sums, coefficients, tickets, out,
-               errors, *strides, num_seqs, plan.head_lead, BV=plan.slice_width, SLICES=plan.v_slices, **flags)
-        return
     launch(decode_step_kernel, (plan.v_slices, heads, num_seqs), *inputs, sums, tickets, out, errors, *strides,
            BV=plan.slice_width, SLICES=plan.v_slices, **flags)

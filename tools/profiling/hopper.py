@@ -168,7 +168,7 @@ def decode_step_launch(plan, key_dim=DIM, width=4, pool=F32):
     ``[N, 2·H·K + H·V]``, a bf16 conv pool ``[slots, channels, width − 1]`` held channel-last (the bench's, as
     ``fastkda.cache.conv_state_pool`` holds it) and a state ``pool`` of that pointer type, one slot per sequence and
     a spare."""
-    from fastkda.ops.decode_step import decode_step_kernel, head_step_kernel, staged_step_kernel
+    from fastkda.ops.decode_step import decode_step_kernel, head_step_kernel
 
     H, K, V = plan.heads, key_dim, plan.value_dim
     channels = 2 * H * K + H * V
@@ -181,11 +181,8 @@ def decode_step_launch(plan, key_dim=DIM, width=4, pool=F32):
         H=H, K=K, V=V, W=width, LOWER_BOUND_GATE=True, L2NORM=True, BETA_SIGMOID=True, EMULATE=False)
     if plan.v_slices == 1:  # one program a head (fused_decode_step's dispatch)
         return head_step_kernel, dict(args, BC=decode_step_chunk(V)), plan.warps, 3, None
-    sliced = dict(args, sums=F32, tickets=I32, BV=plan.slice_width, SLICES=plan.v_slices)
-    if plan.head_program:
-        return staged_step_kernel, dict(sliced, coefficients=F32, num_seqs=plan.num_seqs, lead=plan.head_lead), \
-            plan.warps, 3, None
-    return decode_step_kernel, sliced, plan.warps, 3, None
+    return decode_step_kernel, dict(args, sums=F32, tickets=I32, BV=plan.slice_width, SLICES=plan.v_slices), \
+        plan.warps, 3, None
 
 
 def add_plan_arguments(parser):

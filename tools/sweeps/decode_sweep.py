@@ -25,16 +25,13 @@ STEP_SETTINGS = ("16:1", "16:2", "32:2", "32:4", "64:4", "64:8", "128:8")  # the
 
 
 def decode_plan(workload, setting, value_dim=DIM):
-    """The :class:`fastkda.DecodePlan` of a ``COLUMNS[:WARPS][+head[LEAD]]`` setting for ``workload`` (``+head``:
-    the fused step's slices behind a head program, LEAD heads ahead of them)."""
-    setting, head, lead = setting.partition("+head")
+    """The :class:`fastkda.DecodePlan` of a ``COLUMNS[:WARPS]`` setting for ``workload``."""
     columns, _, warps = setting.partition(":")
     columns = int(columns)
     if columns < 1 or value_dim % columns:
         raise ValueError(f"setting {setting!r}: the columns must divide V={value_dim}")
     return DecodePlan(workload["N"], workload["H"], value_dim, value_dim // columns,
-                      int(warps) if warps else decode_warps(columns), head_program=bool(head),
-                      head_lead=int(lead or 0), reason=f"decode sweep: {setting}{head}{lead}")
+                      int(warps) if warps else decode_warps(columns), reason=f"decode sweep: {setting}")
 
 
 def main(argv=None):

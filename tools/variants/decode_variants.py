@@ -11,7 +11,7 @@ replaced. The variants whose names start with "without" leave out a part of the 
 are wrong, their times are what counts.
 
 python tools/variants/decode_variants.py [--kernel decode_step|decode] [--only decode_H12_N1 ...] [--shapes 96:2 ...]
-    [--settings auto 32:4 16:2 16:1+head] [--variants NAME ...] [--out DIR]   ->  <date>-<gpu>-<kernel>-variants.json
+    [--settings auto 32:4 16:2] [--variants NAME ...] [--out DIR]   ->  <date>-<gpu>-<kernel>-variants.json
 """
 
 import argparse
@@ -38,9 +38,8 @@ MODULE = "_decode_variant"
 _ERRORS_COUNT = ("    tl.atomic_add(errors, (slot >= pool_slots).to(tl.int32), "
                  "mask=(vs == 0) & (h == 0) & (slot >= pool_slots),\n"
                  '                  sem="relaxed")  # "slot", as the decode kernel counts it\n')
-_JOIN = """
-        tl.store(tickets + head, 0)
-"""  # the ticket kernel's last line (the staged kernel's is indented further)
+_JOIN = """        tl.store(tickets + head, 0)
+"""  # the ticket kernel's last line
 _V_CONV = "    v_t = conv_output(v_x, v_columns, conv_weight, v_ch, v_ok, stride_wc, stride_wj, W)\n"
 _QK_CONV = ("    q_t = conv_output(load_f32(mixed_row + q_ch, k_ok), q_columns, conv_weight, q_ch, k_ok, "
             "stride_wc, stride_wj, W)\n"
@@ -70,18 +69,7 @@ STEP_VARIANTS = {
 }
 
 ONE_PROGRAM_VARIANTS = {"one program capped at 96 registers"}  # step variants of head_step_kernel; the rest edit
-# the ticket kernel
-
-
-def step_kernel(plan):
-    """The fused step's kernel that ``plan`` launches (``decode_step.fused_decode_step``'s dispatch)."""
-    return "head_step_kernel" if plan.v_slices == 1 else "staged_step_kernel" if plan.head_program \
-        else "decode_step_kernel"
-
-
-def edited_step_kernel(variant):
-    """The fused step's kernel whose source a step variant edits."""
-    return "head_step_kernel" if variant in ONE_PROGRAM_VARIANTS else "decode_step_kernel"
+# the sliced kernel
 
 _DECODE_STATE_LOAD = "    S = load_f32(pool + read_slot * (H * V * K) + state_cols, m_state)\n"
 _DECODE_STATE_STORE = "        store_as(pool + read_slot * (H * V * K) + state_cols, S, m_state, EMULATE)\n"
@@ -229,9 +217,8 @@ def main(argv=None):
     parser.add_argument("--kernel", choices=list(KERNELS), default="decode_step")
     parser.add_argument("--only", nargs="*", choices=names,
                         help="decode workloads (default: all; the fused step takes the one-token ones)")
-    parser.add_argument("--settings", nargs="*", metavar="auto|COLUMNS:WARPS[+head]",
-                        help="the kernel's slices (default: 32:4 for the step, auto for decode; +head: the step's "
-                             "slices behind a head program)")
+    parser.add_argument("--settings", nargs="*", metavar="auto|COLUMNS:WARPS",
+                        help="the kernel's slices (default: 32:4 for the step, auto for decode)")
     parser.add_argument("--shapes", nargs="*", default=[], metavar="HEADS:SEQS", type=extra_workload,
                         help="one-token fp32-pool decode shapes to time besides the workloads (e.g. 96:2)")
     parser.add_argument("--variants", nargs="*", metavar="NAME", help="default: all of the kernel's")
@@ -271,7 +258,7 @@ def main(argv=None):
                 for setting in settings:
                     plan = plan_of(w, setting, args.kernel)
                     if plan is None or (args.kernel == "decode_step" and variants[variant]
-                                        and step_kernel(plan) != edited_step_kernel(variant)):
+                                        and (plan.v_slices == 1) != (variant in ONE_PROGRAM_VARIANTS)):
                         # three launches (a reference row above), or a kernel the variant's edits leave as it is
                         # (each step variant edits one of the two kernels): nothing of this variant to time
                         print(f"[variants] {w['name']} {setting} {variant}: not timed", flush=True)
