@@ -881,9 +881,9 @@ def choose_decode_step_plan(num_seqs: int, heads: int, value_dim: int, sms: int)
     - below that, 32-column slices on 4 warps joined by tickets (four slices a head at V = 128), where a head's
       chunks in turn would be its program's whole chain.
 
-    Measured in docs/perf-notes.md ("The fused step's head in one program", session 31; the step sweeps before
-    it). The threshold of two heads an SM lies between the rows measured on either side of it (96 and 384
-    heads, V = 128), not on a measurement of its own; V = 64 takes the same rule unmeasured."""
+    Measured in docs/perf-notes.md ("The fused step's head in one program", session 31; "Session 32"; the step
+    sweeps before them): the ticket form wins at 1.45 heads an SM and one program a head at 2.18 (192 and 288
+    heads, V = 128, on two head counts each); V = 64 takes the same rule unmeasured."""
     total = num_seqs * heads
     if total > 4 * sms:
         return None
