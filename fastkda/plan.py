@@ -778,8 +778,6 @@ class DecodePlan:
     value_dim: int
     v_slices: int
     warps: int
-    programs: int = 0
-    stages: int = 1
     reason: str = dataclasses.field(default="", compare=False)
 
     def __post_init__(self):
@@ -854,7 +852,7 @@ def _choose_decode_plan(num_seqs, heads, value_dim, sms, choice, tokens):
         warps = one_token_decode_warps(programs, sms)
         reason += (f"; {warps} warp(s) a slice: one token per sequence on {programs} programs for {sms} SMs "
                    f"({'bytes in flight' if warps == 1 else 'each program alone on its SM: its chain'} sets the time)")
-    return DecodePlan(num_seqs, heads, value_dim, slices, warps, reason=reason)
+    return DecodePlan(num_seqs, heads, value_dim, slices, warps, reason)
 
 
 DECODE_STEP_SLICE_WIDTH = 32  # state columns per program of the fused decode step (on DECODE_STEP_WARPS warps)
@@ -891,11 +889,11 @@ def choose_decode_step_plan(num_seqs: int, heads: int, value_dim: int, sms: int)
         return None
     if total >= 2 * sms:
         return DecodePlan(num_seqs, heads, value_dim, 1, DECODE_STEP_WARPS,
-                          reason=f"fused: {total} heads on {sms} SMs, one program a head on {DECODE_STEP_WARPS} warps "
+                          f"fused: {total} heads on {sms} SMs, one program a head on {DECODE_STEP_WARPS} warps "
                           f"(its state in chunks of {decode_step_chunk(value_dim)} columns)")
     slices = max(value_dim // DECODE_STEP_SLICE_WIDTH, 1)
     return DecodePlan(num_seqs, heads, value_dim, slices, DECODE_STEP_WARPS,
-                      reason=f"fused: {total} heads on {sms} SMs, {slices} slice(s) a head of "
+                      f"fused: {total} heads on {sms} SMs, {slices} slice(s) a head of "
                       f"{value_dim // slices} columns on {DECODE_STEP_WARPS} warps")
 
 

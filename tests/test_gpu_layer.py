@@ -165,12 +165,8 @@ def test_fused_decode_step_equals_the_three_ops(heads, num_seqs, layout):
     fused_want, unfused_want = three_ops(mixed.float()), three_ops(mixed)
     tickets = torch.zeros(num_seqs * heads, dtype=torch.int32, device="cuda")
     auto_fused = choose_decode_step_plan(num_seqs, heads, dim, sm_count(0)) is not None
-    # the automatic plan; tickets; one program a head; whole heads on persistent grids (programs, stages)
-    forms = ((None, None, 0, 1), (8, 1, 0, 1), (8, 2, 0, 1), (4, 4, 0, 1), (2, 8, 0, 1), (1, 8, 0, 1),
-             (1, 8, sm_count(0), 2), (1, 16, 7, 3))
-    for slices, warps, programs, stages in forms:
-        plan = None if slices is None else fastkda.DecodePlan(num_seqs, heads, dim, slices, warps, programs=programs,
-                                                              stages=stages)
+    for slices, warps in ((None, None), (8, 1), (8, 2), (4, 4), (2, 8), (1, 8)):  # the automatic plan, each form
+        plan = None if slices is None else fastkda.DecodePlan(num_seqs, heads, dim, slices, warps)
         got_pools = conv_pool.clone(), state_pool.clone()
         got = fastkda.kda_decode_step(mixed, got_pools[0], conv_weight, g, beta, output_gate, norm_weight,
                                       got_pools[1], slots, **gate, tickets=tickets, plan=plan)

@@ -65,18 +65,6 @@ def fast_exp2(x, EMULATE: tl.constexpr):
 
 
 @triton.jit
-def pipelined_barrier(EMULATE: tl.constexpr):
-    """A barrier of the program's threads (``bar.sync 0``) that Triton's software pipeliner does not see:
-    ``tl.debug_barrier`` in a ``tl.range`` loop makes it decline to pipeline the loop's loads. Its ordering is
-    bar.sync's: every thread's memory accesses before it are performed for every thread after it. The interpreter
-    runs one thread a program: ``tl.debug_barrier`` there."""
-    if EMULATE:
-        tl.debug_barrier()
-    else:
-        tl.inline_asm_elementwise("bar.sync 0;", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
 def fast_reciprocal(x, EMULATE: tl.constexpr):
     """1/x with one MUFU instruction (relative error ~1 ulp); exact division under the interpreter."""
     if EMULATE:

@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from ..plan import decode_step_chunk
-from .common import interpreting, launch, load_f32, pipelined_barrier, store_as
+from .common import interpreting, launch, load_f32, store_as
 from .conv import conv_sum, load_columns, store_shifted
 from .decode import gate_parameters, state_update, token_coefficients, token_step
 
@@ -195,64 +195,6 @@ def head_step_kernel(
     store_as(out + head * V + dd, y, dd < V, EMULATE)
 
 
-@triton.jit
-def stream_step_kernel(
-    mixed, conv_pool, conv_weight, g, beta, out_gate, norm_weight, A_log, dt_bias, pool, slots, out, errors,
-    stride_mixed, stride_cp, stride_cc, stride_cj, stride_wc, stride_wj, stride_g, stride_beta, stride_beta_h,
-    stride_gate, stride_slot, lower_bound, scale, eps, pool_slots, num_seqs, programs,
-    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, W: tl.constexpr, STAGES: tl.constexpr,
-    LOWER_BOUND_GATE: tl.constexpr, L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr, EMULATE: tl.constexpr,
-):
-    """The step on a persistent grid: each of ``programs`` programs walks heads (sequence-major) ``programs``
-    apart, a whole head an iteration: its q/k/v conv, coefficients, the update of its ``[V, K]`` state, the norm
-    and the conv state's shift, with no join (the head is the program's). Triton's pipeliner issues the next
-    STAGES − 1 heads' loads (state, conv columns, inputs) into shared memory while one head computes, so that a
-    program keeps a head's bytes or more in flight however long its arithmetic takes."""
-    kk = tl.arange(0, K)
-    dd = tl.arange(0, V)
-    k_ok = kk < K
-    v_ok = dd < V
-    for head_index in tl.range(tl.program_id(0), num_seqs * H, programs, num_stages=STAGES):
-        h = head_index % H
-        n = head_index // H
-        slot, live, row, mixed_row, conv_row = sequence_rows(slots, n, stride_slot, pool_slots, mixed,
-                                                             stride_mixed, conv_pool, stride_cp)
-        q_ch = h * K + kk  # the conv's channels: q | k | v, H heads each
-        k_ch = H * K + h * K + kk
-        v_ch = 2 * H * K + h * V + dd
-        q_column, k_column = conv_column(conv_row, q_ch, stride_cc), conv_column(conv_row, k_ch, stride_cc)
-        v_column = conv_column(conv_row, v_ch, stride_cc)
-        q_columns = load_columns(q_column, k_ok & live, stride_cj, W - 1)
-        k_columns = load_columns(k_column, k_ok & live, stride_cj, W - 1)
-        v_columns = load_columns(v_column, v_ok & live, stride_cj, W - 1)
-        q_x = load_f32(mixed_row + q_ch, k_ok)
-        k_x = load_f32(mixed_row + k_ch, k_ok)
-        v_x = load_f32(mixed_row + v_ch, v_ok)
-        state = pool + row * (H * V * K) + (h * V + dd[:, None]) * K + kk[None, :]
-        m_state = live & v_ok[:, None] & k_ok[None, :]
-        S = load_f32(state, m_state)
-        q_t = conv_output(q_x, q_columns, conv_weight, q_ch, k_ok, stride_wc, stride_wj, W)
-        k_t = conv_output(k_x, k_columns, conv_weight, k_ch, k_ok, stride_wc, stride_wj, W)
-        v_t = conv_output(v_x, v_columns, conv_weight, v_ch, v_ok, stride_wc, stride_wj, W)
-        g_t = load_f32(g + n.to(tl.int64) * stride_g + h * K + kk, k_ok)
-        b_t = tl.load(beta + n * stride_beta + h * stride_beta_h).to(tl.float32)
-        a_scale, bias = gate_parameters(A_log, dt_bias, h, kk, K, LOWER_BOUND_GATE)
-        q_s, k_n, decay, b_n = token_coefficients(q_t, k_t, g_t, b_t, a_scale, bias, lower_bound, scale,
-                                                  LOWER_BOUND_GATE, L2NORM, BETA_SIGMOID)
-        S, o_t = state_update(S, q_s, k_n, v_t, decay, b_n)
-        o_t = tl.where(live, o_t, 0.0)
-        store_as(state, S, m_state, EMULATE)
-        head = n.to(tl.int64) * H + h
-        y = normalised_head(o_t, tl.sum(o_t * o_t), n, h, out_gate, norm_weight, stride_gate, eps, live, V)
-        store_as(out + head * V + dd, y, v_ok, EMULATE)
-        tl.atomic_add(errors, (slot >= pool_slots).to(tl.int32), mask=(h == 0) & (slot >= pool_slots),
-                      sem="relaxed")  # "slot", as the decode kernel counts it
-        pipelined_barrier(EMULATE)  # every thread's reads of the head's old conv columns before any thread's writes
-        store_shifted(q_column, q_columns, q_x, k_ok & live, stride_cj, W - 1, EMULATE)
-        store_shifted(k_column, k_columns, k_x, k_ok & live, stride_cj, W - 1, EMULATE)
-        store_shifted(v_column, v_columns, v_x, v_ok & live, stride_cj, W - 1, EMULATE)
-
-
 def fused_decode_step(mixed, conv_pool, conv_weight, g, beta, out_gate, norm_weight, state_pool, slots, *, plan,
                       A_log, dt_bias, lower_bound, scale, eps, use_qk_l2norm, use_beta_sigmoid, tickets, out, errors):
     """Launch the step on validated inputs (``fastkda.api.kda_decode_step``) as the decode plan says: one program a
@@ -263,24 +205,20 @@ def fused_decode_step(mixed, conv_pool, conv_weight, g, beta, out_gate, norm_wei
     if num_seqs == 0:
         return
     value_dim = plan.value_dim
+    partial = torch.empty(num_seqs, heads, value_dim, dtype=torch.float32, device=out.device)
     lower_bound_gate = lower_bound is not None
     absent = slots  # stands for absent optional tensors; never dereferenced
     inputs = (mixed, conv_pool, conv_weight, g, beta, out_gate, norm_weight, A_log if lower_bound_gate else absent,
-              dt_bias if lower_bound_gate else absent, state_pool, slots)
+              dt_bias if lower_bound_gate else absent, state_pool, slots, partial)
     strides = (mixed.stride(0), conv_pool.stride(0), conv_pool.stride(1), conv_pool.stride(2), conv_weight.stride(0),
                conv_weight.stride(1), g.stride(0), beta.stride(0), beta.stride(1), out_gate.stride(0), slots.stride(0),
                float(lower_bound) if lower_bound_gate else 0.0, float(scale), float(eps), state_pool.shape[0])
     flags = dict(H=heads, K=key_dim, V=value_dim, W=conv_weight.shape[1], LOWER_BOUND_GATE=lower_bound_gate,
                  L2NORM=use_qk_l2norm, BETA_SIGMOID=use_beta_sigmoid, EMULATE=interpreting(), num_warps=plan.warps)
-    if plan.programs:
-        launch(stream_step_kernel, (plan.programs, 1, 1), *inputs, out, errors, *strides, num_seqs, plan.programs,
-               STAGES=plan.stages, **flags)
-        return
-    partial = torch.empty(num_seqs, heads, value_dim, dtype=torch.float32, device=out.device)
     if plan.v_slices == 1:
-        launch(head_step_kernel, (1, heads, num_seqs), *inputs, partial, out, errors, *strides,
+        launch(head_step_kernel, (1, heads, num_seqs), *inputs, out, errors, *strides,
                BC=decode_step_chunk(value_dim), **flags)
         return
     sums = torch.empty(num_seqs, heads, plan.v_slices, dtype=torch.float32, device=out.device)
-    launch(decode_step_kernel, (plan.v_slices, heads, num_seqs), *inputs, partial, sums, tickets, out, errors,
-           *strides, BV=plan.slice_width, SLICES=plan.v_slices, **flags)
+    launch(decode_step_kernel, (plan.v_slices, heads, num_seqs), *inputs, sums, tickets, out, errors, *strides,
+           BV=plan.slice_width, SLICES=plan.v_slices, **flags)

@@ -37,14 +37,14 @@ def cpu_step(inp, slots):
     return out, inp["conv_states"], inp["state_pool"]
 
 
-def fused_step(inp, slots, v_slices, errors=None, programs=0):
-    """The fused kernel on ``inp`` (copied) under ``v_slices`` slices a head (1: one program a head; with
-    ``programs``, that many programs walking whole heads), its error counts added to ``errors`` when given."""
+def fused_step(inp, slots, v_slices, errors=None):
+    """The fused kernel on ``inp`` (copied) under ``v_slices`` slices a head (1: one program a head), its error
+    counts added to ``errors`` when given."""
     from fastkda.ops.decode_step import fused_decode_step
 
     inp = {name: x.clone() if isinstance(x, torch.Tensor) else x for name, x in inp.items()}
     num_seqs = slots.shape[0]
-    plan = choose_decode_plan(num_seqs, HEADS, DIM, 132, v_slices).replace(programs=programs, stages=2)
+    plan = choose_decode_plan(num_seqs, HEADS, DIM, 132, v_slices)
     tickets = torch.zeros(num_seqs * HEADS, dtype=torch.int32)
     out = torch.full((num_seqs, HEADS, DIM), float("nan"))
     fused_decode_step(inp["mixed"], inp["conv_states"], inp["conv_weight"], inp["g"], inp["beta"],
@@ -56,21 +56,16 @@ def fused_step(inp, slots, v_slices, errors=None, programs=0):
     return out, inp["conv_states"], inp["state_pool"]
 
 
-# the fused kernel's forms: one program a head, slices joined by tickets, two programs walking whole heads
-FORMS = pytest.mark.parametrize("v_slices, programs", [(1, 0), (4, 0), (1, 2)],
-                                ids=["one-program", "tickets", "streamed"])
-
-
 @needs_interpreter
 @pytest.mark.parametrize("lower_bound", [-5.0, None], ids=["lower_bound", "precomputed"])
-@FORMS
-def test_fused_step_equals_the_three_ops(lower_bound, v_slices, programs):
+@pytest.mark.parametrize("v_slices", [1, 4])
+def test_fused_step_equals_the_three_ops(lower_bound, v_slices):
     inp = step_inputs(3, 5, lower_bound)
     if lower_bound is None:
         inp["g"] = -torch.rand(inp["g"].shape, generator=torch.Generator().manual_seed(3))
     slots = torch.tensor([4, -1, 1], dtype=torch.int32)
     want = cpu_step(inp, slots)
-    got = fused_step(inp, slots, v_slices, programs=programs)
+    got = fused_step(inp, slots, v_slices)
     assert rel_err(got[0], want[0]) < 1e-5
     assert torch.equal(got[0][1], torch.zeros_like(got[0][1]))  # the padding row
     for got_pool, want_pool, untouched in ((got[1], want[1], inp["conv_states"]), (got[2], want[2],
@@ -80,14 +75,14 @@ def test_fused_step_equals_the_three_ops(lower_bound, v_slices, programs):
 
 
 @needs_interpreter
-@FORMS
-def test_a_slot_past_the_pool_is_counted_once_and_touches_nothing(v_slices, programs):
+@pytest.mark.parametrize("v_slices", [1, 4])
+def test_a_slot_past_the_pool_is_counted_once_and_touches_nothing(v_slices):
     """A slot at or past the pool's size makes a padding row (zero output, neither pool touched) and is counted
     once per sequence under "slot", whatever the heads and slices."""
     inp = step_inputs(4, 5, seed=9)
     slots = torch.tensor([4, 5, 1, 9], dtype=torch.int32)  # two sequences name rows past the pool's five
     errors = torch.zeros(3, dtype=torch.int32)
-    out, conv_states, state_pool = fused_step(inp, slots, v_slices, errors, programs)
+    out, conv_states, state_pool = fused_step(inp, slots, v_slices, errors)
     assert errors.tolist() == [2, 0, 0]
     assert torch.equal(out[[1, 3]], torch.zeros_like(out[[1, 3]]))
     assert torch.equal(conv_states[[0, 2, 3]], inp["conv_states"][[0, 2, 3]])
@@ -96,17 +91,17 @@ def test_a_slot_past_the_pool_is_counted_once_and_touches_nothing(v_slices, prog
 
 
 @needs_interpreter
-@pytest.mark.parametrize("v_slices, programs", [(1, 0), (2, 0), (1, 3)], ids=["one-program", "tickets", "streamed"])
-def test_fused_step_over_a_channel_last_conv_pool(v_slices, programs):
+@pytest.mark.parametrize("v_slices", [1, 2])
+def test_fused_step_over_a_channel_last_conv_pool(v_slices):
     """KDACache's conv pool layout (``[P, C, W−1]`` over ``[P, W−1, C]`` memory): the same outputs and pools as
     over a contiguous pool, bit for bit, the pool still channel-last."""
     inp = step_inputs(2, 4, seed=5)
     slots = torch.tensor([3, 0], dtype=torch.int32)
-    want = fused_step(inp, slots, v_slices, programs=programs)
+    want = fused_step(inp, slots, v_slices)
     channel_last = conv_state_pool(4, channels=inp["conv_states"].shape[1], kernel=WIDTH,
                                    dtype=torch.float32)
     channel_last.copy_(inp["conv_states"])
-    got = fused_step({**inp, "conv_states": channel_last}, slots, v_slices, programs=programs)
+    got = fused_step({**inp, "conv_states": channel_last}, slots, v_slices)
     assert got[1].stride(1) == 1
     assert all(torch.equal(a, b) for a, b in zip(got, want))
 
@@ -141,13 +136,13 @@ def test_errors_name_the_argument():
 
 
 @needs_interpreter
-@FORMS
-def test_fused_step_reads_beta_through_its_head_stride(v_slices, programs):
+@pytest.mark.parametrize("v_slices", [1, 4])
+def test_fused_step_reads_beta_through_its_head_stride(v_slices):
     inp = step_inputs(2, 3, seed=7)
     inp["beta"] = inp["beta"].t().contiguous().t()  # [N, H] with strides (1, N): heads strided
     slots = torch.tensor([2, 0], dtype=torch.int32)
     want = cpu_step(inp, slots)
-    got = fused_step(inp, slots, v_slices, programs=programs)
+    got = fused_step(inp, slots, v_slices)
     assert rel_err(got[0], want[0]) < 1e-5 and rel_err(got[2], want[2]) < 1e-5
 
 

@@ -168,7 +168,7 @@ def decode_step_launch(plan, key_dim=DIM, width=4, pool=F32):
     ``[N, 2·H·K + H·V]``, a bf16 conv pool ``[slots, channels, width − 1]`` held channel-last (the bench's, as
     ``fastkda.cache.conv_state_pool`` holds it) and a state ``pool`` of that pointer type, one slot per sequence and
     a spare."""
-    from fastkda.ops.decode_step import decode_step_kernel, head_step_kernel, stream_step_kernel
+    from fastkda.ops.decode_step import decode_step_kernel, head_step_kernel
 
     H, K, V = plan.heads, key_dim, plan.value_dim
     channels = 2 * H * K + H * V
@@ -179,11 +179,7 @@ def decode_step_launch(plan, key_dim=DIM, width=4, pool=F32):
         stride_wc=width, stride_wj=1, stride_g=H * K, stride_beta=H, stride_beta_h=1, stride_gate=H * V,
         stride_slot=1, lower_bound=LOWER_BOUND, scale=K ** -0.5, eps=1e-5, pool_slots=plan.num_seqs + 1,
         H=H, K=K, V=V, W=width, LOWER_BOUND_GATE=True, L2NORM=True, BETA_SIGMOID=True, EMULATE=False)
-    if plan.programs:  # a persistent grid walking whole heads (fused_decode_step's dispatch)
-        streamed = {name: value for name, value in args.items() if name != "partial"}
-        return stream_step_kernel, dict(streamed, num_seqs=plan.num_seqs, programs=plan.programs,
-                                        STAGES=plan.stages), plan.warps, plan.stages, None
-    if plan.v_slices == 1:  # one program a head
+    if plan.v_slices == 1:  # one program a head (fused_decode_step's dispatch)
         return head_step_kernel, dict(args, BC=decode_step_chunk(V)), plan.warps, 3, None
     return decode_step_kernel, dict(args, sums=F32, tickets=I32, BV=plan.slice_width, SLICES=plan.v_slices), \
         plan.warps, 3, None

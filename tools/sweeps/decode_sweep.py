@@ -25,17 +25,13 @@ STEP_SETTINGS = ("16:1", "16:2", "32:2", "32:4", "64:4", "64:8", "128:8")  # the
 
 
 def decode_plan(workload, setting, value_dim=DIM):
-    """The :class:`fastkda.DecodePlan` of a ``COLUMNS[:WARPS][+streamSTAGESxPROGRAMS]`` setting for ``workload``
-    (``+stream``: the fused step on a persistent grid of PROGRAMS programs, STAGES heads' loads in flight)."""
-    setting, stream, walk = setting.partition("+stream")
-    stages, _, programs = walk.partition("x")
+    """The :class:`fastkda.DecodePlan` of a ``COLUMNS[:WARPS]`` setting for ``workload``."""
     columns, _, warps = setting.partition(":")
     columns = int(columns)
     if columns < 1 or value_dim % columns:
         raise ValueError(f"setting {setting!r}: the columns must divide V={value_dim}")
     return DecodePlan(workload["N"], workload["H"], value_dim, value_dim // columns,
-                      int(warps) if warps else decode_warps(columns), programs=int(programs or 0),
-                      stages=int(stages or 1), reason=f"decode sweep: {setting}{stream}{walk}")
+                      int(warps) if warps else decode_warps(columns), reason=f"decode sweep: {setting}")
 
 
 def main(argv=None):
