@@ -59,35 +59,6 @@ STEP_VARIANTS = {
     # and four fit (the one-program kernel's only variant: ONE_PROGRAM_VARIANTS)
     "one program capped at 96 registers": [("BC=decode_step_chunk(value_dim), **flags)",
                                             "BC=decode_step_chunk(value_dim), maxnreg=96, **flags)")],
-    # one program a head with no barrier in its chunk loop: the v conv state shifted with q's and k's at the end,
-    # its columns read again there (L2), so that a chunk's loads wait on no other warp
-    "one program, v conv shifted at the end": [
-        ("""        v_columns = load_columns(v_column, live, stride_cj, W - 1)  # kept for the v state's shift
-""", """        v_columns = load_columns(v_column, live, stride_cj, W - 1)
-"""),
-        ("""        store_as(state, S, m_state, EMULATE)
-        tl.debug_barrier()  # every thread's reads of the chunk's old conv columns before any thread's writes
-        store_shifted(v_column, v_columns, v_x, live, stride_cj, W - 1, EMULATE)
-        tl.store(partial + head * V + vv, o_t)
-""", """        store_as(state, S, m_state, EMULATE)
-        tl.store(partial + head * V + vv, o_t)
-"""),
-        ("""    shift_qk_conv_state(mixed_row, conv_row, q_ch, k_ch, k_ok & live, stride_cc, stride_cj, W, EMULATE)
-    dd = tl.arange(0, V)
-""", """    dd = tl.arange(0, V)
-    q_column, k_column = conv_column(conv_row, q_ch, stride_cc), conv_column(conv_row, k_ch, stride_cc)
-    v_column = conv_column(conv_row, 2 * H * K + h * V + dd, stride_cc)
-    q_columns = load_columns(q_column, k_ok & live, stride_cj, W - 1)
-    k_columns = load_columns(k_column, k_ok & live, stride_cj, W - 1)
-    v_columns = load_columns(v_column, (dd < V) & live, stride_cj, W - 1)
-    q_x = load_f32(mixed_row + q_ch, k_ok)
-    k_x = load_f32(mixed_row + k_ch, k_ok)
-    v_x = load_f32(mixed_row + 2 * H * K + h * V + dd, dd < V)
-    tl.debug_barrier()
-    store_shifted(q_column, q_columns, q_x, k_ok & live, stride_cj, W - 1, EMULATE)
-    store_shifted(k_column, k_columns, k_x, k_ok & live, stride_cj, W - 1, EMULATE)
-    store_shifted(v_column, v_columns, v_x, (dd < V) & live, stride_cj, W - 1, EMULATE)
-""")],
     "without the join": [("""    tl.store(partial + head * V + vv, o_t, mask=v_ok)
     tl.store(sums + head * SLICES + vs, tl.sum(o_t * o_t))
     tl.debug_barrier()  # every thread's stores and q/k state reads of this program before its ticket (release)
@@ -97,8 +68,8 @@ STEP_VARIANTS = {
     "without the state": [(_STATE_LOAD, "    S = tl.zeros((BV, K), dtype=tl.float32)\n"), (_STATE_STORE, "")],
 }
 
-# step variants of head_step_kernel; the rest edit the sliced kernel
-ONE_PROGRAM_VARIANTS = {"one program capped at 96 registers", "one program, v conv shifted at the end"}
+ONE_PROGRAM_VARIANTS = {"one program capped at 96 registers"}  # step variants of head_step_kernel; the rest edit
+# the sliced kernel
 
 _DECODE_STATE_LOAD = "    S = load_f32(pool + read_slot * (H * V * K) + state_cols, m_state)\n"
 _DECODE_STATE_STORE = "        store_as(pool + read_slot * (H * V * K) + state_cols, S, m_state, EMULATE)\n"
