@@ -59,10 +59,6 @@ STEP_VARIANTS = {
     # and four fit (the one-program kernel's only variant: ONE_PROGRAM_VARIANTS)
     "one program capped at 96 registers": [("BC=decode_step_chunk(value_dim), **flags)",
                                             "BC=decode_step_chunk(value_dim), maxnreg=96, **flags)")],
-    # one program a head updating the whole head at once (no chunk loop): at one sequence the head's 12 programs
-    # on 16 warps join through their own barrier instead of a ticket
-    "one program, the whole head at once": [("BC=decode_step_chunk(value_dim), **flags)",
-                                             "BC=value_dim, **flags)")],
     "without the join": [("""    tl.store(partial + head * V + vv, o_t, mask=v_ok)
     tl.store(sums + head * SLICES + vs, tl.sum(o_t * o_t))
     tl.debug_barrier()  # every thread's stores and q/k state reads of this program before its ticket (release)
@@ -72,8 +68,8 @@ STEP_VARIANTS = {
     "without the state": [(_STATE_LOAD, "    S = tl.zeros((BV, K), dtype=tl.float32)\n"), (_STATE_STORE, "")],
 }
 
-# step variants of head_step_kernel; the rest edit the sliced kernel
-ONE_PROGRAM_VARIANTS = {"one program capped at 96 registers", "one program, the whole head at once"}
+ONE_PROGRAM_VARIANTS = {"one program capped at 96 registers"}  # step variants of head_step_kernel; the rest edit
+# the sliced kernel
 
 _DECODE_STATE_LOAD = "    S = load_f32(pool + read_slot * (H * V * K) + state_cols, m_state)\n"
 _DECODE_STATE_STORE = "        store_as(pool + read_slot * (H * V * K) + state_cols, S, m_state, EMULATE)\n"
