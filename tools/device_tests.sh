@@ -7,7 +7,8 @@
 #   safety 36, sequence-parallel 141, layer 75, distributed 25, plus the checkpoints)
 #   TEST_FILTER='accuracy or graph' TESTS_S=150 EXACT_S=150 KERNELS_S=40 VARIANTS_S=120 CKPT_S=40 NCU_S=90
 #   TEST_FILES='tests/test_gpu_warpgroup.py' (the GPU test files to run; default: every GPU suite)
-#   NCU_KERNEL=prepare|solve|recurrence|transition|scan NCU_WORKLOAD=H96_B1_T8192 (the ncu step's target)
+#   NCU_KERNEL=prepare|solve|recurrence|transition|scan|decode|state_chain|decode_step NCU_WORKLOAD=H96_B1_T8192
+#   (the ncu step's target)
 #   NCU_PACKAGE=<commit>: the ncu step runs .ab/fastkda_<commit> (ab_packages.py --make; carry .ab)
 #   DSWEEP_S=90 SSWEEP_S=120 PSWEEP_S=100 BENCH_S=200 (0 skips a step; the bench appends to today's committed
 #   results file)
@@ -86,8 +87,8 @@ step kernel-times-2 "${KERNELS2_S:-0}" python3 tools/profiling/kernel_times.py $
 step checkpoint-cost "${CKPT_S:-0}" python3 tools/sweeps/checkpoint_cost.py
 NCU_KERNEL=${NCU_KERNEL:-prepare} NCU_WORKLOAD=${NCU_WORKLOAD:-H96_B1_T8192}  # the kernel's Triton name less _kernel
 [ "$NCU_KERNEL" = scan ] && ncu_name=segment_scan || ncu_name=$NCU_KERNEL
-# a decode workload (decode_*) runs the decode step and its memory floor (NCU_KERNEL=decode or state_chain; this
-# tree's kernels only, no NCU_PACKAGE)
+# a decode workload (decode_*) runs the decode step, its memory floor and the fused step (NCU_KERNEL=decode,
+# state_chain or decode_step; this tree's kernels only, no NCU_PACKAGE)
 ncu_runner=tools/profiling/ncu_prepare.py
 case $NCU_WORKLOAD in decode_*) ncu_runner=tools/profiling/ncu_decode.py ;; esac
 step ncu "${NCU_S:-0}" bash -c "ncu --clock-control none --set full --import-source yes -k regex:${ncu_name}_kernel \

@@ -1,7 +1,8 @@
-"""One decode call for Nsight Compute to count: fastkda's KDA decode step and the benchmark's memory floor
-(:mod:`fastkda.bench.floor`, slot -> state -> store on decode's plan) on one decode workload's inputs, so that the
-stall reasons of the step and of its floor are read side by side (``-k`` picks ``decode_kernel`` or
-``state_chain_kernel``).
+"""One decode call for Nsight Compute to count: fastkda's KDA decode step, the benchmark's memory floor
+(:mod:`fastkda.bench.floor`, slot -> state -> store on decode's plan) and, for a one-token workload, the layer's
+fused decode step on its own plan, on one decode workload's inputs, so that the stall reasons of the steps and of
+their floor are read side by side (``-k`` picks ``decode_kernel``, ``state_chain_kernel`` or
+``decode_step_kernel``, the fused step's sliced form, which its plan takes below two heads an SM).
 
 ncu --clock-control none --set full --import-source yes -k regex:decode_kernel --launch-count 1 \\
     python tools/profiling/ncu_decode.py [--only decode_H12_N1]"""
@@ -14,7 +15,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository r
 
 import torch  # noqa: E402
 
-from fastkda.bench.runners import fastkda_decode_runner, floor_decode_runner  # noqa: E402
+from fastkda.bench.runners import fastkda_decode_runner, fastkda_step_runner, floor_decode_runner  # noqa: E402
 from fastkda.bench.workloads import load_workloads, make_decode_inputs  # noqa: E402
 
 
@@ -28,6 +29,9 @@ def main(argv=None):
     inp = make_decode_inputs(workload, "cuda")
     fastkda_decode_runner(inp)()
     floor_decode_runner(inp)()
+    step = fastkda_step_runner(inp)  # None for several tokens a sequence
+    if step is not None:
+        step()
     torch.cuda.synchronize()
 
 
