@@ -52,33 +52,36 @@ def copy_chunk(c, c_end, bos, eos, slot0, stage, kd_ws, qg_ws, kg_ws, A_ws, T_ws
     only for ``OUTPUTS``); a chunk at or past ``c_end`` copies nothing (its slot fills with zeros) but still
     commits, so that every step waits for the same group count. v's columns past V (a transition's identity
     columns) read as zeros."""
-    live = c < c_end
+    # one scalar base a tile (64-bit) and 32-bit offsets inside the chunk: no 64-bit product an element
+    first = bos + c * C  # the chunk's first token
+    rows_left = gl.minimum(eos - first, (c_end - c) * C)  # rows inside the sequence: none past c_end
+    row0 = first.to(gl.int64)
     r_k = gl.arange(0, C, layout=gl.SliceLayout(1, ROWS_K))
-    tok_k = (bos + c * C + r_k).to(gl.int64)
-    ok_k = (tok_k < eos) & live
-    at_k = tok_k[:, None] * (H * K) + gl.arange(0, K, layout=gl.SliceLayout(0, ROWS_K))[None, :]
-    async_copy.async_copy_global_to_shared(kd_s.index(stage), kd_ws + at_k, mask=ok_k[:, None])
-    async_copy.async_copy_global_to_shared(kg_s.index(stage), kg_ws + at_k, mask=ok_k[:, None])
+    at_k = r_k[:, None] * (H * K) + gl.arange(0, K, layout=gl.SliceLayout(0, ROWS_K))[None, :]
+    ok_k = (r_k < rows_left)[:, None]
+    async_copy.async_copy_global_to_shared(kd_s.index(stage), kd_ws + row0 * (H * K) + at_k, mask=ok_k)
+    async_copy.async_copy_global_to_shared(kg_s.index(stage), kg_ws + row0 * (H * K) + at_k, mask=ok_k)
     if OUTPUTS:
-        async_copy.async_copy_global_to_shared(qg_s.index(stage), qg_ws + at_k, mask=ok_k[:, None])
+        async_copy.async_copy_global_to_shared(qg_s.index(stage), qg_ws + row0 * (H * K) + at_k, mask=ok_k)
         r_c = gl.arange(0, C, layout=gl.SliceLayout(1, ROWS_C))
-        tok_c = (bos + c * C + r_c).to(gl.int64)
         cols_c = gl.arange(0, C, layout=gl.SliceLayout(0, ROWS_C))
-        async_copy.async_copy_global_to_shared(A_s.index(stage), A_ws + tok_c[:, None] * (H * C) + cols_c[None, :],
-                                               mask=lower_sectors(A_ws, r_c, (tok_c < eos) & live, cols_c))
+        async_copy.async_copy_global_to_shared(A_s.index(stage),
+                                               A_ws + row0 * (H * C) + (r_c[:, None] * (H * C) + cols_c[None, :]),
+                                               mask=lower_sectors(A_ws, r_c, r_c < rows_left, cols_c))
     r_t = gl.arange(0, C, layout=gl.SliceLayout(1, ROWS_T))
-    tok_t = (bos + c * C + r_t).to(gl.int64)
     cols_t = gl.arange(0, C, layout=gl.SliceLayout(0, ROWS_T))
-    async_copy.async_copy_global_to_shared(T_s.index(stage), T_ws + tok_t[:, None] * (H * C) + cols_t[None, :],
-                                           mask=lower_sectors(T_ws, r_t, (tok_t < eos) & live, cols_t))
+    async_copy.async_copy_global_to_shared(T_s.index(stage),
+                                           T_ws + row0 * (H * C) + (r_t[:, None] * (H * C) + cols_t[None, :]),
+                                           mask=lower_sectors(T_ws, r_t, r_t < rows_left, cols_t))
     r_v = gl.arange(0, C, layout=gl.SliceLayout(1, ROWS_V))
-    tok_v = (bos + c * C + r_v).to(gl.int64)
     cols_v = vs * BV + gl.arange(0, BV, layout=gl.SliceLayout(0, ROWS_V))
-    async_copy.async_copy_global_to_shared(v_s.index(stage), v_h + tok_v[:, None] * stride_v + cols_v[None, :],
-                                           mask=((tok_v < eos) & live)[:, None] & (cols_v < V)[None, :])
+    async_copy.async_copy_global_to_shared(v_s.index(stage),
+                                           v_h + row0 * stride_v + (r_v.to(gl.int64)[:, None] * stride_v
+                                                                    + cols_v[None, :]),
+                                           mask=(r_v < rows_left)[:, None] & (cols_v < V)[None, :])
     kk = gl.arange(0, K, layout=VECTOR)
-    async_copy.async_copy_global_to_shared(decay_s.index(stage), decay_h + (slot0 + c) * (H * K) + kk,
-                                           mask=(kk < K) & live)
+    async_copy.async_copy_global_to_shared(decay_s.index(stage), decay_h + (slot0 + c).to(gl.int64) * (H * K) + kk,
+                                           mask=(kk < K) & (c < c_end))
     async_copy.commit_group()
 
 
@@ -99,11 +102,11 @@ def store_output(o_s, half, out_h, bos, c, eos, stride_out, vs, BV: gl.constexpr
                  ROWS_V: gl.constexpr):
     """Chunk ``c``'s output, which buffer ``half`` of ``o_s`` holds (``[C, BV]``), to its tokens' rows: whole
     16-byte runs along V, the tokens past the sequence's end left alone."""
+    first = bos + c * C  # the chunk's first token: a scalar 64-bit base, the rows' offsets from it
     r = gl.arange(0, C, layout=gl.SliceLayout(1, ROWS_V))
-    tok = (bos + c * C + r).to(gl.int64)
     cols = vs * BV + gl.arange(0, BV, layout=gl.SliceLayout(0, ROWS_V))
-    gl.store(out_h + tok[:, None] * stride_out + cols[None, :], o_s.index(half).load(ROWS_V),
-             mask=(tok < eos)[:, None])
+    gl.store(out_h + first.to(gl.int64) * stride_out + (r.to(gl.int64)[:, None] * stride_out + cols[None, :]),
+             o_s.index(half).load(ROWS_V), mask=(r < eos - first)[:, None])
 
 
 @gluon.jit
