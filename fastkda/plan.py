@@ -37,7 +37,11 @@ WARP_CHOICES = (1, 2, 4, 8, 16)
 REGISTERS_PER_SM = 65536  # 32-bit registers of one SM's register file (sm_80 and sm_90 alike)
 PREPARE_PROGRAMS_PER_SM = 3  # first preparation kernel programs an SM holds, by the register cap
 PREPARE_TOKEN_RUN = 2  # consecutive tokens per thread in the first preparation kernel, at most (prepare_token_run)
-WARPGROUP_STAGES = 4  # the Gluon recurrence's ring of chunks in the automatic plan (the fewest it takes)
+WARPGROUP_STAGES = 4  # the Gluon kernels' ring of chunks in the automatic plan (the fewest they take); the
+# transitions keep it (five measured 7-8% slower: two of their programs an SM no longer fit)
+WARPGROUP_RECURRENCE_STAGES = {64: 5, 128: 4}  # the Gluon recurrence's ring by slice width: at 64 columns a fifth
+# chunk fits (with an fp32 v) and measured 4.7-5.8% faster calls on an H100 (docs/perf-notes.md, "A ring of five
+# chunks at 64 columns"); at 128 columns no fifth fits
 WARPGROUP_SLICE_WIDTHS = (64, 128)  # the Gluon recurrence's slices: a warpgroup per 64 columns (the products' rows)
 SHARED_MEMORY_PER_PROGRAM = 232448  # bytes of shared memory one program may take on sm_90 (227 KB)
 SOLVE_WARPS = 1  # the inverse works in 16x16 blocks: one warp holds them, and more programs per SM hide latency
@@ -605,9 +609,9 @@ def choose_plan(num_seqs: int, heads: int, seq_len: int, key_dim: int, value_dim
     the sequences as rows (``equal_rows``, which needs ``cu_seqlens`` to agree; one sequence runs so without a
     hint); without it the plan assumes one sequence may hold every token. ``warpgroup_mma``: the GPU runs Hopper's
     warpgroup MMA (:func:`has_warpgroup_mma`); then the segments' transitions and the recurrence of 64- or
-    128-column slices (but a serial one whose programs fill less than half the SMs) run the Gluon kernels at
-    :data:`WARPGROUP_STAGES` stages (the plan's ``warpgroup_transition`` and ``warpgroup_recurrence``: where the
-    H200 measured them faster). Raises ``ValueError`` for shapes the kernels do not take."""
+    128-column slices (but a serial one whose programs fill less than half the SMs) run the Gluon kernels (the
+    plan's ``warpgroup_transition`` and ``warpgroup_recurrence``: where the H200 measured them faster), the
+    transitions at :data:`WARPGROUP_STAGES` stages, the recurrence at :data:`WARPGROUP_RECURRENCE_STAGES`. Raises ``ValueError`` for shapes the kernels do not take."""
     if max_seqlen is not None:
         _check(isinstance(max_seqlen, int) and not isinstance(max_seqlen, bool) and max_seqlen >= 0,
                f"max_seqlen must be None or an integer >= 0, got {max_seqlen!r}")
@@ -711,7 +715,7 @@ def _choose_plan(num_seqs, heads, seq_len, key_dim, value_dim, sms, varlen, lowe
         lower_bound_gate=lower_bound_gate, sms=sms, chunk=CHUNK, block=BLOCK, cpu_chunk=CPU_CHUNK,
         v_slices=slices, state_rows_v=state_rows_v(width), warpgroup_recurrence=gluon_recurrence,
         warpgroup_transition=gluon_transition, longest_first=longest_first, recurrence_warps=recurrence_warps(width),
-        recurrence_stages=WARPGROUP_STAGES if gluon_recurrence else 3,
+        recurrence_stages=WARPGROUP_RECURRENCE_STAGES[width] if gluon_recurrence else 3,
         transition_stages=WARPGROUP_STAGES if gluon_transition else 3,
         prepare_warps=prepare_warps, prepare_stages=3, prepare_channels=prepare_channels(key_dim, lower_bound_gate),
         prepare_token_run=prepare_token_run(CHUNK, key_dim, prepare_warps),
