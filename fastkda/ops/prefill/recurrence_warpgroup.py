@@ -86,6 +86,19 @@ def copy_chunk(c, c_end, bos, eos, slot0, stage, kd_ws, qg_ws, kg_ws, A_ws, T_ws
 
 
 @gluon.jit
+def ring_slots(c, c0, carried, STAGES: gl.constexpr):
+    """Chunk c's ring slot ``(c − c0) % STAGES``, the next chunk's, and the one that chunk ``c + STAGES − 1``
+    refills. A ring of a power of two takes them as remainders (masks); another (five chunks) from ``carried``,
+    chunk c's slot carried over the loop, by a compare and a select, since a remainder by five cost the step about
+    40 instructions (docs/perf-notes.md, "The ring's slot carried")."""
+    if STAGES & (STAGES - 1) == 0:
+        return (c - c0) % STAGES, (c - c0 + 1) % STAGES, (c - c0 + STAGES - 1) % STAGES
+    else:
+        return (carried, carried + 1 - STAGES * (carried == STAGES - 1).to(gl.int32),
+                carried - 1 + STAGES * (carried == 0).to(gl.int32))
+
+
+@gluon.jit
 def split_t(T_s, stage, lo_s, hi_s, half, ROWS_T: gl.constexpr):
     """T·β of ring slot ``stage`` (fp32) as its bf16 halves ``hi + lo`` into buffer ``half`` of the halves, made
     visible to the tensor cores' proxy (the next barrier makes them visible to the other warps)."""
@@ -189,8 +202,9 @@ def warpgroup_walk(
     cta_barrier()
     split_t(T_s, 0, lo_s, hi_s, 0, ROWS_T)
     S_op = gl.convert_layout(S.to(gl.bfloat16), OP_C, assert_trivial=True)
+    next_stage = 0  # the first chunk's ring slot (ring_slots)
     for c in range(c0, c_end):
-        stage = (c - c0) % STAGES
+        stage, next_stage, refill = ring_slots(c, c0, next_stage, STAGES)
         half = (c - c0) % 2
         if OUTPUTS:
             # under SEGMENTED a later segment's start is its predecessor's end, which that one writes
@@ -215,7 +229,7 @@ def warpgroup_walk(
             o = warpgroup_mma(S_op, qg_s.index(stage).permute((1, 0)), zero_C, use_acc=False, is_async=True)
             o = warpgroup_mma(gl.convert_layout(v_op, OP_C, assert_trivial=True), A_s.index(stage).permute((1, 0)),
                               o, is_async=True)
-        split_t(T_s, (c - c0 + 1) % STAGES, lo_s, hi_s, 1 - half, ROWS_T)  # the next chunk's, beside the products
+        split_t(T_s, next_stage, lo_s, hi_s, 1 - half, ROWS_T)  # the next chunk's, beside the products
         if OUTPUTS:
             if c > c0:  # the previous chunk's output, which the barrier above published
                 store_output(o_s, 1 - half, out_h, bos, c - 1, eos, stride_out, vs, BV, C, ROWS_V)
@@ -226,9 +240,9 @@ def warpgroup_walk(
         if OUTPUTS:
             o = warpgroup_mma_wait(0, deps=[o])
             o_s.index(half).permute((1, 0)).store(o.to(out.dtype.element_ty))
-        copy_chunk(c + STAGES - 1, c_end, bos, eos, slot0, (c - c0 + STAGES - 1) % STAGES, kd_ws, qg_ws, kg_ws, A_ws,
-                   T_ws, v_h, decay_h, stride_v, kd_s, qg_s, kg_s, A_s, T_s, v_s, decay_s, H, K, V, BV, C, vs,
-                   ROWS_K, ROWS_C, ROWS_T, ROWS_V, VECTOR, OUTPUTS)
+        copy_chunk(c + STAGES - 1, c_end, bos, eos, slot0, refill, kd_ws, qg_ws, kg_ws, A_ws, T_ws, v_h, decay_h,
+                   stride_v, kd_s, qg_s, kg_s, A_s, T_s, v_s, decay_s, H, K, V, BV, C, vs, ROWS_K, ROWS_C, ROWS_T,
+                   ROWS_V, VECTOR, OUTPUTS)
     async_copy.wait_group(0)  # no copy outlives the program
     if OUTPUTS:
         if c_end > c0:  # the last chunk's output
