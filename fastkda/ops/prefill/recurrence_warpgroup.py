@@ -214,13 +214,13 @@ def warpgroup_walk(
                                  eos - bos, S, state_offsets, H, V, K, False)
         async_copy.wait_group(STAGES - 3)  # chunks c and c + 1 landed (this thread's copies)
         cta_barrier()  # everyone's copies and halves visible; every warp past chunk c - 1's products
-        S_decayed = S * decay_s.index(stage).load(gl.SliceLayout(0, ACC_K))[None, :]
         Y = warpgroup_mma(S_op, kd_s.index(stage).permute((1, 0)), zero_C, use_acc=False, is_async=True)
         v_T = v_s.index(stage).permute((1, 0)).load(ACC_C).to(gl.float32)
         Y = warpgroup_mma_wait(0, deps=[Y])
         Y_op = gl.convert_layout((v_T - Y).to(gl.bfloat16), OP_C, assert_trivial=True)
         v_new = warpgroup_mma(Y_op, lo_s.index(half).permute((1, 0)), zero_C, use_acc=False, is_async=True)
         v_new = warpgroup_mma(Y_op, hi_s.index(half).permute((1, 0)), v_new, is_async=True)
+        S_decayed = S * decay_s.index(stage).load(gl.SliceLayout(0, ACC_K))[None, :]
         v_new = warpgroup_mma_wait(0, deps=[v_new])
         v_op = v_new.to(gl.bfloat16)
         S = warpgroup_mma(gl.convert_layout(v_op, OP_K, assert_trivial=True), kg_s.index(stage), S_decayed,
