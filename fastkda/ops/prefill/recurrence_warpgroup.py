@@ -184,9 +184,10 @@ def warpgroup_walk(
     lo_s = gl.allocate_shared_memory(gl.bfloat16, [2, C, C], SHARED_C)
     hi_s = gl.allocate_shared_memory(gl.bfloat16, [2, C, C], SHARED_C)
 
-    copy_chunk(c0, c_end, bos, eos, slot0, 0, kd_ws, qg_ws, kg_ws, A_ws, T_ws, v_h, decay_h, stride_v,
-               kd_s, qg_s, kg_s, A_s, T_s, v_s, decay_s, H, K, V, BV, C, vs, ROWS_K, ROWS_C, ROWS_T, ROWS_V,
-               VECTOR, OUTPUTS)
+    for i in gl.static_range(STAGES - 1):  # the first chunks' copies, in flight while the state loads
+        copy_chunk(c0 + i, c_end, bos, eos, slot0, i, kd_ws, qg_ws, kg_ws, A_ws, T_ws, v_h, decay_h, stride_v,
+                   kd_s, qg_s, kg_s, A_s, T_s, v_s, decay_s, H, K, V, BV, C, vs, ROWS_K, ROWS_C, ROWS_T, ROWS_V,
+                   VECTOR, OUTPUTS)
     # the state Sᵀ [BV, K] in the state product's accumulator layout (a transition's columns from V on are its
     # identity columns), its addresses in [N, H, V, K] and in one (slot, head)'s [V, K] rows
     sv = vs * BV + gl.arange(0, BV, layout=gl.SliceLayout(1, ACC_K))
@@ -195,10 +196,6 @@ def warpgroup_walk(
     state_offsets = ((n * H + h) * V).to(gl.int64) * K + local
     S = starting_state(ws_fp32, entries_at, initial_state, state_offsets, local, gl.zeros([BV, K], gl.float32, ACC_K),
                        sv, sk, slot, h, j, c1, num_chunks, H, V, K, HAS_INITIAL, True, SEGMENTED, TRANSITION)
-    for i in gl.static_range(1, STAGES - 1):  # the next chunks' copies, behind the first one's and the state's
-        copy_chunk(c0 + i, c_end, bos, eos, slot0, i, kd_ws, qg_ws, kg_ws, A_ws, T_ws, v_h, decay_h, stride_v,
-                   kd_s, qg_s, kg_s, A_s, T_s, v_s, decay_s, H, K, V, BV, C, vs, ROWS_K, ROWS_C, ROWS_T, ROWS_V,
-                   VECTOR, OUTPUTS)
     zero_C = gl.zeros([BV, C], gl.float32, ACC_C)
 
     async_copy.wait_group(STAGES - 2)  # the first chunk
