@@ -6,7 +6,8 @@
 #   (the GPU suites took about 390 s together on the H200, in separate runs at 271685a-68d5227: test_gpu 108,
 #   safety 36, sequence-parallel 141, layer 75, distributed 25, plus the checkpoints)
 #   TEST_FILTER='accuracy or graph' TESTS_S=150 EXACT_S=150 KERNELS_S=40 VARIANTS_S=120 CKPT_S=40 NCU_S=90
-#   TEST_FILES='tests/test_gpu_warpgroup.py' (the GPU test files to run; default: every GPU suite)
+#   TEST_FILES='tests/test_gpu_warpgroup.py' (the GPU test files to run, one step each, in order, within TESTS_S
+#   seconds together; default: every GPU suite)
 #   NCU_KERNEL=prepare|solve|recurrence|transition|scan|decode|state_chain|decode_step NCU_WORKLOAD=H96_B1_T8192
 #   (the ncu step's target)
 #   NCU_PACKAGE=<commit>: the ncu step runs .ab/fastkda_<commit> (ab_packages.py --make; carry .ab)
@@ -71,8 +72,21 @@ step() {  # step NAME SECONDS COMMAND...: run unless SECONDS is 0, append to the
 step prepare-variants "${VARIANTS_S:-0}" python3 tools/variants/prepare_variants.py ${VARIANTS_ARGS:-}
 TEST_FILES=${TEST_FILES:-"tests/test_gpu.py tests/test_checkpoints.py tests/test_gpu_safety.py
   tests/test_gpu_sequence_parallel.py tests/test_gpu_layer.py tests/test_gpu_distributed.py tests/test_gpu_warpgroup.py"}
-# shellcheck disable=SC2086  # the file list splits on purpose
-step gpu-tests "${TESTS_S:-600}" python3 -m pytest -q -s $TEST_FILES ${TEST_FILTER:+-k "$TEST_FILTER"}
+# one step a file, in order, each with what is left of TESTS_S: a file that the limit cuts still leaves the files
+# before it their own summary line (session 34's calls lost three summaries to one cut step), and a cut file says
+# how far it got (its progress characters, counted); --durations names the slow tests for the next split
+tests_left=${TESTS_S:-600}
+[ "$tests_left" = 0 ] && TEST_FILES=""  # TESTS_S=0: no GPU tests
+for test_file in $TEST_FILES; do
+  name="gpu-tests-$(basename "$test_file" .py)"
+  [ "$tests_left" -le 5 ] && { echo "== $name: not run (TESTS_S spent)" | tee -a "$LOG"; continue; }
+  began=$(date +%s)
+  # shellcheck disable=SC2086
+  step "$name" "$tests_left" python3 -m pytest -q -s --durations=5 "$test_file" ${TEST_FILTER:+-k "$TEST_FILTER"}
+  grep -oE "^[.FEsx]+(\[|$)" "/tmp/$name.log" | tr -d '[\n' | awk '{printf "   (progress: %d passed, %d failed or errors, %d skipped)\n", gsub(/\./, ""), gsub(/[FE]/, ""), gsub(/s/, "")}'
+  tests_left=$(( tests_left - ($(date +%s) - began) ))
+  [ "$tests_left" -lt 0 ] && tests_left=0
+done
 step exactness "${EXACT_S:-0}" python3 tools/sweeps/exactness_matrix.py
 step ab "${AB_S:-0}" python3 tools/variants/ab_packages.py --out "$OUT/results" ${AB_ARGS:-}
 step decode-sweep "${DSWEEP_S:-0}" python3 tools/sweeps/decode_sweep.py --out "$OUT/results"
