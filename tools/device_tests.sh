@@ -83,7 +83,9 @@ for test_file in $TEST_FILES; do
   began=$(date +%s)
   # shellcheck disable=SC2086
   step "$name" "$tests_left" python3 -m pytest -q -s --durations=5 "$test_file" ${TEST_FILTER:+-k "$TEST_FILTER"}
-  grep -oE "^[.FEsx]+(\[|$)" "/tmp/$name.log" | tr -d '[\n' | awk '{printf "   (progress: %d passed, %d failed or errors, %d skipped)\n", gsub(/\./, ""), gsub(/[FE]/, ""), gsub(/s/, "")}'
+  grep -oE "^[.FEsx]+(\[|$)" "/tmp/$name.log" | tr -d '[\n' \
+    | awk '{printf "   (progress: %d passed, %d failed or errors, %d skipped)\n", gsub(/\./, ""), gsub(/[FE]/, ""),
+            gsub(/s/, "")}'
   tests_left=$(( tests_left - ($(date +%s) - began) ))
   [ "$tests_left" -lt 0 ] && tests_left=0
 done

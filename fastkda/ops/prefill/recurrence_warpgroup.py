@@ -220,6 +220,7 @@ def warpgroup_walk(
         Y_op = gl.convert_layout((v_T - Y).to(gl.bfloat16), OP_C, assert_trivial=True)
         v_new = warpgroup_mma(Y_op, lo_s.index(half).permute((1, 0)), zero_C, use_acc=False, is_async=True)
         v_new = warpgroup_mma(Y_op, hi_s.index(half).permute((1, 0)), v_new, is_async=True)
+        # the decay's multiplies here, while v_new's products run: above Y's issue they split Y's products (SASS)
         S_decayed = S * decay_s.index(stage).load(gl.SliceLayout(0, ACC_K))[None, :]
         v_new = warpgroup_mma_wait(0, deps=[v_new])
         v_op = v_new.to(gl.bfloat16)
