@@ -20,6 +20,7 @@
 #   (e.g. --only H24_N1_T65536, then the same with --package <commit>)
 set -uo pipefail
 OUT=${OUT:-/tmp/fastkda-out}
+STEP_LOGS=${TMPDIR:-/tmp}  # each step's own log, besides $LOG
 mkdir -p "$OUT/results"
 LOG="$OUT/device.log"
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 FLA_FLASH_KDA=0
@@ -40,7 +41,7 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
 # Triton keeps the timings it chose on disk when asked; they come back as $OUT/autotune-cache.tgz, and the next
 # call reuses them when .autotune-cache (git-ignored: `mkdir .autotune-cache && tar xzf <that file> -C
 # .autotune-cache`) travels in its carry. FLA then compiles only the configuration it chose before.
-export TRITON_CACHE_AUTOTUNING=1 TRITON_CACHE_DIR=/tmp/triton-cache
+export TRITON_CACHE_AUTOTUNING=1 TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/triton-cache}
 mkdir -p "$TRITON_CACHE_DIR"
 if [ -d .autotune-cache ]; then
   cp -r .autotune-cache/. "$TRITON_CACHE_DIR/"
@@ -64,31 +65,42 @@ step() {  # step NAME SECONDS COMMAND...: run unless SECONDS is 0, append to the
   echo "== $name" >> "$LOG"
   # the log grows as the step runs: a call that its own limit ends keeps what the step printed (session 27 lost
   # a whole GPU-test step that the limit cut, when the log was copied after the step)
-  timeout "$seconds" "$@" 2>&1 | tee "/tmp/$name.log" >> "$LOG"
+  timeout "$seconds" "$@" 2>&1 | tee "$STEP_LOGS/$name.log" >> "$LOG"
   local rc=${PIPESTATUS[0]}
   echo "== $name (rc=$rc)"
-  grep -E "^\[|passed|failed|Error" "/tmp/$name.log" | grep -v " eager: " | tail -40
+  grep -E "^\[|passed|failed|Error" "$STEP_LOGS/$name.log" | grep -v " eager: " | tail -40
 }
 step prepare-variants "${VARIANTS_S:-0}" python3 tools/variants/prepare_variants.py ${VARIANTS_ARGS:-}
 TEST_FILES=${TEST_FILES:-"tests/test_gpu.py tests/test_checkpoints.py tests/test_gpu_safety.py
   tests/test_gpu_sequence_parallel.py tests/test_gpu_layer.py tests/test_gpu_distributed.py tests/test_gpu_warpgroup.py"}
-# one step a file, in order, each with what is left of TESTS_S: a file that the limit cuts still leaves the files
-# before it their own summary line (session 34's calls lost three summaries to one cut step), and a cut file says
-# how far it got (its progress characters, counted); --durations names the slow tests for the next split
+# one step a file, in order, each with what is left of TESTS_S (whole seconds): a file that the limit cuts still
+# leaves the files before it their own summary line (session 34's calls lost three summaries to one cut step), and
+# says how far it got (tools/pytest_progress.py writes each test's outcome as it is known); --durations names the
+# slow tests for the next split
+counted() {  # counted OUTCOMES: the tests of the running file whose outcome matches OUTCOMES (a pattern), so far
+  if [ -f "$FASTKDA_TEST_PROGRESS" ]; then grep -cE "^($1) " "$FASTKDA_TEST_PROGRESS"; else echo 0; fi
+}
 tests_left=${TESTS_S:-600}
-[ "$tests_left" = 0 ] && TEST_FILES=""  # TESTS_S=0: no GPU tests
+if ! [[ $tests_left =~ ^[0-9]+$ ]]; then
+  echo "TESTS_S must be whole seconds, got '$tests_left': no GPU tests" | tee -a "$LOG"
+  tests_left=0
+fi
+[ "$tests_left" -eq 0 ] && TEST_FILES=""  # TESTS_S=0: no GPU tests
 for test_file in $TEST_FILES; do
   name="gpu-tests-$(basename "$test_file" .py)"
   [ "$tests_left" -le 5 ] && { echo "== $name: not run (TESTS_S spent)" | tee -a "$LOG"; continue; }
   began=$(date +%s)
+  export FASTKDA_TEST_PROGRESS="$STEP_LOGS/$name.progress"
+  rm -f "$FASTKDA_TEST_PROGRESS"
   # shellcheck disable=SC2086
-  step "$name" "$tests_left" python3 -m pytest -q -s --durations=5 "$test_file" ${TEST_FILTER:+-k "$TEST_FILTER"}
-  grep -oE "^[.FEsx]+(\[|$)" "/tmp/$name.log" | tr -d '[\n' \
-    | awk '{printf "   (progress: %d passed, %d failed or errors, %d skipped)\n", gsub(/\./, ""), gsub(/[FE]/, ""),
-            gsub(/s/, "")}'
+  step "$name" "$tests_left" python3 -m pytest -q -s -p tools.pytest_progress --durations=5 "$test_file" \
+    ${TEST_FILTER:+-k "$TEST_FILTER"}
+  echo "   (progress: $(counted passed) passed, $(counted 'failed|error') failed or errors," \
+    "$(counted skipped) skipped)" | tee -a "$LOG"
   tests_left=$(( tests_left - ($(date +%s) - began) ))
   [ "$tests_left" -lt 0 ] && tests_left=0
 done
+unset FASTKDA_TEST_PROGRESS
 step exactness "${EXACT_S:-0}" python3 tools/sweeps/exactness_matrix.py
 step ab "${AB_S:-0}" python3 tools/variants/ab_packages.py --out "$OUT/results" ${AB_ARGS:-}
 step decode-sweep "${DSWEEP_S:-0}" python3 tools/sweeps/decode_sweep.py --out "$OUT/results"
