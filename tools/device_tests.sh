@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Everything an H200 run needs, in one call, each step under its own time limit (seconds) so that one slow step
 # cannot starve the rest. One log ($OUT/device.log) and the results files ($OUT/results) come back: the device
-# tool returns at most 8 files. Order: the kernel A/B (when asked for), correctness, the benchmarks and sweeps, where the time goes.
+# tool returns at most 8 files. Order: the kernel A/B (when asked for), correctness, the benchmarks and sweeps, where
+# the time goes.
 #   bash tools/device_tests.sh [bench args...]
 #   (the GPU suites took about 390 s together on the H200, in separate runs at 271685a-68d5227: test_gpu 108,
 #   safety 36, sequence-parallel 141, layer 75, distributed 25, plus the checkpoints)
@@ -72,7 +73,8 @@ step() {  # step NAME SECONDS COMMAND...: run unless SECONDS is 0, append to the
 }
 step prepare-variants "${VARIANTS_S:-0}" python3 tools/variants/prepare_variants.py ${VARIANTS_ARGS:-}
 TEST_FILES=${TEST_FILES:-"tests/test_gpu.py tests/test_checkpoints.py tests/test_gpu_safety.py
-  tests/test_gpu_sequence_parallel.py tests/test_gpu_layer.py tests/test_gpu_distributed.py tests/test_gpu_warpgroup.py"}
+  tests/test_gpu_sequence_parallel.py tests/test_gpu_layer.py tests/test_gpu_distributed.py
+  tests/test_gpu_warpgroup.py"}
 # one step a file, in order, each with what is left of TESTS_S (whole seconds): a file that the limit cuts still
 # leaves the files before it their own summary line (session 34's calls lost three summaries to one cut step), and
 # says how far it got (tools/pytest_progress.py writes each test's outcome as it is known); --durations names the
@@ -108,7 +110,8 @@ step bench "${BENCH_S:-400}" python3 -m fastkda.bench --append --out "$OUT/resul
 save_autotune  # now too, in case the call's own limit ends the script before its exit trap
 # shellcheck disable=SC2086
 step segment-sweep "${SSWEEP_S:-0}" python3 tools/sweeps/segment_sweep.py --out "$OUT/results" ${SSWEEP_ARGS:-}
-step plan-sweep "${PSWEEP_S:-0}" python3 tools/sweeps/plan_sweep.py --out "$OUT/results" --budget-s "${PSWEEP_BUDGET:-60}" \
+step plan-sweep "${PSWEEP_S:-0}" python3 tools/sweeps/plan_sweep.py --out "$OUT/results" \
+  --budget-s "${PSWEEP_BUDGET:-60}" \
   ${PSWEEP_ARGS:-}
 # shellcheck disable=SC2086  # the argument lists split on purpose
 step kernel-times "${KERNELS_S:-60}" python3 tools/profiling/kernel_times.py ${KERNELS_ARGS:-}
