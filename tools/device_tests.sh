@@ -52,9 +52,9 @@ save_autotune() {  # the timings of every autotuned kernel so far, one small fil
   (cd "$TRITON_CACHE_DIR" && find . -name '*.autotune.json' | tar czf "$OUT/autotune-cache.tgz" -T -)
 }
 trap save_autotune EXIT
-# named as fastkda.bench.report.results_stem names it: the date and this GPU's name (session 33's H100 run started
-# a fresh file beside the committed one, since this line named the H200's)
-today="benchmarks/results/$(date +%F)-$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | tr ' ' '_').json"
+# the name the bench gives it (fastkda.bench.report.results_stem: the date and this GPU's name), from the bench's
+# own rule (session 33's H100 run started a fresh file beside the committed one, when this line named the H200's)
+today="$(python3 -c 'from fastkda.bench.report import results_stem; print(results_stem("benchmarks/results"))').json"
 # the bench appends to today's committed file; a second run of this script in the same call keeps what the first
 # wrote (session 25 lost a bench step's rows to this copy). Export FASTKDA_COMMIT for the whole command: without it
 # the copied tree's stale .git stamps the rows.
