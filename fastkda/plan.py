@@ -609,8 +609,8 @@ def choose_plan(num_seqs: int, heads: int, seq_len: int, key_dim: int, value_dim
     the sequences as rows (``equal_rows``, which needs ``cu_seqlens`` to agree; one sequence runs so without a
     hint); without it the plan assumes one sequence may hold every token. ``warpgroup_mma``: the GPU runs Hopper's
     warpgroup MMA (:func:`has_warpgroup_mma`); then the segments' transitions and the recurrence of 64- or
-    128-column slices (but a serial one whose programs fill less than half the SMs) run the Gluon kernels (the
-    plan's ``warpgroup_transition`` and ``warpgroup_recurrence``: where the H200 measured them faster), the
+    128-column slices run the Gluon kernels (the plan's ``warpgroup_transition`` and ``warpgroup_recurrence``:
+    where they measured faster), the
     transitions at :data:`WARPGROUP_STAGES` stages, the recurrence at :data:`WARPGROUP_RECURRENCE_STAGES`. Raises
     ``ValueError`` for shapes the kernels do not take."""
     if max_seqlen is not None:
@@ -685,10 +685,10 @@ def _choose_plan(num_seqs, heads, seq_len, key_dim, value_dim, sms, varlen, lowe
     width = value_dim // slices
     # measured on the H200 (docs/perf-notes.md, "The Gluon kernels' first run" and "The Gluon recurrence's output
     # through shared memory"): the Gluon transitions are faster at the automatic plan's 64 columns, the Gluon
-    # recurrence at 64 and 128 columns, serial or rerunning segments, but on a serial walk whose programs fill
-    # less than half the SMs (H12 N1 T1024's 24: 2.4% slower, twice)
-    gluon_recurrence = (warpgroup_mma and width in WARPGROUP_SLICE_WIDTHS
-                        and (bool(segment_chunks) or 2 * slices * pairs >= sms))
+    # recurrence at 64 and 128 columns, serial or rerunning segments; and on an H100 since its copies from scalar
+    # bases and its ring of five also where its programs fill less than half the SMs (perf-notes, "The Gluon
+    # recurrence on the few-program rows": H12 N1 and N2 T1024 10% faster)
+    gluon_recurrence = warpgroup_mma and width in WARPGROUP_SLICE_WIDTHS
     gluon_transition = warpgroup_mma and bool(segment_chunks) and transition_width in WARPGROUP_SLICE_WIDTHS
     if gluon_recurrence or gluon_transition:
         gluon_parts = [part for part, on in (("transitions", gluon_transition), ("recurrence", gluon_recurrence)) if on]

@@ -119,15 +119,15 @@ def test_the_warpgroup_transitions_take_segments_of_64_and_128_column_slices():
 def test_on_hopper_the_automatic_plan_runs_the_gluon_kernels_where_they_were_measured_faster():
     """With ``warpgroup_mma`` (an sm_90 GPU) the segments' transitions (64 columns in the automatic plan) and the
     recurrence of 64- and 128-column slices, serial or rerunning segments, run the Gluon kernels (the transitions
-    at 4 stages, the recurrence at 5 at 64 columns and 4 at 128), but a serial recurrence whose programs fill less
-    than half the SMs (H12 N1: 24) or of 32-column slices; without it, nothing changes."""
+    at 4 stages, the recurrence at 5 at 64 columns and 4 at 128), also a serial recurrence whose programs fill
+    less than half the SMs (H12 N1: 24), but not one of 32-column slices; without it, nothing changes."""
     from fastkda.plan import choose_open_entry_plan
 
     narrow = dict(warpgroup_recurrence=True, recurrence_stages=5)  # 64 columns
     wide = dict(warpgroup_recurrence=True, recurrence_stages=4)  # 128 columns
     transitions = dict(warpgroup_transition=True, transition_stages=4)
     for facts, expected in (((4, 12, 8192), narrow), ((5, 12, 1024), narrow), ((8, 96, 1024), wide),
-                            ((1, 12, 1024), {}), ((1, 12, 65536), dict(wide, **transitions)),
+                            ((1, 12, 1024), narrow), ((2, 12, 1024), narrow), ((1, 12, 65536), dict(wide, **transitions)),
                             ((1, 24, 65536), dict(wide, **transitions))):
         triton_plan = choose_plan(*facts, 128, 128, 132)
         hopper = choose_plan(*facts, 128, 128, 132, warpgroup_mma=True)
