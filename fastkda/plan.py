@@ -136,7 +136,10 @@ class PrefillPlan:
     products only): the solve kernel inverts a diagonal block whose entries are at most 1 by Horner's rule in fp16
     operands (``fastkda/ops/prefill/solve.py``; other bits, as accurate or more); the automatic plan sets it where
     the call's (chunk, head) pairs are at most :data:`HORNER_PROGRAMS_PER_SM` an SM (the ``replace`` to "ieee"
-    products must clear it too).
+    products must clear it too). ``inverse_in_recurrence`` (under ``warpgroup_recurrence`` and ``horner_inverse``,
+    serial, not ``longest_first``): no solve kernel; a worker warp of the Gluon recurrence forms each chunk's T·β
+    as the solve kernel would, the same bits, beside the steps, so that T never goes through memory and the call
+    has one kernel boundary fewer (under ``equal_rows`` the recurrence counts the ``cu_seqlens`` that disagree).
     ``dot_precision``: the kernels' fp32 products ("tf32" or "ieee")."""
 
     seq_len: int
@@ -171,6 +174,7 @@ class PrefillPlan:
     longest_first: bool = False
     equal_rows: bool = False
     horner_inverse: bool = False
+    inverse_in_recurrence: bool = False
     dot_precision: str = "tf32"
     reason: str = dataclasses.field(default="", compare=False)
 
@@ -229,6 +233,12 @@ class PrefillPlan:
         _check(not self.horner_inverse or self.dot_precision == "tf32",
                f"horner_inverse takes fp16 operands in place of tf32 ones (dot_precision='tf32'), got "
                f"dot_precision={self.dot_precision!r}: replace horner_inverse=False with it")
+        _check(not self.inverse_in_recurrence or (self.warpgroup_recurrence and self.horner_inverse
+                                                  and not self.segment_chunks and not self.longest_first),
+               f"inverse_in_recurrence forms T on the Gluon recurrence's worker warp by Horner's rule, on a serial "
+               f"plan in cu_seqlens order (warpgroup_recurrence and horner_inverse, segment_chunks=0, longest_first "
+               f"off); got warpgroup_recurrence={self.warpgroup_recurrence}, horner_inverse={self.horner_inverse}, "
+               f"segment_chunks={self.segment_chunks}, longest_first={self.longest_first}")
         _check(not (self.equal_rows and self.varlen),
                "equal_rows runs a varlen call as rows (varlen=False), got varlen=True")
         if self.warpgroup_transition:
@@ -354,7 +364,8 @@ class PrefillPlan:
             f"{self.prepare_channels} key channels per step, {self.prepare_token_run} consecutive tokens per thread"
             + (f", at most {self.prepare_registers} registers a thread" if self.prepare_registers else "") + "; "
             f"solve kernel on {_counted(self.solve_warps, 'warp')}, {self.solve_stages} stages: T·diag(β)"
-            + (", diagonal blocks by Horner's rule in fp16 operands" if self.horner_inverse else ""),
+            + (", diagonal blocks by Horner's rule in fp16 operands" if self.horner_inverse else "")
+            + (" (none: a worker warp of the recurrence forms it)" if self.inverse_in_recurrence else ""),
             f"recurrence: v_slices={self.v_slices} (V cut into {self.v_slices} slice(s) of {self.slice_width} "
             f"columns): {self.programs} programs "
             + ("per segment of each sequence" if self.segment_chunks else f"on {self.sms} SMs")

@@ -31,13 +31,16 @@ bit for bit.
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.ampere import async_copy
-from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
+                                                              warpgroup_mma_wait)
 
-from ..tiles import lower_sectors, tile_offsets
+from ..tiles import load_lower, lower_sectors, tile_offsets
+from .inputs import beta_rows
 from .layout import OWNER_LOOKUP_WIDTH, sequence_order
 from .recurrence import finish_walk, head_sections, program_chunks, starting_state, store_checkpoint
 
+INVERSE_WORKER_REGISTERS = gl.constexpr(128)  # registers a thread of the worker warp that forms T·β (invert_chunks)
 cta_barrier = getattr(gl, "barrier", None) or gl.thread_barrier  # a barrier of the program's threads (bar.sync): its
 # name since triton 3.7, thread_barrier in 3.6
 
@@ -47,9 +50,9 @@ def copy_chunk(c, c_end, bos, eos, slot0, stage, kd_ws, qg_ws, kg_ws, A_ws, T_ws
                kd_s, qg_s, kg_s, A_s, T_s, v_s, decay_s,
                H: gl.constexpr, K: gl.constexpr, V: gl.constexpr, BV: gl.constexpr, C: gl.constexpr, vs,
                ROWS_K: gl.constexpr, ROWS_C: gl.constexpr, ROWS_T: gl.constexpr, ROWS_V: gl.constexpr,
-               VECTOR: gl.constexpr, OUTPUTS: gl.constexpr):
+               VECTOR: gl.constexpr, OUTPUTS: gl.constexpr, COPY_T: gl.constexpr):
     """Start the copies of chunk ``c``'s tiles into ring slot ``stage`` and commit them as one group (qg and M
-    only for ``OUTPUTS``); a chunk at or past ``c_end`` copies nothing (its slot fills with zeros) but still
+    only for ``OUTPUTS``, T·β only for ``COPY_T``); a chunk at or past ``c_end`` copies nothing (its slot fills with zeros) but still
     commits, so that every step waits for the same group count. v's columns past V (a transition's identity
     columns) read as zeros."""
     # one scalar base a tile (64-bit) and 32-bit offsets inside the chunk: no 64-bit product an element
@@ -68,11 +71,12 @@ def copy_chunk(c, c_end, bos, eos, slot0, stage, kd_ws, qg_ws, kg_ws, A_ws, T_ws
         async_copy.async_copy_global_to_shared(A_s.index(stage),
                                                A_ws + row0 * (H * C) + (r_c[:, None] * (H * C) + cols_c[None, :]),
                                                mask=lower_sectors(A_ws, r_c, r_c < rows_left, cols_c))
-    r_t = gl.arange(0, C, layout=gl.SliceLayout(1, ROWS_T))
-    cols_t = gl.arange(0, C, layout=gl.SliceLayout(0, ROWS_T))
-    async_copy.async_copy_global_to_shared(T_s.index(stage),
-                                           T_ws + row0 * (H * C) + (r_t[:, None] * (H * C) + cols_t[None, :]),
-                                           mask=lower_sectors(T_ws, r_t, r_t < rows_left, cols_t))
+    if COPY_T:
+        r_t = gl.arange(0, C, layout=gl.SliceLayout(1, ROWS_T))
+        cols_t = gl.arange(0, C, layout=gl.SliceLayout(0, ROWS_T))
+        async_copy.async_copy_global_to_shared(T_s.index(stage),
+                                               T_ws + row0 * (H * C) + (r_t[:, None] * (H * C) + cols_t[None, :]),
+                                               mask=lower_sectors(T_ws, r_t, r_t < rows_left, cols_t))
     r_v = gl.arange(0, C, layout=gl.SliceLayout(1, ROWS_V))
     cols_v = vs * BV + gl.arange(0, BV, layout=gl.SliceLayout(0, ROWS_V))
     async_copy.async_copy_global_to_shared(v_s.index(stage),
@@ -122,85 +126,137 @@ def store_output(o_s, half, out_h, bos, c, eos, stride_out, vs, BV: gl.constexpr
              o_s.index(half).load(ROWS_V), mask=(r < eos - first)[:, None])
 
 
+@gluon.constexpr_function
+def walk_layout(name, BV, K, C):
+    """The register layout ``name`` of a walk over ``BV`` columns (a warp per 16), ``K`` channels, ``C``-token
+    chunks. The products': the slice's BV columns are M; ``ACC_C`` the ``[BV, C]`` accumulators (Y, v_new, o),
+    ``ACC_K`` the ``[BV, K]`` state, ``OP_*`` their left operands. The copies': each tile's rows across the
+    threads, each thread's elements along a row (16 bytes but A's at 8 warps), no element held twice but the
+    decay's below 32·W channels: ``ROWS_K`` kd, qg, kg; ``ROWS_C`` M; ``ROWS_T`` T·β; ``ROWS_V`` v and the output;
+    ``VECTOR`` the decay, 4 bytes a thread."""
+    W = BV // 16
+    acc_c = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[W, 1], instr_shape=[16, C, 16])
+    acc_k = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[W, 1], instr_shape=[16, K, 16])
+    return dict(
+        ACC_C=acc_c, ACC_K=acc_k, OP_C=gl.DotOperandLayout(operand_index=0, parent=acc_c, k_width=2),
+        OP_K=gl.DotOperandLayout(operand_index=0, parent=acc_k, k_width=2),
+        ROWS_K=gl.BlockedLayout([1, 8], [32 * 8 // K, K // 8], [W, 1], [1, 0]),
+        ROWS_C=gl.BlockedLayout([1, C // W], [32 // W, W], [W, 1], [1, 0]),
+        ROWS_T=gl.BlockedLayout([1, 4], [4, 8], [W, 1], [1, 0]),
+        ROWS_V=gl.BlockedLayout([1, 8], [32 * 8 // BV, BV // 8], [W, 1], [1, 0]),
+        VECTOR=gl.BlockedLayout([1], [32], [W], [0]))[name]
+
+
 @gluon.jit
-def warpgroup_walk(
-    ws_bf16, ws_fp32, qg_at, kg_at, A_at, scratch_at, transitions_at, entries_at, order_at, out, initial_state,
-    final_state, cu_seqlens, errors, ckpt_offsets, ckpt_states, stride_out, seq_len, num_seqs, stride_ckpt_n,
-    stride_ckpt_j, v, stride_v, segment_chunks,
-    H: gl.constexpr, K: gl.constexpr, V: gl.constexpr, BV: gl.constexpr, C: gl.constexpr,
-    IS_VARLEN: gl.constexpr, HAS_INITIAL: gl.constexpr, HAS_FINAL: gl.constexpr, NUM_CKPT: gl.constexpr,
-    SEGMENTED: gl.constexpr, TRANSITION: gl.constexpr, OPEN_ENTRY: gl.constexpr, LONGEST_FIRST: gl.constexpr,
-    STAGES: gl.constexpr,
+def tf32_product(a, b, zero, A32: gl.constexpr, B32: gl.constexpr):
+    """``a·b`` of two fp32 ``[16, 16]`` tiles on tensor cores in tf32, as ``solve.mm`` forms it (``zero``: a zero
+    tile in their layout)."""
+    return mma_v2(gl.convert_layout(a, A32), gl.convert_layout(b, B32), zero, input_precision="tf32")
+
+
+@gluon.jit
+def block_inverse_series(L, eye, zero, A32: gl.constexpr, B32: gl.constexpr):
+    """:func:`fastkda.ops.prefill.solve.unit_lower_inverse_block` in tf32 (the plan's precision under Horner's
+    rule): ``(I − L)(I + L²)(I + L⁴)(I + L⁸)``."""
+    power = L
+    inverse = eye - L
+    for _ in gl.static_range(3):
+        power = tf32_product(power, power, zero, A32, B32)
+        inverse = tf32_product(inverse, eye + power, zero, A32, B32)
+    return inverse
+
+
+@gluon.jit
+def block_inverse_horner(L, eye, A16: gl.constexpr, B16: gl.constexpr, BC: gl.constexpr):
+    """:func:`fastkda.ops.prefill.solve.unit_lower_inverse_horner_fp16`: ``X ← I − X·L`` from ``X = I − L``, BC − 2
+    times, fp16 operands and fp32 sums; the sum is the next product's left operand where it lies."""
+    minus_L = gl.convert_layout((-L).to(gl.float16), B16)
+    X = eye - L
+    for _ in gl.static_range(BC - 2):
+        X = mma_v2(gl.convert_layout(X.to(gl.float16), A16, assert_trivial=True), minus_L, eye)
+    return X
+
+
+@gluon.jit
+def invert_chunks(T_ws, beta_h, stride_beta_tok, bos, eos, c0, c_end, Tb_s, ready, free,
+                  H: gl.constexpr, C: gl.constexpr, BETA_SIGMOID: gl.constexpr, RING: gl.constexpr):
+    """The worker partition of :func:`walk_steps` under ``INVERT`` (one warp): chunk by chunk, the in-chunk inverse
+    of the solve kernel (``solve.py``, the plan's ``horner_inverse``: its operations on its one-warp layouts, so its
+    bits) from the first kernel's β·L, as T·diag(β) into slot ``(c − c0) % RING`` of ``Tb_s`` once the step has
+    freed it (``free``), announced on ``ready``. Its loads are its own: no copy of the step's ring waits for it."""
+    BC: gl.constexpr = C // 2
+    MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
+    A16: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
+    B16: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
+    A32: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=1)
+    B32: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=1)
+    rows = gl.arange(0, BC, layout=gl.SliceLayout(1, MMA))
+    cols = gl.arange(0, BC, layout=gl.SliceLayout(0, MMA))
+    eye = gl.where(rows[:, None] == cols[None, :], 1.0, 0.0)
+    zero = gl.zeros([BC, BC], gl.float32, MMA)
+    for i in gl.static_range(RING):  # the upper-right block: zero, as the step's copies read it from the scratch
+        Tb_s.index(i).slice(0, BC, dim=0).slice(BC, BC, dim=1).store(zero)
+    for c in range(c0, c_end):
+        first = bos + c * C  # the chunk's first token: 64-bit bases, 32-bit offsets inside the chunk
+        rows_left = eos - first
+        L_c = T_ws + first.to(gl.int64) * (H * C)
+        beta_c = beta_h + first.to(gl.int64) * stride_beta_tok
+        ok0 = rows < rows_left
+        ok1 = rows + BC < rows_left
+        L00 = load_lower(L_c, rows, ok0, rows, cols, H * C)
+        L10 = load_lower(L_c, rows + BC, ok1, rows + BC, cols, H * C)
+        L11 = load_lower(L_c, rows + BC, ok1, rows + BC, BC + cols, H * C)
+        b0 = beta_rows(beta_c, cols, cols < rows_left, stride_beta_tok, BETA_SIGMOID)
+        b1 = beta_rows(beta_c, cols + BC, cols + BC < rows_left, stride_beta_tok, BETA_SIGMOID)
+        # entries past 1 in size, NaN included, keep the series (solve.diagonal_inverses)
+        outside = (gl.sum(gl.sum(gl.where(gl.abs(L00) <= 1.0, 0, 1), axis=1), axis=0)
+                   + gl.sum(gl.sum(gl.where(gl.abs(L11) <= 1.0, 0, 1), axis=1), axis=0))
+        if outside == 0:
+            T00 = block_inverse_horner(L00, eye, A16, B16, BC)
+            T11 = block_inverse_horner(L11, eye, A16, B16, BC)
+        else:
+            T00 = block_inverse_series(L00, eye, zero, A32, B32)
+            T11 = block_inverse_series(L11, eye, zero, A32, B32)
+        T10 = -tf32_product(T11, tf32_product(L10, T00, zero, A32, B32), zero, A32, B32)
+        slot = (c - c0) % RING
+        mbarrier.wait(free.index(slot), ((c - c0) // RING + 1) & 1)  # the step took its last chunk's halves
+        tile = Tb_s.index(slot)
+        tile.slice(0, BC, dim=0).slice(0, BC, dim=1).store(T00 * b0[None, :])
+        tile.slice(BC, BC, dim=0).slice(0, BC, dim=1).store(T10 * b0[None, :])
+        tile.slice(BC, BC, dim=0).slice(BC, BC, dim=1).store(T11 * b1[None, :])
+        cta_barrier()  # the warp's stores before its one thread's arrival
+        mbarrier.arrive(ready.index(slot))
+
+
+@gluon.jit
+def walk_steps(
+    S, c0, c_end, j, n, h, vs, bos, eos, slot0, kd_ws, qg_ws, kg_ws, A_ws, T_ws, v_h, out_h, decay_h, stride_v,
+    stride_out, ckpt_offsets, ckpt_states, stride_ckpt_n, stride_ckpt_j, state_offsets,
+    kd_s, qg_s, kg_s, A_s, T_s, v_s, decay_s, lo_s, hi_s, o_s, Tb_s, ready, free,
+    H: gl.constexpr, K: gl.constexpr, V: gl.constexpr, BV: gl.constexpr, C: gl.constexpr, NUM_CKPT: gl.constexpr,
+    SEGMENTED: gl.constexpr, OUTPUTS: gl.constexpr, STAGES: gl.constexpr, INVERT: gl.constexpr, RING: gl.constexpr,
 ):
-    """:func:`fastkda.ops.prefill.recurrence.walk_chunks` (its arguments, the state held transposed) on a
-    warpgroup per 64 columns, with a ring of ``STAGES`` chunks (module docstring)."""
-    W: gl.constexpr = BV // 16  # a warp per 16 rows of the products: a warpgroup per 64 columns
-    gl.static_assert((BV == 64) | (BV == 128))
-    gl.static_assert(C == 32)
-    gl.static_assert(STAGES >= 4)
-    gl.static_assert(gl.num_warps() == W)
-    OUTPUTS: gl.constexpr = not TRANSITION
-    # products: the slice's BV columns are M; [BV, C] accumulators (Y, v_new, o) and the [BV, K] state
-    ACC_C: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[W, 1], instr_shape=[16, C, 16])
-    ACC_K: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[W, 1], instr_shape=[16, K, 16])
-    OP_C: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=ACC_C, k_width=2)
-    OP_K: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=ACC_K, k_width=2)
-    # the copies: each tile's rows across the threads, each thread's elements along a row (16 bytes but A's at
-    # 8 warps), no element held twice but the decay's below 32·W channels
-    ROWS_K: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // K, K // 8], [W, 1], [1, 0])
-    ROWS_C: gl.constexpr = gl.BlockedLayout([1, C // W], [32 // W, W], [W, 1], [1, 0])
-    ROWS_T: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [W, 1], [1, 0])
-    ROWS_V: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // BV, BV // 8], [W, 1], [1, 0])  # v and the output
-    VECTOR: gl.constexpr = gl.BlockedLayout([1], [32], [W], [0])  # the decay, 4 bytes a thread
-    SHARED_K: gl.constexpr = gl.NVMMASharedLayout.get_default_for([C, K], gl.bfloat16)
-    SHARED_C: gl.constexpr = gl.NVMMASharedLayout.get_default_for([C, C], gl.bfloat16)
-    SHARED_V: gl.constexpr = gl.NVMMASharedLayout.get_default_for([C, BV], v.dtype.element_ty)
-    SHARED_O: gl.constexpr = gl.NVMMASharedLayout.get_default_for([C, BV], out.dtype.element_ty)
-    PLAIN_T: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
-    PLAIN_1D: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
-
-    vs = gl.program_id(0)
-    h = gl.program_id(1)
-    kd_ws, qg_ws, kg_ws, A_ws, T_ws, v_h, out_h, decay_h = head_sections(ws_bf16, ws_fp32, qg_at, kg_at, A_at,
-                                                                          scratch_at, v, out, h, K, V, C)
-    lanes = gl.arange(0, OWNER_LOOKUP_WIDTH, layout=VECTOR)
-    n, bos, eos, in_order, slot0, num_chunks, slot, j, c0, c1, c_end, active, first_segment, own_slot = \
-        program_chunks(cu_seqlens, seq_len, num_seqs, segment_chunks, vs, lanes, sequence_order(ws_fp32, order_at), V,
-                       BV, C, IS_VARLEN, SEGMENTED, TRANSITION, OPEN_ENTRY, LONGEST_FIRST)
-
-    kd_s = gl.allocate_shared_memory(gl.bfloat16, [STAGES, C, K], SHARED_K)
-    kg_s = gl.allocate_shared_memory(gl.bfloat16, [STAGES, C, K], SHARED_K)
-    if OUTPUTS:
-        qg_s = gl.allocate_shared_memory(gl.bfloat16, [STAGES, C, K], SHARED_K)
-        A_s = gl.allocate_shared_memory(gl.bfloat16, [STAGES, C, C], SHARED_C)
-        o_s = gl.allocate_shared_memory(out.dtype.element_ty, [2, C, BV], SHARED_O)
-    else:  # a transition reads none of these: the copies skip them, nothing reads these names
-        qg_s = kd_s
-        A_s = kd_s
-        o_s = kd_s
-    T_s = gl.allocate_shared_memory(gl.float32, [STAGES, C, C], PLAIN_T)
-    v_s = gl.allocate_shared_memory(v.dtype.element_ty, [STAGES, C, BV], SHARED_V)
-    decay_s = gl.allocate_shared_memory(gl.float32, [STAGES, K], PLAIN_1D)
-    lo_s = gl.allocate_shared_memory(gl.bfloat16, [2, C, C], SHARED_C)
-    hi_s = gl.allocate_shared_memory(gl.bfloat16, [2, C, C], SHARED_C)
-
-    for i in gl.static_range(STAGES - 1):  # the first chunks' copies, in flight while the state loads
-        copy_chunk(c0 + i, c_end, bos, eos, slot0, i, kd_ws, qg_ws, kg_ws, A_ws, T_ws, v_h, decay_h, stride_v,
-                   kd_s, qg_s, kg_s, A_s, T_s, v_s, decay_s, H, K, V, BV, C, vs, ROWS_K, ROWS_C, ROWS_T, ROWS_V,
-                   VECTOR, OUTPUTS)
-    # the state Sᵀ [BV, K] in the state product's accumulator layout (a transition's columns from V on are its
-    # identity columns), its addresses in [N, H, V, K] and in one (slot, head)'s [V, K] rows
-    sv = vs * BV + gl.arange(0, BV, layout=gl.SliceLayout(1, ACC_K))
-    sk = gl.arange(0, K, layout=gl.SliceLayout(0, ACC_K))
-    local = tile_offsets(sv, sk, K, 1)  # as walk_chunks addresses the transposed state
-    state_offsets = ((n * H + h) * V).to(gl.int64) * K + local
-    S = starting_state(ws_fp32, entries_at, initial_state, state_offsets, local, gl.zeros([BV, K], gl.float32, ACC_K),
-                       sv, sk, slot, h, j, c1, num_chunks, H, V, K, HAS_INITIAL, True, SEGMENTED, TRANSITION)
+    """The chunks ``[c0, c_end)`` from the state ``S`` (the first ``STAGES − 1`` chunks' copies in flight): the
+    steps of :func:`warpgroup_walk`, whose state after the last it returns. Under ``INVERT`` each chunk's T·β
+    comes from :func:`invert_chunks` through ``Tb_s`` (``ready``), and each step frees the slot it split
+    (``free``) once every warp is past its barrier."""
+    ACC_C: gl.constexpr = walk_layout("ACC_C", BV, K, C)
+    ACC_K: gl.constexpr = walk_layout("ACC_K", BV, K, C)
+    OP_C: gl.constexpr = walk_layout("OP_C", BV, K, C)
+    OP_K: gl.constexpr = walk_layout("OP_K", BV, K, C)
+    ROWS_K: gl.constexpr = walk_layout("ROWS_K", BV, K, C)
+    ROWS_C: gl.constexpr = walk_layout("ROWS_C", BV, K, C)
+    ROWS_T: gl.constexpr = walk_layout("ROWS_T", BV, K, C)
+    ROWS_V: gl.constexpr = walk_layout("ROWS_V", BV, K, C)
+    VECTOR: gl.constexpr = walk_layout("VECTOR", BV, K, C)
     zero_C = gl.zeros([BV, C], gl.float32, ACC_C)
-
     async_copy.wait_group(STAGES - 2)  # the first chunk
     cta_barrier()
-    split_t(T_s, 0, lo_s, hi_s, 0, ROWS_T)
+    if INVERT:
+        mbarrier.wait(ready.index(0), 0, pred=c0 < c_end)
+        split_t(Tb_s, 0, lo_s, hi_s, 0, ROWS_T)
+    else:
+        split_t(T_s, 0, lo_s, hi_s, 0, ROWS_T)
     S_op = gl.convert_layout(S.to(gl.bfloat16), OP_C, assert_trivial=True)
     next_stage = 0  # the first chunk's ring slot (ring_slots)
     for c in range(c0, c_end):
@@ -214,6 +270,8 @@ def warpgroup_walk(
                                  eos - bos, S, state_offsets, H, V, K, False)
         async_copy.wait_group(STAGES - 3)  # chunks c and c + 1 landed (this thread's copies)
         cta_barrier()  # everyone's copies and halves visible; every warp past chunk c - 1's products
+        if INVERT:  # every warp split chunk c's T·β (the step before): its slot is free
+            mbarrier.arrive(free.index((c - c0) % RING))
         Y = warpgroup_mma(S_op, kd_s.index(stage).permute((1, 0)), zero_C, use_acc=False, is_async=True)
         v_T = v_s.index(stage).permute((1, 0)).load(ACC_C).to(gl.float32)
         Y = warpgroup_mma_wait(0, deps=[Y])
@@ -230,7 +288,11 @@ def warpgroup_walk(
             o = warpgroup_mma(S_op, qg_s.index(stage).permute((1, 0)), zero_C, use_acc=False, is_async=True)
             o = warpgroup_mma(gl.convert_layout(v_op, OP_C, assert_trivial=True), A_s.index(stage).permute((1, 0)),
                               o, is_async=True)
-        split_t(T_s, next_stage, lo_s, hi_s, 1 - half, ROWS_T)  # the next chunk's, beside the products
+        if INVERT:  # the next chunk's, beside the products, once the worker has it (none past the last)
+            mbarrier.wait(ready.index((c + 1 - c0) % RING), ((c + 1 - c0) // RING) & 1, pred=c + 1 < c_end)
+            split_t(Tb_s, (c + 1 - c0) % RING, lo_s, hi_s, 1 - half, ROWS_T)
+        else:
+            split_t(T_s, next_stage, lo_s, hi_s, 1 - half, ROWS_T)  # the next chunk's, beside the products
         if OUTPUTS:
             if c > c0:  # the previous chunk's output, which the barrier above published
                 store_output(o_s, 1 - half, out_h, bos, c - 1, eos, stride_out, vs, BV, C, ROWS_V)
@@ -240,15 +302,124 @@ def warpgroup_walk(
         S_op = gl.convert_layout(S.to(gl.bfloat16), OP_C, assert_trivial=True)
         if OUTPUTS:
             o = warpgroup_mma_wait(0, deps=[o])
-            o_s.index(half).permute((1, 0)).store(o.to(out.dtype.element_ty))
+            o_s.index(half).permute((1, 0)).store(o.to(o_s.dtype))
         copy_chunk(c + STAGES - 1, c_end, bos, eos, slot0, refill, kd_ws, qg_ws, kg_ws, A_ws, T_ws, v_h, decay_h,
                    stride_v, kd_s, qg_s, kg_s, A_s, T_s, v_s, decay_s, H, K, V, BV, C, vs, ROWS_K, ROWS_C, ROWS_T,
-                   ROWS_V, VECTOR, OUTPUTS)
+                   ROWS_V, VECTOR, OUTPUTS, not INVERT)
     async_copy.wait_group(0)  # no copy outlives the program
     if OUTPUTS:
         if c_end > c0:  # the last chunk's output
             cta_barrier()
             store_output(o_s, (c_end - 1 - c0) % 2, out_h, bos, c_end - 1, eos, stride_out, vs, BV, C, ROWS_V)
+    return (S,)  # a tuple, as a warp_specialize's default partition returns its results
+
+
+@gluon.jit
+def warpgroup_walk(
+    ws_bf16, ws_fp32, qg_at, kg_at, A_at, scratch_at, transitions_at, entries_at, order_at, out, initial_state,
+    final_state, cu_seqlens, errors, ckpt_offsets, ckpt_states, stride_out, seq_len, num_seqs, stride_ckpt_n,
+    stride_ckpt_j, v, stride_v, segment_chunks, beta, stride_beta_tok, stride_beta_head,
+    H: gl.constexpr, K: gl.constexpr, V: gl.constexpr, BV: gl.constexpr, C: gl.constexpr,
+    IS_VARLEN: gl.constexpr, HAS_INITIAL: gl.constexpr, HAS_FINAL: gl.constexpr, NUM_CKPT: gl.constexpr,
+    SEGMENTED: gl.constexpr, TRANSITION: gl.constexpr, OPEN_ENTRY: gl.constexpr, LONGEST_FIRST: gl.constexpr,
+    STAGES: gl.constexpr, INVERT: gl.constexpr, BETA_SIGMOID: gl.constexpr, EQUAL_ROWS: gl.constexpr,
+):
+    """:func:`fastkda.ops.prefill.recurrence.walk_chunks` (its arguments, the state held transposed) on a
+    warpgroup per 64 columns, with a ring of ``STAGES`` chunks (module docstring). ``INVERT`` (the plan's
+    ``inverse_in_recurrence``): the scratch holds the first kernel's β·L, no solve kernel ran, and a worker warp
+    forms each chunk's T·β beside the steps (:func:`invert_chunks`, from ``beta``); under ``EQUAL_ROWS`` the
+    first program of each row counts its sequence in ``errors`` if its ``cu_seqlens`` entries are not the row's,
+    as the solve kernel does."""
+    W: gl.constexpr = BV // 16  # a warp per 16 rows of the products: a warpgroup per 64 columns
+    gl.static_assert((BV == 64) | (BV == 128))
+    gl.static_assert(C == 32)
+    gl.static_assert(STAGES >= 4)
+    gl.static_assert(gl.num_warps() == W)
+    gl.static_assert(not (INVERT and (SEGMENTED or TRANSITION)))
+    OUTPUTS: gl.constexpr = not TRANSITION
+    RING: gl.constexpr = 4  # chunks of T·β between the worker and the steps under INVERT
+    ACC_C: gl.constexpr = walk_layout("ACC_C", BV, K, C)
+    ACC_K: gl.constexpr = walk_layout("ACC_K", BV, K, C)
+    ROWS_K: gl.constexpr = walk_layout("ROWS_K", BV, K, C)
+    ROWS_C: gl.constexpr = walk_layout("ROWS_C", BV, K, C)
+    ROWS_T: gl.constexpr = walk_layout("ROWS_T", BV, K, C)
+    ROWS_V: gl.constexpr = walk_layout("ROWS_V", BV, K, C)
+    VECTOR: gl.constexpr = walk_layout("VECTOR", BV, K, C)
+    SHARED_K: gl.constexpr = gl.NVMMASharedLayout.get_default_for([C, K], gl.bfloat16)
+    SHARED_C: gl.constexpr = gl.NVMMASharedLayout.get_default_for([C, C], gl.bfloat16)
+    SHARED_V: gl.constexpr = gl.NVMMASharedLayout.get_default_for([C, BV], v.dtype.element_ty)
+    SHARED_O: gl.constexpr = gl.NVMMASharedLayout.get_default_for([C, BV], out.dtype.element_ty)
+    PLAIN_T: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+    PLAIN_1D: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+
+    vs = gl.program_id(0)
+    h = gl.program_id(1)
+    kd_ws, qg_ws, kg_ws, A_ws, T_ws, v_h, out_h, decay_h = head_sections(ws_bf16, ws_fp32, qg_at, kg_at, A_at,
+                                                                          scratch_at, v, out, h, K, V, C)
+    lanes = gl.arange(0, OWNER_LOOKUP_WIDTH, layout=VECTOR)
+    n, bos, eos, in_order, slot0, num_chunks, slot, j, c0, c1, c_end, active, first_segment, own_slot = \
+        program_chunks(cu_seqlens, seq_len, num_seqs, segment_chunks, vs, lanes, sequence_order(ws_fp32, order_at), V,
+                       BV, C, IS_VARLEN, SEGMENTED, TRANSITION, OPEN_ENTRY, LONGEST_FIRST)
+    if EQUAL_ROWS:  # fastkda.errors: "cu_seqlens", once per sequence (the solve kernel's count, which did not run)
+        if (vs == 0) & (h == 0):
+            start = gl.load(cu_seqlens + n)
+            end = gl.load(cu_seqlens + n + 1)
+            gl.atomic_add(errors + 2, 1, mask=(start != n * seq_len) | (end - start != seq_len), sem="relaxed")
+
+    kd_s = gl.allocate_shared_memory(gl.bfloat16, [STAGES, C, K], SHARED_K)
+    kg_s = gl.allocate_shared_memory(gl.bfloat16, [STAGES, C, K], SHARED_K)
+    if OUTPUTS:
+        qg_s = gl.allocate_shared_memory(gl.bfloat16, [STAGES, C, K], SHARED_K)
+        A_s = gl.allocate_shared_memory(gl.bfloat16, [STAGES, C, C], SHARED_C)
+        o_s = gl.allocate_shared_memory(out.dtype.element_ty, [2, C, BV], SHARED_O)
+    else:  # a transition reads none of these: the copies skip them, nothing reads these names
+        qg_s = kd_s
+        A_s = kd_s
+        o_s = kd_s
+    if INVERT:  # T·β from the worker warp, none copied from the scratch
+        Tb_s = gl.allocate_shared_memory(gl.float32, [RING, C, C], PLAIN_T)
+        ready = gl.allocate_shared_memory(gl.int64, [RING, 1], mbarrier.MBarrierLayout())
+        free = gl.allocate_shared_memory(gl.int64, [RING, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(RING):
+            mbarrier.init(ready.index(i), count=1)
+            mbarrier.init(free.index(i), count=1)
+        T_s = Tb_s
+    else:
+        T_s = gl.allocate_shared_memory(gl.float32, [STAGES, C, C], PLAIN_T)
+        Tb_s = T_s
+        ready = T_s
+        free = T_s
+    v_s = gl.allocate_shared_memory(v.dtype.element_ty, [STAGES, C, BV], SHARED_V)
+    decay_s = gl.allocate_shared_memory(gl.float32, [STAGES, K], PLAIN_1D)
+    lo_s = gl.allocate_shared_memory(gl.bfloat16, [2, C, C], SHARED_C)
+    hi_s = gl.allocate_shared_memory(gl.bfloat16, [2, C, C], SHARED_C)
+
+    for i in gl.static_range(STAGES - 1):  # the first chunks' copies, in flight while the state loads
+        copy_chunk(c0 + i, c_end, bos, eos, slot0, i, kd_ws, qg_ws, kg_ws, A_ws, T_ws, v_h, decay_h, stride_v,
+                   kd_s, qg_s, kg_s, A_s, T_s, v_s, decay_s, H, K, V, BV, C, vs, ROWS_K, ROWS_C, ROWS_T, ROWS_V,
+                   VECTOR, OUTPUTS, not INVERT)
+    # the state Sᵀ [BV, K] in the state product's accumulator layout (a transition's columns from V on are its
+    # identity columns), its addresses in [N, H, V, K] and in one (slot, head)'s [V, K] rows
+    sv = vs * BV + gl.arange(0, BV, layout=gl.SliceLayout(1, ACC_K))
+    sk = gl.arange(0, K, layout=gl.SliceLayout(0, ACC_K))
+    local = tile_offsets(sv, sk, K, 1)  # as walk_chunks addresses the transposed state
+    state_offsets = ((n * H + h) * V).to(gl.int64) * K + local
+    S = starting_state(ws_fp32, entries_at, initial_state, state_offsets, local, gl.zeros([BV, K], gl.float32, ACC_K),
+                       sv, sk, slot, h, j, c1, num_chunks, H, V, K, HAS_INITIAL, True, SEGMENTED, TRANSITION)
+    if INVERT:
+        S = gl.warp_specialize(
+            [(walk_steps, (S, c0, c_end, j, n, h, vs, bos, eos, slot0, kd_ws, qg_ws, kg_ws, A_ws, T_ws, v_h, out_h,
+                           decay_h, stride_v, stride_out, ckpt_offsets, ckpt_states, stride_ckpt_n, stride_ckpt_j,
+                           state_offsets, kd_s, qg_s, kg_s, A_s, T_s, v_s, decay_s, lo_s, hi_s, o_s, Tb_s, ready, free,
+                           H, K, V, BV, C, NUM_CKPT, SEGMENTED, OUTPUTS, STAGES, INVERT, RING)),
+             (invert_chunks, (T_ws, beta + h * stride_beta_head, stride_beta_tok, bos, eos, c0, c_end, Tb_s, ready,
+                              free, H, C, BETA_SIGMOID, RING))],
+            [1], [INVERSE_WORKER_REGISTERS])[0]
+    else:
+        S = walk_steps(S, c0, c_end, j, n, h, vs, bos, eos, slot0, kd_ws, qg_ws, kg_ws, A_ws, T_ws, v_h, out_h, decay_h,
+                       stride_v, stride_out, ckpt_offsets, ckpt_states, stride_ckpt_n, stride_ckpt_j, state_offsets,
+                       kd_s, qg_s, kg_s, A_s, T_s, v_s, decay_s, lo_s, hi_s, o_s, Tb_s, ready, free,
+                       H, K, V, BV, C, NUM_CKPT, SEGMENTED, OUTPUTS, STAGES, INVERT, RING)[0]
     finish_walk(S, ws_fp32, transitions_at, final_state, ckpt_offsets, ckpt_states, errors, cu_seqlens, n, slot, h,
                 vs, bos, eos, in_order, num_chunks, c1, active, first_segment, own_slot, seq_len, num_seqs,
                 segment_chunks, stride_ckpt_n, stride_ckpt_j, state_offsets, local, lanes, H, V, K, C, IS_VARLEN,
@@ -259,15 +430,18 @@ def warpgroup_walk(
 def warpgroup_recurrence_kernel(
     ws_bf16, ws_fp32, qg_at, kg_at, A_at, scratch_at, entries_at, order_at, out, initial_state, final_state, cu_seqlens,
     errors, ckpt_offsets, ckpt_states, stride_out, seq_len, num_seqs, stride_ckpt_n, stride_ckpt_j, v, stride_v,
-    segment_chunks, H: gl.constexpr, K: gl.constexpr, V: gl.constexpr, BV: gl.constexpr, C: gl.constexpr,
-    IS_VARLEN: gl.constexpr, HAS_INITIAL: gl.constexpr, HAS_FINAL: gl.constexpr, NUM_CKPT: gl.constexpr,
-    SEGMENTED: gl.constexpr, LONGEST_FIRST: gl.constexpr, STAGES: gl.constexpr,
+    segment_chunks, beta, stride_beta_tok, stride_beta_head, H: gl.constexpr, K: gl.constexpr, V: gl.constexpr,
+    BV: gl.constexpr, C: gl.constexpr, IS_VARLEN: gl.constexpr, HAS_INITIAL: gl.constexpr, HAS_FINAL: gl.constexpr,
+    NUM_CKPT: gl.constexpr, SEGMENTED: gl.constexpr, LONGEST_FIRST: gl.constexpr, STAGES: gl.constexpr,
+    INVERT: gl.constexpr, BETA_SIGMOID: gl.constexpr, EQUAL_ROWS: gl.constexpr,
 ):
-    """:func:`fastkda.ops.prefill.recurrence.recurrence_kernel` (its arguments) on a warpgroup per 64 columns."""
+    """:func:`fastkda.ops.prefill.recurrence.recurrence_kernel` (its arguments) on a warpgroup per 64 columns;
+    ``INVERT``: the in-chunk inverse on a worker warp, from ``beta`` (:func:`warpgroup_walk`)."""
     warpgroup_walk(ws_bf16, ws_fp32, qg_at, kg_at, A_at, scratch_at, 0, entries_at, order_at, out, initial_state,
                    final_state, cu_seqlens, errors, ckpt_offsets, ckpt_states, stride_out, seq_len, num_seqs,
-                   stride_ckpt_n, stride_ckpt_j, v, stride_v, segment_chunks, H, K, V, BV, C, IS_VARLEN, HAS_INITIAL,
-                   HAS_FINAL, NUM_CKPT, SEGMENTED, False, False, LONGEST_FIRST, STAGES)
+                   stride_ckpt_n, stride_ckpt_j, v, stride_v, segment_chunks, beta, stride_beta_tok,
+                   stride_beta_head, H, K, V, BV, C, IS_VARLEN, HAS_INITIAL, HAS_FINAL, NUM_CKPT, SEGMENTED, False,
+                   False, LONGEST_FIRST, STAGES, INVERT, BETA_SIGMOID, EQUAL_ROWS)
 
 
 @gluon.jit
@@ -279,5 +453,5 @@ def warpgroup_transition_kernel(
     """:func:`fastkda.ops.prefill.recurrence.transition_kernel` (its arguments) on a warpgroup per 64 columns."""
     warpgroup_walk(ws_bf16, ws_fp32, 0, kg_at, 0, scratch_at, transitions_at, 0, 0, ws_fp32, initial_state,
                    ws_fp32, cu_seqlens, ws_fp32, ws_fp32, ws_fp32, 0, seq_len, num_seqs, 0, 0, v, stride_v,
-                   segment_chunks, H, K, V, BV, C, IS_VARLEN, HAS_INITIAL, False, 0, True, True, OPEN_ENTRY, False,
-                   STAGES)
+                   segment_chunks, ws_fp32, 0, 0, H, K, V, BV, C, IS_VARLEN, HAS_INITIAL, False, 0, True, True,
+                   OPEN_ENTRY, False, STAGES, False, False, False)
