@@ -126,27 +126,6 @@ def store_output(o_s, half, out_h, bos, c, eos, stride_out, vs, BV: gl.constexpr
              o_s.index(half).load(ROWS_V), mask=(r < eos - first)[:, None])
 
 
-@gluon.constexpr_function
-def walk_layout(name, BV, K, C):
-    """The register layout ``name`` of a walk over ``BV`` columns (a warp per 16), ``K`` channels, ``C``-token
-    chunks. The products': the slice's BV columns are M; ``ACC_C`` the ``[BV, C]`` accumulators (Y, v_new, o),
-    ``ACC_K`` the ``[BV, K]`` state, ``OP_*`` their left operands. The copies': each tile's rows across the
-    threads, each thread's elements along a row (16 bytes but A's at 8 warps), no element held twice but the
-    decay's below 32·W channels: ``ROWS_K`` kd, qg, kg; ``ROWS_C`` M; ``ROWS_T`` T·β; ``ROWS_V`` v and the output;
-    ``VECTOR`` the decay, 4 bytes a thread."""
-    W = BV // 16
-    acc_c = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[W, 1], instr_shape=[16, C, 16])
-    acc_k = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[W, 1], instr_shape=[16, K, 16])
-    return dict(
-        ACC_C=acc_c, ACC_K=acc_k, OP_C=gl.DotOperandLayout(operand_index=0, parent=acc_c, k_width=2),
-        OP_K=gl.DotOperandLayout(operand_index=0, parent=acc_k, k_width=2),
-        ROWS_K=gl.BlockedLayout([1, 8], [32 * 8 // K, K // 8], [W, 1], [1, 0]),
-        ROWS_C=gl.BlockedLayout([1, C // W], [32 // W, W], [W, 1], [1, 0]),
-        ROWS_T=gl.BlockedLayout([1, 4], [4, 8], [W, 1], [1, 0]),
-        ROWS_V=gl.BlockedLayout([1, 8], [32 * 8 // BV, BV // 8], [W, 1], [1, 0]),
-        VECTOR=gl.BlockedLayout([1], [32], [W], [0]))[name]
-
-
 @gluon.jit
 def tf32_product(a, b, zero, A32: gl.constexpr, B32: gl.constexpr):
     """``a·b`` of two fp32 ``[16, 16]`` tiles on tensor cores in tf32, as ``solve.mm`` forms it (``zero``: a zero
@@ -235,20 +214,13 @@ def walk_steps(
     kd_s, qg_s, kg_s, A_s, T_s, v_s, decay_s, lo_s, hi_s, o_s, Tb_s, ready, free,
     H: gl.constexpr, K: gl.constexpr, V: gl.constexpr, BV: gl.constexpr, C: gl.constexpr, NUM_CKPT: gl.constexpr,
     SEGMENTED: gl.constexpr, OUTPUTS: gl.constexpr, STAGES: gl.constexpr, INVERT: gl.constexpr, RING: gl.constexpr,
+    ACC_C: gl.constexpr, ACC_K: gl.constexpr, OP_C: gl.constexpr, OP_K: gl.constexpr, ROWS_K: gl.constexpr,
+    ROWS_C: gl.constexpr, ROWS_T: gl.constexpr, ROWS_V: gl.constexpr, VECTOR: gl.constexpr,
 ):
     """The chunks ``[c0, c_end)`` from the state ``S`` (the first ``STAGES − 1`` chunks' copies in flight): the
-    steps of :func:`warpgroup_walk`, whose state after the last it returns. Under ``INVERT`` each chunk's T·β
-    comes from :func:`invert_chunks` through ``Tb_s`` (``ready``), and each step frees the slot it split
-    (``free``) once every warp is past its barrier."""
-    ACC_C: gl.constexpr = walk_layout("ACC_C", BV, K, C)
-    ACC_K: gl.constexpr = walk_layout("ACC_K", BV, K, C)
-    OP_C: gl.constexpr = walk_layout("OP_C", BV, K, C)
-    OP_K: gl.constexpr = walk_layout("OP_K", BV, K, C)
-    ROWS_K: gl.constexpr = walk_layout("ROWS_K", BV, K, C)
-    ROWS_C: gl.constexpr = walk_layout("ROWS_C", BV, K, C)
-    ROWS_T: gl.constexpr = walk_layout("ROWS_T", BV, K, C)
-    ROWS_V: gl.constexpr = walk_layout("ROWS_V", BV, K, C)
-    VECTOR: gl.constexpr = walk_layout("VECTOR", BV, K, C)
+    steps of :func:`warpgroup_walk` (its layouts), whose state after the last it returns. Under ``INVERT`` each
+    chunk's T·β comes from :func:`invert_chunks` through ``Tb_s`` (``ready``), and each step frees the slot it
+    split (``free``) once every warp is past its barrier."""
     zero_C = gl.zeros([BV, C], gl.float32, ACC_C)
     async_copy.wait_group(STAGES - 2)  # the first chunk
     cta_barrier()
@@ -338,13 +310,18 @@ def warpgroup_walk(
     gl.static_assert(not (INVERT and (SEGMENTED or TRANSITION)))
     OUTPUTS: gl.constexpr = not TRANSITION
     RING: gl.constexpr = 4  # chunks of T·β between the worker and the steps under INVERT
-    ACC_C: gl.constexpr = walk_layout("ACC_C", BV, K, C)
-    ACC_K: gl.constexpr = walk_layout("ACC_K", BV, K, C)
-    ROWS_K: gl.constexpr = walk_layout("ROWS_K", BV, K, C)
-    ROWS_C: gl.constexpr = walk_layout("ROWS_C", BV, K, C)
-    ROWS_T: gl.constexpr = walk_layout("ROWS_T", BV, K, C)
-    ROWS_V: gl.constexpr = walk_layout("ROWS_V", BV, K, C)
-    VECTOR: gl.constexpr = walk_layout("VECTOR", BV, K, C)
+    # products: the slice's BV columns are M; [BV, C] accumulators (Y, v_new, o) and the [BV, K] state
+    ACC_C: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[W, 1], instr_shape=[16, C, 16])
+    ACC_K: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[W, 1], instr_shape=[16, K, 16])
+    OP_C: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=ACC_C, k_width=2)
+    OP_K: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=ACC_K, k_width=2)
+    # the copies: each tile's rows across the threads, each thread's elements along a row (16 bytes but A's at
+    # 8 warps), no element held twice but the decay's below 32·W channels
+    ROWS_K: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // K, K // 8], [W, 1], [1, 0])
+    ROWS_C: gl.constexpr = gl.BlockedLayout([1, C // W], [32 // W, W], [W, 1], [1, 0])
+    ROWS_T: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [W, 1], [1, 0])
+    ROWS_V: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // BV, BV // 8], [W, 1], [1, 0])  # v and the output
+    VECTOR: gl.constexpr = gl.BlockedLayout([1], [32], [W], [0])  # the decay, 4 bytes a thread
     SHARED_K: gl.constexpr = gl.NVMMASharedLayout.get_default_for([C, K], gl.bfloat16)
     SHARED_C: gl.constexpr = gl.NVMMASharedLayout.get_default_for([C, C], gl.bfloat16)
     SHARED_V: gl.constexpr = gl.NVMMASharedLayout.get_default_for([C, BV], v.dtype.element_ty)
@@ -411,7 +388,8 @@ def warpgroup_walk(
             [(walk_steps, (S, c0, c_end, j, n, h, vs, bos, eos, slot0, kd_ws, qg_ws, kg_ws, A_ws, T_ws, v_h, out_h,
                            decay_h, stride_v, stride_out, ckpt_offsets, ckpt_states, stride_ckpt_n, stride_ckpt_j,
                            state_offsets, kd_s, qg_s, kg_s, A_s, T_s, v_s, decay_s, lo_s, hi_s, o_s, Tb_s, ready, free,
-                           H, K, V, BV, C, NUM_CKPT, SEGMENTED, OUTPUTS, STAGES, INVERT, RING)),
+                           H, K, V, BV, C, NUM_CKPT, SEGMENTED, OUTPUTS, STAGES, INVERT, RING, ACC_C, ACC_K, OP_C,
+                           OP_K, ROWS_K, ROWS_C, ROWS_T, ROWS_V, VECTOR)),
              (invert_chunks, (T_ws, beta + h * stride_beta_head, stride_beta_tok, bos, eos, c0, c_end, Tb_s, ready,
                               free, H, C, BETA_SIGMOID, RING))],
             [1], [INVERSE_WORKER_REGISTERS])[0]
@@ -419,7 +397,8 @@ def warpgroup_walk(
         S = walk_steps(S, c0, c_end, j, n, h, vs, bos, eos, slot0, kd_ws, qg_ws, kg_ws, A_ws, T_ws, v_h, out_h, decay_h,
                        stride_v, stride_out, ckpt_offsets, ckpt_states, stride_ckpt_n, stride_ckpt_j, state_offsets,
                        kd_s, qg_s, kg_s, A_s, T_s, v_s, decay_s, lo_s, hi_s, o_s, Tb_s, ready, free,
-                       H, K, V, BV, C, NUM_CKPT, SEGMENTED, OUTPUTS, STAGES, INVERT, RING)[0]
+                       H, K, V, BV, C, NUM_CKPT, SEGMENTED, OUTPUTS, STAGES, INVERT, RING, ACC_C, ACC_K, OP_C, OP_K,
+                       ROWS_K, ROWS_C, ROWS_T, ROWS_V, VECTOR)[0]
     finish_walk(S, ws_fp32, transitions_at, final_state, ckpt_offsets, ckpt_states, errors, cu_seqlens, n, slot, h,
                 vs, bos, eos, in_order, num_chunks, c1, active, first_segment, own_slot, seq_len, num_seqs,
                 segment_chunks, stride_ckpt_n, stride_ckpt_j, state_offsets, local, lanes, H, V, K, C, IS_VARLEN,
