@@ -139,7 +139,9 @@ class PrefillPlan:
     products must clear it too). ``inverse_in_recurrence`` (under ``warpgroup_recurrence`` and ``horner_inverse``,
     serial, not ``longest_first``): no solve kernel; a worker warp of the Gluon recurrence forms each chunk's T·β
     as the solve kernel would, the same bits, beside the steps, so that T never goes through memory and the call
-    has one kernel boundary fewer (under ``equal_rows`` the recurrence counts the ``cu_seqlens`` that disagree).
+    has one kernel boundary fewer (under ``equal_rows`` the recurrence counts the ``cu_seqlens`` that disagree);
+    ``inverse_ring`` chunks of T·β in shared memory between that warp and the steps (2 up to
+    ``recurrence_stages``, whose T·β slots it takes the place of), ``inverse_worker_registers`` a thread of it.
     ``dot_precision``: the kernels' fp32 products ("tf32" or "ieee")."""
 
     seq_len: int
@@ -175,6 +177,8 @@ class PrefillPlan:
     equal_rows: bool = False
     horner_inverse: bool = False
     inverse_in_recurrence: bool = False
+    inverse_ring: int = 4
+    inverse_worker_registers: int = 128
     dot_precision: str = "tf32"
     reason: str = dataclasses.field(default="", compare=False)
 
@@ -239,6 +243,10 @@ class PrefillPlan:
                f"plan in cu_seqlens order (warpgroup_recurrence and horner_inverse, segment_chunks=0, longest_first "
                f"off); got warpgroup_recurrence={self.warpgroup_recurrence}, horner_inverse={self.horner_inverse}, "
                f"segment_chunks={self.segment_chunks}, longest_first={self.longest_first}")
+        _check(not self.inverse_in_recurrence or 2 <= self.inverse_ring <= self.recurrence_stages,
+               f"inverse_ring must be 2 up to recurrence_stages={self.recurrence_stages}, got {self.inverse_ring}")
+        _check(24 <= self.inverse_worker_registers <= 256 and self.inverse_worker_registers % 8 == 0,
+               f"inverse_worker_registers must be a multiple of 8 in 24..256, got {self.inverse_worker_registers}")
         _check(not (self.equal_rows and self.varlen),
                "equal_rows runs a varlen call as rows (varlen=False), got varlen=True")
         if self.warpgroup_transition:

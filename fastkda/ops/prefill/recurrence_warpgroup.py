@@ -40,7 +40,6 @@ from .inputs import beta_rows
 from .layout import OWNER_LOOKUP_WIDTH, sequence_order
 from .recurrence import finish_walk, head_sections, program_chunks, starting_state, store_checkpoint
 
-INVERSE_WORKER_REGISTERS = gl.constexpr(128)  # registers a thread of the worker warp that forms T·β (invert_chunks)
 cta_barrier = getattr(gl, "barrier", None) or gl.thread_barrier  # a barrier of the program's threads (bar.sync): its
 # name since triton 3.7, thread_barrier in 3.6
 
@@ -295,11 +294,13 @@ def warpgroup_walk(
     IS_VARLEN: gl.constexpr, HAS_INITIAL: gl.constexpr, HAS_FINAL: gl.constexpr, NUM_CKPT: gl.constexpr,
     SEGMENTED: gl.constexpr, TRANSITION: gl.constexpr, OPEN_ENTRY: gl.constexpr, LONGEST_FIRST: gl.constexpr,
     STAGES: gl.constexpr, INVERT: gl.constexpr, BETA_SIGMOID: gl.constexpr, EQUAL_ROWS: gl.constexpr,
+    RING: gl.constexpr, WORKER_REGISTERS: gl.constexpr,
 ):
     """:func:`fastkda.ops.prefill.recurrence.walk_chunks` (its arguments, the state held transposed) on a
     warpgroup per 64 columns, with a ring of ``STAGES`` chunks (module docstring). ``INVERT`` (the plan's
     ``inverse_in_recurrence``): the scratch holds the first kernel's β·L, no solve kernel ran, and a worker warp
-    forms each chunk's T·β beside the steps (:func:`invert_chunks`, from ``beta``); under ``EQUAL_ROWS`` the
+    forms each chunk's T·β beside the steps (:func:`invert_chunks`, from ``beta``: ``RING`` chunks between them,
+    ``WORKER_REGISTERS`` registers a thread of it); under ``EQUAL_ROWS`` the
     first program of each row counts its sequence in ``errors`` if its ``cu_seqlens`` entries are not the row's,
     as the solve kernel does."""
     W: gl.constexpr = BV // 16  # a warp per 16 rows of the products: a warpgroup per 64 columns
@@ -309,7 +310,6 @@ def warpgroup_walk(
     gl.static_assert(gl.num_warps() == W)
     gl.static_assert(not (INVERT and (SEGMENTED or TRANSITION)))
     OUTPUTS: gl.constexpr = not TRANSITION
-    RING: gl.constexpr = 4  # chunks of T·β between the worker and the steps under INVERT
     # products: the slice's BV columns are M; [BV, C] accumulators (Y, v_new, o) and the [BV, K] state
     ACC_C: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[W, 1], instr_shape=[16, C, 16])
     ACC_K: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[W, 1], instr_shape=[16, K, 16])
@@ -392,7 +392,7 @@ def warpgroup_walk(
                            OP_K, ROWS_K, ROWS_C, ROWS_T, ROWS_V, VECTOR)),
              (invert_chunks, (T_ws, beta + h * stride_beta_head, stride_beta_tok, bos, eos, c0, c_end, Tb_s, ready,
                               free, H, C, BETA_SIGMOID, RING))],
-            [1], [INVERSE_WORKER_REGISTERS])[0]
+            [1], [WORKER_REGISTERS])[0]
     else:
         S = walk_steps(S, c0, c_end, j, n, h, vs, bos, eos, slot0, kd_ws, qg_ws, kg_ws, A_ws, T_ws, v_h, out_h, decay_h,
                        stride_v, stride_out, ckpt_offsets, ckpt_states, stride_ckpt_n, stride_ckpt_j, state_offsets,
@@ -412,7 +412,8 @@ def warpgroup_recurrence_kernel(
     segment_chunks, beta, stride_beta_tok, stride_beta_head, H: gl.constexpr, K: gl.constexpr, V: gl.constexpr,
     BV: gl.constexpr, C: gl.constexpr, IS_VARLEN: gl.constexpr, HAS_INITIAL: gl.constexpr, HAS_FINAL: gl.constexpr,
     NUM_CKPT: gl.constexpr, SEGMENTED: gl.constexpr, LONGEST_FIRST: gl.constexpr, STAGES: gl.constexpr,
-    INVERT: gl.constexpr, BETA_SIGMOID: gl.constexpr, EQUAL_ROWS: gl.constexpr,
+    INVERT: gl.constexpr, BETA_SIGMOID: gl.constexpr, EQUAL_ROWS: gl.constexpr, RING: gl.constexpr,
+    WORKER_REGISTERS: gl.constexpr,
 ):
     """:func:`fastkda.ops.prefill.recurrence.recurrence_kernel` (its arguments) on a warpgroup per 64 columns;
     ``INVERT``: the in-chunk inverse on a worker warp, from ``beta`` (:func:`warpgroup_walk`)."""
@@ -420,7 +421,7 @@ def warpgroup_recurrence_kernel(
                    final_state, cu_seqlens, errors, ckpt_offsets, ckpt_states, stride_out, seq_len, num_seqs,
                    stride_ckpt_n, stride_ckpt_j, v, stride_v, segment_chunks, beta, stride_beta_tok,
                    stride_beta_head, H, K, V, BV, C, IS_VARLEN, HAS_INITIAL, HAS_FINAL, NUM_CKPT, SEGMENTED, False,
-                   False, LONGEST_FIRST, STAGES, INVERT, BETA_SIGMOID, EQUAL_ROWS)
+                   False, LONGEST_FIRST, STAGES, INVERT, BETA_SIGMOID, EQUAL_ROWS, RING, WORKER_REGISTERS)
 
 
 @gluon.jit
@@ -433,4 +434,4 @@ def warpgroup_transition_kernel(
     warpgroup_walk(ws_bf16, ws_fp32, 0, kg_at, 0, scratch_at, transitions_at, 0, 0, ws_fp32, initial_state,
                    ws_fp32, cu_seqlens, ws_fp32, ws_fp32, ws_fp32, 0, seq_len, num_seqs, 0, 0, v, stride_v,
                    segment_chunks, ws_fp32, 0, 0, H, K, V, BV, C, IS_VARLEN, HAS_INITIAL, False, 0, True, True,
-                   OPEN_ENTRY, False, STAGES, False, False, False)
+                   OPEN_ENTRY, False, STAGES, False, False, False, 2, 24)  # no worker warp: its numbers unused
