@@ -141,7 +141,8 @@ class PrefillPlan:
     as the solve kernel would, the same bits, beside the steps, so that T never goes through memory and the call
     has one kernel boundary fewer (under ``equal_rows`` the recurrence counts the ``cu_seqlens`` that disagree);
     ``inverse_ring`` chunks of T·β in shared memory between that warp and the steps (2 up to
-    ``recurrence_stages``, whose T·β slots it takes the place of), ``inverse_worker_registers`` a thread of it.
+    ``recurrence_stages``, whose T·β slots it takes the place of), ``inverse_workers`` such warps (1 to 4, each
+    every ``inverse_workers``-th chunk; the ring a multiple of them), ``inverse_worker_registers`` a thread of each.
     ``dot_precision``: the kernels' fp32 products ("tf32" or "ieee")."""
 
     seq_len: int
@@ -178,6 +179,7 @@ class PrefillPlan:
     horner_inverse: bool = False
     inverse_in_recurrence: bool = False
     inverse_ring: int = 4
+    inverse_workers: int = 2
     inverse_worker_registers: int = 128
     dot_precision: str = "tf32"
     reason: str = dataclasses.field(default="", compare=False)
@@ -243,8 +245,12 @@ class PrefillPlan:
                f"plan in cu_seqlens order (warpgroup_recurrence and horner_inverse, segment_chunks=0, longest_first "
                f"off); got warpgroup_recurrence={self.warpgroup_recurrence}, horner_inverse={self.horner_inverse}, "
                f"segment_chunks={self.segment_chunks}, longest_first={self.longest_first}")
-        _check(not self.inverse_in_recurrence or 2 <= self.inverse_ring <= self.recurrence_stages,
-               f"inverse_ring must be 2 up to recurrence_stages={self.recurrence_stages}, got {self.inverse_ring}")
+        _check(not self.inverse_in_recurrence or (2 <= self.inverse_ring <= self.recurrence_stages
+                                                  and 1 <= self.inverse_workers <= 4
+                                                  and self.inverse_ring % self.inverse_workers == 0),
+               f"inverse_ring must be 2 up to recurrence_stages={self.recurrence_stages} and a multiple of "
+               f"inverse_workers (1 to 4), got inverse_ring={self.inverse_ring}, inverse_workers="
+               f"{self.inverse_workers}")
         _check(24 <= self.inverse_worker_registers <= 256 and self.inverse_worker_registers % 8 == 0,
                f"inverse_worker_registers must be a multiple of 8 in 24..256, got {self.inverse_worker_registers}")
         _check(not (self.equal_rows and self.varlen),

@@ -123,6 +123,7 @@ def prefill_launches(plan, checkpoints=0, l2norm=True, beta_sigmoid=True):
                                     beta=BF16 if invert else F32, stride_beta_tok=H if invert else 0,
                                     stride_beta_head=1 if invert else 0, BETA_SIGMOID=invert and beta_sigmoid,
                                     EQUAL_ROWS=invert and plan.equal_rows, RING=plan.inverse_ring,
+                                    WORKERS=plan.inverse_workers,
                                     WORKER_REGISTERS=plan.inverse_worker_registers,
                                     cu_seqlens=I32 if plan.varlen or (invert and plan.equal_rows) else F32),
                                plan.recurrence_warps, plan.recurrence_stages, None)

@@ -366,7 +366,8 @@ def launch_recurrence(plan, ws, out, initial_state, final_state, checkpoint_offs
         launch(warpgroup_recurrence_kernel, plan.recurrence_grid, *args, *beta_args, **constexprs,
                SEGMENTED=plan.sequence_parallel, STAGES=plan.recurrence_stages, INVERT=invert,
                BETA_SIGMOID=invert and use_beta_sigmoid, EQUAL_ROWS=invert and plan.equal_rows,
-               RING=plan.inverse_ring, WORKER_REGISTERS=plan.inverse_worker_registers, num_warps=plan.recurrence_warps)
+               RING=plan.inverse_ring, WORKERS=plan.inverse_workers, WORKER_REGISTERS=plan.inverse_worker_registers,
+               num_warps=plan.recurrence_warps)
     else:
         launch(recurrence_kernel, plan.recurrence_grid, *args, **constexprs, STATE_ROWS_V=plan.state_rows_v,
                EMULATE=emulate, SEGMENTED=plan.sequence_parallel, num_warps=plan.recurrence_warps,

@@ -157,11 +157,14 @@ def block_inverse_horner(L, eye, A16: gl.constexpr, B16: gl.constexpr, BC: gl.co
 
 @gluon.jit
 def invert_chunks(T_ws, beta_h, stride_beta_tok, bos, eos, c0, c_end, Tb_s, ready, free,
-                  H: gl.constexpr, C: gl.constexpr, BETA_SIGMOID: gl.constexpr, RING: gl.constexpr):
-    """The worker partition of :func:`walk_steps` under ``INVERT`` (one warp): chunk by chunk, the in-chunk inverse
-    of the solve kernel (``solve.py``, the plan's ``horner_inverse``: its operations on its one-warp layouts, so its
-    bits) from the first kernel's β·L, as T·diag(β) into slot ``(c − c0) % RING`` of ``Tb_s`` once the step has
-    freed it (``free``), announced on ``ready``. Its loads are its own: no copy of the step's ring waits for it."""
+                  H: gl.constexpr, C: gl.constexpr, BETA_SIGMOID: gl.constexpr, RING: gl.constexpr,
+                  FIRST: gl.constexpr, WORKERS: gl.constexpr):
+    """A worker partition of :func:`walk_steps` under ``INVERT`` (one warp, ``FIRST`` of ``WORKERS``; none past
+    them): every ``WORKERS``-th chunk from ``c0 + FIRST``, the in-chunk inverse of the solve kernel (``solve.py``,
+    the plan's ``horner_inverse``: its operations on its one-warp layouts, so its bits) from the first kernel's
+    β·L, as T·diag(β) into slot ``(c − c0) % RING`` of ``Tb_s`` (``RING`` a multiple of ``WORKERS``: each slot one
+    worker's) once the step has freed it (``free``), announced on ``ready``. Its loads are its own: no copy of the
+    step's ring waits for it."""
     BC: gl.constexpr = C // 2
     MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
     A16: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
@@ -172,9 +175,9 @@ def invert_chunks(T_ws, beta_h, stride_beta_tok, bos, eos, c0, c_end, Tb_s, read
     cols = gl.arange(0, BC, layout=gl.SliceLayout(0, MMA))
     eye = gl.where(rows[:, None] == cols[None, :], 1.0, 0.0)
     zero = gl.zeros([BC, BC], gl.float32, MMA)
-    for i in gl.static_range(RING):  # the upper-right block: zero, as the step's copies read it from the scratch
+    for i in gl.static_range(FIRST, RING, WORKERS):  # its slots' upper-right block: zero, as the copies read it
         Tb_s.index(i).slice(0, BC, dim=0).slice(BC, BC, dim=1).store(zero)
-    for c in range(c0, c_end):
+    for c in range(c0 + FIRST, c_end if FIRST < WORKERS else c0, WORKERS):
         first = bos + c * C  # the chunk's first token: 64-bit bases, 32-bit offsets inside the chunk
         rows_left = eos - first
         L_c = T_ws + first.to(gl.int64) * (H * C)
@@ -294,7 +297,7 @@ def warpgroup_walk(
     IS_VARLEN: gl.constexpr, HAS_INITIAL: gl.constexpr, HAS_FINAL: gl.constexpr, NUM_CKPT: gl.constexpr,
     SEGMENTED: gl.constexpr, TRANSITION: gl.constexpr, OPEN_ENTRY: gl.constexpr, LONGEST_FIRST: gl.constexpr,
     STAGES: gl.constexpr, INVERT: gl.constexpr, BETA_SIGMOID: gl.constexpr, EQUAL_ROWS: gl.constexpr,
-    RING: gl.constexpr, WORKER_REGISTERS: gl.constexpr,
+    RING: gl.constexpr, WORKERS: gl.constexpr, WORKER_REGISTERS: gl.constexpr,
 ):
     """:func:`fastkda.ops.prefill.recurrence.walk_chunks` (its arguments, the state held transposed) on a
     warpgroup per 64 columns, with a ring of ``STAGES`` chunks (module docstring). ``INVERT`` (the plan's
@@ -384,15 +387,22 @@ def warpgroup_walk(
     S = starting_state(ws_fp32, entries_at, initial_state, state_offsets, local, gl.zeros([BV, K], gl.float32, ACC_K),
                        sv, sk, slot, h, j, c1, num_chunks, H, V, K, HAS_INITIAL, True, SEGMENTED, TRANSITION)
     if INVERT:
+        beta_h = beta + h * stride_beta_head
         S = gl.warp_specialize(
             [(walk_steps, (S, c0, c_end, j, n, h, vs, bos, eos, slot0, kd_ws, qg_ws, kg_ws, A_ws, T_ws, v_h, out_h,
                            decay_h, stride_v, stride_out, ckpt_offsets, ckpt_states, stride_ckpt_n, stride_ckpt_j,
                            state_offsets, kd_s, qg_s, kg_s, A_s, T_s, v_s, decay_s, lo_s, hi_s, o_s, Tb_s, ready, free,
                            H, K, V, BV, C, NUM_CKPT, SEGMENTED, OUTPUTS, STAGES, INVERT, RING, ACC_C, ACC_K, OP_C,
                            OP_K, ROWS_K, ROWS_C, ROWS_T, ROWS_V, VECTOR)),
-             (invert_chunks, (T_ws, beta + h * stride_beta_head, stride_beta_tok, bos, eos, c0, c_end, Tb_s, ready,
-                              free, H, C, BETA_SIGMOID, RING))],
-            [1], [WORKER_REGISTERS])[0]
+             (invert_chunks, (T_ws, beta_h, stride_beta_tok, bos, eos, c0, c_end, Tb_s, ready, free, H, C,
+                              BETA_SIGMOID, RING, 0, WORKERS)),
+             (invert_chunks, (T_ws, beta_h, stride_beta_tok, bos, eos, c0, c_end, Tb_s, ready, free, H, C,
+                              BETA_SIGMOID, RING, 1, WORKERS)),
+             (invert_chunks, (T_ws, beta_h, stride_beta_tok, bos, eos, c0, c_end, Tb_s, ready, free, H, C,
+                              BETA_SIGMOID, RING, 2, WORKERS)),
+             (invert_chunks, (T_ws, beta_h, stride_beta_tok, bos, eos, c0, c_end, Tb_s, ready, free, H, C,
+                              BETA_SIGMOID, RING, 3, WORKERS))],
+            [1, 1, 1, 1], [WORKER_REGISTERS, WORKER_REGISTERS, WORKER_REGISTERS, WORKER_REGISTERS])[0]
     else:
         S = walk_steps(S, c0, c_end, j, n, h, vs, bos, eos, slot0, kd_ws, qg_ws, kg_ws, A_ws, T_ws, v_h, out_h, decay_h,
                        stride_v, stride_out, ckpt_offsets, ckpt_states, stride_ckpt_n, stride_ckpt_j, state_offsets,
@@ -413,7 +423,7 @@ def warpgroup_recurrence_kernel(
     BV: gl.constexpr, C: gl.constexpr, IS_VARLEN: gl.constexpr, HAS_INITIAL: gl.constexpr, HAS_FINAL: gl.constexpr,
     NUM_CKPT: gl.constexpr, SEGMENTED: gl.constexpr, LONGEST_FIRST: gl.constexpr, STAGES: gl.constexpr,
     INVERT: gl.constexpr, BETA_SIGMOID: gl.constexpr, EQUAL_ROWS: gl.constexpr, RING: gl.constexpr,
-    WORKER_REGISTERS: gl.constexpr,
+    WORKERS: gl.constexpr, WORKER_REGISTERS: gl.constexpr,
 ):
     """:func:`fastkda.ops.prefill.recurrence.recurrence_kernel` (its arguments) on a warpgroup per 64 columns;
     ``INVERT``: the in-chunk inverse on a worker warp, from ``beta`` (:func:`warpgroup_walk`)."""
@@ -421,7 +431,7 @@ def warpgroup_recurrence_kernel(
                    final_state, cu_seqlens, errors, ckpt_offsets, ckpt_states, stride_out, seq_len, num_seqs,
                    stride_ckpt_n, stride_ckpt_j, v, stride_v, segment_chunks, beta, stride_beta_tok,
                    stride_beta_head, H, K, V, BV, C, IS_VARLEN, HAS_INITIAL, HAS_FINAL, NUM_CKPT, SEGMENTED, False,
-                   False, LONGEST_FIRST, STAGES, INVERT, BETA_SIGMOID, EQUAL_ROWS, RING, WORKER_REGISTERS)
+                   False, LONGEST_FIRST, STAGES, INVERT, BETA_SIGMOID, EQUAL_ROWS, RING, WORKERS, WORKER_REGISTERS)
 
 
 @gluon.jit
@@ -434,4 +444,4 @@ def warpgroup_transition_kernel(
     warpgroup_walk(ws_bf16, ws_fp32, 0, kg_at, 0, scratch_at, transitions_at, 0, 0, ws_fp32, initial_state,
                    ws_fp32, cu_seqlens, ws_fp32, ws_fp32, ws_fp32, 0, seq_len, num_seqs, 0, 0, v, stride_v,
                    segment_chunks, ws_fp32, 0, 0, H, K, V, BV, C, IS_VARLEN, HAS_INITIAL, False, 0, True, True,
-                   OPEN_ENTRY, False, STAGES, False, False, False, 2, 24)  # no worker warp: its numbers unused
+                   OPEN_ENTRY, False, STAGES, False, False, False, 2, 1, 24)  # no worker warp: its numbers unused
