@@ -180,7 +180,7 @@ class PrefillPlan:
     inverse_in_recurrence: bool = False
     inverse_ring: int = 4
     inverse_workers: int = 2
-    inverse_worker_registers: int = 128
+    inverse_worker_registers: int = 160
     dot_precision: str = "tf32"
     reason: str = dataclasses.field(default="", compare=False)
 

@@ -156,6 +156,24 @@ def block_inverse_horner(L, eye, A16: gl.constexpr, B16: gl.constexpr, BC: gl.co
 
 
 @gluon.jit
+def load_chunk(T_ws, beta_h, stride_beta_tok, bos, eos, c, c_end, rows, cols, H: gl.constexpr, C: gl.constexpr,
+               BETA_SIGMOID: gl.constexpr):
+    """Chunk ``c``'s β·L blocks ``L00, L10, L11`` and β halves ``b0, b1`` as the solve kernel loads them (zeros past
+    the sequence, and for a chunk at or past ``c_end``), in the layouts of ``rows`` and ``cols``."""
+    BC: gl.constexpr = C // 2
+    first = bos + c * C  # the chunk's first token: 64-bit bases, 32-bit offsets inside the chunk
+    rows_left = gl.minimum(eos - first, (c_end - c) * C)
+    L_c = T_ws + first.to(gl.int64) * (H * C)
+    beta_c = beta_h + first.to(gl.int64) * stride_beta_tok
+    ok0 = rows < rows_left
+    ok1 = rows + BC < rows_left
+    return (load_lower(L_c, rows, ok0, rows, cols, H * C), load_lower(L_c, rows + BC, ok1, rows + BC, cols, H * C),
+            load_lower(L_c, rows + BC, ok1, rows + BC, BC + cols, H * C),
+            beta_rows(beta_c, cols, cols < rows_left, stride_beta_tok, BETA_SIGMOID),
+            beta_rows(beta_c, cols + BC, cols + BC < rows_left, stride_beta_tok, BETA_SIGMOID))
+
+
+@gluon.jit
 def invert_chunks(T_ws, beta_h, stride_beta_tok, bos, eos, c0, c_end, Tb_s, ready, free,
                   H: gl.constexpr, C: gl.constexpr, BETA_SIGMOID: gl.constexpr, RING: gl.constexpr,
                   FIRST: gl.constexpr, WORKERS: gl.constexpr):
@@ -177,18 +195,13 @@ def invert_chunks(T_ws, beta_h, stride_beta_tok, bos, eos, c0, c_end, Tb_s, read
     zero = gl.zeros([BC, BC], gl.float32, MMA)
     for i in gl.static_range(FIRST, RING, WORKERS):  # its slots' upper-right block: zero, as the copies read it
         Tb_s.index(i).slice(0, BC, dim=0).slice(BC, BC, dim=1).store(zero)
-    for c in range(c0 + FIRST, c_end if FIRST < WORKERS else c0, WORKERS):
-        first = bos + c * C  # the chunk's first token: 64-bit bases, 32-bit offsets inside the chunk
-        rows_left = eos - first
-        L_c = T_ws + first.to(gl.int64) * (H * C)
-        beta_c = beta_h + first.to(gl.int64) * stride_beta_tok
-        ok0 = rows < rows_left
-        ok1 = rows + BC < rows_left
-        L00 = load_lower(L_c, rows, ok0, rows, cols, H * C)
-        L10 = load_lower(L_c, rows + BC, ok1, rows + BC, cols, H * C)
-        L11 = load_lower(L_c, rows + BC, ok1, rows + BC, BC + cols, H * C)
-        b0 = beta_rows(beta_c, cols, cols < rows_left, stride_beta_tok, BETA_SIGMOID)
-        b1 = beta_rows(beta_c, cols + BC, cols + BC < rows_left, stride_beta_tok, BETA_SIGMOID)
+    last = c_end if FIRST < WORKERS else c0  # a worker past WORKERS takes no chunk
+    L00, L10, L11, b0, b1 = load_chunk(T_ws, beta_h, stride_beta_tok, bos, eos, c0 + FIRST, last, rows, cols, H, C,
+                                       BETA_SIGMOID)
+    for c in range(c0 + FIRST, last, WORKERS):
+        # the worker's next chunk's loads in flight while this one's products run (none past the last)
+        L00_next, L10_next, L11_next, b0_next, b1_next = load_chunk(T_ws, beta_h, stride_beta_tok, bos, eos,
+                                                                    c + WORKERS, last, rows, cols, H, C, BETA_SIGMOID)
         # entries past 1 in size, NaN included, keep the series (solve.diagonal_inverses)
         outside = (gl.sum(gl.sum(gl.where(gl.abs(L00) <= 1.0, 0, 1), axis=1), axis=0)
                    + gl.sum(gl.sum(gl.where(gl.abs(L11) <= 1.0, 0, 1), axis=1), axis=0))
@@ -207,6 +220,7 @@ def invert_chunks(T_ws, beta_h, stride_beta_tok, bos, eos, c0, c_end, Tb_s, read
         tile.slice(BC, BC, dim=0).slice(BC, BC, dim=1).store(T11 * b1[None, :])
         cta_barrier()  # the warp's stores before its one thread's arrival
         mbarrier.arrive(ready.index(slot))
+        L00, L10, L11, b0, b1 = L00_next, L10_next, L11_next, b0_next, b1_next
 
 
 @gluon.jit
