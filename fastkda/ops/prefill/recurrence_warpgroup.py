@@ -23,7 +23,11 @@ columns"):
   transposed; the next step, past its barrier, stores it from there with 16-byte stores along V while its own
   products run (the accumulator's layout would store two bytes at a time);
 * the copies are issued after every product of the step has completed: ptxas serialises every wgmma of a kernel
-  that issues ``cp.async`` between a wgmma and its wait.
+  that issues ``cp.async`` between a wgmma and its wait;
+* under the plan's ``inverse_in_recurrence`` no solve kernel runs: the steps are the default partition of a
+  ``warp_specialize`` whose worker warps form each chunk's T·β from the first kernel's β·L (the solve kernel's
+  operations on its one-warp layouts, so its bits) into a ring of their own that the step's split reads, in
+  place of the copied T·β (mbarriers ``ready`` and ``free`` between them).
 
 Gluon has no interpreter: on the CPU the Triton kernel runs the same arithmetic, and the GPU tests compare the two
 bit for bit.
