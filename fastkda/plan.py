@@ -137,10 +137,10 @@ class PrefillPlan:
     operands (``fastkda/ops/prefill/solve.py``; other bits, as accurate or more); the automatic plan sets it where
     the call's (chunk, head) pairs are at most :data:`HORNER_PROGRAMS_PER_SM` an SM (the ``replace`` to "ieee"
     products must clear it too). ``inverse_in_recurrence`` (under ``warpgroup_recurrence`` and ``horner_inverse``,
-    serial, not ``longest_first``): no solve kernel; a worker warp of the Gluon recurrence forms each chunk's T·β
-    as the solve kernel would, the same bits, beside the steps, so that T never goes through memory and the call
-    has one kernel boundary fewer (under ``equal_rows`` the recurrence counts the ``cu_seqlens`` that disagree);
-    ``inverse_ring`` chunks of T·β in shared memory between that warp and the steps (2 up to
+    serial, 64-column slices, not ``longest_first``): no solve kernel; worker warps of the Gluon recurrence form
+    each chunk's T·β as the solve kernel would, the same bits, beside the steps, so that T never goes through
+    memory and the call has one kernel boundary fewer (under ``equal_rows`` the recurrence counts the
+    ``cu_seqlens`` that disagree); ``inverse_ring`` chunks of T·β in shared memory between them and the steps (2 up to
     ``recurrence_stages``, whose T·β slots it takes the place of), ``inverse_workers`` such warps (1 to 4, each
     every ``inverse_workers``-th chunk; the ring a multiple of them), ``inverse_worker_registers`` a thread of each.
     ``dot_precision``: the kernels' fp32 products ("tf32" or "ieee")."""
@@ -240,11 +240,14 @@ class PrefillPlan:
                f"horner_inverse takes fp16 operands in place of tf32 ones (dot_precision='tf32'), got "
                f"dot_precision={self.dot_precision!r}: replace horner_inverse=False with it")
         _check(not self.inverse_in_recurrence or (self.warpgroup_recurrence and self.horner_inverse
-                                                  and not self.segment_chunks and not self.longest_first),
-               f"inverse_in_recurrence forms T on the Gluon recurrence's worker warp by Horner's rule, on a serial "
-               f"plan in cu_seqlens order (warpgroup_recurrence and horner_inverse, segment_chunks=0, longest_first "
-               f"off); got warpgroup_recurrence={self.warpgroup_recurrence}, horner_inverse={self.horner_inverse}, "
-               f"segment_chunks={self.segment_chunks}, longest_first={self.longest_first}")
+                                                  and not self.segment_chunks and not self.longest_first
+                                                  and self.slice_width == 64),
+               f"inverse_in_recurrence forms T on worker warps of the Gluon recurrence by Horner's rule, on a serial "
+               f"plan of 64-column slices in cu_seqlens order (warpgroup_recurrence and horner_inverse, "
+               f"segment_chunks=0, longest_first off; beside the eight warps of 128 columns its four worker warps "
+               f"leave the steps too few registers); got warpgroup_recurrence={self.warpgroup_recurrence}, "
+               f"horner_inverse={self.horner_inverse}, segment_chunks={self.segment_chunks}, longest_first="
+               f"{self.longest_first}, slice_width={self.slice_width}")
         _check(not self.inverse_in_recurrence or (2 <= self.inverse_ring <= self.recurrence_stages
                                                   and 1 <= self.inverse_workers <= 4
                                                   and self.inverse_ring % self.inverse_workers == 0),

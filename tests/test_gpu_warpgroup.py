@@ -62,12 +62,12 @@ def inverse_pair(plan, stages):
 
 @pytest.mark.parametrize("case", CASES, ids=range(len(CASES)))
 @pytest.mark.parametrize("states", STATES[1:], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("stages,v_slices", [(5, 2), (4, 1)])
-def test_inverse_in_recurrence_same_bits_as_the_solve_kernel(case, states, stages, v_slices):
+@pytest.mark.parametrize("stages", [4, 5])
+def test_inverse_in_recurrence_same_bits_as_the_solve_kernel(case, states, stages):
     """The plan's ``inverse_in_recurrence``: no solve kernel, T·β formed on the Gluon recurrence's worker warp by
     the solve kernel's operations; the bits of the Triton kernels after the solve kernel."""
     inp = make_inputs(device="cuda", seed=17, **case)
-    solved, inverted = inverse_pair(plan_for(inp, v_slices=v_slices), stages)
+    solved, inverted = inverse_pair(plan_for(inp, v_slices=2), stages)  # 64-column slices (V = 128)
     expected_o, expected_s, _ = run_prefill(inp, *states, plan=solved)
     got_o, got_s, _ = run_prefill(inp, *states, plan=inverted)
     assert torch.equal(got_o, expected_o) and torch.equal(got_s, expected_s)
@@ -94,6 +94,7 @@ def test_inverse_in_recurrence_series_and_equal_rows():
                             errors=errors, checks=False)
         results.append((out, final, errors))
     (solved_o, solved_s, solved_errors), (got_o, got_s, got_errors) = results
+    assert torch.isfinite(solved_o).float().mean() > 0.9  # unnormalised keys: finite, or the check below is void
     assert torch.equal(got_o.nan_to_num(7.0), solved_o.nan_to_num(7.0))  # unnormalised keys may overflow
     assert torch.equal(got_s.nan_to_num(7.0), solved_s.nan_to_num(7.0))
     assert solved_errors[2].item() == 2 and torch.equal(got_errors, solved_errors)

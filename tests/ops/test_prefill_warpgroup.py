@@ -76,12 +76,25 @@ def test_inverse_in_recurrence_same_bits_as_the_solve_kernel(case, request):
     bits; were the worker to refill a slot of its ring before the steps free it, others again."""
     inp = make_inputs(seed=61, **case)
     final_dtype = case.get("state_dtype", torch.float32)
-    expected = {s: run_triton(inp, s, final_dtype=final_dtype, horner_inverse=True) for s in widths(case)}
+    value_dim = case.get("value_dim", case.get("key_dim", 64))
+    expected = {s: run_triton(inp, s, final_dtype=final_dtype, horner_inverse=True) for s in widths(case)
+                if value_dim // s == 64}  # the 64-column slices: the plan refuses the workers beside 128
     emulation = request.getfixturevalue("gluon")
     for v_slices, (out, final) in expected.items():
         got_o, got_s = run_triton(inp, v_slices, final_dtype=final_dtype, **warpgroup(), **INVERSE)
         assert torch.equal(got_o, out) and torch.equal(got_s, final), v_slices
     assert emulation.launches == len(expected)
+
+
+@pytest.mark.parametrize("ring,workers", [(4, 1), (4, 4), (2, 2), (5, 1)])
+def test_inverse_in_recurrence_any_ring_and_workers(ring, workers, request):
+    """Every ring of T·β slots and count of worker warps the plan takes gives the same bits: each worker's chunks,
+    its slots and their phases (more chunks than the ring, and an empty sequence)."""
+    inp = make_inputs([230, 0, 70], key_dim=64, value_dim=64, heads=1, seed=64)
+    out, final = run_triton(inp, 1, horner_inverse=True)
+    emulation = request.getfixturevalue("gluon")
+    got_o, got_s = run_triton(inp, 1, **warpgroup(5), **INVERSE, inverse_ring=ring, inverse_workers=workers)
+    assert torch.equal(got_o, out) and torch.equal(got_s, final) and emulation.launches == 1
 
 
 def test_inverse_in_recurrence_series_where_entries_pass_one(request):

@@ -362,6 +362,9 @@ def launch_recurrence(plan, ws, out, initial_state, final_state, checkpoint_offs
     if warpgroup_runs(plan.warpgroup_recurrence, ws, emulate):
         from .recurrence_warpgroup import warpgroup_recurrence_kernel  # Gluon: imported only where it runs
         invert = inverts_in_recurrence(plan, ws, emulate)
+        if invert and beta is None:
+            raise ValueError("fastkda: a plan with inverse_in_recurrence forms T in the recurrence, from β: pass "
+                             "beta to launch_recurrence (or clear inverse_in_recurrence)")
         beta_args = (beta, beta.stride(1), beta.stride(2)) if invert else (ws.fp32, 0, 0)
         launch(warpgroup_recurrence_kernel, plan.recurrence_grid, *args, *beta_args, **constexprs,
                SEGMENTED=plan.sequence_parallel, STAGES=plan.recurrence_stages, INVERT=invert,

@@ -55,9 +55,9 @@ def copy_chunk(c, c_end, bos, eos, slot0, stage, kd_ws, qg_ws, kg_ws, A_ws, T_ws
                ROWS_K: gl.constexpr, ROWS_C: gl.constexpr, ROWS_T: gl.constexpr, ROWS_V: gl.constexpr,
                VECTOR: gl.constexpr, OUTPUTS: gl.constexpr, COPY_T: gl.constexpr):
     """Start the copies of chunk ``c``'s tiles into ring slot ``stage`` and commit them as one group (qg and M
-    only for ``OUTPUTS``, T·β only for ``COPY_T``); a chunk at or past ``c_end`` copies nothing (its slot fills with zeros) but still
-    commits, so that every step waits for the same group count. v's columns past V (a transition's identity
-    columns) read as zeros."""
+    only for ``OUTPUTS``, T·β only for ``COPY_T``); a chunk at or past ``c_end`` copies nothing (its slot fills
+    with zeros) but still commits, so that every step waits for the same group count. v's columns past V (a
+    transition's identity columns) read as zeros."""
     # one scalar base a tile (64-bit) and 32-bit offsets inside the chunk: no 64-bit product an element
     first = bos + c * C  # the chunk's first token
     rows_left = gl.minimum(eos - first, (c_end - c) * C)  # rows inside the sequence: none past c_end
@@ -197,7 +197,8 @@ def invert_chunks(T_ws, beta_h, stride_beta_tok, bos, eos, c0, c_end, Tb_s, read
     cols = gl.arange(0, BC, layout=gl.SliceLayout(0, MMA))
     eye = gl.where(rows[:, None] == cols[None, :], 1.0, 0.0)
     zero = gl.zeros([BC, BC], gl.float32, MMA)
-    for i in gl.static_range(FIRST, RING, WORKERS):  # its slots' upper-right block: zero, as the copies read it
+    # its slots' upper-right block: zero, as the copies read it (a worker past WORKERS has no slot)
+    for i in gl.static_range(FIRST, RING if FIRST < WORKERS else FIRST, WORKERS):
         Tb_s.index(i).slice(0, BC, dim=0).slice(BC, BC, dim=1).store(zero)
     last = c_end if FIRST < WORKERS else c0  # a worker past WORKERS takes no chunk
     L00, L10, L11, b0, b1 = load_chunk(T_ws, beta_h, stride_beta_tok, bos, eos, c0 + FIRST, last, rows, cols, H, C,
@@ -421,6 +422,9 @@ def warpgroup_walk(
              (invert_chunks, (T_ws, beta_h, stride_beta_tok, bos, eos, c0, c_end, Tb_s, ready, free, H, C,
                               BETA_SIGMOID, RING, 3, WORKERS))],
             [1, 1, 1, 1], [WORKER_REGISTERS, WORKER_REGISTERS, WORKER_REGISTERS, WORKER_REGISTERS])[0]
+        for i in gl.static_range(RING):  # the barriers' memory back to the allocator's other uses
+            mbarrier.invalidate(ready.index(i))
+            mbarrier.invalidate(free.index(i))
     else:
         S = walk_steps(S, c0, c_end, j, n, h, vs, bos, eos, slot0, kd_ws, qg_ws, kg_ws, A_ws, T_ws, v_h, out_h, decay_h,
                        stride_v, stride_out, ckpt_offsets, ckpt_states, stride_ckpt_n, stride_ckpt_j, state_offsets,
