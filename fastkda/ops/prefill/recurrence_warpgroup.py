@@ -41,7 +41,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 from ..tiles import load_lower, lower_sectors, tile_offsets
 from .inputs import beta_rows
-from .layout import OWNER_LOOKUP_WIDTH, sequence_order
+from .layout import OWNER_LOOKUP_WIDTH, count_row_mismatch, sequence_order
 from .recurrence import finish_walk, head_sections, program_chunks, starting_state, store_checkpoint
 
 cta_barrier = getattr(gl, "barrier", None) or gl.thread_barrier  # a barrier of the program's threads (bar.sync): its
@@ -178,13 +178,13 @@ def load_chunk(T_ws, beta_h, stride_beta_tok, bos, eos, c, c_end, rows, cols, H:
 
 
 @gluon.jit
-def invert_chunks(T_ws, beta_h, stride_beta_tok, bos, eos, c0, c_end, Tb_s, ready, free,
+def invert_chunks(T_ws, beta_h, stride_beta_tok, bos, eos, c0, c_end, T_s, ready, free,
                   H: gl.constexpr, C: gl.constexpr, BETA_SIGMOID: gl.constexpr, RING: gl.constexpr,
                   FIRST: gl.constexpr, WORKERS: gl.constexpr):
     """A worker partition of :func:`walk_steps` under ``INVERT`` (one warp, ``FIRST`` of ``WORKERS``; none past
     them): every ``WORKERS``-th chunk from ``c0 + FIRST``, the in-chunk inverse of the solve kernel (``solve.py``,
     the plan's ``horner_inverse``: its operations on its one-warp layouts, so its bits) from the first kernel's
-    β·L, as T·diag(β) into slot ``(c − c0) % RING`` of ``Tb_s`` (``RING`` a multiple of ``WORKERS``: each slot one
+    β·L, as T·diag(β) into slot ``(c − c0) % RING`` of ``T_s`` (``RING`` a multiple of ``WORKERS``: each slot one
     worker's) once the step has freed it (``free``), announced on ``ready``. Its loads are its own: no copy of the
     step's ring waits for it."""
     BC: gl.constexpr = C // 2
@@ -199,7 +199,7 @@ def invert_chunks(T_ws, beta_h, stride_beta_tok, bos, eos, c0, c_end, Tb_s, read
     zero = gl.zeros([BC, BC], gl.float32, MMA)
     # its slots' upper-right block: zero, as the copies read it (a worker past WORKERS has no slot)
     for i in gl.static_range(FIRST, RING if FIRST < WORKERS else FIRST, WORKERS):
-        Tb_s.index(i).slice(0, BC, dim=0).slice(BC, BC, dim=1).store(zero)
+        T_s.index(i).slice(0, BC, dim=0).slice(BC, BC, dim=1).store(zero)
     last = c_end if FIRST < WORKERS else c0  # a worker past WORKERS takes no chunk
     L00, L10, L11, b0, b1 = load_chunk(T_ws, beta_h, stride_beta_tok, bos, eos, c0 + FIRST, last, rows, cols, H, C,
                                        BETA_SIGMOID)
@@ -219,7 +219,7 @@ def invert_chunks(T_ws, beta_h, stride_beta_tok, bos, eos, c0, c_end, Tb_s, read
         T10 = -tf32_product(T11, tf32_product(L10, T00, zero, A32, B32), zero, A32, B32)
         slot = (c - c0) % RING
         mbarrier.wait(free.index(slot), ((c - c0) // RING + 1) & 1)  # the step took its last chunk's halves
-        tile = Tb_s.index(slot)
+        tile = T_s.index(slot)
         tile.slice(0, BC, dim=0).slice(0, BC, dim=1).store(T00 * b0[None, :])
         tile.slice(BC, BC, dim=0).slice(0, BC, dim=1).store(T10 * b0[None, :])
         tile.slice(BC, BC, dim=0).slice(BC, BC, dim=1).store(T11 * b1[None, :])
@@ -232,24 +232,22 @@ def invert_chunks(T_ws, beta_h, stride_beta_tok, bos, eos, c0, c_end, Tb_s, read
 def walk_steps(
     S, c0, c_end, j, n, h, vs, bos, eos, slot0, kd_ws, qg_ws, kg_ws, A_ws, T_ws, v_h, out_h, decay_h, stride_v,
     stride_out, ckpt_offsets, ckpt_states, stride_ckpt_n, stride_ckpt_j, state_offsets,
-    kd_s, qg_s, kg_s, A_s, T_s, v_s, decay_s, lo_s, hi_s, o_s, Tb_s, ready, free,
+    kd_s, qg_s, kg_s, A_s, T_s, v_s, decay_s, lo_s, hi_s, o_s, ready, free,
     H: gl.constexpr, K: gl.constexpr, V: gl.constexpr, BV: gl.constexpr, C: gl.constexpr, NUM_CKPT: gl.constexpr,
     SEGMENTED: gl.constexpr, OUTPUTS: gl.constexpr, STAGES: gl.constexpr, INVERT: gl.constexpr, RING: gl.constexpr,
     ACC_C: gl.constexpr, ACC_K: gl.constexpr, OP_C: gl.constexpr, OP_K: gl.constexpr, ROWS_K: gl.constexpr,
     ROWS_C: gl.constexpr, ROWS_T: gl.constexpr, ROWS_V: gl.constexpr, VECTOR: gl.constexpr,
 ):
     """The chunks ``[c0, c_end)`` from the state ``S`` (the first ``STAGES − 1`` chunks' copies in flight): the
-    steps of :func:`warpgroup_walk` (its layouts), whose state after the last it returns. Under ``INVERT`` each
-    chunk's T·β comes from :func:`invert_chunks` through ``Tb_s`` (``ready``), and each step frees the slot it
-    split (``free``) once every warp is past its barrier."""
+    steps of :func:`warpgroup_walk` (its layouts), whose state after the last it returns. ``T_s``: the ring of
+    T·β, copied with the other tiles, or under ``INVERT`` ``RING`` slots that :func:`invert_chunks` fills
+    (``ready``) and each step frees once every warp is past its barrier (``free``)."""
     zero_C = gl.zeros([BV, C], gl.float32, ACC_C)
     async_copy.wait_group(STAGES - 2)  # the first chunk
     cta_barrier()
     if INVERT:
         mbarrier.wait(ready.index(0), 0, pred=c0 < c_end)
-        split_t(Tb_s, 0, lo_s, hi_s, 0, ROWS_T)
-    else:
-        split_t(T_s, 0, lo_s, hi_s, 0, ROWS_T)
+    split_t(T_s, 0, lo_s, hi_s, 0, ROWS_T)
     S_op = gl.convert_layout(S.to(gl.bfloat16), OP_C, assert_trivial=True)
     next_stage = 0  # the first chunk's ring slot (ring_slots)
     for c in range(c0, c_end):
@@ -281,11 +279,12 @@ def walk_steps(
             o = warpgroup_mma(S_op, qg_s.index(stage).permute((1, 0)), zero_C, use_acc=False, is_async=True)
             o = warpgroup_mma(gl.convert_layout(v_op, OP_C, assert_trivial=True), A_s.index(stage).permute((1, 0)),
                               o, is_async=True)
-        if INVERT:  # the next chunk's, beside the products, once the worker has it (none past the last)
-            mbarrier.wait(ready.index((c + 1 - c0) % RING), ((c + 1 - c0) // RING) & 1, pred=c + 1 < c_end)
-            split_t(Tb_s, (c + 1 - c0) % RING, lo_s, hi_s, 1 - half, ROWS_T)
+        if INVERT:  # the next chunk's, beside the products, once its worker has it (none past the last)
+            next_slot = (c + 1 - c0) % RING
+            mbarrier.wait(ready.index(next_slot), ((c + 1 - c0) // RING) & 1, pred=c + 1 < c_end)
         else:
-            split_t(T_s, next_stage, lo_s, hi_s, 1 - half, ROWS_T)  # the next chunk's, beside the products
+            next_slot = next_stage
+        split_t(T_s, next_slot, lo_s, hi_s, 1 - half, ROWS_T)
         if OUTPUTS:
             if c > c0:  # the previous chunk's output, which the barrier above published
                 store_output(o_s, 1 - half, out_h, bos, c - 1, eos, stride_out, vs, BV, C, ROWS_V)
@@ -361,9 +360,7 @@ def warpgroup_walk(
                        BV, C, IS_VARLEN, SEGMENTED, TRANSITION, OPEN_ENTRY, LONGEST_FIRST)
     if EQUAL_ROWS:  # fastkda.errors: "cu_seqlens", once per sequence (the solve kernel's count, which did not run)
         if (vs == 0) & (h == 0):
-            start = gl.load(cu_seqlens + n)
-            end = gl.load(cu_seqlens + n + 1)
-            gl.atomic_add(errors + 2, 1, mask=(start != n * seq_len) | (end - start != seq_len), sem="relaxed")
+            count_row_mismatch(cu_seqlens, errors, n, seq_len)
 
     kd_s = gl.allocate_shared_memory(gl.bfloat16, [STAGES, C, K], SHARED_K)
     kg_s = gl.allocate_shared_memory(gl.bfloat16, [STAGES, C, K], SHARED_K)
@@ -375,18 +372,16 @@ def warpgroup_walk(
         qg_s = kd_s
         A_s = kd_s
         o_s = kd_s
-    if INVERT:  # T·β from the worker warp, none copied from the scratch
-        Tb_s = gl.allocate_shared_memory(gl.float32, [RING, C, C], PLAIN_T)
+    if INVERT:  # T·β from the worker warps, none copied from the scratch
+        T_s = gl.allocate_shared_memory(gl.float32, [RING, C, C], PLAIN_T)
         ready = gl.allocate_shared_memory(gl.int64, [RING, 1], mbarrier.MBarrierLayout())
         free = gl.allocate_shared_memory(gl.int64, [RING, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(RING):
             mbarrier.init(ready.index(i), count=1)
             mbarrier.init(free.index(i), count=1)
-        T_s = Tb_s
     else:
         T_s = gl.allocate_shared_memory(gl.float32, [STAGES, C, C], PLAIN_T)
-        Tb_s = T_s
-        ready = T_s
+        ready = T_s  # no barriers: nothing reads these names
         free = T_s
     v_s = gl.allocate_shared_memory(v.dtype.element_ty, [STAGES, C, BV], SHARED_V)
     decay_s = gl.allocate_shared_memory(gl.float32, [STAGES, K], PLAIN_1D)
@@ -410,16 +405,16 @@ def warpgroup_walk(
         S = gl.warp_specialize(
             [(walk_steps, (S, c0, c_end, j, n, h, vs, bos, eos, slot0, kd_ws, qg_ws, kg_ws, A_ws, T_ws, v_h, out_h,
                            decay_h, stride_v, stride_out, ckpt_offsets, ckpt_states, stride_ckpt_n, stride_ckpt_j,
-                           state_offsets, kd_s, qg_s, kg_s, A_s, T_s, v_s, decay_s, lo_s, hi_s, o_s, Tb_s, ready, free,
+                           state_offsets, kd_s, qg_s, kg_s, A_s, T_s, v_s, decay_s, lo_s, hi_s, o_s, ready, free,
                            H, K, V, BV, C, NUM_CKPT, SEGMENTED, OUTPUTS, STAGES, INVERT, RING, ACC_C, ACC_K, OP_C,
                            OP_K, ROWS_K, ROWS_C, ROWS_T, ROWS_V, VECTOR)),
-             (invert_chunks, (T_ws, beta_h, stride_beta_tok, bos, eos, c0, c_end, Tb_s, ready, free, H, C,
+             (invert_chunks, (T_ws, beta_h, stride_beta_tok, bos, eos, c0, c_end, T_s, ready, free, H, C,
                               BETA_SIGMOID, RING, 0, WORKERS)),
-             (invert_chunks, (T_ws, beta_h, stride_beta_tok, bos, eos, c0, c_end, Tb_s, ready, free, H, C,
+             (invert_chunks, (T_ws, beta_h, stride_beta_tok, bos, eos, c0, c_end, T_s, ready, free, H, C,
                               BETA_SIGMOID, RING, 1, WORKERS)),
-             (invert_chunks, (T_ws, beta_h, stride_beta_tok, bos, eos, c0, c_end, Tb_s, ready, free, H, C,
+             (invert_chunks, (T_ws, beta_h, stride_beta_tok, bos, eos, c0, c_end, T_s, ready, free, H, C,
                               BETA_SIGMOID, RING, 2, WORKERS)),
-             (invert_chunks, (T_ws, beta_h, stride_beta_tok, bos, eos, c0, c_end, Tb_s, ready, free, H, C,
+             (invert_chunks, (T_ws, beta_h, stride_beta_tok, bos, eos, c0, c_end, T_s, ready, free, H, C,
                               BETA_SIGMOID, RING, 3, WORKERS))],
             [1, 1, 1, 1], [WORKER_REGISTERS, WORKER_REGISTERS, WORKER_REGISTERS, WORKER_REGISTERS])[0]
         for i in gl.static_range(RING):  # the barriers' memory back to the allocator's other uses
@@ -428,7 +423,7 @@ def warpgroup_walk(
     else:
         S = walk_steps(S, c0, c_end, j, n, h, vs, bos, eos, slot0, kd_ws, qg_ws, kg_ws, A_ws, T_ws, v_h, out_h, decay_h,
                        stride_v, stride_out, ckpt_offsets, ckpt_states, stride_ckpt_n, stride_ckpt_j, state_offsets,
-                       kd_s, qg_s, kg_s, A_s, T_s, v_s, decay_s, lo_s, hi_s, o_s, Tb_s, ready, free,
+                       kd_s, qg_s, kg_s, A_s, T_s, v_s, decay_s, lo_s, hi_s, o_s, ready, free,
                        H, K, V, BV, C, NUM_CKPT, SEGMENTED, OUTPUTS, STAGES, INVERT, RING, ACC_C, ACC_K, OP_C, OP_K,
                        ROWS_K, ROWS_C, ROWS_T, ROWS_V, VECTOR)[0]
     finish_walk(S, ws_fp32, transitions_at, final_state, ckpt_offsets, ckpt_states, errors, cu_seqlens, n, slot, h,
