@@ -136,13 +136,7 @@ class PrefillPlan:
     products only): the solve kernel inverts a diagonal block whose entries are at most 1 by Horner's rule in fp16
     operands (``fastkda/ops/prefill/solve.py``; other bits, as accurate or more); the automatic plan sets it where
     the call's (chunk, head) pairs are at most :data:`HORNER_PROGRAMS_PER_SM` an SM (the ``replace`` to "ieee"
-    products must clear it too). ``inverse_in_recurrence`` (under ``warpgroup_recurrence`` and ``horner_inverse``,
-    serial, 64-column slices, not ``longest_first``): no solve kernel; worker warps of the Gluon recurrence form
-    each chunk's T·β as the solve kernel would, the same bits, beside the steps, so that T never goes through
-    memory and the call has one kernel boundary fewer (under ``equal_rows`` the recurrence counts the
-    ``cu_seqlens`` that disagree); ``inverse_ring`` chunks of T·β in shared memory between them and the steps (2 up to
-    ``recurrence_stages``, whose T·β slots it takes the place of), ``inverse_workers`` such warps (1 to 4, each
-    every ``inverse_workers``-th chunk; the ring a multiple of them), ``inverse_worker_registers`` a thread of each.
+    products must clear it too).
     ``dot_precision``: the kernels' fp32 products ("tf32" or "ieee")."""
 
     seq_len: int
@@ -177,10 +171,6 @@ class PrefillPlan:
     longest_first: bool = False
     equal_rows: bool = False
     horner_inverse: bool = False
-    inverse_in_recurrence: bool = False
-    inverse_ring: int = 4
-    inverse_workers: int = 2
-    inverse_worker_registers: int = 160
     dot_precision: str = "tf32"
     reason: str = dataclasses.field(default="", compare=False)
 
@@ -239,23 +229,6 @@ class PrefillPlan:
         _check(not self.horner_inverse or self.dot_precision == "tf32",
                f"horner_inverse takes fp16 operands in place of tf32 ones (dot_precision='tf32'), got "
                f"dot_precision={self.dot_precision!r}: replace horner_inverse=False with it")
-        _check(not self.inverse_in_recurrence or (self.warpgroup_recurrence and self.horner_inverse
-                                                  and not self.segment_chunks and not self.longest_first
-                                                  and self.slice_width == 64),
-               f"inverse_in_recurrence forms T on worker warps of the Gluon recurrence by Horner's rule, on a serial "
-               f"plan of 64-column slices in cu_seqlens order (warpgroup_recurrence and horner_inverse, "
-               f"segment_chunks=0, longest_first off; beside the eight warps of 128 columns its four worker warps "
-               f"leave the steps too few registers); got warpgroup_recurrence={self.warpgroup_recurrence}, "
-               f"horner_inverse={self.horner_inverse}, segment_chunks={self.segment_chunks}, longest_first="
-               f"{self.longest_first}, slice_width={self.slice_width}")
-        _check(not self.inverse_in_recurrence or (2 <= self.inverse_ring <= self.recurrence_stages
-                                                  and 1 <= self.inverse_workers <= 4
-                                                  and self.inverse_ring % self.inverse_workers == 0),
-               f"inverse_ring must be 2 up to recurrence_stages={self.recurrence_stages} and a multiple of "
-               f"inverse_workers (1 to 4), got inverse_ring={self.inverse_ring}, inverse_workers="
-               f"{self.inverse_workers}")
-        _check(24 <= self.inverse_worker_registers <= 256 and self.inverse_worker_registers % 8 == 0,
-               f"inverse_worker_registers must be a multiple of 8 in 24..256, got {self.inverse_worker_registers}")
         _check(not (self.equal_rows and self.varlen),
                "equal_rows runs a varlen call as rows (varlen=False), got varlen=True")
         if self.warpgroup_transition:
@@ -381,8 +354,7 @@ class PrefillPlan:
             f"{self.prepare_channels} key channels per step, {self.prepare_token_run} consecutive tokens per thread"
             + (f", at most {self.prepare_registers} registers a thread" if self.prepare_registers else "") + "; "
             f"solve kernel on {_counted(self.solve_warps, 'warp')}, {self.solve_stages} stages: T·diag(β)"
-            + (", diagonal blocks by Horner's rule in fp16 operands" if self.horner_inverse else "")
-            + (" (none: a worker warp of the recurrence forms it)" if self.inverse_in_recurrence else ""),
+            + (", diagonal blocks by Horner's rule in fp16 operands" if self.horner_inverse else ""),
             f"recurrence: v_slices={self.v_slices} (V cut into {self.v_slices} slice(s) of {self.slice_width} "
             f"columns): {self.programs} programs "
             + ("per segment of each sequence" if self.segment_chunks else f"on {self.sms} SMs")

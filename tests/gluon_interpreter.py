@@ -448,8 +448,6 @@ def _gl_shim(emulation):
             functions_and_args),
         minimum=lambda *args: tl.minimum(*args),
         maximum=lambda *args: tl.maximum(*args),
-        abs=lambda x: tl.abs(x),
-        atomic_add=lambda *args, **kwargs: tl.atomic_add(*args, **kwargs),
         constexpr=tl.constexpr, int32=tl.int32, int64=tl.int64, float16=tl.float16, float32=tl.float32,
         bfloat16=tl.bfloat16,
         barrier=lambda: None, thread_barrier=lambda: None,

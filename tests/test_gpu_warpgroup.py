@@ -53,53 +53,6 @@ def test_serial_same_bits_as_the_triton_kernel(case, states, stages, v_slices):
     same_bits(inp, states, plan_for(inp, v_slices=v_slices), stages)
 
 
-def inverse_pair(plan, stages):
-    """``plan`` under Horner's rule with the Triton kernels and the solve kernel, and with the Gluon recurrence
-    forming T on its worker warp (``inverse_in_recurrence``) at ``stages``."""
-    horner = plan.replace(horner_inverse=True)
-    return triton_only(horner), gluon(horner, stages).replace(inverse_in_recurrence=True)
-
-
-@pytest.mark.parametrize("case", CASES, ids=range(len(CASES)))
-@pytest.mark.parametrize("states", STATES[1:], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("stages", [4, 5])
-def test_inverse_in_recurrence_same_bits_as_the_solve_kernel(case, states, stages):
-    """The plan's ``inverse_in_recurrence``: no solve kernel, T·β formed on the Gluon recurrence's worker warp by
-    the solve kernel's operations; the bits of the Triton kernels after the solve kernel."""
-    inp = make_inputs(device="cuda", seed=17, **case)
-    solved, inverted = inverse_pair(plan_for(inp, v_slices=2), stages)  # 64-column slices (V = 128)
-    expected_o, expected_s, _ = run_prefill(inp, *states, plan=solved)
-    got_o, got_s, _ = run_prefill(inp, *states, plan=inverted)
-    assert torch.equal(got_o, expected_o) and torch.equal(got_s, expected_s)
-
-
-def test_inverse_in_recurrence_series_and_equal_rows():
-    """Keys without the L2 norm, scaled up (chunks past Horner's bound keep the series), and a varlen batch run as
-    rows whose ``cu_seqlens`` disagree with them (counted by the recurrence, as the solve kernel counts them)."""
-    inp = make_inputs([512, 512, 512], heads=4, key_dim=128, device="cuda", seed=18)
-    inp["k"] = inp["k"] * torch.linspace(0.2, 3.0, inp["k"].shape[1], device="cuda")[None, :, None, None].to(
-        inp["k"].dtype)
-    args = [inp[x] for x in ("q", "k", "v", "g", "beta")]
-    gate = {x: inp[x] for x in ("A_log", "dt_bias", "lower_bound")}
-    base = plan_for(inp, v_slices=2, max_seqlen=512)
-    assert base.equal_rows
-    bad = inp["cu_seqlens"].clone()
-    bad[1] = 500  # the first two sequences disagree with the rows
-    results = []
-    for plan in inverse_pair(base, 5):
-        errors = torch.zeros(3, dtype=torch.int32, device="cuda")
-        out, final = fastkda.kda_prefill(*args, **gate, initial_state=inp["initial_state"], output_final_state=True,
-                                         cu_seqlens=inp["cu_seqlens"], use_qk_l2norm=False, plan=plan)
-        fastkda.kda_prefill(*args, **gate, initial_state=inp["initial_state"], cu_seqlens=bad, plan=plan,
-                            errors=errors, checks=False)
-        results.append((out, final, errors))
-    (solved_o, solved_s, solved_errors), (got_o, got_s, got_errors) = results
-    assert torch.isfinite(solved_o).float().mean() > 0.9  # unnormalised keys: finite, or the check below is void
-    assert torch.equal(got_o.nan_to_num(7.0), solved_o.nan_to_num(7.0))  # unnormalised keys may overflow
-    assert torch.equal(got_s.nan_to_num(7.0), solved_s.nan_to_num(7.0))
-    assert solved_errors[2].item() == 2 and torch.equal(got_errors, solved_errors)
-
-
 @pytest.mark.parametrize("case", CASES, ids=range(len(CASES)))
 @pytest.mark.parametrize("states", STATES, ids=["none", "fp32", "bf16"])
 @pytest.mark.parametrize("v_slices", [1, 2])

@@ -127,8 +127,8 @@ def test_on_hopper_the_automatic_plan_runs_the_gluon_kernels_where_they_were_mea
     wide = dict(warpgroup_recurrence=True, recurrence_stages=4)  # 128 columns
     transitions = dict(warpgroup_transition=True, transition_stages=4)
     for facts, expected in (((4, 12, 8192), narrow), ((5, 12, 1024), narrow), ((8, 96, 1024), wide),
-                            ((1, 12, 1024), narrow), ((2, 12, 1024), narrow),
-                            ((1, 12, 65536), dict(wide, **transitions)), ((1, 24, 65536), dict(wide, **transitions))):
+                            ((1, 12, 1024), narrow), ((2, 12, 1024), narrow), ((1, 12, 65536), dict(wide, **transitions)),
+                            ((1, 24, 65536), dict(wide, **transitions))):
         triton_plan = choose_plan(*facts, 128, 128, 132)
         hopper = choose_plan(*facts, 128, 128, 132, warpgroup_mma=True)
         assert dataclasses.replace(triton_plan, **expected, reason=hopper.reason) == hopper, facts  # nothing else
@@ -143,30 +143,6 @@ def test_on_hopper_the_automatic_plan_runs_the_gluon_kernels_where_they_were_mea
     assert narrow.slice_width == 32 and not narrow.warpgroup_recurrence
     opened = choose_open_entry_plan(2, 12, 8192, 128, 128, 132, warpgroup_mma=True)
     assert opened.warpgroup_transition and opened.warpgroup_recurrence and opened.transition_width == 64
-
-
-def test_inverse_in_recurrence_only_where_its_worker_warps_run():
-    """``inverse_in_recurrence`` needs the Gluon recurrence of 64-column slices under Horner's rule, serial and in
-    ``cu_seqlens`` order, and a ring of 2 up to ``recurrence_stages`` chunks that its 1 to 4 workers share
-    evenly; the automatic plan leaves it off. Anything else is refused with the numbers that break it."""
-    base = choose_plan(5, 12, 5 * 1024, 128, 128, 132, warpgroup_mma=True, max_seqlen=1024)
-    assert base.slice_width == 64 and base.horner_inverse and not base.inverse_in_recurrence
-    inverting = base.replace(inverse_in_recurrence=True)
-    assert (inverting.inverse_ring, inverting.inverse_workers) == (4, 2)
-    assert "a worker warp of the recurrence forms it" in inverting.describe()
-    for changes, words in ((dict(warpgroup_recurrence=False, recurrence_stages=3), "warpgroup_recurrence=False"),
-                           (dict(horner_inverse=False), "horner_inverse=False"),
-                           (dict(v_slices=1, recurrence_warps=8, recurrence_stages=4), "slice_width=128"),
-                           (dict(inverse_ring=6), "inverse_ring=6"), (dict(inverse_ring=1), "inverse_ring=1"),
-                           (dict(inverse_workers=3), "inverse_workers=3"),
-                           (dict(inverse_workers=8), "inverse_workers=8")):
-        with pytest.raises(ValueError, match=words):
-            inverting.replace(**changes)
-    with pytest.raises(ValueError, match="inverse_worker_registers"):
-        base.replace(inverse_worker_registers=100)
-    segmented = choose_plan(1, 12, 65536, 128, 128, 132, warpgroup_mma=True)
-    with pytest.raises(ValueError, match="segment_chunks"):
-        segmented.replace(inverse_in_recurrence=True)
 
 
 def test_longest_first_where_a_varlen_batchs_programs_take_turns():

@@ -9,10 +9,9 @@ from helpers import plan_for
 
 
 def run_triton(inp, v_slices=1, final_dtype=torch.float32, use_final=True, sequence_parallel=False, errors=None,
-               max_seqlen=None, use_qk_l2norm=True, **plan_changes):
+               max_seqlen=None, **plan_changes):
     """The kernels as the plan for ``inp`` at ``v_slices``, ``sequence_parallel`` and ``max_seqlen`` says, with
-    ``plan_changes``, into NaN-poisoned buffers (malformed ``cu_seqlens`` counted in ``errors``, if given); q and k
-    L2-normalised unless ``use_qk_l2norm`` is False."""
+    ``plan_changes``, into NaN-poisoned buffers (malformed ``cu_seqlens`` counted in ``errors``, if given)."""
     from fastkda.ops.prefill import chunk_kda_forward
 
     plan = plan_for(inp, v_slices, sequence_parallel=sequence_parallel, max_seqlen=max_seqlen, **plan_changes)
@@ -22,7 +21,7 @@ def run_triton(inp, v_slices=1, final_dtype=torch.float32, use_final=True, seque
              if use_final else None)
     chunk_kda_forward(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], plan=plan, A_log=inp["A_log"],
                       dt_bias=inp["dt_bias"], lower_bound=inp["lower_bound"], scale=key_dim ** -0.5,
-                      initial_state=inp["initial_state"], cu_seqlens=inp["cu_seqlens"], use_qk_l2norm=use_qk_l2norm,
+                      initial_state=inp["initial_state"], cu_seqlens=inp["cu_seqlens"], use_qk_l2norm=True,
                       use_beta_sigmoid=True, out=out, final_state=final, errors=errors)
     return out, final
 

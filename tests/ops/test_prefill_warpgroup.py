@@ -62,69 +62,6 @@ def test_serial_same_bits_as_the_triton_kernel(case, stages, request):
     assert emulation.launches == len(expected)  # the Gluon kernels ran, not the Triton ones they fall back to
 
 
-INVERSE = dict(horner_inverse=True, inverse_in_recurrence=True)  # T on the Gluon recurrence's worker warp
-
-
-INVERSE_CASES = CASES + [dict(lengths=[230, 3], key_dim=64, value_dim=64, heads=1)]  # more chunks than the ring
-
-
-@pytest.mark.parametrize("case", INVERSE_CASES, ids=range(len(INVERSE_CASES)))
-def test_inverse_in_recurrence_same_bits_as_the_solve_kernel(case, request):
-    """The plan's ``inverse_in_recurrence``: no solve kernel runs, and the Gluon recurrence's worker warp forms
-    each chunk's T·β from the scratch's β·L by the solve kernel's operations (Horner's rule): the bits of the
-    Triton kernels under ``horner_inverse``. Were the solve kernel to run too, the worker would invert T·β: other
-    bits; were the worker to refill a slot of its ring before the steps free it, others again."""
-    inp = make_inputs(seed=61, **case)
-    final_dtype = case.get("state_dtype", torch.float32)
-    value_dim = case.get("value_dim", case.get("key_dim", 64))
-    expected = {s: run_triton(inp, s, final_dtype=final_dtype, horner_inverse=True) for s in widths(case)
-                if value_dim // s == 64}  # the 64-column slices: the plan refuses the workers beside 128
-    emulation = request.getfixturevalue("gluon")
-    for v_slices, (out, final) in expected.items():
-        got_o, got_s = run_triton(inp, v_slices, final_dtype=final_dtype, **warpgroup(), **INVERSE)
-        assert torch.equal(got_o, out) and torch.equal(got_s, final), v_slices
-    assert emulation.launches == len(expected)
-
-
-@pytest.mark.parametrize("ring,workers", [(4, 1), (4, 4), (2, 2), (5, 1)])
-def test_inverse_in_recurrence_any_ring_and_workers(ring, workers, request):
-    """Every ring of T·β slots and count of worker warps the plan takes gives the same bits: each worker's chunks,
-    its slots and their phases (more chunks than the ring, and an empty sequence)."""
-    inp = make_inputs([230, 0, 70], key_dim=64, value_dim=64, heads=1, seed=64)
-    out, final = run_triton(inp, 1, horner_inverse=True)
-    emulation = request.getfixturevalue("gluon")
-    got_o, got_s = run_triton(inp, 1, **warpgroup(5), **INVERSE, inverse_ring=ring, inverse_workers=workers)
-    assert torch.equal(got_o, out) and torch.equal(got_s, final) and emulation.launches == 1
-
-
-def test_inverse_in_recurrence_series_where_entries_pass_one(request):
-    """Keys without the L2 norm, scaled up: chunks whose β·L has entries past 1 keep the series on the worker warp,
-    as in the solve kernel (the others Horner's rule), the same bits."""
-    inp = make_inputs([20, 70, 45], key_dim=64, value_dim=128, heads=1, seed=62)
-    inp["k"] = inp["k"] * torch.linspace(0.2, 3.0, inp["k"].shape[1])[None, :, None, None].to(inp["k"].dtype)
-    out, final = run_triton(inp, 2, use_qk_l2norm=False, horner_inverse=True)
-    emulation = request.getfixturevalue("gluon")
-    got_o, got_s = run_triton(inp, 2, use_qk_l2norm=False, **warpgroup(), **INVERSE)
-    assert torch.equal(got_o, out) and torch.equal(got_s, final) and emulation.launches == 1
-
-
-def test_inverse_in_recurrence_counts_cu_seqlens_that_disagree_with_equal_rows(request):
-    """Under ``equal_rows`` the solve kernel counts the sequences whose ``cu_seqlens`` entries are not the rows';
-    with no solve kernel the Gluon recurrence counts them, as many, and gives the same bits on agreeing ones."""
-    inp = make_inputs([64, 64, 64], key_dim=64, value_dim=128, heads=1, seed=63)
-    expected = run_triton(inp, 2, max_seqlen=64, horner_inverse=True)
-    bad = dict(inp, cu_seqlens=torch.tensor([0, 60, 128, 192], dtype=torch.int32))
-    expected_errors = torch.zeros(3, dtype=torch.int32)
-    run_triton(bad, 2, max_seqlen=64, horner_inverse=True, errors=expected_errors)
-    assert expected_errors[2] == 2
-    emulation = request.getfixturevalue("gluon")
-    got = run_triton(inp, 2, max_seqlen=64, **warpgroup(), **INVERSE)
-    errors = torch.zeros(3, dtype=torch.int32)
-    run_triton(bad, 2, max_seqlen=64, **warpgroup(), **INVERSE, errors=errors)
-    assert all(torch.equal(a, b) for a, b in zip(got, expected)) and torch.equal(errors, expected_errors)
-    assert emulation.launches == 2
-
-
 SEGMENT_CASES = [CASES[0], dict(CASES[1], lengths=[0, 1, 33, 70]), CASES[3]]
 
 

@@ -114,18 +114,9 @@ def prefill_launches(plan, checkpoints=0, l2norm=True, beta_sigmoid=True):
     if plan.warpgroup_recurrence:
         from fastkda.ops.prefill import recurrence_warpgroup
 
-        invert = plan.inverse_in_recurrence
-        if invert:  # no solve kernel: the recurrence's worker warp forms T
-            del found["solve"]
         found["recurrence"] = (recurrence_warpgroup.warpgroup_recurrence_kernel,
                                dict({k: v for k, v in recurrence_args.items() if k not in triton_only},
-                                    STAGES=plan.recurrence_stages, INVERT=invert,
-                                    beta=BF16 if invert else F32, stride_beta_tok=H if invert else 0,
-                                    stride_beta_head=1 if invert else 0, BETA_SIGMOID=invert and beta_sigmoid,
-                                    EQUAL_ROWS=invert and plan.equal_rows, RING=plan.inverse_ring,
-                                    WORKERS=plan.inverse_workers,
-                                    WORKER_REGISTERS=plan.inverse_worker_registers,
-                                    cu_seqlens=I32 if plan.varlen or (invert and plan.equal_rows) else F32),
+                                    STAGES=plan.recurrence_stages),
                                plan.recurrence_warps, plan.recurrence_stages, None)
     if plan.sequence_parallel:
         transition_args = dict(

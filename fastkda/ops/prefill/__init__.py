@@ -4,8 +4,7 @@ Spec §2 in the WY form, over chunks of ``C`` tokens (the plan's ``chunk``, two 
 
 1. ``prepare.py``: everything of a chunk that does not depend on the state but the inverse (gate, cumulative
    decays, normalised q and k, the in-chunk matrices M and β·L), token-parallel over (chunk, head);
-2. ``solve.py``: the in-chunk inverse ``T = (I + β·L)⁻¹``, stored as T·diag(β), token-parallel (or, under the
-   plan's ``inverse_in_recurrence``, on a worker warp of the Gluon recurrence: no kernel of its own);
+2. ``solve.py``: the in-chunk inverse ``T = (I + β·L)⁻¹``, stored as T·diag(β), token-parallel;
 3. ``recurrence.py``: the serial recurrence over chunks, one program per (sequence, head, V-slice); each step forms
    ``v_new = T·β·(v − kd·S)`` (w and u are never formed).
 
@@ -26,20 +25,18 @@ from ...errors import counters
 from ..common import interpreting
 from .layout import Workspace
 from .prepare import launch_prepare
-from .recurrence import inverts_in_recurrence, launch_recurrence, launch_transitions
+from .recurrence import launch_recurrence, launch_transitions
 from .scan import launch_scan
 from .solve import launch_solve
 
 
 def _prepare(plan, ws, q, k, g, beta, A_log, dt_bias, lower_bound, scale, use_qk_l2norm, use_beta_sigmoid, errors,
              emulate):
-    """The first two stages (the preparation and the inverse) into ``ws``, where there are chunks; the inverse not
-    where the recurrence forms it (:func:`inverts_in_recurrence`)."""
+    """The first two stages (the preparation and the inverse) into ``ws``, where there are chunks."""
     if plan.chunk_slots:
         launch_prepare(plan, ws, q, k, g, beta, A_log, dt_bias, lower_bound, scale, use_qk_l2norm, use_beta_sigmoid,
                        emulate)
-        if not inverts_in_recurrence(plan, ws, emulate):
-            launch_solve(plan, ws, beta, use_beta_sigmoid, errors, emulate)
+        launch_solve(plan, ws, beta, use_beta_sigmoid, errors, emulate)
 
 
 def chunk_kda_forward(q, k, v, g, beta, *, plan, A_log, dt_bias, lower_bound, scale, initial_state, cu_seqlens,
@@ -61,7 +58,7 @@ def chunk_kda_forward(q, k, v, g, beta, *, plan, A_log, dt_bias, lower_bound, sc
             launch_transitions(plan, ws, initial_state, emulate)
             launch_scan(plan, ws, initial_state, errors)
         launch_recurrence(plan, ws, out, initial_state, final_state, checkpoint_offsets, checkpoint_states, errors,
-                          emulate, beta, use_beta_sigmoid)
+                          emulate)
 
 
 def open_entry_transitions(q, k, v, g, beta, *, plan, A_log, dt_bias, lower_bound, scale, use_qk_l2norm,

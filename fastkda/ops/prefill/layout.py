@@ -117,16 +117,6 @@ def sequence_of_slot_with(lanes, slot, cu_seqlens, seq_len, num_seqs, tokens, IS
 
 
 @triton.jit
-def count_row_mismatch(cu_seqlens, errors, n, seq_len):
-    """Under ``equal_rows`` (a varlen call run as rows of ``seq_len`` tokens): count sequence ``n`` in ``errors``
-    (:mod:`fastkda.errors`, "cu_seqlens") if its ``cu_seqlens`` entries are not its row's. One program a sequence
-    calls it."""
-    start = tl.load(cu_seqlens + n)
-    end = tl.load(cu_seqlens + n + 1)
-    tl.atomic_add(errors + 2, 1, mask=(start != n * seq_len) | (end - start != seq_len), sem="relaxed")
-
-
-@triton.jit
 def chunk_of_slot(slot, cu_seqlens, seq_len, num_seqs, C: tl.constexpr, IS_VARLEN: tl.constexpr):
     """First token of chunk ``slot`` and one past its sequence's last token (a slot past the end of its
     sequence gives an empty chunk)."""

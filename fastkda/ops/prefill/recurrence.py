@@ -315,8 +315,7 @@ def recurrence_arguments(plan, ws, out, initial_state, final_state, checkpoint_o
     """The arguments and shared constexprs of a recurrence launch under ``plan`` (both recurrence kernels take
     them): ``out [B, T, H, V]`` (contiguous), ``final_state [N, H, V, K]`` and the checkpoints ``checkpoint_states
     [N, 2, H, V, K]`` at ``checkpoint_offsets [N]`` or ``[N, 2]`` (if given), written in place; malformed
-    ``cu_seqlens`` counted in ``errors`` (which the rows of ``equal_rows`` read only where the recurrence forms T:
-    the count is then its own)."""
+    ``cu_seqlens`` counted in ``errors``."""
     absent = ws.fp32  # stands for absent optional tensors; never dereferenced
     checkpoints = 0 if checkpoint_offsets is None else (1 if checkpoint_offsets.dim() == 1 else
                                                         checkpoint_offsets.shape[1])
@@ -324,7 +323,7 @@ def recurrence_arguments(plan, ws, out, initial_state, final_state, checkpoint_o
     args = (ws.bf16, ws.fp32, layout.qg, layout.kg, layout.A, layout.scratch, layout.entries, layout.order, out,
             initial_state if initial_state is not None else absent,
             final_state if final_state is not None else absent,
-            ws.cu_seqlens if plan.varlen or (plan.equal_rows and plan.inverse_in_recurrence) else absent, errors,
+            ws.cu_seqlens if plan.varlen else absent, errors,
             checkpoint_offsets if checkpoints else absent, checkpoint_states if checkpoints else absent,
             out.stride(1), plan.seq_len, plan.num_seqs,
             checkpoint_offsets.stride(0) if checkpoints else 0, checkpoint_offsets.stride(-1) if checkpoints else 0,
@@ -344,33 +343,17 @@ def warpgroup_runs(wanted, ws, emulate):
     return wanted and not emulate and ws.v.data_ptr() % 16 == 0 and ws.v.stride(1) % 16 == 0
 
 
-def inverts_in_recurrence(plan, ws, emulate):
-    """Whether this call's recurrence forms T itself (the plan's ``inverse_in_recurrence``, where the Gluon kernel
-    runs: :func:`warpgroup_runs`), so that no solve kernel runs before it."""
-    return plan.inverse_in_recurrence and warpgroup_runs(plan.warpgroup_recurrence, ws, emulate)
-
-
 def launch_recurrence(plan, ws, out, initial_state, final_state, checkpoint_offsets, checkpoint_states, errors,
-                      emulate, beta=None, use_beta_sigmoid=False):
+                      emulate):
     """Launch :func:`recurrence_kernel`, or its Gluon form where :func:`warpgroup_runs`, over the plan's grid
     (:func:`recurrence_arguments`; under sequence parallelism it reruns every segment from the entry state the
-    scan wrote, and the scan counts malformed ``cu_seqlens`` instead). Where :func:`inverts_in_recurrence`, the
-    Gluon kernel forms T·β from the scratch's β·L and ``beta`` (``[B, T, H]``, σ applied unless
-    ``use_beta_sigmoid`` is False), and counts the ``cu_seqlens`` that disagree with ``equal_rows``."""
+    scan wrote, and the scan counts malformed ``cu_seqlens`` instead)."""
     args, constexprs = recurrence_arguments(plan, ws, out, initial_state, final_state, checkpoint_offsets,
                                             checkpoint_states, errors)
     if warpgroup_runs(plan.warpgroup_recurrence, ws, emulate):
         from .recurrence_warpgroup import warpgroup_recurrence_kernel  # Gluon: imported only where it runs
-        invert = inverts_in_recurrence(plan, ws, emulate)
-        if invert and beta is None:
-            raise ValueError("fastkda: a plan with inverse_in_recurrence forms T in the recurrence, from β: pass "
-                             "beta to launch_recurrence (or clear inverse_in_recurrence)")
-        beta_args = (beta, beta.stride(1), beta.stride(2)) if invert else (ws.fp32, 0, 0)
-        launch(warpgroup_recurrence_kernel, plan.recurrence_grid, *args, *beta_args, **constexprs,
-               SEGMENTED=plan.sequence_parallel, STAGES=plan.recurrence_stages, INVERT=invert,
-               BETA_SIGMOID=invert and use_beta_sigmoid, EQUAL_ROWS=invert and plan.equal_rows,
-               RING=plan.inverse_ring, WORKERS=plan.inverse_workers, WORKER_REGISTERS=plan.inverse_worker_registers,
-               num_warps=plan.recurrence_warps)
+        launch(warpgroup_recurrence_kernel, plan.recurrence_grid, *args, **constexprs,
+               SEGMENTED=plan.sequence_parallel, STAGES=plan.recurrence_stages, num_warps=plan.recurrence_warps)
     else:
         launch(recurrence_kernel, plan.recurrence_grid, *args, **constexprs, STATE_ROWS_V=plan.state_rows_v,
                EMULATE=emulate, SEGMENTED=plan.sequence_parallel, num_warps=plan.recurrence_warps,

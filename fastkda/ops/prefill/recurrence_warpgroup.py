@@ -23,11 +23,7 @@ columns"):
   transposed; the next step, past its barrier, stores it from there with 16-byte stores along V while its own
   products run (the accumulator's layout would store two bytes at a time);
 * the copies are issued after every product of the step has completed: ptxas serialises every wgmma of a kernel
-  that issues ``cp.async`` between a wgmma and its wait;
-* under the plan's ``inverse_in_recurrence`` no solve kernel runs: the steps are the default partition of a
-  ``warp_specialize`` whose worker warps form each chunk's T·β from the first kernel's β·L (the solve kernel's
-  operations on its one-warp layouts, so its bits) into a ring of their own that the step's split reads, in
-  place of the copied T·β (mbarriers ``ready`` and ``free`` between them).
+  that issues ``cp.async`` between a wgmma and its wait.
 
 Gluon has no interpreter: on the CPU the Triton kernel runs the same arithmetic, and the GPU tests compare the two
 bit for bit.
@@ -35,13 +31,11 @@ bit for bit.
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
-from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
-                                                              warpgroup_mma_wait)
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
 
-from ..tiles import load_lower, lower_sectors, tile_offsets
-from .inputs import beta_rows
-from .layout import OWNER_LOOKUP_WIDTH, count_row_mismatch, sequence_order
+from ..tiles import lower_sectors, tile_offsets
+from .layout import OWNER_LOOKUP_WIDTH, sequence_order
 from .recurrence import finish_walk, head_sections, program_chunks, starting_state, store_checkpoint
 
 cta_barrier = getattr(gl, "barrier", None) or gl.thread_barrier  # a barrier of the program's threads (bar.sync): its
@@ -53,11 +47,11 @@ def copy_chunk(c, c_end, bos, eos, slot0, stage, kd_ws, qg_ws, kg_ws, A_ws, T_ws
                kd_s, qg_s, kg_s, A_s, T_s, v_s, decay_s,
                H: gl.constexpr, K: gl.constexpr, V: gl.constexpr, BV: gl.constexpr, C: gl.constexpr, vs,
                ROWS_K: gl.constexpr, ROWS_C: gl.constexpr, ROWS_T: gl.constexpr, ROWS_V: gl.constexpr,
-               VECTOR: gl.constexpr, OUTPUTS: gl.constexpr, COPY_T: gl.constexpr):
+               VECTOR: gl.constexpr, OUTPUTS: gl.constexpr):
     """Start the copies of chunk ``c``'s tiles into ring slot ``stage`` and commit them as one group (qg and M
-    only for ``OUTPUTS``, T·β only for ``COPY_T``); a chunk at or past ``c_end`` copies nothing (its slot fills
-    with zeros) but still commits, so that every step waits for the same group count. v's columns past V (a
-    transition's identity columns) read as zeros."""
+    only for ``OUTPUTS``); a chunk at or past ``c_end`` copies nothing (its slot fills with zeros) but still
+    commits, so that every step waits for the same group count. v's columns past V (a transition's identity
+    columns) read as zeros."""
     # one scalar base a tile (64-bit) and 32-bit offsets inside the chunk: no 64-bit product an element
     first = bos + c * C  # the chunk's first token
     rows_left = gl.minimum(eos - first, (c_end - c) * C)  # rows inside the sequence: none past c_end
@@ -74,12 +68,11 @@ def copy_chunk(c, c_end, bos, eos, slot0, stage, kd_ws, qg_ws, kg_ws, A_ws, T_ws
         async_copy.async_copy_global_to_shared(A_s.index(stage),
                                                A_ws + row0 * (H * C) + (r_c[:, None] * (H * C) + cols_c[None, :]),
                                                mask=lower_sectors(A_ws, r_c, r_c < rows_left, cols_c))
-    if COPY_T:
-        r_t = gl.arange(0, C, layout=gl.SliceLayout(1, ROWS_T))
-        cols_t = gl.arange(0, C, layout=gl.SliceLayout(0, ROWS_T))
-        async_copy.async_copy_global_to_shared(T_s.index(stage),
-                                               T_ws + row0 * (H * C) + (r_t[:, None] * (H * C) + cols_t[None, :]),
-                                               mask=lower_sectors(T_ws, r_t, r_t < rows_left, cols_t))
+    r_t = gl.arange(0, C, layout=gl.SliceLayout(1, ROWS_T))
+    cols_t = gl.arange(0, C, layout=gl.SliceLayout(0, ROWS_T))
+    async_copy.async_copy_global_to_shared(T_s.index(stage),
+                                           T_ws + row0 * (H * C) + (r_t[:, None] * (H * C) + cols_t[None, :]),
+                                           mask=lower_sectors(T_ws, r_t, r_t < rows_left, cols_t))
     r_v = gl.arange(0, C, layout=gl.SliceLayout(1, ROWS_V))
     cols_v = vs * BV + gl.arange(0, BV, layout=gl.SliceLayout(0, ROWS_V))
     async_copy.async_copy_global_to_shared(v_s.index(stage),
@@ -130,206 +123,22 @@ def store_output(o_s, half, out_h, bos, c, eos, stride_out, vs, BV: gl.constexpr
 
 
 @gluon.jit
-def tf32_product(a, b, zero, A32: gl.constexpr, B32: gl.constexpr):
-    """``a·b`` of two fp32 ``[16, 16]`` tiles on tensor cores in tf32, as ``solve.mm`` forms it (``zero``: a zero
-    tile in their layout)."""
-    return mma_v2(gl.convert_layout(a, A32), gl.convert_layout(b, B32), zero, input_precision="tf32")
-
-
-@gluon.jit
-def block_inverse_series(L, eye, zero, A32: gl.constexpr, B32: gl.constexpr):
-    """:func:`fastkda.ops.prefill.solve.unit_lower_inverse_block` in tf32 (the plan's precision under Horner's
-    rule): ``(I − L)(I + L²)(I + L⁴)(I + L⁸)``."""
-    power = L
-    inverse = eye - L
-    for _ in gl.static_range(3):
-        power = tf32_product(power, power, zero, A32, B32)
-        inverse = tf32_product(inverse, eye + power, zero, A32, B32)
-    return inverse
-
-
-@gluon.jit
-def block_inverse_horner(L, eye, A16: gl.constexpr, B16: gl.constexpr, BC: gl.constexpr):
-    """:func:`fastkda.ops.prefill.solve.unit_lower_inverse_horner_fp16`: ``X ← I − X·L`` from ``X = I − L``, BC − 2
-    times, fp16 operands and fp32 sums; the sum is the next product's left operand where it lies."""
-    minus_L = gl.convert_layout((-L).to(gl.float16), B16)
-    X = eye - L
-    for _ in gl.static_range(BC - 2):
-        X = mma_v2(gl.convert_layout(X.to(gl.float16), A16, assert_trivial=True), minus_L, eye)
-    return X
-
-
-@gluon.jit
-def load_chunk(T_ws, beta_h, stride_beta_tok, bos, eos, c, c_end, rows, cols, H: gl.constexpr, C: gl.constexpr,
-               BETA_SIGMOID: gl.constexpr):
-    """Chunk ``c``'s β·L blocks ``L00, L10, L11`` and β halves ``b0, b1`` as the solve kernel loads them (zeros past
-    the sequence, and for a chunk at or past ``c_end``), in the layouts of ``rows`` and ``cols``."""
-    BC: gl.constexpr = C // 2
-    first = bos + c * C  # the chunk's first token: 64-bit bases, 32-bit offsets inside the chunk
-    rows_left = gl.minimum(eos - first, (c_end - c) * C)
-    L_c = T_ws + first.to(gl.int64) * (H * C)
-    beta_c = beta_h + first.to(gl.int64) * stride_beta_tok
-    ok0 = rows < rows_left
-    ok1 = rows + BC < rows_left
-    return (load_lower(L_c, rows, ok0, rows, cols, H * C), load_lower(L_c, rows + BC, ok1, rows + BC, cols, H * C),
-            load_lower(L_c, rows + BC, ok1, rows + BC, BC + cols, H * C),
-            beta_rows(beta_c, cols, cols < rows_left, stride_beta_tok, BETA_SIGMOID),
-            beta_rows(beta_c, cols + BC, cols + BC < rows_left, stride_beta_tok, BETA_SIGMOID))
-
-
-@gluon.jit
-def invert_chunks(T_ws, beta_h, stride_beta_tok, bos, eos, c0, c_end, T_s, ready, free,
-                  H: gl.constexpr, C: gl.constexpr, BETA_SIGMOID: gl.constexpr, RING: gl.constexpr,
-                  FIRST: gl.constexpr, WORKERS: gl.constexpr):
-    """A worker partition of :func:`walk_steps` under ``INVERT`` (one warp, ``FIRST`` of ``WORKERS``; none past
-    them): every ``WORKERS``-th chunk from ``c0 + FIRST``, the in-chunk inverse of the solve kernel (``solve.py``,
-    the plan's ``horner_inverse``: its operations on its one-warp layouts, so its bits) from the first kernel's
-    β·L, as T·diag(β) into slot ``(c − c0) % RING`` of ``T_s`` (``RING`` a multiple of ``WORKERS``: each slot one
-    worker's) once the step has freed it (``free``), announced on ``ready``. Its loads are its own: no copy of the
-    step's ring waits for it."""
-    BC: gl.constexpr = C // 2
-    MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
-    A16: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
-    B16: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
-    A32: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=1)
-    B32: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=1)
-    rows = gl.arange(0, BC, layout=gl.SliceLayout(1, MMA))
-    cols = gl.arange(0, BC, layout=gl.SliceLayout(0, MMA))
-    eye = gl.where(rows[:, None] == cols[None, :], 1.0, 0.0)
-    zero = gl.zeros([BC, BC], gl.float32, MMA)
-    # its slots' upper-right block: zero, as the copies read it (a worker past WORKERS has no slot)
-    for i in gl.static_range(FIRST, RING if FIRST < WORKERS else FIRST, WORKERS):
-        T_s.index(i).slice(0, BC, dim=0).slice(BC, BC, dim=1).store(zero)
-    last = c_end if FIRST < WORKERS else c0  # a worker past WORKERS takes no chunk
-    L00, L10, L11, b0, b1 = load_chunk(T_ws, beta_h, stride_beta_tok, bos, eos, c0 + FIRST, last, rows, cols, H, C,
-                                       BETA_SIGMOID)
-    for c in range(c0 + FIRST, last, WORKERS):
-        # the worker's next chunk's loads in flight while this one's products run (none past the last)
-        L00_next, L10_next, L11_next, b0_next, b1_next = load_chunk(T_ws, beta_h, stride_beta_tok, bos, eos,
-                                                                    c + WORKERS, last, rows, cols, H, C, BETA_SIGMOID)
-        # entries past 1 in size, NaN included, keep the series (solve.diagonal_inverses)
-        outside = (gl.sum(gl.sum(gl.where(gl.abs(L00) <= 1.0, 0, 1), axis=1), axis=0)
-                   + gl.sum(gl.sum(gl.where(gl.abs(L11) <= 1.0, 0, 1), axis=1), axis=0))
-        if outside == 0:
-            T00 = block_inverse_horner(L00, eye, A16, B16, BC)
-            T11 = block_inverse_horner(L11, eye, A16, B16, BC)
-        else:
-            T00 = block_inverse_series(L00, eye, zero, A32, B32)
-            T11 = block_inverse_series(L11, eye, zero, A32, B32)
-        T10 = -tf32_product(T11, tf32_product(L10, T00, zero, A32, B32), zero, A32, B32)
-        slot = (c - c0) % RING
-        mbarrier.wait(free.index(slot), ((c - c0) // RING + 1) & 1)  # the step took its last chunk's halves
-        tile = T_s.index(slot)
-        tile.slice(0, BC, dim=0).slice(0, BC, dim=1).store(T00 * b0[None, :])
-        tile.slice(BC, BC, dim=0).slice(0, BC, dim=1).store(T10 * b0[None, :])
-        tile.slice(BC, BC, dim=0).slice(BC, BC, dim=1).store(T11 * b1[None, :])
-        cta_barrier()  # the warp's stores before its one thread's arrival
-        mbarrier.arrive(ready.index(slot))
-        L00, L10, L11, b0, b1 = L00_next, L10_next, L11_next, b0_next, b1_next
-
-
-@gluon.jit
-def walk_steps(
-    S, c0, c_end, j, n, h, vs, bos, eos, slot0, kd_ws, qg_ws, kg_ws, A_ws, T_ws, v_h, out_h, decay_h, stride_v,
-    stride_out, ckpt_offsets, ckpt_states, stride_ckpt_n, stride_ckpt_j, state_offsets,
-    kd_s, qg_s, kg_s, A_s, T_s, v_s, decay_s, lo_s, hi_s, o_s, ready, free,
-    H: gl.constexpr, K: gl.constexpr, V: gl.constexpr, BV: gl.constexpr, C: gl.constexpr, NUM_CKPT: gl.constexpr,
-    SEGMENTED: gl.constexpr, OUTPUTS: gl.constexpr, STAGES: gl.constexpr, INVERT: gl.constexpr, RING: gl.constexpr,
-    ACC_C: gl.constexpr, ACC_K: gl.constexpr, OP_C: gl.constexpr, OP_K: gl.constexpr, ROWS_K: gl.constexpr,
-    ROWS_C: gl.constexpr, ROWS_T: gl.constexpr, ROWS_V: gl.constexpr, VECTOR: gl.constexpr,
-):
-    """The chunks ``[c0, c_end)`` from the state ``S`` (the first ``STAGES − 1`` chunks' copies in flight): the
-    steps of :func:`warpgroup_walk` (its layouts), whose state after the last it returns. ``T_s``: the ring of
-    T·β, copied with the other tiles, or under ``INVERT`` ``RING`` slots that :func:`invert_chunks` fills
-    (``ready``) and each step frees once every warp is past its barrier (``free``)."""
-    zero_C = gl.zeros([BV, C], gl.float32, ACC_C)
-    async_copy.wait_group(STAGES - 2)  # the first chunk
-    cta_barrier()
-    if INVERT:
-        mbarrier.wait(ready.index(0), 0, pred=c0 < c_end)
-    split_t(T_s, 0, lo_s, hi_s, 0, ROWS_T)
-    S_op = gl.convert_layout(S.to(gl.bfloat16), OP_C, assert_trivial=True)
-    next_stage = 0  # the first chunk's ring slot (ring_slots)
-    for c in range(c0, c_end):
-        stage, next_stage, refill = ring_slots(c, c0, next_stage, STAGES)
-        half = (c - c0) % 2
-        if OUTPUTS:
-            # under SEGMENTED a later segment's start is its predecessor's end, which that one writes
-            skip = (c == c0) & (j > 0) if SEGMENTED else False
-            for i in gl.static_range(NUM_CKPT):  # prefix-cache checkpoint: the state after c*C tokens
-                store_checkpoint(ckpt_offsets, ckpt_states, n, i, stride_ckpt_n, stride_ckpt_j, c * C, skip,
-                                 eos - bos, S, state_offsets, H, V, K, False)
-        async_copy.wait_group(STAGES - 3)  # chunks c and c + 1 landed (this thread's copies)
-        cta_barrier()  # everyone's copies and halves visible; every warp past chunk c - 1's products
-        if INVERT:  # every warp split chunk c's T·β (the step before): its slot is free
-            mbarrier.arrive(free.index((c - c0) % RING))
-        Y = warpgroup_mma(S_op, kd_s.index(stage).permute((1, 0)), zero_C, use_acc=False, is_async=True)
-        v_T = v_s.index(stage).permute((1, 0)).load(ACC_C).to(gl.float32)
-        Y = warpgroup_mma_wait(0, deps=[Y])
-        Y_op = gl.convert_layout((v_T - Y).to(gl.bfloat16), OP_C, assert_trivial=True)
-        v_new = warpgroup_mma(Y_op, lo_s.index(half).permute((1, 0)), zero_C, use_acc=False, is_async=True)
-        v_new = warpgroup_mma(Y_op, hi_s.index(half).permute((1, 0)), v_new, is_async=True)
-        # the decay's multiplies here, while v_new's products run: above Y's issue they split Y's products (SASS)
-        S_decayed = S * decay_s.index(stage).load(gl.SliceLayout(0, ACC_K))[None, :]
-        v_new = warpgroup_mma_wait(0, deps=[v_new])
-        v_op = v_new.to(gl.bfloat16)
-        S = warpgroup_mma(gl.convert_layout(v_op, OP_K, assert_trivial=True), kg_s.index(stage), S_decayed,
-                          is_async=True)
-        if OUTPUTS:
-            o = warpgroup_mma(S_op, qg_s.index(stage).permute((1, 0)), zero_C, use_acc=False, is_async=True)
-            o = warpgroup_mma(gl.convert_layout(v_op, OP_C, assert_trivial=True), A_s.index(stage).permute((1, 0)),
-                              o, is_async=True)
-        if INVERT:  # the next chunk's, beside the products, once its worker has it (none past the last)
-            next_slot = (c + 1 - c0) % RING
-            mbarrier.wait(ready.index(next_slot), ((c + 1 - c0) // RING) & 1, pred=c + 1 < c_end)
-        else:
-            next_slot = next_stage
-        split_t(T_s, next_slot, lo_s, hi_s, 1 - half, ROWS_T)
-        if OUTPUTS:
-            if c > c0:  # the previous chunk's output, which the barrier above published
-                store_output(o_s, 1 - half, out_h, bos, c - 1, eos, stride_out, vs, BV, C, ROWS_V)
-            S = warpgroup_mma_wait(2, deps=[S])  # the state's product only
-        else:
-            S = warpgroup_mma_wait(0, deps=[S])
-        S_op = gl.convert_layout(S.to(gl.bfloat16), OP_C, assert_trivial=True)
-        if OUTPUTS:
-            o = warpgroup_mma_wait(0, deps=[o])
-            o_s.index(half).permute((1, 0)).store(o.to(o_s.dtype))
-        copy_chunk(c + STAGES - 1, c_end, bos, eos, slot0, refill, kd_ws, qg_ws, kg_ws, A_ws, T_ws, v_h, decay_h,
-                   stride_v, kd_s, qg_s, kg_s, A_s, T_s, v_s, decay_s, H, K, V, BV, C, vs, ROWS_K, ROWS_C, ROWS_T,
-                   ROWS_V, VECTOR, OUTPUTS, not INVERT)
-    async_copy.wait_group(0)  # no copy outlives the program
-    if OUTPUTS:
-        if c_end > c0:  # the last chunk's output
-            cta_barrier()
-            store_output(o_s, (c_end - 1 - c0) % 2, out_h, bos, c_end - 1, eos, stride_out, vs, BV, C, ROWS_V)
-    return (S,)  # a tuple, as a warp_specialize's default partition returns its results
-
-
-@gluon.jit
 def warpgroup_walk(
     ws_bf16, ws_fp32, qg_at, kg_at, A_at, scratch_at, transitions_at, entries_at, order_at, out, initial_state,
     final_state, cu_seqlens, errors, ckpt_offsets, ckpt_states, stride_out, seq_len, num_seqs, stride_ckpt_n,
-    stride_ckpt_j, v, stride_v, segment_chunks, beta, stride_beta_tok, stride_beta_head,
+    stride_ckpt_j, v, stride_v, segment_chunks,
     H: gl.constexpr, K: gl.constexpr, V: gl.constexpr, BV: gl.constexpr, C: gl.constexpr,
     IS_VARLEN: gl.constexpr, HAS_INITIAL: gl.constexpr, HAS_FINAL: gl.constexpr, NUM_CKPT: gl.constexpr,
     SEGMENTED: gl.constexpr, TRANSITION: gl.constexpr, OPEN_ENTRY: gl.constexpr, LONGEST_FIRST: gl.constexpr,
-    STAGES: gl.constexpr, INVERT: gl.constexpr, BETA_SIGMOID: gl.constexpr, EQUAL_ROWS: gl.constexpr,
-    RING: gl.constexpr, WORKERS: gl.constexpr, WORKER_REGISTERS: gl.constexpr,
+    STAGES: gl.constexpr,
 ):
     """:func:`fastkda.ops.prefill.recurrence.walk_chunks` (its arguments, the state held transposed) on a
-    warpgroup per 64 columns, with a ring of ``STAGES`` chunks (module docstring). ``INVERT`` (the plan's
-    ``inverse_in_recurrence``): the scratch holds the first kernel's β·L, no solve kernel ran, and a worker warp
-    forms each chunk's T·β beside the steps (:func:`invert_chunks`, from ``beta``: ``RING`` chunks between them,
-    ``WORKER_REGISTERS`` registers a thread of it); under ``EQUAL_ROWS`` the
-    first program of each row counts its sequence in ``errors`` if its ``cu_seqlens`` entries are not the row's,
-    as the solve kernel does."""
+    warpgroup per 64 columns, with a ring of ``STAGES`` chunks (module docstring)."""
     W: gl.constexpr = BV // 16  # a warp per 16 rows of the products: a warpgroup per 64 columns
     gl.static_assert((BV == 64) | (BV == 128))
     gl.static_assert(C == 32)
     gl.static_assert(STAGES >= 4)
     gl.static_assert(gl.num_warps() == W)
-    gl.static_assert(not (INVERT and (SEGMENTED or TRANSITION)))
     OUTPUTS: gl.constexpr = not TRANSITION
     # products: the slice's BV columns are M; [BV, C] accumulators (Y, v_new, o) and the [BV, K] state
     ACC_C: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[W, 1], instr_shape=[16, C, 16])
@@ -358,9 +167,6 @@ def warpgroup_walk(
     n, bos, eos, in_order, slot0, num_chunks, slot, j, c0, c1, c_end, active, first_segment, own_slot = \
         program_chunks(cu_seqlens, seq_len, num_seqs, segment_chunks, vs, lanes, sequence_order(ws_fp32, order_at), V,
                        BV, C, IS_VARLEN, SEGMENTED, TRANSITION, OPEN_ENTRY, LONGEST_FIRST)
-    if EQUAL_ROWS:  # fastkda.errors: "cu_seqlens", once per sequence (the solve kernel's count, which did not run)
-        if (vs == 0) & (h == 0):
-            count_row_mismatch(cu_seqlens, errors, n, seq_len)
 
     kd_s = gl.allocate_shared_memory(gl.bfloat16, [STAGES, C, K], SHARED_K)
     kg_s = gl.allocate_shared_memory(gl.bfloat16, [STAGES, C, K], SHARED_K)
@@ -372,17 +178,7 @@ def warpgroup_walk(
         qg_s = kd_s
         A_s = kd_s
         o_s = kd_s
-    if INVERT:  # T·β from the worker warps, none copied from the scratch
-        T_s = gl.allocate_shared_memory(gl.float32, [RING, C, C], PLAIN_T)
-        ready = gl.allocate_shared_memory(gl.int64, [RING, 1], mbarrier.MBarrierLayout())
-        free = gl.allocate_shared_memory(gl.int64, [RING, 1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(RING):
-            mbarrier.init(ready.index(i), count=1)
-            mbarrier.init(free.index(i), count=1)
-    else:
-        T_s = gl.allocate_shared_memory(gl.float32, [STAGES, C, C], PLAIN_T)
-        ready = T_s  # no barriers: nothing reads these names
-        free = T_s
+    T_s = gl.allocate_shared_memory(gl.float32, [STAGES, C, C], PLAIN_T)
     v_s = gl.allocate_shared_memory(v.dtype.element_ty, [STAGES, C, BV], SHARED_V)
     decay_s = gl.allocate_shared_memory(gl.float32, [STAGES, K], PLAIN_1D)
     lo_s = gl.allocate_shared_memory(gl.bfloat16, [2, C, C], SHARED_C)
@@ -391,7 +187,7 @@ def warpgroup_walk(
     for i in gl.static_range(STAGES - 1):  # the first chunks' copies, in flight while the state loads
         copy_chunk(c0 + i, c_end, bos, eos, slot0, i, kd_ws, qg_ws, kg_ws, A_ws, T_ws, v_h, decay_h, stride_v,
                    kd_s, qg_s, kg_s, A_s, T_s, v_s, decay_s, H, K, V, BV, C, vs, ROWS_K, ROWS_C, ROWS_T, ROWS_V,
-                   VECTOR, OUTPUTS, not INVERT)
+                   VECTOR, OUTPUTS)
     # the state Sᵀ [BV, K] in the state product's accumulator layout (a transition's columns from V on are its
     # identity columns), its addresses in [N, H, V, K] and in one (slot, head)'s [V, K] rows
     sv = vs * BV + gl.arange(0, BV, layout=gl.SliceLayout(1, ACC_K))
@@ -400,32 +196,59 @@ def warpgroup_walk(
     state_offsets = ((n * H + h) * V).to(gl.int64) * K + local
     S = starting_state(ws_fp32, entries_at, initial_state, state_offsets, local, gl.zeros([BV, K], gl.float32, ACC_K),
                        sv, sk, slot, h, j, c1, num_chunks, H, V, K, HAS_INITIAL, True, SEGMENTED, TRANSITION)
-    if INVERT:
-        beta_h = beta + h * stride_beta_head
-        S = gl.warp_specialize(
-            [(walk_steps, (S, c0, c_end, j, n, h, vs, bos, eos, slot0, kd_ws, qg_ws, kg_ws, A_ws, T_ws, v_h, out_h,
-                           decay_h, stride_v, stride_out, ckpt_offsets, ckpt_states, stride_ckpt_n, stride_ckpt_j,
-                           state_offsets, kd_s, qg_s, kg_s, A_s, T_s, v_s, decay_s, lo_s, hi_s, o_s, ready, free,
-                           H, K, V, BV, C, NUM_CKPT, SEGMENTED, OUTPUTS, STAGES, INVERT, RING, ACC_C, ACC_K, OP_C,
-                           OP_K, ROWS_K, ROWS_C, ROWS_T, ROWS_V, VECTOR)),
-             (invert_chunks, (T_ws, beta_h, stride_beta_tok, bos, eos, c0, c_end, T_s, ready, free, H, C,
-                              BETA_SIGMOID, RING, 0, WORKERS)),
-             (invert_chunks, (T_ws, beta_h, stride_beta_tok, bos, eos, c0, c_end, T_s, ready, free, H, C,
-                              BETA_SIGMOID, RING, 1, WORKERS)),
-             (invert_chunks, (T_ws, beta_h, stride_beta_tok, bos, eos, c0, c_end, T_s, ready, free, H, C,
-                              BETA_SIGMOID, RING, 2, WORKERS)),
-             (invert_chunks, (T_ws, beta_h, stride_beta_tok, bos, eos, c0, c_end, T_s, ready, free, H, C,
-                              BETA_SIGMOID, RING, 3, WORKERS))],
-            [1, 1, 1, 1], [WORKER_REGISTERS, WORKER_REGISTERS, WORKER_REGISTERS, WORKER_REGISTERS])[0]
-        for i in gl.static_range(RING):  # the barriers' memory back to the allocator's other uses
-            mbarrier.invalidate(ready.index(i))
-            mbarrier.invalidate(free.index(i))
-    else:
-        S = walk_steps(S, c0, c_end, j, n, h, vs, bos, eos, slot0, kd_ws, qg_ws, kg_ws, A_ws, T_ws, v_h, out_h, decay_h,
-                       stride_v, stride_out, ckpt_offsets, ckpt_states, stride_ckpt_n, stride_ckpt_j, state_offsets,
-                       kd_s, qg_s, kg_s, A_s, T_s, v_s, decay_s, lo_s, hi_s, o_s, ready, free,
-                       H, K, V, BV, C, NUM_CKPT, SEGMENTED, OUTPUTS, STAGES, INVERT, RING, ACC_C, ACC_K, OP_C, OP_K,
-                       ROWS_K, ROWS_C, ROWS_T, ROWS_V, VECTOR)[0]
+    zero_C = gl.zeros([BV, C], gl.float32, ACC_C)
+
+    async_copy.wait_group(STAGES - 2)  # the first chunk
+    cta_barrier()
+    split_t(T_s, 0, lo_s, hi_s, 0, ROWS_T)
+    S_op = gl.convert_layout(S.to(gl.bfloat16), OP_C, assert_trivial=True)
+    next_stage = 0  # the first chunk's ring slot (ring_slots)
+    for c in range(c0, c_end):
+        stage, next_stage, refill = ring_slots(c, c0, next_stage, STAGES)
+        half = (c - c0) % 2
+        if OUTPUTS:
+            # under SEGMENTED a later segment's start is its predecessor's end, which that one writes
+            skip = (c == c0) & (j > 0) if SEGMENTED else False
+            for i in gl.static_range(NUM_CKPT):  # prefix-cache checkpoint: the state after c*C tokens
+                store_checkpoint(ckpt_offsets, ckpt_states, n, i, stride_ckpt_n, stride_ckpt_j, c * C, skip,
+                                 eos - bos, S, state_offsets, H, V, K, False)
+        async_copy.wait_group(STAGES - 3)  # chunks c and c + 1 landed (this thread's copies)
+        cta_barrier()  # everyone's copies and halves visible; every warp past chunk c - 1's products
+        Y = warpgroup_mma(S_op, kd_s.index(stage).permute((1, 0)), zero_C, use_acc=False, is_async=True)
+        v_T = v_s.index(stage).permute((1, 0)).load(ACC_C).to(gl.float32)
+        Y = warpgroup_mma_wait(0, deps=[Y])
+        Y_op = gl.convert_layout((v_T - Y).to(gl.bfloat16), OP_C, assert_trivial=True)
+        v_new = warpgroup_mma(Y_op, lo_s.index(half).permute((1, 0)), zero_C, use_acc=False, is_async=True)
+        v_new = warpgroup_mma(Y_op, hi_s.index(half).permute((1, 0)), v_new, is_async=True)
+        # the decay's multiplies here, while v_new's products run: above Y's issue they split Y's products (SASS)
+        S_decayed = S * decay_s.index(stage).load(gl.SliceLayout(0, ACC_K))[None, :]
+        v_new = warpgroup_mma_wait(0, deps=[v_new])
+        v_op = v_new.to(gl.bfloat16)
+        S = warpgroup_mma(gl.convert_layout(v_op, OP_K, assert_trivial=True), kg_s.index(stage), S_decayed,
+                          is_async=True)
+        if OUTPUTS:
+            o = warpgroup_mma(S_op, qg_s.index(stage).permute((1, 0)), zero_C, use_acc=False, is_async=True)
+            o = warpgroup_mma(gl.convert_layout(v_op, OP_C, assert_trivial=True), A_s.index(stage).permute((1, 0)),
+                              o, is_async=True)
+        split_t(T_s, next_stage, lo_s, hi_s, 1 - half, ROWS_T)  # the next chunk's, beside the products
+        if OUTPUTS:
+            if c > c0:  # the previous chunk's output, which the barrier above published
+                store_output(o_s, 1 - half, out_h, bos, c - 1, eos, stride_out, vs, BV, C, ROWS_V)
+            S = warpgroup_mma_wait(2, deps=[S])  # the state's product only
+        else:
+            S = warpgroup_mma_wait(0, deps=[S])
+        S_op = gl.convert_layout(S.to(gl.bfloat16), OP_C, assert_trivial=True)
+        if OUTPUTS:
+            o = warpgroup_mma_wait(0, deps=[o])
+            o_s.index(half).permute((1, 0)).store(o.to(out.dtype.element_ty))
+        copy_chunk(c + STAGES - 1, c_end, bos, eos, slot0, refill, kd_ws, qg_ws, kg_ws, A_ws, T_ws, v_h, decay_h,
+                   stride_v, kd_s, qg_s, kg_s, A_s, T_s, v_s, decay_s, H, K, V, BV, C, vs, ROWS_K, ROWS_C, ROWS_T,
+                   ROWS_V, VECTOR, OUTPUTS)
+    async_copy.wait_group(0)  # no copy outlives the program
+    if OUTPUTS:
+        if c_end > c0:  # the last chunk's output
+            cta_barrier()
+            store_output(o_s, (c_end - 1 - c0) % 2, out_h, bos, c_end - 1, eos, stride_out, vs, BV, C, ROWS_V)
     finish_walk(S, ws_fp32, transitions_at, final_state, ckpt_offsets, ckpt_states, errors, cu_seqlens, n, slot, h,
                 vs, bos, eos, in_order, num_chunks, c1, active, first_segment, own_slot, seq_len, num_seqs,
                 segment_chunks, stride_ckpt_n, stride_ckpt_j, state_offsets, local, lanes, H, V, K, C, IS_VARLEN,
@@ -436,19 +259,15 @@ def warpgroup_walk(
 def warpgroup_recurrence_kernel(
     ws_bf16, ws_fp32, qg_at, kg_at, A_at, scratch_at, entries_at, order_at, out, initial_state, final_state, cu_seqlens,
     errors, ckpt_offsets, ckpt_states, stride_out, seq_len, num_seqs, stride_ckpt_n, stride_ckpt_j, v, stride_v,
-    segment_chunks, beta, stride_beta_tok, stride_beta_head, H: gl.constexpr, K: gl.constexpr, V: gl.constexpr,
-    BV: gl.constexpr, C: gl.constexpr, IS_VARLEN: gl.constexpr, HAS_INITIAL: gl.constexpr, HAS_FINAL: gl.constexpr,
-    NUM_CKPT: gl.constexpr, SEGMENTED: gl.constexpr, LONGEST_FIRST: gl.constexpr, STAGES: gl.constexpr,
-    INVERT: gl.constexpr, BETA_SIGMOID: gl.constexpr, EQUAL_ROWS: gl.constexpr, RING: gl.constexpr,
-    WORKERS: gl.constexpr, WORKER_REGISTERS: gl.constexpr,
+    segment_chunks, H: gl.constexpr, K: gl.constexpr, V: gl.constexpr, BV: gl.constexpr, C: gl.constexpr,
+    IS_VARLEN: gl.constexpr, HAS_INITIAL: gl.constexpr, HAS_FINAL: gl.constexpr, NUM_CKPT: gl.constexpr,
+    SEGMENTED: gl.constexpr, LONGEST_FIRST: gl.constexpr, STAGES: gl.constexpr,
 ):
-    """:func:`fastkda.ops.prefill.recurrence.recurrence_kernel` (its arguments) on a warpgroup per 64 columns;
-    ``INVERT``: the in-chunk inverse on a worker warp, from ``beta`` (:func:`warpgroup_walk`)."""
+    """:func:`fastkda.ops.prefill.recurrence.recurrence_kernel` (its arguments) on a warpgroup per 64 columns."""
     warpgroup_walk(ws_bf16, ws_fp32, qg_at, kg_at, A_at, scratch_at, 0, entries_at, order_at, out, initial_state,
                    final_state, cu_seqlens, errors, ckpt_offsets, ckpt_states, stride_out, seq_len, num_seqs,
-                   stride_ckpt_n, stride_ckpt_j, v, stride_v, segment_chunks, beta, stride_beta_tok,
-                   stride_beta_head, H, K, V, BV, C, IS_VARLEN, HAS_INITIAL, HAS_FINAL, NUM_CKPT, SEGMENTED, False,
-                   False, LONGEST_FIRST, STAGES, INVERT, BETA_SIGMOID, EQUAL_ROWS, RING, WORKERS, WORKER_REGISTERS)
+                   stride_ckpt_n, stride_ckpt_j, v, stride_v, segment_chunks, H, K, V, BV, C, IS_VARLEN, HAS_INITIAL,
+                   HAS_FINAL, NUM_CKPT, SEGMENTED, False, False, LONGEST_FIRST, STAGES)
 
 
 @gluon.jit
@@ -460,5 +279,5 @@ def warpgroup_transition_kernel(
     """:func:`fastkda.ops.prefill.recurrence.transition_kernel` (its arguments) on a warpgroup per 64 columns."""
     warpgroup_walk(ws_bf16, ws_fp32, 0, kg_at, 0, scratch_at, transitions_at, 0, 0, ws_fp32, initial_state,
                    ws_fp32, cu_seqlens, ws_fp32, ws_fp32, ws_fp32, 0, seq_len, num_seqs, 0, 0, v, stride_v,
-                   segment_chunks, ws_fp32, 0, 0, H, K, V, BV, C, IS_VARLEN, HAS_INITIAL, False, 0, True, True,
-                   OPEN_ENTRY, False, STAGES, False, False, False, 2, 1, 24)  # no worker warp: its numbers unused
+                   segment_chunks, H, K, V, BV, C, IS_VARLEN, HAS_INITIAL, False, 0, True, True, OPEN_ENTRY, False,
+                   STAGES)
