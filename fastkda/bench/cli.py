@@ -47,7 +47,8 @@ def build_parser():
     parser.add_argument("--append", action="store_true",
                         help="keep the rows of today's results file in OUT that this run does not re-measure")
     parser.add_argument("--merge", nargs=2, metavar=("EARLIER", "LATER"),
-                        help="no timing: add EARLIER.json's rows for what LATER.json lacks, re-render LATER")
+                        help="no timing: add EARLIER.json's rows for what LATER.json lacks or measured in an older "
+                             "run, re-render LATER")
     return parser
 
 

@@ -95,14 +95,37 @@ def earlier_results(out_dir):
     return dict(rows=found.get("rows", []), kernels=found.get("kernels", []))
 
 
+def run_started(row):
+    """When the run a row came from started (the UTC time its run id begins with, :func:`run_id`), or None for a
+    row whose run id carries none."""
+    try:
+        return datetime.datetime.strptime(run_of(row).split(" ")[0], "%Y-%m-%dT%H:%M:%SZ")
+    except ValueError:
+        return None
+
+
 def merge_rows(earlier, later, fields=ROW_FIELDS):
-    """``later``'s rows, after ``earlier``'s rows for the ``fields`` values (by default (workload, implementation,
-    mode)) that ``later`` did not measure: a run of some implementations (``--impls``) keeps the others' earlier
-    rows of the same workload."""
+    """For each ``fields`` value (by default (workload, implementation, mode)) the rows of one side: ``later``'s
+    where it has any, unless every one of them comes from a run that started before one of ``earlier``'s (files
+    merged out of order, e.g. copies of one results file that two calls each appended to); ``earlier``'s where
+    ``later`` has none, so a run of some implementations (``--impls``) keeps the others' earlier rows."""
     def key(r):
         return tuple(r[f] for f in fields)
-    measured = {key(r) for r in later}
-    return [r for r in earlier if key(r) not in measured] + list(later)
+
+    def latest_starts(rows):  # {key: the latest start of its rows' runs, or None where no run id has one}
+        found = {}
+        for r in rows:
+            started, k = run_started(r), key(r)
+            if k not in found or (started is not None and (found[k] is None or started > found[k])):
+                found[k] = started
+        return found
+    earlier_starts, later_starts = latest_starts(earlier), latest_starts(later)
+
+    def earlier_kept(k):
+        if k not in later_starts or k not in earlier_starts:
+            return k not in later_starts
+        return None not in (earlier_starts[k], later_starts[k]) and earlier_starts[k] > later_starts[k]
+    return [r for r in earlier if earlier_kept(key(r))] + [r for r in later if not earlier_kept(key(r))]
 
 
 def markdown_table(rows, impls, mode, runs=None):
@@ -317,7 +340,8 @@ def write_results(rows, out_dir, errors, run, copy_gbps=None, earlier=None, kern
 
 def merge_files(earlier_path, later_path):
     """``--merge``: rewrite ``later_path`` (and its .md/.png) with ``earlier_path``'s rows for what it lacks, e.g.
-    after a run cut short by a time limit."""
+    after a run cut short by a time limit, and for what ``earlier_path`` measured in a newer run
+    (:func:`merge_rows`)."""
     earlier, later = (json.loads(Path(p).read_text()) for p in (earlier_path, later_path))
     rows = merge_rows(earlier["rows"], later["rows"])
     kernels = merge_rows(earlier.get("kernels", []), later.get("kernels", []), KERNEL_FIELDS)

@@ -109,6 +109,29 @@ def test_kernel_table_and_merge_of_kernel_rows(tmp_path):
         one_run, rows)
 
 
+def test_merge_keeps_the_newer_run_of_each_row_whichever_file_holds_it(tmp_path):
+    """Two copies of one results file that two calls appended to, merged in either order: each (workload,
+    implementation, mode) keeps the rows of its newest run, a workload's breakdown too; a row that only one file
+    has is kept."""
+    first, second, third = (f"2026-12-06T{t}Z host" for t in ("10:00:00", "10:10:00", "10:20:00"))
+
+    def kernel(ms, run, workload="w3"):
+        return dict(workload=workload, kernel="prepare", v_slices=1, ms=ms, gbps=1.0, pct_copy=10.0, tflops=2.0,
+                    pct_matmul=20.0, commit="c", run=run)
+    one = dict(meta=META, rows=[row("w1", 1.0, "c", run=first), row("w2", 2.0, "c", run=first),
+                                row("w3", 3.0, "c", run=third)], kernels=[kernel(0.3, third)])
+    two = dict(meta=META, rows=[row("w1", 1.5, "c", run=second), row("w3", 3.5, "c", run=second)],
+               kernels=[kernel(0.35, second), kernel(0.1, second, workload="w1")])
+    for earlier, later in ((one, two), (two, one)):
+        paths = tmp_path / "earlier.json", tmp_path / "later.json"
+        for path, found in zip(paths, (earlier, later)):
+            path.write_text(json.dumps(found))
+        assert main(["--merge", *map(str, paths)]) == 0
+        merged = json.loads(paths[1].read_text())
+        assert sorted((r["workload"], r["ms"]) for r in merged["rows"]) == [("w1", 1.5), ("w2", 2.0), ("w3", 3.0)]
+        assert sorted((k["workload"], k["ms"]) for k in merged["kernels"]) == [("w1", 0.1), ("w3", 0.3)]
+
+
 def test_kernel_heading_keeps_the_rates_its_rows_were_measured_against(tmp_path):
     """An --append run without the breakdown (--no-kernels: no matrix-product rate in its meta) keeps the earlier
     kernel rows, and the heading still names the rates those rows carry."""
