@@ -610,9 +610,8 @@ def choose_plan(num_seqs: int, heads: int, seq_len: int, key_dim: int, value_dim
     hint); without it the plan assumes one sequence may hold every token. ``warpgroup_mma``: the GPU runs Hopper's
     warpgroup MMA (:func:`has_warpgroup_mma`); then the segments' transitions and the recurrence of 64- or
     128-column slices run the Gluon kernels (the plan's ``warpgroup_transition`` and ``warpgroup_recurrence``:
-    where they measured faster), the
-    transitions at :data:`WARPGROUP_STAGES` stages, the recurrence at :data:`WARPGROUP_RECURRENCE_STAGES`. Raises
-    ``ValueError`` for shapes the kernels do not take."""
+    where they measured faster), the transitions at :data:`WARPGROUP_STAGES` stages, the recurrence at
+    :data:`WARPGROUP_RECURRENCE_STAGES`. Raises ``ValueError`` for shapes the kernels do not take."""
     if max_seqlen is not None:
         _check(isinstance(max_seqlen, int) and not isinstance(max_seqlen, bool) and max_seqlen >= 0,
                f"max_seqlen must be None or an integer >= 0, got {max_seqlen!r}")

@@ -127,7 +127,8 @@ def test_on_hopper_the_automatic_plan_runs_the_gluon_kernels_where_they_were_mea
     wide = dict(warpgroup_recurrence=True, recurrence_stages=4)  # 128 columns
     transitions = dict(warpgroup_transition=True, transition_stages=4)
     for facts, expected in (((4, 12, 8192), narrow), ((5, 12, 1024), narrow), ((8, 96, 1024), wide),
-                            ((1, 12, 1024), narrow), ((2, 12, 1024), narrow), ((1, 12, 65536), dict(wide, **transitions)),
+                            ((1, 12, 1024), narrow), ((2, 12, 1024), narrow),
+                            ((1, 12, 65536), dict(wide, **transitions)),
                             ((1, 24, 65536), dict(wide, **transitions))):
         triton_plan = choose_plan(*facts, 128, 128, 132)
         hopper = choose_plan(*facts, 128, 128, 132, warpgroup_mma=True)
