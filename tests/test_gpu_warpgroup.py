@@ -222,3 +222,59 @@ def test_products_one_at_a_time():
                               torch.zeros(3, dtype=torch.int32, device="cuda"), emulate=False)
             assert torch.equal(out.float(), expected_o.to(torch.bfloat16).float()), chosen.warpgroup_recurrence
             assert torch.equal(final, expected_s), chosen.warpgroup_recurrence
+
+
+def lookahead(plan):
+    """``plan`` with the look-ahead form of the Gluon recurrence (64-column slices, 4 stages)."""
+    return plan.replace(warpgroup_recurrence=True, recurrence_stages=4, lookahead_recurrence=True)
+
+
+@pytest.mark.parametrize("case", CASES, ids=range(len(CASES)))
+@pytest.mark.parametrize("states", STATES, ids=["none", "fp32", "bf16"])
+@pytest.mark.parametrize("sequence_parallel", [False, 128])
+def test_lookahead_as_accurate_as_the_one_warpgroup_step(case, states, sequence_parallel):
+    """The look-ahead's own bits (the emulation's on the CPU): as close to float64 as the one-warpgroup step, a few
+    bf16 ulps from it, the same bits run to run, the serial walk and the segments' rerun."""
+    inp = make_inputs(device="cuda", seed=14, **case)
+    plan = plan_for(inp, v_slices=2, sequence_parallel=sequence_parallel)
+    step_o, step_s, _ = run_prefill(inp, *states, plan=gluon(plan))
+    got_o, got_s, h0 = run_prefill(inp, *states, plan=lookahead(gluon(plan)))
+    again_o, again_s, _ = run_prefill(inp, *states, plan=lookahead(gluon(plan)))
+    ref_o, ref_s = kda_reference(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], A_log=inp["A_log"],
+                                 dt_bias=inp["dt_bias"], lower_bound=inp["lower_bound"], initial_state=h0,
+                                 cu_seqlens=inp["cu_seqlens"])
+    assert torch.equal(got_o, again_o) and (got_s is None or torch.equal(got_s, again_s))
+    assert rel_err(got_o, ref_o) < max(OUT_BOUND, 1.2 * rel_err(step_o, ref_o))
+    assert rel_err(got_o, step_o) < 2e-2
+    if got_s is not None:
+        assert rel_err(got_s, ref_s) < max(STATE_BOUND, 1.2 * rel_err(step_s, ref_s))
+
+
+def test_lookahead_columns_independent_of_the_slicing():
+    """V = 128 in two 64-column slices gives the first 64 columns the bits of V = 64 on those columns alone."""
+    inp = make_inputs([700, 300], heads=4, key_dim=128, device="cuda", seed=15)
+    half = dict(inp, v=inp["v"][..., :64].contiguous(), initial_state=inp["initial_state"][:, :, :64].contiguous())
+    out, final, _ = run_prefill(inp, torch.float32, torch.float32, plan=lookahead(plan_for(inp, v_slices=2)))
+    half_o, half_s, _ = run_prefill(half, torch.float32, torch.float32, plan=lookahead(plan_for(half, v_slices=1)))
+    assert torch.equal(out[..., :64], half_o) and torch.equal(final[:, :, :64], half_s)
+
+
+def test_lookahead_cuda_graph_replay_with_new_cu_seqlens():
+    """Captured once, replayed after new lengths are written: the eager call's bits on those lengths."""
+    inp = make_inputs([500, 300, 200], heads=2, key_dim=128, device="cuda", seed=16)
+    plan = lookahead(plan_for(inp, v_slices=2))
+    fresh = make_inputs([100, 700, 200], heads=2, key_dim=128, device="cuda", seed=17)
+    out = torch.full_like(inp["v"], float("nan"))
+
+    def call(x):
+        fastkda.kda_prefill(x["q"], x["k"], x["v"], x["g"], x["beta"], A_log=x["A_log"], dt_bias=x["dt_bias"],
+                            lower_bound=x["lower_bound"], initial_state=x["initial_state"],
+                            cu_seqlens=x["cu_seqlens"], out=out, plan=plan)
+
+    graph = capture_graph(lambda: call(inp))
+    for name in ("q", "k", "v", "g", "beta", "initial_state", "cu_seqlens"):
+        inp[name].copy_(fresh[name])
+    graph.replay()
+    replayed = out.clone()
+    call(fresh)
+    assert torch.equal(replayed, out)
