@@ -264,6 +264,11 @@ class PrefillPlan:
         return 1 if self.varlen else self.num_seqs
 
     @property
+    def lookahead_chain_registers(self) -> int:
+        """Registers a thread of the look-ahead's chain warpgroup (:data:`LOOKAHEAD_CHAIN_REGISTERS`)."""
+        return LOOKAHEAD_CHAIN_REGISTERS
+
+    @property
     def slice_width(self) -> int:
         """Value columns per recurrence program."""
         return self.value_dim // self.v_slices

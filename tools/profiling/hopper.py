@@ -26,8 +26,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from fastkda.bench.workloads import DIM, LOWER_BOUND, is_varlen, load_workloads  # noqa: E402
-from fastkda.plan import (LOOKAHEAD_CHAIN_REGISTERS, choose_decode_plan, choose_decode_step_plan, choose_plan,  # noqa: E402
-                          decode_step_chunk)
+from fastkda.plan import choose_decode_plan, choose_decode_step_plan, choose_plan, decode_step_chunk  # noqa: E402
 from tools.plan_changes import add_set_argument, combined  # noqa: E402
 
 BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"  # ptxas, nvdisasm
@@ -118,7 +117,7 @@ def prefill_launches(plan, checkpoints=0, l2norm=True, beta_sigmoid=True):
         found["recurrence"] = (recurrence_warpgroup.warpgroup_recurrence_kernel,
                                dict({k: v for k, v in recurrence_args.items() if k not in triton_only},
                                     STAGES=plan.recurrence_stages, LOOKAHEAD=plan.lookahead_recurrence,
-                                    CHAIN_REGISTERS=LOOKAHEAD_CHAIN_REGISTERS),
+                                    CHAIN_REGISTERS=plan.lookahead_chain_registers),
                                plan.recurrence_warps, plan.recurrence_stages, None)
     if plan.sequence_parallel:
         transition_args = dict(

@@ -29,7 +29,6 @@ as the Gluon kernels' emulation (``tests/gluon_interpreter.py``) adds them.
 import triton
 import triton.language as tl
 
-from ...plan import LOOKAHEAD_CHAIN_REGISTERS
 from ..common import bf16_operand, launch, store_as
 from ..tiles import load_lower, load_tile, load_tile_t, store_tile, store_tile_t, tile_offsets
 from .layout import (OWNER_LOOKUP_WIDTH, entry_state, first_slot, segment_exit, sequence_of_slot_with,
@@ -355,7 +354,7 @@ def launch_recurrence(plan, ws, out, initial_state, final_state, checkpoint_offs
         from .recurrence_warpgroup import warpgroup_recurrence_kernel  # Gluon: imported only where it runs
         launch(warpgroup_recurrence_kernel, plan.recurrence_grid, *args, **constexprs,
                SEGMENTED=plan.sequence_parallel, STAGES=plan.recurrence_stages, LOOKAHEAD=plan.lookahead_recurrence,
-               CHAIN_REGISTERS=LOOKAHEAD_CHAIN_REGISTERS, num_warps=plan.recurrence_warps)
+               CHAIN_REGISTERS=plan.lookahead_chain_registers, num_warps=plan.recurrence_warps)
     else:
         launch(recurrence_kernel, plan.recurrence_grid, *args, **constexprs, STATE_ROWS_V=plan.state_rows_v,
                EMULATE=emulate, SEGMENTED=plan.sequence_parallel, num_warps=plan.recurrence_warps,
