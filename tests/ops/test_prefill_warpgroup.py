@@ -158,23 +158,32 @@ def test_lookahead_checkpoints_and_segments(sequence_parallel, request):
 
 
 def test_the_emulation_catches_a_lookahead_chain_that_reads_before_ready(gluon, monkeypatch):
-    """The chain's wait for its inputs taken away: it reads X before the state's warpgroup stored it (a race the
-    emulation reports as NaN-poisoned shared memory read, or a product reading unfenced registers)."""
+    """One of the chain's waits taken away (for the third chunk, on the barrier the state's warpgroup arrives on
+    first, ``ready``): running ahead of the state's warpgroup (the emulation runs one partition until it waits),
+    it reads that chunk's ring slot before its copies land, a race the emulation reports."""
     from fastkda.ops.prefill import recurrence_warpgroup
 
-    waits = recurrence_warpgroup.mbarrier.wait
-    first = []
+    barriers = recurrence_warpgroup.mbarrier
+    arrive, wait = barriers.arrive, barriers.wait
+    first_arrived, skipped = [], []
 
-    def skip_first_ready(bar, phase, pred=True, deps=()):
-        if not first:  # the chain's first wait: its inputs are not there yet
-            first.append(bar)
+    def recording_arrive(bar, *, count=1, pred=True):
+        if not first_arrived:
+            first_arrived.append(bar.address)
+        return arrive(bar, count=count, pred=pred)
+
+    def skipping_wait(bar, phase, pred=True, deps=()):
+        if first_arrived and bar.address == first_arrived[0] and int(phase) == 1 and not skipped:
+            skipped.append(bar)
             return None
-        return waits(bar, phase, pred)
+        return wait(bar, phase, pred)
 
-    monkeypatch.setattr(recurrence_warpgroup.mbarrier, "wait", skip_first_ready)
-    inp = make_inputs([40], varlen=False, key_dim=64, value_dim=64, heads=1, seed=87)
-    out, _ = run_triton(inp, 1, **lookahead())
-    assert not torch.isfinite(out).all()
+    monkeypatch.setattr(barriers, "arrive", recording_arrive)
+    monkeypatch.setattr(barriers, "wait", skipping_wait)
+    inp = make_inputs([100], varlen=False, key_dim=64, value_dim=64, heads=1, seed=87)
+    with pytest.raises(Exception) as caught:
+        run_triton(inp, 1, **lookahead())
+    assert skipped and "a cp.async group still in flight" in repr(caught.value)
 
 
 def run_with_checkpoints(inp, plan):

@@ -28,11 +28,11 @@ columns"):
 Under the plan's ``lookahead_recurrence`` (64-column slices of the recurrence) the chain of a step is cut by
 writing the next chunk's product with the state a chunk ahead: ``Sᵀ_{c+1}·kd_{c+1}ᵀ = Sᵀ_c·D_c·kd_{c+1}ᵀ +
 v_new_c·P_c`` with ``P_c = kg_c·kd_{c+1}ᵀ``. Two warpgroups share the step (``warp_specialize``): a worker
-(:func:`lookahead_chain`) runs only what depends on the last v_new, ``Y = bf16(X_c − bf16(v_new_{c−1})·P_{c−1})``
-and ``v_new = Y·T_loᵀ + Y·T_hiᵀ`` (two small products), while the default partition (:func:`lookahead_steps`) holds
-the state: the copies, ``X_{c+1} = vᵀ_{c+1} − bf16(Sᵀ_c·D_c)·kd_{c+1}ᵀ``, ``P_c`` (``mma_v2``) and the halves of
-T·β for the worker, then the state's and the output's products once v_new is in. The first chunk's X is
-``vᵀ − bf16(Sᵀ)·kdᵀ`` and its P zero. The rounding differs from the one-warpgroup step (bf16 of ``Sᵀ_c·D_c`` and
+(:func:`lookahead_chain`) runs what depends on the last v_new, ``Y = bf16(vᵀ_c − Z_c − bf16(v_new_{c−1})·P_{c−1})``
+and ``v_new = Y·T_loᵀ + Y·T_hiᵀ`` (two small products; T·β's halves split there), while the default partition
+(:func:`lookahead_steps`) holds the state: the copies, ``Z_{c+1} = bf16(Sᵀ_c·D_c)·kd_{c+1}ᵀ`` and ``P_c``
+(``mma_v2``) for the worker, then the state's and the output's products once v_new is in. The first chunk's Z is
+``bf16(Sᵀ)·kdᵀ`` and its P zero. The rounding differs from the one-warpgroup step (bf16 of ``Sᵀ_c·D_c`` and
 of ``P_c`` in place of bf16 of ``Sᵀ_{c+1}``), so these plans have bits of their own, the same across V-slices.
 
 Gluon has no interpreter: on the CPU the Triton kernel runs the same arithmetic, and the GPU tests compare the two
@@ -202,20 +202,24 @@ def walk_steps(
 
 
 @gluon.jit
-def lookahead_chain(c0, c_end, x_s, p_s, lo_s, hi_s, vn_s, ready, taken, BV: gl.constexpr, C: gl.constexpr,
-                    ACC_C: gl.constexpr, OP_C: gl.constexpr):
-    """The worker partition of :func:`lookahead_steps` (a warpgroup): chunk c's v_new from what the default
-    partition left in buffer ``(c − c0) % 2`` (announced on ``ready``): ``X_c``, ``P_{c−1}`` and T·β's halves; v_new
+def lookahead_chain(c0, c_end, z_s, p_s, T_s, v_s, lo_s, hi_s, vn_s, ready, taken, BV: gl.constexpr, C: gl.constexpr,
+                    STAGES: gl.constexpr, ACC_C: gl.constexpr, OP_C: gl.constexpr, ROWS_T: gl.constexpr):
+    """The worker partition of :func:`lookahead_steps` (a warpgroup): chunk c's v_new, once the default partition
+    has announced (``ready``) the chunk's tiles in the ring and, in buffer ``(c − c0) % 2``, ``Z_c`` and
+    ``P_{c−1}``: ``Y = bf16(vᵀ_c − Z_c − bf16(v_new_{c−1})·P_{c−1})`` with T·β split here into its halves, and v_new
     in bf16 to ``vn_s`` for the state's and the output's products (announced on ``taken``). The chunk before the
     first has no v_new: its P is zero, and so is the product."""
     zero_C = gl.zeros([BV, C], gl.float32, ACC_C)
     v_op = zero_C.to(gl.bfloat16)
+    stage = 0  # chunk c's ring slot, (c − c0) % STAGES
     for c in range(c0, c_end):
         half = (c - c0) % 2
         mbarrier.wait(ready.index(half), ((c - c0) // 2) & 1)
         W = warpgroup_mma(gl.convert_layout(v_op, OP_C, assert_trivial=True), p_s.index(half), zero_C,
                           use_acc=False, is_async=True)
-        X = x_s.index(half).load(ACC_C)
+        split_t(T_s, stage, lo_s, hi_s, half, ROWS_T)
+        X = v_s.index(stage).permute((1, 0)).load(ACC_C).to(gl.float32) - z_s.index(half).load(ACC_C)
+        cta_barrier()  # every warp's halves stored before the products read them
         W = warpgroup_mma_wait(0, deps=[W])
         Y_op = gl.convert_layout((X - W).to(gl.bfloat16), OP_C, assert_trivial=True)
         v_new = warpgroup_mma(Y_op, lo_s.index(half).permute((1, 0)), zero_C, use_acc=False, is_async=True)
@@ -226,13 +230,14 @@ def lookahead_chain(c0, c_end, x_s, p_s, lo_s, hi_s, vn_s, ready, taken, BV: gl.
         fence_async_shared()  # the default partition's tensor cores read it
         cta_barrier()  # every warp's rows stored before the one arrival
         mbarrier.arrive(taken.index(half))
+        stage = stage + 1 - STAGES * (stage == STAGES - 1).to(gl.int32)
 
 
 @gluon.jit
 def lookahead_steps(
     S, c0, c_end, j, n, vs, bos, eos, slot0, kd_ws, qg_ws, kg_ws, A_ws, T_ws, v_h, out_h, decay_h, stride_v,
     stride_out, ckpt_offsets, ckpt_states, stride_ckpt_n, stride_ckpt_j, state_offsets,
-    kd_s, qg_s, kg_s, A_s, T_s, v_s, decay_s, lo_s, hi_s, o_s, x_s, p_s, vn_s, ready, taken,
+    kd_s, qg_s, kg_s, A_s, T_s, v_s, decay_s, o_s, z_s, p_s, vn_s, ready, taken,
     H: gl.constexpr, K: gl.constexpr, V: gl.constexpr, BV: gl.constexpr, C: gl.constexpr, NUM_CKPT: gl.constexpr,
     SEGMENTED: gl.constexpr, OUTPUTS: gl.constexpr, STAGES: gl.constexpr, ACC_C: gl.constexpr, ACC_K: gl.constexpr,
     OP_C: gl.constexpr, ROWS_K: gl.constexpr, ROWS_C: gl.constexpr, ROWS_T: gl.constexpr, ROWS_V: gl.constexpr,
@@ -240,9 +245,10 @@ def lookahead_steps(
 ):
     """The default partition of the look-ahead walk (module docstring): the chunks ``[c0, c_end)`` from the state
     ``S`` (the first ``STAGES − 1`` chunks' copies in flight), whose state after the last it returns. Each step
-    leaves the next chunk's ``X``, ``P`` of this one and the next chunk's halves for :func:`lookahead_chain`
-    (``ready``) before it waits for this chunk's v_new (``taken``), then runs the state's and the output's
-    products, stores the output and refills the ring as :func:`warpgroup_walk`'s own step does."""
+    leaves the next chunk's ``Z = bf16(Sᵀ·D)·kdᵀ`` and this one's P for :func:`lookahead_chain` and announces the
+    next chunk landed in the ring (``ready``) before it waits for this chunk's v_new (``taken``), then runs the
+    state's and the output's products, stores the output and refills the ring as :func:`walk_steps` does (chunk
+    c's slot only after the worker's next chunk: it reads T·β and v there)."""
     zero_C = gl.zeros([BV, C], gl.float32, ACC_C)
     zero_P = gl.zeros([C, C], gl.float32, MMA_P)
     async_copy.wait_group(STAGES - 2)  # the first chunk
@@ -250,11 +256,9 @@ def lookahead_steps(
     cta_barrier()
     S_op = gl.convert_layout(S.to(gl.bfloat16), OP_C, assert_trivial=True)
     Z = warpgroup_mma(S_op, kd_s.index(0).permute((1, 0)), zero_C, use_acc=False, is_async=True)
-    v_T = v_s.index(0).permute((1, 0)).load(ACC_C).to(gl.float32)
     Z = warpgroup_mma_wait(0, deps=[Z])
-    x_s.index(0).store(v_T - Z)
+    z_s.index(0).store(Z)
     p_s.index(0).store(zero_P.to(gl.bfloat16))
-    split_t(T_s, 0, lo_s, hi_s, 0, ROWS_T)
     fence_async_shared()  # P: the worker's tensor cores read it
     cta_barrier()
     mbarrier.arrive(ready.index(0), pred=c0 < c_end)
@@ -271,18 +275,16 @@ def lookahead_steps(
         async_copy.wait_group(STAGES - 3)  # chunks c and c + 1 landed (this thread's copies)
         fence_async_shared()  # chunk c + 1's copies, which the tensor cores read next
         cta_barrier()  # everyone's copies visible; every warp past chunk c - 1's products
-        # the next chunk's X and halves and this chunk's P, while the worker forms this chunk's v_new (a chunk
-        # past the last reads the zeros its empty copies left, and nothing waits for it)
+        # the next chunk's Z and this chunk's P, while the worker forms this chunk's v_new (a chunk past the last
+        # reads the zeros its empty copies left, and nothing waits for it)
         S_decayed = S * decay_s.index(stage).load(gl.SliceLayout(0, ACC_K))[None, :]
         Z = warpgroup_mma(gl.convert_layout(S_decayed.to(gl.bfloat16), OP_C, assert_trivial=True),
                           kd_s.index(next_stage).permute((1, 0)), zero_C, use_acc=False, is_async=True)
-        v_T = v_s.index(next_stage).permute((1, 0)).load(ACC_C).to(gl.float32)
         P = mma_v2(kg_s.index(stage).load(A_P), kd_s.index(next_stage).permute((1, 0)).load(B_P), zero_P)
         Z = warpgroup_mma_wait(0, deps=[Z])
-        x_s.index(1 - half).store(v_T - Z)
+        z_s.index(1 - half).store(Z)
         p_s.index(1 - half).store(P.to(gl.bfloat16))
-        split_t(T_s, next_stage, lo_s, hi_s, 1 - half, ROWS_T)
-        fence_async_shared()
+        fence_async_shared()  # P: the worker's tensor cores read it
         cta_barrier()
         mbarrier.arrive(ready.index(1 - half), pred=c + 1 < c_end)
         if OUTPUTS:
@@ -352,7 +354,7 @@ def warpgroup_walk(
     MMA_P: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[2, 2], instr_shape=[16, 8])
     A_P: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA_P, k_width=2)
     B_P: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA_P, k_width=2)
-    SHARED_X: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BV, C], gl.float32)
+    SHARED_Z: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BV, C], gl.float32)
     SHARED_N: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BV, C], gl.bfloat16)
 
     vs = gl.program_id(0)
@@ -393,7 +395,7 @@ def warpgroup_walk(
     S = starting_state(ws_fp32, entries_at, initial_state, state_offsets, local, gl.zeros([BV, K], gl.float32, ACC_K),
                        sv, sk, slot, h, j, c1, num_chunks, H, V, K, HAS_INITIAL, True, SEGMENTED, TRANSITION)
     if LOOKAHEAD:
-        x_s = gl.allocate_shared_memory(gl.float32, [2, BV, C], SHARED_X)
+        z_s = gl.allocate_shared_memory(gl.float32, [2, BV, C], SHARED_Z)
         p_s = gl.allocate_shared_memory(gl.bfloat16, [2, C, C], SHARED_C)
         vn_s = gl.allocate_shared_memory(gl.bfloat16, [2, BV, C], SHARED_N)
         ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
@@ -404,11 +406,11 @@ def warpgroup_walk(
         S = gl.warp_specialize(
             [(lookahead_steps, (S, c0, c_end, j, n, vs, bos, eos, slot0, kd_ws, qg_ws, kg_ws, A_ws, T_ws, v_h,
                                 out_h, decay_h, stride_v, stride_out, ckpt_offsets, ckpt_states, stride_ckpt_n,
-                                stride_ckpt_j, state_offsets, kd_s, qg_s, kg_s, A_s, T_s, v_s, decay_s, lo_s, hi_s,
-                                o_s, x_s, p_s, vn_s, ready, taken, H, K, V, BV, C, NUM_CKPT, SEGMENTED, OUTPUTS,
-                                STAGES, ACC_C, ACC_K, OP_C, ROWS_K, ROWS_C, ROWS_T, ROWS_V, VECTOR, MMA_P, A_P,
-                                B_P)),
-             (lookahead_chain, (c0, c_end, x_s, p_s, lo_s, hi_s, vn_s, ready, taken, BV, C, ACC_C, OP_C))],
+                                stride_ckpt_j, state_offsets, kd_s, qg_s, kg_s, A_s, T_s, v_s, decay_s, o_s, z_s,
+                                p_s, vn_s, ready, taken, H, K, V, BV, C, NUM_CKPT, SEGMENTED, OUTPUTS, STAGES, ACC_C,
+                                ACC_K, OP_C, ROWS_K, ROWS_C, ROWS_T, ROWS_V, VECTOR, MMA_P, A_P, B_P)),
+             (lookahead_chain, (c0, c_end, z_s, p_s, T_s, v_s, lo_s, hi_s, vn_s, ready, taken, BV, C, STAGES, ACC_C,
+                                OP_C, ROWS_T))],
             [W], [CHAIN_REGISTERS])[0]
         for i in gl.static_range(2):  # the barriers' memory back to the allocator's other uses
             mbarrier.invalidate(ready.index(i))
