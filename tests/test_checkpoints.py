@@ -47,7 +47,8 @@ def prefix_of(inp, lengths, n, prefix, varlen):
 
 
 CASES = [
-    dict(lengths=[200, 0, 130, 64], varlen=True, cu_dtype=torch.int32, offsets=[[128, 96], [0, 32], [64, 160], [32, 0]]),
+    dict(lengths=[200, 0, 130, 64], varlen=True, cu_dtype=torch.int32,
+         offsets=[[128, 96], [0, 32], [64, 160], [32, 0]]),
     dict(lengths=[150, 150], varlen=False, cu_dtype=torch.int64, offsets=[[64, 128], [128, 64]]),
     dict(lengths=[70, 190], varlen=True, cu_dtype=torch.int64, offsets=[64, 128]),
 ]

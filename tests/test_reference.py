@@ -33,7 +33,8 @@ def test_reference_decays_initial_state():
     zeros = torch.zeros_like(inp["k"])
     _, state = kda_reference(inp["q"], zeros, zeros, inp["g"], inp["beta"], **gate_args(inp),
                              initial_state=inp["initial_state"], cu_seqlens=inp["cu_seqlens"])
-    a = inp["lower_bound"] * torch.sigmoid(inp["A_log"].double().exp()[:, None] * (inp["g"][0].double() + inp["dt_bias"].double()))
+    a = inp["lower_bound"] * torch.sigmoid(inp["A_log"].double().exp()[:, None]
+                                           * (inp["g"][0].double() + inp["dt_bias"].double()))
     expected = inp["initial_state"][0].double() * a.sum(0).exp()[:, None, :]
     torch.testing.assert_close(state[0], expected)
 

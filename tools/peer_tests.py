@@ -3,8 +3,8 @@ rewritten to fastkda's compat module, then run by pytest; the peer's reference f
 
 fastkda is inference-only, and FLA's tests run a backward pass after each forward. Their forward parts are what is
 measured: a backward call on a tensor that does not require grad (fastkda's outputs) does nothing, and a comparison
-whose fastkda side is None and whose name is a gradient's (``dq``, ``dh0``, ...) is skipped; the peer's reference still runs its
-own backward, and every forward output is compared with the test's own tolerance.
+whose fastkda side is None and whose name is a gradient's (``dq``, ``dh0``, ...) is skipped; the peer's reference
+still runs its own backward, and every forward output is compared with the test's own tolerance.
 
     python tools/peer_tests.py fla path/to/fla/tests/ops/test_kda.py [pytest arguments]
 

@@ -154,7 +154,8 @@ def main(argv=None):
     for kind in MODEL_KINDS:
         module = modeling_module(kind)
         bound = bound_functions(module)
-        paths = ["pytorch", "fastkda"] + (["fla"] if device.type == "cuda" and binds_fla(bound["chunk_kimi_delta_attention"]) else [])
+        with_fla = device.type == "cuda" and binds_fla(bound["chunk_kimi_delta_attention"])
+        paths = ["pytorch", "fastkda"] + (["fla"] if with_fla else [])
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
         model = tiny_model(kind, dtype=dtype, device=device)
         for batch, length in cases:

@@ -7,8 +7,9 @@ of each per live request. Slots are handed out on the host
 (:meth:`KDACache.allocate`, :meth:`KDACache.release`); the kernels read them from device tensors, where a
 negative slot (:data:`NULL_SLOT`) is a padding row that reads zeros and writes nothing. Each pool has one row more
 than it hands out, :attr:`KDACache.scratch_slot`: gathers and scatters written in plain PyTorch send a padding
-row's write there, so that no live row is written twice in one call and none is written for a padding row. Prefix-cache checkpoints
-(fp32 states a prefill wrote at a chunk multiple) go back into a fresh slot with :meth:`KDACache.restore`.
+row's write there, so that no live row is written twice in one call and none is written for a padding row.
+Prefix-cache checkpoints (fp32 states a prefill wrote at a chunk multiple) go back into a fresh slot with
+:meth:`KDACache.restore`.
 """
 
 import torch

@@ -1,8 +1,8 @@
 """KDA decode on the GPU: a few tokens per sequence, states read from and written back to a pool in place.
 
-One program per (sequence, head, V-slice) (:class:`fastkda.plan.DecodePlan`) holds its ``[BV, K]`` slice of the state in fp32 registers and walks
-the sequence's tokens (spec §1, token by token). Slots: ``[N]`` (read and write one slot per sequence) or
-``[N, T]`` (the state after token t goes to ``slots[n, t]``; the initial state comes from
+One program per (sequence, head, V-slice) (:class:`fastkda.plan.DecodePlan`) holds its ``[BV, K]`` slice of the
+state in fp32 registers and walks the sequence's tokens (spec §1, token by token). Slots: ``[N]`` (read and write
+one slot per sequence) or ``[N, T]`` (the state after token t goes to ``slots[n, t]``; the initial state comes from
 ``slots[n, num_accepted_tokens[n] - 1]``, or ``slots[n, 0]``). A negative read slot marks a padding row: zero
 output, no pool access; a negative write slot skips that write. Whatever the index tensors hold, nothing outside
 the pool or the slot table is touched: a read slot at or past the pool's size, or an accepted count outside

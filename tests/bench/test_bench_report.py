@@ -105,8 +105,8 @@ def test_kernel_table_and_merge_of_kernel_rows(tmp_path):
     assert "| x | 2 | 0.600 (10%, 20%) | — | — | — | — | 0.600 | 0.700 | old | 2 |" in md
     assert "- [1] r2, commit new" in md and "- [2] r1, commit old" in md
     one_run = [kernel(k, 0.2, "new", "r2") for k in ("prepare", "solve", "recurrence")]
-    assert "| w | 2 | 0.200 (10%, 20%) | 0.200 (10%, 20%) | — | — | 0.200 (10%, 20%) | 0.600 | 0.900 | new |" in kernel_table(
-        one_run, rows)
+    expected = "| w | 2 | 0.200 (10%, 20%) | 0.200 (10%, 20%) | — | — | 0.200 (10%, 20%) | 0.600 | 0.900 | new |"
+    assert expected in kernel_table(one_run, rows)
 
 
 def test_merge_keeps_the_newer_run_of_each_row_whichever_file_holds_it(tmp_path):

@@ -19,13 +19,15 @@ for heads in (12, 96):
     slots = torch.arange(N, device="cuda", dtype=torch.int32)
     ms = time_graph(lambda: fastkda.causal_conv1d(x, w, conv_states=pool, slots=slots, cu_seqlens=cu))
     gb = 2 * T * C * 2 / 1e9
-    print(f"conv H{heads} T{T}: {ms * 1e3:.1f} us, {gb / ms * 1e3:.0f} GB/s ({gb / ms * 1e3 / copy * 100:.0f}% of copy)")
+    rate = gb / ms * 1e3
+    print(f"conv H{heads} T{T}: {ms * 1e3:.1f} us, {rate:.0f} GB/s ({rate / copy * 100:.0f}% of copy)")
     o = torch.randn(T, heads, 128, device="cuda", dtype=torch.bfloat16)
     gate = torch.randn_like(o)
     nw = torch.ones(128, device="cuda")
     ms = time_graph(lambda: fastkda.gated_rmsnorm(o, gate, nw, 1e-5))
     gb = 3 * o.numel() * 2 / 1e9
-    print(f"norm H{heads} T{T}: {ms * 1e3:.1f} us, {gb / ms * 1e3:.0f} GB/s ({gb / ms * 1e3 / copy * 100:.0f}% of copy)")
+    rate = gb / ms * 1e3
+    print(f"norm H{heads} T{T}: {ms * 1e3:.1f} us, {rate:.0f} GB/s ({rate / copy * 100:.0f}% of copy)")
     xd = torch.randn(256, C, device="cuda", dtype=torch.bfloat16)
     dpool = conv_state_pool(256, channels=C, kernel=4, dtype=torch.bfloat16, device="cuda")
     dslots = torch.arange(256, device="cuda", dtype=torch.int32)
