@@ -44,8 +44,6 @@ WARPGROUP_RECURRENCE_STAGES = {64: 5, 128: 4}  # the Gluon recurrence's ring by 
 # chunks at 64 columns"); at 128 columns no fifth fits
 WARPGROUP_SLICE_WIDTHS = (64, 128)  # the Gluon recurrence's slices: a warpgroup per 64 columns (the products' rows)
 SHARED_MEMORY_PER_PROGRAM = 232448  # bytes of shared memory one program may take on sm_90 (227 KB)
-LOOKAHEAD_CHAIN_REGISTERS = 128  # registers a thread of the look-ahead's chain warpgroup (lookahead_recurrence): its
-# few [64, 32] tiles need about half of them; the state's warpgroup takes the rest of the register file
 SOLVE_WARPS = 1  # the inverse works in 16x16 blocks: one warp holds them, and more programs per SM hide latency
 HORNER_PROGRAMS_PER_SM = 32  # (chunk, head) pairs an SM at most for Horner's rule (horner_inverse): in about one
 # wave of solve programs a program's chain of layout changes is the kernel's time, past that its tensor-core products
@@ -71,17 +69,13 @@ TRANSITION_WIDTHS = (64,)  # the sweep's winner everywhere (128 columns: 1-6% sl
 RERUN_SLICE_CHOICES = (1, 2)  # slices of the rerun the auto plan weighs (64 columns and up)
 
 
-def warpgroup_shared_bytes(width: int, key_dim: int, stages: int, chunk: int = 32, v_bytes: int = 4,
-                           lookahead: bool = False) -> int:
+def warpgroup_shared_bytes(width: int, key_dim: int, stages: int, chunk: int = 32, v_bytes: int = 4) -> int:
     """Shared memory of the Gluon recurrence (``recurrence_warpgroup.py``): ``stages`` ring slots of a chunk's kd,
     qg, kg (bf16 ``[C, K]``), M (bf16 ``[C, C]``), T·β (fp32 ``[C, C]``), v (``[C, width]`` of ``v_bytes``) and
-    decay (fp32 ``[K]``), two buffers of T·β's bf16 halves, and two of the output (``[C, width]``, v's dtype);
-    ``lookahead`` (the plan's ``lookahead_recurrence``): two buffers each of what its warpgroups exchange, X (fp32
-    ``[width, C]``), P (bf16 ``[C, C]``) and v_new (bf16 ``[width, C]``), and four mbarriers. The transitions need
-    less (no qg, M or output): this bound covers them too."""
+    decay (fp32 ``[K]``), two buffers of T·β's bf16 halves, and two of the output (``[C, width]``, v's dtype).
+    The transitions need less (no qg, M or output): this bound covers them too."""
     per_stage = (3 * chunk * key_dim + chunk * chunk) * 2 + chunk * chunk * 4 + chunk * width * v_bytes + 4 * key_dim
-    exchange = 2 * (width * chunk * 4 + chunk * chunk * 2 + width * chunk * 2) + 4 * 8 if lookahead else 0
-    return stages * per_stage + 2 * 2 * chunk * chunk * 2 + 2 * chunk * width * v_bytes + exchange
+    return stages * per_stage + 2 * 2 * chunk * chunk * 2 + 2 * chunk * width * v_bytes
 
 
 def slot_count(seq_len: int, num_seqs: int, span: int, varlen: bool) -> int:
@@ -142,9 +136,7 @@ class PrefillPlan:
     products only): the solve kernel inverts a diagonal block whose entries are at most 1 by Horner's rule in fp16
     operands (``fastkda/ops/prefill/solve.py``; other bits, as accurate or more); the automatic plan sets it where
     the call's (chunk, head) pairs are at most :data:`HORNER_PROGRAMS_PER_SM` an SM (the ``replace`` to "ieee"
-    products must clear it too). ``lookahead_recurrence`` (the Gluon recurrence of 64-column slices): each step's
-    product with the state is formed a chunk ahead, so that two warpgroups share the step and only two small
-    products follow each v_new (``recurrence_warpgroup.py``; bits of its own, the same across V-slices).
+    products must clear it too).
     ``dot_precision``: the kernels' fp32 products ("tf32" or "ieee")."""
 
     seq_len: int
@@ -179,7 +171,6 @@ class PrefillPlan:
     longest_first: bool = False
     equal_rows: bool = False
     horner_inverse: bool = False
-    lookahead_recurrence: bool = False
     dot_precision: str = "tf32"
     reason: str = dataclasses.field(default="", compare=False)
 
@@ -233,14 +224,6 @@ class PrefillPlan:
                    f"bytes of shared memory with an fp32 v; got slice_width={self.slice_width}, state_rows_v="
                    f"{self.state_rows_v}, recurrence_warps={self.recurrence_warps}, recurrence_stages="
                    f"{self.recurrence_stages}")
-        if self.lookahead_recurrence:
-            _check(self.warpgroup_recurrence and self.slice_width == 64
-                   and warpgroup_shared_bytes(64, self.key_dim, self.recurrence_stages, self.chunk, lookahead=True)
-                   <= SHARED_MEMORY_PER_PROGRAM,
-                   f"lookahead_recurrence runs on the Gluon recurrence (warpgroup_recurrence=True) of 64-column "
-                   f"slices within {SHARED_MEMORY_PER_PROGRAM} bytes of shared memory with an fp32 v; got "
-                   f"warpgroup_recurrence={self.warpgroup_recurrence}, slice_width={self.slice_width}, "
-                   f"recurrence_stages={self.recurrence_stages}")
         _check(not self.longest_first or self.varlen,
                "longest_first orders the recurrence of a varlen batch (varlen=True), got varlen=False")
         _check(not self.horner_inverse or self.dot_precision == "tf32",
@@ -262,11 +245,6 @@ class PrefillPlan:
     def batch(self) -> int:
         """Rows of the inputs: one holding every sequence (varlen), else one per sequence."""
         return 1 if self.varlen else self.num_seqs
-
-    @property
-    def lookahead_chain_registers(self) -> int:
-        """Registers a thread of the look-ahead's chain warpgroup (:data:`LOOKAHEAD_CHAIN_REGISTERS`)."""
-        return LOOKAHEAD_CHAIN_REGISTERS
 
     @property
     def slice_width(self) -> int:
@@ -385,8 +363,6 @@ class PrefillPlan:
             + ("Sᵀ (rows = V)" if self.state_rows_v else "S (rows = K)")
             + ", v_new = T·β·(v − kd·S) each step"
             + ("; the Gluon kernel, a warpgroup per 64 columns" if self.warpgroup_recurrence else "")
-            + (", each step's state product formed a chunk ahead on a second warpgroup"
-               if self.lookahead_recurrence else "")
             + ("; the longest first" if self.longest_first else ""),
             ("sequence parallelism: off" if not self.segment_chunks else
              f"sequence parallelism: segments of {self.segment_chunks} chunks ({self.segment_tokens} tokens) from "

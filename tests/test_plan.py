@@ -100,19 +100,6 @@ def test_the_warpgroup_recurrence_takes_slices_of_64_and_128_columns():
             chosen.replace(**bad)
 
 
-def test_the_lookahead_recurrence_takes_the_gluon_kernels_64_column_slices():
-    serial = plan(4, 12).replace(v_slices=2, warpgroup_recurrence=True, recurrence_stages=4)
-    assert not serial.lookahead_recurrence  # off unless asked for
-    chosen = serial.replace(lookahead_recurrence=True)
-    assert "a chunk ahead" in chosen.describe()
-    back = PrefillPlan.from_launch_numbers(chosen.launch_numbers(), chosen.dot_precision)
-    assert back == chosen and type(back.lookahead_recurrence) is bool
-    for bad in (dict(warpgroup_recurrence=False, recurrence_stages=3), dict(v_slices=1, recurrence_warps=8),
-                dict(recurrence_stages=5)):  # its buffers and a fifth ring slot do not fit beside an fp32 v
-        with pytest.raises(ValueError, match="lookahead_recurrence"):
-            chosen.replace(**bad)
-
-
 def test_the_warpgroup_transitions_take_segments_of_64_and_128_column_slices():
     segmented = plan(1, 12, sequence_parallel=1024)
     assert segmented.transition_width == 64 and not segmented.warpgroup_transition  # off unless asked for

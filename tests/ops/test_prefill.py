@@ -7,9 +7,11 @@ import pytest
 import torch
 
 from helpers import make_inputs, needs_interpreter, plan_for, rel_err, solve_lower
-from prefill_kernels import OUT_BOUND, STATE_BOUND, reference, run_open_entry, run_triton
+from prefill_kernels import reference, run_open_entry, run_triton
 
 pytestmark = needs_interpreter
+
+OUT_BOUND, STATE_BOUND = 4e-3, 3e-3  # issue 2's accuracy bar
 
 
 CASES = [

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from gluon_interpreter import interpreted_gluon
-from helpers import make_inputs, needs_interpreter, plan_for, rel_err
-from prefill_kernels import OUT_BOUND, STATE_BOUND, reference, run_open_entry, run_triton
+from helpers import make_inputs, needs_interpreter, plan_for
+from prefill_kernels import run_open_entry, run_triton
 
 pytestmark = needs_interpreter
 
@@ -97,93 +97,6 @@ def test_open_entry_same_bits_as_the_triton_kernels(request):
     emulation = request.getfixturevalue("gluon")
     got = run_open_entry(inp, entry, 2, segment_tokens=64, **warpgroup(segmented=True))
     assert all(torch.equal(a, b) for a, b in zip(got, expected)) and emulation.launches == 2
-
-
-LOOKAHEAD_CASES = [  # 64-column slices: V = 128 (two slices) or V = 64 (one)
-    dict(lengths=[100], varlen=False, key_dim=64, value_dim=128, heads=1),
-    dict(lengths=[0, 1, 31, 32, 33, 70, 0], key_dim=128, value_dim=128, heads=1),  # empty, 1-token, partial chunks
-    dict(lengths=[66, 40], varlen=False, key_dim=64, value_dim=64, gate="precomputed", heads=1, with_initial=False),
-    dict(lengths=[130], key_dim=128, value_dim=64, gate="weak", heads=1, state_dtype=torch.bfloat16),
-]
-
-
-def lookahead(**changes):
-    """The plan's changes that run the look-ahead form of the Gluon recurrence (4 stages: five do not fit beside
-    its buffers with an fp32 v)."""
-    return dict(warpgroup(), lookahead_recurrence=True, **changes)
-
-
-@pytest.mark.parametrize("case", LOOKAHEAD_CASES, ids=range(len(LOOKAHEAD_CASES)))
-def test_lookahead_as_accurate_as_the_one_warpgroup_step(case, request):
-    """The look-ahead's own bits: as close to float64 as the Triton kernel's (its rounding differs, a few bf16
-    ulps a step), within a few ulps of them, with no race in the emulation of its two warpgroups."""
-    inp = make_inputs(seed=81, **case)
-    final_dtype = case.get("state_dtype", torch.float32)
-    v_slices = case["value_dim"] // 64
-    ref_o, ref_s = reference(inp)
-    out, final = run_triton(inp, v_slices, final_dtype=final_dtype)
-    emulation = request.getfixturevalue("gluon")
-    got_o, got_s = run_triton(inp, v_slices, final_dtype=final_dtype, **lookahead())
-    assert emulation.launches == 1  # the Gluon kernel ran, not the Triton one it falls back to
-    assert rel_err(got_o, ref_o) < max(OUT_BOUND, 1.2 * rel_err(out, ref_o))
-    assert rel_err(got_s, ref_s) < max(STATE_BOUND, 1.2 * rel_err(final, ref_s))
-    assert rel_err(got_o, out) < 2e-2 and rel_err(got_s, final) < 2e-2
-    assert not torch.equal(got_o, out)  # the other rounding: these are the look-ahead's bits, not the step's
-
-
-def test_lookahead_columns_independent_of_the_slicing(request):
-    """Each column's arithmetic is its own: V = 128 in two slices gives the first 64 columns the bits of V = 64
-    on those columns alone (the bitwise promise across V-slices, for the one slice width the look-ahead takes)."""
-    inp = make_inputs([70, 45], key_dim=128, value_dim=128, heads=1, seed=83)
-    half = dict(inp, v=inp["v"][..., :64].contiguous(), initial_state=inp["initial_state"][:, :, :64].contiguous())
-    request.getfixturevalue("gluon")
-    out, final = run_triton(inp, 2, **lookahead())
-    half_o, half_s = run_triton(half, 1, **lookahead())
-    assert torch.equal(out[..., :64], half_o) and torch.equal(final[:, :, :64], half_s)
-
-
-@pytest.mark.parametrize("sequence_parallel", [False, 64])
-def test_lookahead_checkpoints_and_segments(sequence_parallel, request):
-    """Checkpoints at chunk multiples (one inside a segment) and the segments' rerun from their entry states: the
-    look-ahead's checkpoints hold the state its own walk reached (the final state's bits at a sequence's end)."""
-    inp = make_inputs([100, 130], key_dim=64, value_dim=128, gate="weak", heads=1, seed=85)
-    plan = plan_for(inp, 2, sequence_parallel=sequence_parallel)
-    expected = run_with_checkpoints(inp, plan)
-    request.getfixturevalue("gluon")
-    got = run_with_checkpoints(inp, plan.replace(**lookahead()))
-    ref_o, ref_s = reference(inp)  # the weak gate's long-lived state: the one-warpgroup step is near the bar too
-    assert rel_err(got[0], ref_o) < max(OUT_BOUND, 1.2 * rel_err(expected[0], ref_o))
-    assert rel_err(got[1], ref_s) < max(STATE_BOUND, 1.2 * rel_err(expected[1], ref_s))
-    assert rel_err(got[2], expected[2]) < 2e-2 and torch.isfinite(got[2]).all()
-
-
-def test_the_emulation_catches_a_lookahead_chain_that_reads_before_ready(gluon, monkeypatch):
-    """One of the chain's waits taken away (for the third chunk, on the barrier the state's warpgroup arrives on
-    first, ``ready``): running ahead of the state's warpgroup (the emulation runs one partition until it waits),
-    it reads that chunk's ring slot before its copies land, a race the emulation reports."""
-    from fastkda.ops.prefill import recurrence_warpgroup
-
-    barriers = recurrence_warpgroup.mbarrier
-    arrive, wait = barriers.arrive, barriers.wait
-    first_arrived, skipped = [], []
-
-    def recording_arrive(bar, *, count=1, pred=True):
-        if not first_arrived:
-            first_arrived.append(bar.address)
-        return arrive(bar, count=count, pred=pred)
-
-    def skipping_wait(bar, phase, pred=True, deps=()):
-        if first_arrived and bar.address == first_arrived[0] and int(phase) == 1 and not skipped:
-            skipped.append(bar)
-            return None
-        return wait(bar, phase, pred)
-
-    monkeypatch.setattr(barriers, "arrive", recording_arrive)
-    monkeypatch.setattr(barriers, "wait", skipping_wait)
-    inp = make_inputs([100], varlen=False, key_dim=64, value_dim=64, heads=1, seed=87)
-    with pytest.raises(Exception) as caught:
-        run_triton(inp, 1, **lookahead())
-    assert skipped and "a cp.async group still in flight" in repr(caught.value)
 
 
 def run_with_checkpoints(inp, plan):

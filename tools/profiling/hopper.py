@@ -116,8 +116,7 @@ def prefill_launches(plan, checkpoints=0, l2norm=True, beta_sigmoid=True):
 
         found["recurrence"] = (recurrence_warpgroup.warpgroup_recurrence_kernel,
                                dict({k: v for k, v in recurrence_args.items() if k not in triton_only},
-                                    STAGES=plan.recurrence_stages, LOOKAHEAD=plan.lookahead_recurrence,
-                                    CHAIN_REGISTERS=plan.lookahead_chain_registers),
+                                    STAGES=plan.recurrence_stages),
                                plan.recurrence_warps, plan.recurrence_stages, None)
     if plan.sequence_parallel:
         transition_args = dict(

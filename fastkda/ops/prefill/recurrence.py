@@ -353,8 +353,7 @@ def launch_recurrence(plan, ws, out, initial_state, final_state, checkpoint_offs
     if warpgroup_runs(plan.warpgroup_recurrence, ws, emulate):
         from .recurrence_warpgroup import warpgroup_recurrence_kernel  # Gluon: imported only where it runs
         launch(warpgroup_recurrence_kernel, plan.recurrence_grid, *args, **constexprs,
-               SEGMENTED=plan.sequence_parallel, STAGES=plan.recurrence_stages, LOOKAHEAD=plan.lookahead_recurrence,
-               CHAIN_REGISTERS=plan.lookahead_chain_registers, num_warps=plan.recurrence_warps)
+               SEGMENTED=plan.sequence_parallel, STAGES=plan.recurrence_stages, num_warps=plan.recurrence_warps)
     else:
         launch(recurrence_kernel, plan.recurrence_grid, *args, **constexprs, STATE_ROWS_V=plan.state_rows_v,
                EMULATE=emulate, SEGMENTED=plan.sequence_parallel, num_warps=plan.recurrence_warps,

@@ -25,26 +25,14 @@ columns"):
 * the copies are issued after every product of the step has completed: ptxas serialises every wgmma of a kernel
   that issues ``cp.async`` between a wgmma and its wait.
 
-Under the plan's ``lookahead_recurrence`` (64-column slices of the recurrence) the chain of a step is cut by
-writing the next chunk's product with the state a chunk ahead: ``Sᵀ_{c+1}·kd_{c+1}ᵀ = Sᵀ_c·D_c·kd_{c+1}ᵀ +
-v_new_c·P_c`` with ``P_c = kg_c·kd_{c+1}ᵀ``. Two warpgroups share the step (``warp_specialize``): a worker
-(:func:`lookahead_chain`) runs what depends on the last v_new, ``Y = bf16(vᵀ_c − Z_c − bf16(v_new_{c−1})·P_{c−1})``
-and ``v_new = Y·T_loᵀ + Y·T_hiᵀ`` (two small products; T·β's halves split there), while the default partition
-(:func:`lookahead_steps`) holds the state: the copies, ``Z_{c+1} = bf16(Sᵀ_c·D_c)·kd_{c+1}ᵀ`` and ``P_c``
-(``mma_v2``) for the worker, then the state's and the output's products once v_new is in. The first chunk's Z is
-``bf16(Sᵀ)·kdᵀ`` and its P zero. The rounding differs from the one-warpgroup step (bf16 of ``Sᵀ_c·D_c`` and
-of ``P_c`` in place of bf16 of ``Sᵀ_{c+1}``), so these plans have bits of their own, the same across V-slices.
-
 Gluon has no interpreter: on the CPU the Triton kernel runs the same arithmetic, and the GPU tests compare the two
-bit for bit (the look-ahead's own bits: against float64, across V-slices and run to run; its emulation on the
-CPU, ``tests/gluon_interpreter.py``, the same).
+bit for bit.
 """
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
-from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
-                                                              warpgroup_mma_wait)
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
 
 from ..tiles import lower_sectors, tile_offsets
 from .layout import OWNER_LOOKUP_WIDTH, sequence_order
@@ -135,18 +123,81 @@ def store_output(o_s, half, out_h, bos, c, eos, stride_out, vs, BV: gl.constexpr
 
 
 @gluon.jit
-def walk_steps(
-    S, c0, c_end, j, n, vs, bos, eos, slot0, kd_ws, qg_ws, kg_ws, A_ws, T_ws, v_h, out_h, decay_h, stride_v,
-    stride_out, ckpt_offsets, ckpt_states, stride_ckpt_n, stride_ckpt_j, state_offsets,
-    kd_s, qg_s, kg_s, A_s, T_s, v_s, decay_s, lo_s, hi_s, o_s,
-    H: gl.constexpr, K: gl.constexpr, V: gl.constexpr, BV: gl.constexpr, C: gl.constexpr, NUM_CKPT: gl.constexpr,
-    SEGMENTED: gl.constexpr, OUTPUTS: gl.constexpr, STAGES: gl.constexpr, ACC_C: gl.constexpr, ACC_K: gl.constexpr,
-    OP_C: gl.constexpr, OP_K: gl.constexpr, ROWS_K: gl.constexpr, ROWS_C: gl.constexpr, ROWS_T: gl.constexpr,
-    ROWS_V: gl.constexpr, VECTOR: gl.constexpr,
+def warpgroup_walk(
+    ws_bf16, ws_fp32, qg_at, kg_at, A_at, scratch_at, transitions_at, entries_at, order_at, out, initial_state,
+    final_state, cu_seqlens, errors, ckpt_offsets, ckpt_states, stride_out, seq_len, num_seqs, stride_ckpt_n,
+    stride_ckpt_j, v, stride_v, segment_chunks,
+    H: gl.constexpr, K: gl.constexpr, V: gl.constexpr, BV: gl.constexpr, C: gl.constexpr,
+    IS_VARLEN: gl.constexpr, HAS_INITIAL: gl.constexpr, HAS_FINAL: gl.constexpr, NUM_CKPT: gl.constexpr,
+    SEGMENTED: gl.constexpr, TRANSITION: gl.constexpr, OPEN_ENTRY: gl.constexpr, LONGEST_FIRST: gl.constexpr,
+    STAGES: gl.constexpr,
 ):
-    """The chunks ``[c0, c_end)`` from the state ``S`` (the first ``STAGES − 1`` chunks' copies in flight) on one
-    warpgroup a 64 columns, the steps of the module docstring; returns the state after the last."""
+    """:func:`fastkda.ops.prefill.recurrence.walk_chunks` (its arguments, the state held transposed) on a
+    warpgroup per 64 columns, with a ring of ``STAGES`` chunks (module docstring)."""
+    W: gl.constexpr = BV // 16  # a warp per 16 rows of the products: a warpgroup per 64 columns
+    gl.static_assert((BV == 64) | (BV == 128))
+    gl.static_assert(C == 32)
+    gl.static_assert(STAGES >= 4)
+    gl.static_assert(gl.num_warps() == W)
+    OUTPUTS: gl.constexpr = not TRANSITION
+    # products: the slice's BV columns are M; [BV, C] accumulators (Y, v_new, o) and the [BV, K] state
+    ACC_C: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[W, 1], instr_shape=[16, C, 16])
+    ACC_K: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[W, 1], instr_shape=[16, K, 16])
+    OP_C: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=ACC_C, k_width=2)
+    OP_K: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=ACC_K, k_width=2)
+    # the copies: each tile's rows across the threads, each thread's elements along a row (16 bytes but A's at
+    # 8 warps), no element held twice but the decay's below 32·W channels
+    ROWS_K: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // K, K // 8], [W, 1], [1, 0])
+    ROWS_C: gl.constexpr = gl.BlockedLayout([1, C // W], [32 // W, W], [W, 1], [1, 0])
+    ROWS_T: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [W, 1], [1, 0])
+    ROWS_V: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // BV, BV // 8], [W, 1], [1, 0])  # v and the output
+    VECTOR: gl.constexpr = gl.BlockedLayout([1], [32], [W], [0])  # the decay, 4 bytes a thread
+    SHARED_K: gl.constexpr = gl.NVMMASharedLayout.get_default_for([C, K], gl.bfloat16)
+    SHARED_C: gl.constexpr = gl.NVMMASharedLayout.get_default_for([C, C], gl.bfloat16)
+    SHARED_V: gl.constexpr = gl.NVMMASharedLayout.get_default_for([C, BV], v.dtype.element_ty)
+    SHARED_O: gl.constexpr = gl.NVMMASharedLayout.get_default_for([C, BV], out.dtype.element_ty)
+    PLAIN_T: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+    PLAIN_1D: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+
+    vs = gl.program_id(0)
+    h = gl.program_id(1)
+    kd_ws, qg_ws, kg_ws, A_ws, T_ws, v_h, out_h, decay_h = head_sections(ws_bf16, ws_fp32, qg_at, kg_at, A_at,
+                                                                          scratch_at, v, out, h, K, V, C)
+    lanes = gl.arange(0, OWNER_LOOKUP_WIDTH, layout=VECTOR)
+    n, bos, eos, in_order, slot0, num_chunks, slot, j, c0, c1, c_end, active, first_segment, own_slot = \
+        program_chunks(cu_seqlens, seq_len, num_seqs, segment_chunks, vs, lanes, sequence_order(ws_fp32, order_at), V,
+                       BV, C, IS_VARLEN, SEGMENTED, TRANSITION, OPEN_ENTRY, LONGEST_FIRST)
+
+    kd_s = gl.allocate_shared_memory(gl.bfloat16, [STAGES, C, K], SHARED_K)
+    kg_s = gl.allocate_shared_memory(gl.bfloat16, [STAGES, C, K], SHARED_K)
+    if OUTPUTS:
+        qg_s = gl.allocate_shared_memory(gl.bfloat16, [STAGES, C, K], SHARED_K)
+        A_s = gl.allocate_shared_memory(gl.bfloat16, [STAGES, C, C], SHARED_C)
+        o_s = gl.allocate_shared_memory(out.dtype.element_ty, [2, C, BV], SHARED_O)
+    else:  # a transition reads none of these: the copies skip them, nothing reads these names
+        qg_s = kd_s
+        A_s = kd_s
+        o_s = kd_s
+    T_s = gl.allocate_shared_memory(gl.float32, [STAGES, C, C], PLAIN_T)
+    v_s = gl.allocate_shared_memory(v.dtype.element_ty, [STAGES, C, BV], SHARED_V)
+    decay_s = gl.allocate_shared_memory(gl.float32, [STAGES, K], PLAIN_1D)
+    lo_s = gl.allocate_shared_memory(gl.bfloat16, [2, C, C], SHARED_C)
+    hi_s = gl.allocate_shared_memory(gl.bfloat16, [2, C, C], SHARED_C)
+
+    for i in gl.static_range(STAGES - 1):  # the first chunks' copies, in flight while the state loads
+        copy_chunk(c0 + i, c_end, bos, eos, slot0, i, kd_ws, qg_ws, kg_ws, A_ws, T_ws, v_h, decay_h, stride_v,
+                   kd_s, qg_s, kg_s, A_s, T_s, v_s, decay_s, H, K, V, BV, C, vs, ROWS_K, ROWS_C, ROWS_T, ROWS_V,
+                   VECTOR, OUTPUTS)
+    # the state Sᵀ [BV, K] in the state product's accumulator layout (a transition's columns from V on are its
+    # identity columns), its addresses in [N, H, V, K] and in one (slot, head)'s [V, K] rows
+    sv = vs * BV + gl.arange(0, BV, layout=gl.SliceLayout(1, ACC_K))
+    sk = gl.arange(0, K, layout=gl.SliceLayout(0, ACC_K))
+    local = tile_offsets(sv, sk, K, 1)  # as walk_chunks addresses the transposed state
+    state_offsets = ((n * H + h) * V).to(gl.int64) * K + local
+    S = starting_state(ws_fp32, entries_at, initial_state, state_offsets, local, gl.zeros([BV, K], gl.float32, ACC_K),
+                       sv, sk, slot, h, j, c1, num_chunks, H, V, K, HAS_INITIAL, True, SEGMENTED, TRANSITION)
     zero_C = gl.zeros([BV, C], gl.float32, ACC_C)
+
     async_copy.wait_group(STAGES - 2)  # the first chunk
     cta_barrier()
     split_t(T_s, 0, lo_s, hi_s, 0, ROWS_T)
@@ -189,7 +240,7 @@ def walk_steps(
         S_op = gl.convert_layout(S.to(gl.bfloat16), OP_C, assert_trivial=True)
         if OUTPUTS:
             o = warpgroup_mma_wait(0, deps=[o])
-            o_s.index(half).permute((1, 0)).store(o.to(o_s.dtype))
+            o_s.index(half).permute((1, 0)).store(o.to(out.dtype.element_ty))
         copy_chunk(c + STAGES - 1, c_end, bos, eos, slot0, refill, kd_ws, qg_ws, kg_ws, A_ws, T_ws, v_h, decay_h,
                    stride_v, kd_s, qg_s, kg_s, A_s, T_s, v_s, decay_s, H, K, V, BV, C, vs, ROWS_K, ROWS_C, ROWS_T,
                    ROWS_V, VECTOR, OUTPUTS)
@@ -198,228 +249,6 @@ def walk_steps(
         if c_end > c0:  # the last chunk's output
             cta_barrier()
             store_output(o_s, (c_end - 1 - c0) % 2, out_h, bos, c_end - 1, eos, stride_out, vs, BV, C, ROWS_V)
-    return S
-
-
-@gluon.jit
-def lookahead_chain(c0, c_end, z_s, p_s, T_s, v_s, lo_s, hi_s, vn_s, ready, taken, BV: gl.constexpr, C: gl.constexpr,
-                    STAGES: gl.constexpr, ACC_C: gl.constexpr, OP_C: gl.constexpr, ROWS_T: gl.constexpr):
-    """The worker partition of :func:`lookahead_steps` (a warpgroup): chunk c's v_new, once the default partition
-    has announced (``ready``) the chunk's tiles in the ring and, in buffer ``(c − c0) % 2``, ``Z_c`` and
-    ``P_{c−1}``: ``Y = bf16(vᵀ_c − Z_c − bf16(v_new_{c−1})·P_{c−1})`` with T·β split here into its halves, and v_new
-    in bf16 to ``vn_s`` for the state's and the output's products (announced on ``taken``). The chunk before the
-    first has no v_new: its P is zero, and so is the product."""
-    zero_C = gl.zeros([BV, C], gl.float32, ACC_C)
-    v_op = zero_C.to(gl.bfloat16)
-    stage = 0  # chunk c's ring slot, (c − c0) % STAGES
-    for c in range(c0, c_end):
-        half = (c - c0) % 2
-        mbarrier.wait(ready.index(half), ((c - c0) // 2) & 1)
-        W = warpgroup_mma(gl.convert_layout(v_op, OP_C, assert_trivial=True), p_s.index(half), zero_C,
-                          use_acc=False, is_async=True)
-        split_t(T_s, stage, lo_s, hi_s, half, ROWS_T)
-        X = v_s.index(stage).permute((1, 0)).load(ACC_C).to(gl.float32) - z_s.index(half).load(ACC_C)
-        cta_barrier()  # every warp's halves stored before the products read them
-        W = warpgroup_mma_wait(0, deps=[W])
-        Y_op = gl.convert_layout((X - W).to(gl.bfloat16), OP_C, assert_trivial=True)
-        v_new = warpgroup_mma(Y_op, lo_s.index(half).permute((1, 0)), zero_C, use_acc=False, is_async=True)
-        v_new = warpgroup_mma(Y_op, hi_s.index(half).permute((1, 0)), v_new, is_async=True)
-        v_new = warpgroup_mma_wait(0, deps=[v_new])
-        v_op = v_new.to(gl.bfloat16)
-        vn_s.index(half).store(v_op)
-        fence_async_shared()  # the default partition's tensor cores read it
-        cta_barrier()  # every warp's rows stored before the one arrival
-        mbarrier.arrive(taken.index(half))
-        stage = stage + 1 - STAGES * (stage == STAGES - 1).to(gl.int32)
-
-
-@gluon.jit
-def lookahead_steps(
-    S, c0, c_end, j, n, vs, bos, eos, slot0, kd_ws, qg_ws, kg_ws, A_ws, T_ws, v_h, out_h, decay_h, stride_v,
-    stride_out, ckpt_offsets, ckpt_states, stride_ckpt_n, stride_ckpt_j, state_offsets,
-    kd_s, qg_s, kg_s, A_s, T_s, v_s, decay_s, o_s, z_s, p_s, vn_s, ready, taken,
-    H: gl.constexpr, K: gl.constexpr, V: gl.constexpr, BV: gl.constexpr, C: gl.constexpr, NUM_CKPT: gl.constexpr,
-    SEGMENTED: gl.constexpr, OUTPUTS: gl.constexpr, STAGES: gl.constexpr, ACC_C: gl.constexpr, ACC_K: gl.constexpr,
-    OP_C: gl.constexpr, ROWS_K: gl.constexpr, ROWS_C: gl.constexpr, ROWS_T: gl.constexpr, ROWS_V: gl.constexpr,
-    VECTOR: gl.constexpr, MMA_P: gl.constexpr, A_P: gl.constexpr, B_P: gl.constexpr,
-):
-    """The default partition of the look-ahead walk (module docstring): the chunks ``[c0, c_end)`` from the state
-    ``S`` (the first ``STAGES − 1`` chunks' copies in flight), whose state after the last it returns. Each step
-    leaves the next chunk's ``Z = bf16(Sᵀ·D)·kdᵀ`` and this one's P for :func:`lookahead_chain` and announces the
-    next chunk landed in the ring (``ready``) before it waits for this chunk's v_new (``taken``), then runs the
-    state's and the output's products, stores the output and refills the ring as :func:`walk_steps` does (chunk
-    c's slot only after the worker's next chunk: it reads T·β and v there)."""
-    zero_C = gl.zeros([BV, C], gl.float32, ACC_C)
-    zero_P = gl.zeros([C, C], gl.float32, MMA_P)
-    async_copy.wait_group(STAGES - 2)  # the first chunk
-    fence_async_shared()  # its copies, which the tensor cores read next
-    cta_barrier()
-    S_op = gl.convert_layout(S.to(gl.bfloat16), OP_C, assert_trivial=True)
-    Z = warpgroup_mma(S_op, kd_s.index(0).permute((1, 0)), zero_C, use_acc=False, is_async=True)
-    Z = warpgroup_mma_wait(0, deps=[Z])
-    z_s.index(0).store(Z)
-    p_s.index(0).store(zero_P.to(gl.bfloat16))
-    fence_async_shared()  # P: the worker's tensor cores read it
-    cta_barrier()
-    mbarrier.arrive(ready.index(0), pred=c0 < c_end)
-    next_stage = 0  # the first chunk's ring slot (ring_slots)
-    for c in range(c0, c_end):
-        stage, next_stage, refill = ring_slots(c, c0, next_stage, STAGES)
-        half = (c - c0) % 2
-        if OUTPUTS:
-            # under SEGMENTED a later segment's start is its predecessor's end, which that one writes
-            skip = (c == c0) & (j > 0) if SEGMENTED else False
-            for i in gl.static_range(NUM_CKPT):  # prefix-cache checkpoint: the state after c*C tokens
-                store_checkpoint(ckpt_offsets, ckpt_states, n, i, stride_ckpt_n, stride_ckpt_j, c * C, skip,
-                                 eos - bos, S, state_offsets, H, V, K, False)
-        async_copy.wait_group(STAGES - 3)  # chunks c and c + 1 landed (this thread's copies)
-        fence_async_shared()  # chunk c + 1's copies, which the tensor cores read next
-        cta_barrier()  # everyone's copies visible; every warp past chunk c - 1's products
-        # the next chunk's Z and this chunk's P, while the worker forms this chunk's v_new (a chunk past the last
-        # reads the zeros its empty copies left, and nothing waits for it)
-        S_decayed = S * decay_s.index(stage).load(gl.SliceLayout(0, ACC_K))[None, :]
-        Z = warpgroup_mma(gl.convert_layout(S_decayed.to(gl.bfloat16), OP_C, assert_trivial=True),
-                          kd_s.index(next_stage).permute((1, 0)), zero_C, use_acc=False, is_async=True)
-        P = mma_v2(kg_s.index(stage).load(A_P), kd_s.index(next_stage).permute((1, 0)).load(B_P), zero_P)
-        Z = warpgroup_mma_wait(0, deps=[Z])
-        z_s.index(1 - half).store(Z)
-        p_s.index(1 - half).store(P.to(gl.bfloat16))
-        fence_async_shared()  # P: the worker's tensor cores read it
-        cta_barrier()
-        mbarrier.arrive(ready.index(1 - half), pred=c + 1 < c_end)
-        if OUTPUTS:
-            o = warpgroup_mma(S_op, qg_s.index(stage).permute((1, 0)), zero_C, use_acc=False, is_async=True)
-        mbarrier.wait(taken.index(half), ((c - c0) // 2) & 1)
-        S = warpgroup_mma(vn_s.index(half), kg_s.index(stage), S_decayed, is_async=True)
-        if OUTPUTS:
-            o = warpgroup_mma(vn_s.index(half), A_s.index(stage).permute((1, 0)), o, is_async=True)
-            if c > c0:  # the previous chunk's output, which the barrier above published
-                store_output(o_s, 1 - half, out_h, bos, c - 1, eos, stride_out, vs, BV, C, ROWS_V)
-            S, o = warpgroup_mma_wait(0, deps=[S, o])
-            o_s.index(half).permute((1, 0)).store(o.to(o_s.dtype))
-        else:
-            S = warpgroup_mma_wait(0, deps=[S])
-        S_op = gl.convert_layout(S.to(gl.bfloat16), OP_C, assert_trivial=True)
-        copy_chunk(c + STAGES - 1, c_end, bos, eos, slot0, refill, kd_ws, qg_ws, kg_ws, A_ws, T_ws, v_h, decay_h,
-                   stride_v, kd_s, qg_s, kg_s, A_s, T_s, v_s, decay_s, H, K, V, BV, C, vs, ROWS_K, ROWS_C, ROWS_T,
-                   ROWS_V, VECTOR, OUTPUTS)
-    async_copy.wait_group(0)  # no copy outlives the program
-    if OUTPUTS:
-        if c_end > c0:  # the last chunk's output
-            cta_barrier()
-            store_output(o_s, (c_end - 1 - c0) % 2, out_h, bos, c_end - 1, eos, stride_out, vs, BV, C, ROWS_V)
-    return (S,)  # a tuple, as a warp_specialize's default partition returns its results
-
-
-@gluon.jit
-def warpgroup_walk(
-    ws_bf16, ws_fp32, qg_at, kg_at, A_at, scratch_at, transitions_at, entries_at, order_at, out, initial_state,
-    final_state, cu_seqlens, errors, ckpt_offsets, ckpt_states, stride_out, seq_len, num_seqs, stride_ckpt_n,
-    stride_ckpt_j, v, stride_v, segment_chunks,
-    H: gl.constexpr, K: gl.constexpr, V: gl.constexpr, BV: gl.constexpr, C: gl.constexpr,
-    IS_VARLEN: gl.constexpr, HAS_INITIAL: gl.constexpr, HAS_FINAL: gl.constexpr, NUM_CKPT: gl.constexpr,
-    SEGMENTED: gl.constexpr, TRANSITION: gl.constexpr, OPEN_ENTRY: gl.constexpr, LONGEST_FIRST: gl.constexpr,
-    STAGES: gl.constexpr, LOOKAHEAD: gl.constexpr, CHAIN_REGISTERS: gl.constexpr,
-):
-    """:func:`fastkda.ops.prefill.recurrence.walk_chunks` (its arguments, the state held transposed) on a
-    warpgroup per 64 columns, with a ring of ``STAGES`` chunks (module docstring); under ``LOOKAHEAD`` (64
-    columns) on two warpgroups, the state's (:func:`lookahead_steps`) and the chain's (:func:`lookahead_chain`,
-    ``CHAIN_REGISTERS`` registers a thread)."""
-    W: gl.constexpr = BV // 16  # a warp per 16 rows of the products: a warpgroup per 64 columns
-    gl.static_assert((BV == 64) | (BV == 128))
-    gl.static_assert(C == 32)
-    gl.static_assert(STAGES >= 4)
-    gl.static_assert(gl.num_warps() == W)
-    gl.static_assert((not LOOKAHEAD) or (BV == 64))
-    OUTPUTS: gl.constexpr = not TRANSITION
-    # products: the slice's BV columns are M; [BV, C] accumulators (Y, v_new, o) and the [BV, K] state
-    ACC_C: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[W, 1], instr_shape=[16, C, 16])
-    ACC_K: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[W, 1], instr_shape=[16, K, 16])
-    OP_C: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=ACC_C, k_width=2)
-    OP_K: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=ACC_K, k_width=2)
-    # the copies: each tile's rows across the threads, each thread's elements along a row (16 bytes but A's at
-    # 8 warps), no element held twice but the decay's below 32·W channels
-    ROWS_K: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // K, K // 8], [W, 1], [1, 0])
-    ROWS_C: gl.constexpr = gl.BlockedLayout([1, C // W], [32 // W, W], [W, 1], [1, 0])
-    ROWS_T: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [W, 1], [1, 0])
-    ROWS_V: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // BV, BV // 8], [W, 1], [1, 0])  # v and the output
-    VECTOR: gl.constexpr = gl.BlockedLayout([1], [32], [W], [0])  # the decay, 4 bytes a thread
-    SHARED_K: gl.constexpr = gl.NVMMASharedLayout.get_default_for([C, K], gl.bfloat16)
-    SHARED_C: gl.constexpr = gl.NVMMASharedLayout.get_default_for([C, C], gl.bfloat16)
-    SHARED_V: gl.constexpr = gl.NVMMASharedLayout.get_default_for([C, BV], v.dtype.element_ty)
-    SHARED_O: gl.constexpr = gl.NVMMASharedLayout.get_default_for([C, BV], out.dtype.element_ty)
-    PLAIN_T: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
-    PLAIN_1D: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
-    # the look-ahead's P = kg_c·kd_{c+1}ᵀ ([C, C], a 16×16 block a warp) on mma_v2, and its exchanges' buffers
-    MMA_P: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[2, 2], instr_shape=[16, 8])
-    A_P: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA_P, k_width=2)
-    B_P: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA_P, k_width=2)
-    SHARED_Z: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BV, C], gl.float32)
-    SHARED_N: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BV, C], gl.bfloat16)
-
-    vs = gl.program_id(0)
-    h = gl.program_id(1)
-    kd_ws, qg_ws, kg_ws, A_ws, T_ws, v_h, out_h, decay_h = head_sections(ws_bf16, ws_fp32, qg_at, kg_at, A_at,
-                                                                          scratch_at, v, out, h, K, V, C)
-    lanes = gl.arange(0, OWNER_LOOKUP_WIDTH, layout=VECTOR)
-    n, bos, eos, in_order, slot0, num_chunks, slot, j, c0, c1, c_end, active, first_segment, own_slot = \
-        program_chunks(cu_seqlens, seq_len, num_seqs, segment_chunks, vs, lanes, sequence_order(ws_fp32, order_at), V,
-                       BV, C, IS_VARLEN, SEGMENTED, TRANSITION, OPEN_ENTRY, LONGEST_FIRST)
-
-    kd_s = gl.allocate_shared_memory(gl.bfloat16, [STAGES, C, K], SHARED_K)
-    kg_s = gl.allocate_shared_memory(gl.bfloat16, [STAGES, C, K], SHARED_K)
-    if OUTPUTS:
-        qg_s = gl.allocate_shared_memory(gl.bfloat16, [STAGES, C, K], SHARED_K)
-        A_s = gl.allocate_shared_memory(gl.bfloat16, [STAGES, C, C], SHARED_C)
-        o_s = gl.allocate_shared_memory(out.dtype.element_ty, [2, C, BV], SHARED_O)
-    else:  # a transition reads none of these: the copies skip them, nothing reads these names
-        qg_s = kd_s
-        A_s = kd_s
-        o_s = kd_s
-    T_s = gl.allocate_shared_memory(gl.float32, [STAGES, C, C], PLAIN_T)
-    v_s = gl.allocate_shared_memory(v.dtype.element_ty, [STAGES, C, BV], SHARED_V)
-    decay_s = gl.allocate_shared_memory(gl.float32, [STAGES, K], PLAIN_1D)
-    lo_s = gl.allocate_shared_memory(gl.bfloat16, [2, C, C], SHARED_C)
-    hi_s = gl.allocate_shared_memory(gl.bfloat16, [2, C, C], SHARED_C)
-
-    for i in gl.static_range(STAGES - 1):  # the first chunks' copies, in flight while the state loads
-        copy_chunk(c0 + i, c_end, bos, eos, slot0, i, kd_ws, qg_ws, kg_ws, A_ws, T_ws, v_h, decay_h, stride_v,
-                   kd_s, qg_s, kg_s, A_s, T_s, v_s, decay_s, H, K, V, BV, C, vs, ROWS_K, ROWS_C, ROWS_T, ROWS_V,
-                   VECTOR, OUTPUTS)
-    # the state Sᵀ [BV, K] in the state product's accumulator layout (a transition's columns from V on are its
-    # identity columns), its addresses in [N, H, V, K] and in one (slot, head)'s [V, K] rows
-    sv = vs * BV + gl.arange(0, BV, layout=gl.SliceLayout(1, ACC_K))
-    sk = gl.arange(0, K, layout=gl.SliceLayout(0, ACC_K))
-    local = tile_offsets(sv, sk, K, 1)  # as walk_chunks addresses the transposed state
-    state_offsets = ((n * H + h) * V).to(gl.int64) * K + local
-    S = starting_state(ws_fp32, entries_at, initial_state, state_offsets, local, gl.zeros([BV, K], gl.float32, ACC_K),
-                       sv, sk, slot, h, j, c1, num_chunks, H, V, K, HAS_INITIAL, True, SEGMENTED, TRANSITION)
-    if LOOKAHEAD:
-        z_s = gl.allocate_shared_memory(gl.float32, [2, BV, C], SHARED_Z)
-        p_s = gl.allocate_shared_memory(gl.bfloat16, [2, C, C], SHARED_C)
-        vn_s = gl.allocate_shared_memory(gl.bfloat16, [2, BV, C], SHARED_N)
-        ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        taken = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(2):
-            mbarrier.init(ready.index(i), count=1)
-            mbarrier.init(taken.index(i), count=1)
-        S = gl.warp_specialize(
-            [(lookahead_steps, (S, c0, c_end, j, n, vs, bos, eos, slot0, kd_ws, qg_ws, kg_ws, A_ws, T_ws, v_h,
-                                out_h, decay_h, stride_v, stride_out, ckpt_offsets, ckpt_states, stride_ckpt_n,
-                                stride_ckpt_j, state_offsets, kd_s, qg_s, kg_s, A_s, T_s, v_s, decay_s, o_s, z_s,
-                                p_s, vn_s, ready, taken, H, K, V, BV, C, NUM_CKPT, SEGMENTED, OUTPUTS, STAGES, ACC_C,
-                                ACC_K, OP_C, ROWS_K, ROWS_C, ROWS_T, ROWS_V, VECTOR, MMA_P, A_P, B_P)),
-             (lookahead_chain, (c0, c_end, z_s, p_s, T_s, v_s, lo_s, hi_s, vn_s, ready, taken, BV, C, STAGES, ACC_C,
-                                OP_C, ROWS_T))],
-            [W], [CHAIN_REGISTERS])[0]
-        for i in gl.static_range(2):  # the barriers' memory back to the allocator's other uses
-            mbarrier.invalidate(ready.index(i))
-            mbarrier.invalidate(taken.index(i))
-    else:
-        S = walk_steps(S, c0, c_end, j, n, vs, bos, eos, slot0, kd_ws, qg_ws, kg_ws, A_ws, T_ws, v_h, out_h, decay_h,
-                       stride_v, stride_out, ckpt_offsets, ckpt_states, stride_ckpt_n, stride_ckpt_j, state_offsets,
-                       kd_s, qg_s, kg_s, A_s, T_s, v_s, decay_s, lo_s, hi_s, o_s, H, K, V, BV, C, NUM_CKPT, SEGMENTED,
-                       OUTPUTS, STAGES, ACC_C, ACC_K, OP_C, OP_K, ROWS_K, ROWS_C, ROWS_T, ROWS_V, VECTOR)
     finish_walk(S, ws_fp32, transitions_at, final_state, ckpt_offsets, ckpt_states, errors, cu_seqlens, n, slot, h,
                 vs, bos, eos, in_order, num_chunks, c1, active, first_segment, own_slot, seq_len, num_seqs,
                 segment_chunks, stride_ckpt_n, stride_ckpt_j, state_offsets, local, lanes, H, V, K, C, IS_VARLEN,
@@ -432,15 +261,13 @@ def warpgroup_recurrence_kernel(
     errors, ckpt_offsets, ckpt_states, stride_out, seq_len, num_seqs, stride_ckpt_n, stride_ckpt_j, v, stride_v,
     segment_chunks, H: gl.constexpr, K: gl.constexpr, V: gl.constexpr, BV: gl.constexpr, C: gl.constexpr,
     IS_VARLEN: gl.constexpr, HAS_INITIAL: gl.constexpr, HAS_FINAL: gl.constexpr, NUM_CKPT: gl.constexpr,
-    SEGMENTED: gl.constexpr, LONGEST_FIRST: gl.constexpr, STAGES: gl.constexpr, LOOKAHEAD: gl.constexpr,
-    CHAIN_REGISTERS: gl.constexpr,
+    SEGMENTED: gl.constexpr, LONGEST_FIRST: gl.constexpr, STAGES: gl.constexpr,
 ):
-    """:func:`fastkda.ops.prefill.recurrence.recurrence_kernel` (its arguments) on a warpgroup per 64 columns, or
-    under ``LOOKAHEAD`` on two (module docstring)."""
+    """:func:`fastkda.ops.prefill.recurrence.recurrence_kernel` (its arguments) on a warpgroup per 64 columns."""
     warpgroup_walk(ws_bf16, ws_fp32, qg_at, kg_at, A_at, scratch_at, 0, entries_at, order_at, out, initial_state,
                    final_state, cu_seqlens, errors, ckpt_offsets, ckpt_states, stride_out, seq_len, num_seqs,
                    stride_ckpt_n, stride_ckpt_j, v, stride_v, segment_chunks, H, K, V, BV, C, IS_VARLEN, HAS_INITIAL,
-                   HAS_FINAL, NUM_CKPT, SEGMENTED, False, False, LONGEST_FIRST, STAGES, LOOKAHEAD, CHAIN_REGISTERS)
+                   HAS_FINAL, NUM_CKPT, SEGMENTED, False, False, LONGEST_FIRST, STAGES)
 
 
 @gluon.jit
@@ -453,4 +280,4 @@ def warpgroup_transition_kernel(
     warpgroup_walk(ws_bf16, ws_fp32, 0, kg_at, 0, scratch_at, transitions_at, 0, 0, ws_fp32, initial_state,
                    ws_fp32, cu_seqlens, ws_fp32, ws_fp32, ws_fp32, 0, seq_len, num_seqs, 0, 0, v, stride_v,
                    segment_chunks, H, K, V, BV, C, IS_VARLEN, HAS_INITIAL, False, 0, True, True, OPEN_ENTRY, False,
-                   STAGES, False, 0)
+                   STAGES)
