@@ -224,6 +224,9 @@ class PrefillPlan:
                    f"bytes of shared memory with an fp32 v; got slice_width={self.slice_width}, state_rows_v="
                    f"{self.state_rows_v}, recurrence_warps={self.recurrence_warps}, recurrence_stages="
                    f"{self.recurrence_stages}")
+        _check(self.seq_len != 1 or not (self.warpgroup_recurrence or self.warpgroup_transition),
+               "warpgroup_recurrence and warpgroup_transition need seq_len > 1 (Triton 3.6 fails to compile the "
+               "Gluon kernels for rows of one token); got seq_len=1")
         _check(not self.longest_first or self.varlen,
                "longest_first orders the recurrence of a varlen batch (varlen=True), got varlen=False")
         _check(not self.horner_inverse or self.dot_precision == "tf32",
@@ -687,8 +690,10 @@ def _choose_plan(num_seqs, heads, seq_len, key_dim, value_dim, sms, varlen, lowe
     # recurrence at 64 and 128 columns, serial or rerunning segments; and on an H100 since its copies from scalar
     # bases and its ring of five also where its programs fill less than half the SMs (perf-notes, "The Gluon
     # recurrence on the few-program rows": H12 N1 and N2 T1024 10% faster)
-    gluon_recurrence = warpgroup_mma and width in WARPGROUP_SLICE_WIDTHS
-    gluon_transition = warpgroup_mma and bool(segment_chunks) and transition_width in WARPGROUP_SLICE_WIDTHS
+    # (rows of one token: Triton 3.6 fails to lower the Gluon kernels specialised to seq_len = 1)
+    gluon_recurrence = warpgroup_mma and width in WARPGROUP_SLICE_WIDTHS and seq_len > 1
+    gluon_transition = (warpgroup_mma and bool(segment_chunks) and transition_width in WARPGROUP_SLICE_WIDTHS
+                        and seq_len > 1)
     if gluon_recurrence or gluon_transition:
         gluon_parts = [part for part, on in (("transitions", gluon_transition), ("recurrence", gluon_recurrence)) if on]
         reason += f"; the {' and the '.join(gluon_parts)} on Gluon warpgroup kernels (Hopper)"

@@ -100,6 +100,17 @@ def test_the_warpgroup_recurrence_takes_slices_of_64_and_128_columns():
             chosen.replace(**bad)
 
 
+def test_rows_of_one_token_keep_the_triton_recurrence():
+    """Triton 3.6 fails to lower the Gluon kernels specialised to ``seq_len == 1`` (a one-token sequence run as a
+    row): the automatic plan keeps the Triton kernel there, and a plan asking for Gluon is refused."""
+    for facts, varlen in (((1, 3, 1, 64, 128), True), ((2, 3, 1, 128, 128), False), ((1, 4, 1, 128, 128), False)):
+        one = choose_plan(*facts, 132, varlen=varlen, warpgroup_mma=True)
+        assert one.seq_len == 1 and not one.warpgroup_recurrence, facts
+        with pytest.raises(ValueError, match="seq_len > 1"):
+            one.replace(warpgroup_recurrence=True, recurrence_stages=4)
+    assert choose_plan(2, 3, 2, 128, 128, 132, varlen=False, warpgroup_mma=True).warpgroup_recurrence
+
+
 def test_the_warpgroup_transitions_take_segments_of_64_and_128_column_slices():
     segmented = plan(1, 12, sequence_parallel=1024)
     assert segmented.transition_width == 64 and not segmented.warpgroup_transition  # off unless asked for

@@ -95,6 +95,15 @@ def test_compile_stats_compiles_a_kernel_under_a_changed_plan():
     assert "warps=2 stages=3" in line and "'regs': " in line and "'spill_st': " in line
 
 
+def test_the_automatic_plan_compiles_for_rows_of_one_token():
+    """A one-token sequence runs as a row of ``seq_len = 1``, which Triton specialises as a constant: the automatic
+    plan's recurrence must compile there (the Gluon kernel's lowering fails on it; the plan keeps the Triton one)."""
+    for dims in (("--dim", "64"), ("--dim", "128")):
+        out = run_tool("compile_stats.py", "--heads", "3", "--seqs", "1", "--tokens", "1", *dims, "--kernels",
+                       "recurrence")
+        assert any(ln.startswith("[compile] recurrence") and "'regs': " in ln for ln in out.splitlines()), dims
+
+
 def test_sass_count_reads_the_decode_kernels_sass():
     out = run_tool("sass_count.py", "decode", "--heads", "2", "--decode-set", "warps=4")
     line = next(ln for ln in out.splitlines() if ln.startswith("[sass] decode:"))
