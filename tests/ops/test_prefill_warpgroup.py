@@ -194,8 +194,8 @@ def test_the_emulation_catches_an_unfenced_store(gluon, monkeypatch):
 
 
 def test_the_emulation_catches_a_write_to_memory_a_product_still_reads(gluon, monkeypatch):
-    """Products never waited for: the next chunk's halves of T·β, written into the buffer the previous step's
-    products read, are a race (as would be the copy into the previous chunk's ring slot)."""
+    """Products never waited for: the refill of the previous chunk's ring slot (in the serial recurrence, issued
+    first) or the next chunk's halves of T·β, written into memory the previous step's products read, is a race."""
     from fastkda.ops.prefill import recurrence_warpgroup
 
     monkeypatch.setattr(recurrence_warpgroup, "warpgroup_mma_wait",
@@ -203,7 +203,7 @@ def test_the_emulation_catches_a_write_to_memory_a_product_still_reads(gluon, mo
     inp = make_inputs([160], varlen=False, key_dim=64, value_dim=128, heads=1, seed=63)
     with pytest.raises(Exception) as caught:
         run_triton(inp, 2, **warpgroup())
-    assert "GluonRaceError" in repr(caught.value) and "a product in flight" in repr(caught.value)
+    assert "GluonRaceError" in repr(caught.value) and "in flight uses" in repr(caught.value)
 
 
 def test_the_emulation_rounds_bf16_to_nearest_even(gluon):

@@ -22,8 +22,12 @@ columns"):
   the next step's operand; the output is waited for after that and put into one of two shared-memory buffers,
   transposed; the next step, past its barrier, stores it from there with 16-byte stores along V while its own
   products run (the accumulator's layout would store two bytes at a time);
-* the copies are issued after every product of the step has completed: ptxas serialises every wgmma of a kernel
-  that issues ``cp.async`` between a wgmma and its wait.
+* the serial recurrence issues the refill of the ring slot the last chunk freed while the step's first product
+  (Y) runs, this chunk's v and decay read out of the ring just before it (then Gluon's shared-memory analysis
+  puts its barrier before the copies and none after them, and ptxas runs the decay's multiplies beside the
+  product too); issued after the step's last product, as the transitions and the segments' reruns still do,
+  the copies' address arithmetic runs with the tensor cores idle (docs/perf-notes.md, "The refills' copies
+  issued while the step's first product runs").
 
 Gluon has no interpreter: on the CPU the Triton kernel runs the same arithmetic, and the GPU tests compare the two
 bit for bit.
@@ -140,6 +144,10 @@ def warpgroup_walk(
     gl.static_assert(STAGES >= 4)
     gl.static_assert(gl.num_warps() == W)
     OUTPUTS: gl.constexpr = not TRANSITION
+    # the refills issued while Y's product runs (module docstring): in the serial recurrence, where it was measured;
+    # a transition's compile crashes ptxas (triton 3.6) in that order, and the segments' rerun was not measured
+    EARLY_REFILL: gl.constexpr = OUTPUTS and not SEGMENTED
+    EARLY_DECAY: gl.constexpr = EARLY_REFILL and NUM_CKPT == 0  # with checkpoints, held over Y it spills (ptxas)
     # products: the slice's BV columns are M; [BV, C] accumulators (Y, v_new, o) and the [BV, K] state
     ACC_C: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[W, 1], instr_shape=[16, C, 16])
     ACC_K: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[W, 1], instr_shape=[16, K, 16])
@@ -215,13 +223,23 @@ def warpgroup_walk(
         async_copy.wait_group(STAGES - 3)  # chunks c and c + 1 landed (this thread's copies)
         cta_barrier()  # everyone's copies and halves visible; every warp past chunk c - 1's products
         Y = warpgroup_mma(S_op, kd_s.index(stage).permute((1, 0)), zero_C, use_acc=False, is_async=True)
+        # while Y's product runs: this chunk's v (and decay) out of the ring, then the refill of the slot chunk c − 1
+        # freed (every warp is past its products: the barrier above)
         v_T = v_s.index(stage).permute((1, 0)).load(ACC_C).to(gl.float32)
+        if EARLY_DECAY:
+            decay = decay_s.index(stage).load(gl.SliceLayout(0, ACC_K))
+        if EARLY_REFILL:
+            copy_chunk(c + STAGES - 1, c_end, bos, eos, slot0, refill, kd_ws, qg_ws, kg_ws, A_ws, T_ws, v_h,
+                       decay_h, stride_v, kd_s, qg_s, kg_s, A_s, T_s, v_s, decay_s, H, K, V, BV, C, vs, ROWS_K,
+                       ROWS_C, ROWS_T, ROWS_V, VECTOR, OUTPUTS)
         Y = warpgroup_mma_wait(0, deps=[Y])
         Y_op = gl.convert_layout((v_T - Y).to(gl.bfloat16), OP_C, assert_trivial=True)
         v_new = warpgroup_mma(Y_op, lo_s.index(half).permute((1, 0)), zero_C, use_acc=False, is_async=True)
         v_new = warpgroup_mma(Y_op, hi_s.index(half).permute((1, 0)), v_new, is_async=True)
-        # the decay's multiplies here, while v_new's products run: above Y's issue they split Y's products (SASS)
-        S_decayed = S * decay_s.index(stage).load(gl.SliceLayout(0, ACC_K))[None, :]
+        if EARLY_DECAY:
+            S_decayed = S * decay[None, :]  # ptxas runs the multiplies beside Y's product
+        else:  # here, while v_new's products run
+            S_decayed = S * decay_s.index(stage).load(gl.SliceLayout(0, ACC_K))[None, :]
         v_new = warpgroup_mma_wait(0, deps=[v_new])
         v_op = v_new.to(gl.bfloat16)
         S = warpgroup_mma(gl.convert_layout(v_op, OP_K, assert_trivial=True), kg_s.index(stage), S_decayed,
@@ -241,9 +259,10 @@ def warpgroup_walk(
         if OUTPUTS:
             o = warpgroup_mma_wait(0, deps=[o])
             o_s.index(half).permute((1, 0)).store(o.to(out.dtype.element_ty))
-        copy_chunk(c + STAGES - 1, c_end, bos, eos, slot0, refill, kd_ws, qg_ws, kg_ws, A_ws, T_ws, v_h, decay_h,
-                   stride_v, kd_s, qg_s, kg_s, A_s, T_s, v_s, decay_s, H, K, V, BV, C, vs, ROWS_K, ROWS_C, ROWS_T,
-                   ROWS_V, VECTOR, OUTPUTS)
+        if not EARLY_REFILL:
+            copy_chunk(c + STAGES - 1, c_end, bos, eos, slot0, refill, kd_ws, qg_ws, kg_ws, A_ws, T_ws, v_h,
+                       decay_h, stride_v, kd_s, qg_s, kg_s, A_s, T_s, v_s, decay_s, H, K, V, BV, C, vs, ROWS_K,
+                       ROWS_C, ROWS_T, ROWS_V, VECTOR, OUTPUTS)
     async_copy.wait_group(0)  # no copy outlives the program
     if OUTPUTS:
         if c_end > c0:  # the last chunk's output
