@@ -122,8 +122,10 @@ def merge_rows(earlier, later, fields=ROW_FIELDS):
     earlier_starts, later_starts = latest_starts(earlier), latest_starts(later)
 
     def earlier_kept(k):
-        if k not in later_starts or k not in earlier_starts:
-            return k not in later_starts
+        if k not in later_starts:
+            return True
+        if k not in earlier_starts:
+            return False
         return None not in (earlier_starts[k], later_starts[k]) and earlier_starts[k] > later_starts[k]
     return [r for r in earlier if earlier_kept(key(r))] + [r for r in later if not earlier_kept(key(r))]
 
