@@ -22,12 +22,12 @@ columns"):
   the next step's operand; the output is waited for after that and put into one of two shared-memory buffers,
   transposed; the next step, past its barrier, stores it from there with 16-byte stores along V while its own
   products run (the accumulator's layout would store two bytes at a time);
-* the serial recurrence issues the refill of the ring slot the last chunk freed while the step's first product
-  (Y) runs, this chunk's v and decay read out of the ring just before it (then Gluon's shared-memory analysis
-  puts its barrier before the copies and none after them, and ptxas runs the decay's multiplies beside the
-  product too); issued after the step's last product, as the transitions and the segments' reruns still do,
-  the copies' address arithmetic runs with the tensor cores idle (docs/perf-notes.md, "The refills' copies
-  issued while the step's first product runs").
+* the serial recurrence and the segments' reruns issue the refill of the ring slot the last chunk freed while
+  the step's first product (Y) runs, this chunk's v and decay read out of the ring just before it (then Gluon's
+  shared-memory analysis puts its barrier before the copies and none after them, and ptxas runs the decay's
+  multiplies beside the product too); issued after the step's last product, as the transitions still do (ptxas
+  in triton 3.6 crashes compiling them in the early order), the copies' address arithmetic runs with the tensor
+  cores idle (docs/perf-notes.md, "The refills' copies issued while the step's first product runs").
 
 Gluon has no interpreter: on the CPU the Triton kernel runs the same arithmetic, and the GPU tests compare the two
 bit for bit.
@@ -144,9 +144,9 @@ def warpgroup_walk(
     gl.static_assert(STAGES >= 4)
     gl.static_assert(gl.num_warps() == W)
     OUTPUTS: gl.constexpr = not TRANSITION
-    # the refills issued while Y's product runs (module docstring): in the serial recurrence, where it was measured;
-    # a transition's compile crashes ptxas (triton 3.6) in that order, and the segments' rerun was not measured
-    EARLY_REFILL: gl.constexpr = OUTPUTS and not SEGMENTED
+    # the refills issued while Y's product runs (module docstring), wherever the step has outputs: a transition's
+    # compile crashes ptxas (triton 3.6) in that order
+    EARLY_REFILL: gl.constexpr = OUTPUTS
     EARLY_DECAY: gl.constexpr = EARLY_REFILL and NUM_CKPT == 0  # with checkpoints, held over Y it spills (ptxas)
     # products: the slice's BV columns are M; [BV, C] accumulators (Y, v_new, o) and the [BV, K] state
     ACC_C: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[W, 1], instr_shape=[16, C, 16])
