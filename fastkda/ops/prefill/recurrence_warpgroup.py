@@ -19,7 +19,9 @@ columns"):
 * one barrier a step publishes the chunk's tiles and the halves and frees the ring slot it refills (the compiler
   adds a second before the halves are written, while the products run: it cannot tell the two buffers apart);
 * the state's product is issued before the output's two, and the step waits for the state alone before forming
-  the next step's operand; the output is waited for after that and put into one of two shared-memory buffers,
+  the next step's operand; the output is waited for after that, within its step (ptxas waits at the loop's head
+  for any product still in flight over the back edge, so carrying it into the next step gains nothing:
+  docs/perf-notes.md, "Session 39"), and put into one of two shared-memory buffers,
   transposed; the next step, past its barrier, stores it from there with 16-byte stores along V while its own
   products run (the accumulator's layout would store two bytes at a time);
 * the serial recurrence and the segments' reruns issue the refill of the ring slot the last chunk freed while
