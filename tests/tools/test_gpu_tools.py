@@ -29,3 +29,8 @@ def test_set_rejects_what_is_not_a_launch_number(tool, capsys):
     with pytest.raises(SystemExit):
         tool.main(["--set", "prepare_wraps=8"])
     assert "no launch number 'prepare_wraps'" in capsys.readouterr().err
+
+
+def test_kernel_times_shapes_are_one_varlen_sequence():
+    assert kernel_times.shape_workload("12:288") == {"name": "H12_N1_T288", "H": 12, "lengths": [288],
+                                                    "layout": "varlen"}

@@ -1,7 +1,9 @@
 """Per-kernel GPU time of one prefill call (torch.profiler, mean of 10 calls after 3), for docs/perf-notes.md.
 
-python tools/profiling/kernel_times.py [--only NAME ...] [--v-slices 1] [--set NAME=VALUE,...] [--impl fla]
-    [--package COMMIT]
+python tools/profiling/kernel_times.py [--only NAME ...] [--shapes H:T ...] [--v-slices 1] [--set NAME=VALUE,...]
+    [--impl fla] [--package COMMIT]
+(--shapes: one sequence of T tokens at H heads each, varlen, besides the named workloads: e.g. the first kernel's
+time against its programs per SM at short lengths)
 (--impl: any implementation of the bench, peers too; fastkda's plan follows --v-slices and --set; --package: the
 package of a commit that ``tools/variants/ab_packages.py --make`` copied into ``.ab/``, under its own automatic plan)"""
 
@@ -18,6 +20,12 @@ from fastkda.bench.workloads import load_workloads, make_prefill_inputs  # noqa:
 from tools.plan_changes import add_set_argument, describe, parse_arguments  # noqa: E402
 
 
+def shape_workload(shape):
+    """The workload of ``--shapes``' ``H:T``: one varlen sequence of T tokens at H heads."""
+    heads, tokens = (int(x) for x in shape.split(":"))
+    return {"name": f"H{heads}_N1_T{tokens}", "H": heads, "lengths": [tokens], "layout": "varlen"}
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--only", nargs="*", default=["H96_B1_T8192", "H12_N1_T8192", "H12_N1_T1024",
@@ -25,12 +33,12 @@ def main(argv=None):
     parser.add_argument("--v-slices", default="auto")
     parser.add_argument("--impl", default="fastkda", choices=list(IMPLS), help="whose kernels to time")
     parser.add_argument("--package", metavar="COMMIT", help="time .ab/fastkda_COMMIT (ab_packages.py --make)")
+    parser.add_argument("--shapes", nargs="*", default=[], metavar="H:T", help="one H-head sequence of T tokens each")
     add_set_argument(parser)
     args, changes = parse_arguments(parser, argv)
     v_slices = args.v_slices if args.v_slices == "auto" else int(args.v_slices)
-    for w in load_workloads()["prefill"]:
-        if w["name"] not in args.only:
-            continue
+    named = [w for w in load_workloads()["prefill"] if w["name"] in args.only]
+    for w in named + [shape_workload(shape) for shape in args.shapes]:
         inp = make_prefill_inputs(w, "cuda")
         if args.package:
             from tools.variants.ab_packages import package_runner  # puts .ab on the import path
