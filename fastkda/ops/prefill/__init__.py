@@ -30,13 +30,20 @@ from .scan import launch_scan
 from .solve import launch_solve
 
 
-def _prepare(plan, ws, q, k, g, beta, A_log, dt_bias, lower_bound, scale, use_qk_l2norm, use_beta_sigmoid, errors,
-             emulate):
-    """The first two stages (the preparation and the inverse) into ``ws``, where there are chunks."""
+def _prepared(plan, q, k, v, g, beta, A_log, dt_bias, lower_bound, scale, use_qk_l2norm, use_beta_sigmoid,
+              cu_seqlens, errors):
+    """A new workspace with the first two stages (the preparation and the inverse) run into it where there are
+    chunks; returns it, the error counters (``errors``, or the device's :func:`fastkda.errors.counters` where there
+    are sequences) and whether the kernels run under the interpreter."""
+    ws = Workspace.allocate(plan, v, cu_seqlens)
+    emulate = interpreting()
+    if errors is None and plan.num_seqs:
+        errors = counters(q.device)
     if plan.chunk_slots:
         launch_prepare(plan, ws, q, k, g, beta, A_log, dt_bias, lower_bound, scale, use_qk_l2norm, use_beta_sigmoid,
                        emulate)
         launch_solve(plan, ws, beta, use_beta_sigmoid, errors, emulate)
+    return ws, errors, emulate
 
 
 def chunk_kda_forward(q, k, v, g, beta, *, plan, A_log, dt_bias, lower_bound, scale, initial_state, cu_seqlens,
@@ -47,12 +54,8 @@ def chunk_kda_forward(q, k, v, g, beta, *, plan, A_log, dt_bias, lower_bound, sc
     the checkpoints in place and counts malformed ``cu_seqlens`` (and, under the plan's ``equal_rows``, ones that
     disagree with its rows) in ``errors`` (default: the device's
     :func:`fastkda.errors.counters`)."""
-    ws = Workspace.allocate(plan, v, cu_seqlens)
-    emulate = interpreting()
-    if errors is None and plan.num_seqs:
-        errors = counters(q.device)
-    _prepare(plan, ws, q, k, g, beta, A_log, dt_bias, lower_bound, scale, use_qk_l2norm, use_beta_sigmoid, errors,
-             emulate)
+    ws, errors, emulate = _prepared(plan, q, k, v, g, beta, A_log, dt_bias, lower_bound, scale, use_qk_l2norm,
+                                    use_beta_sigmoid, cu_seqlens, errors)
     if plan.num_seqs:
         if plan.sequence_parallel:
             launch_transitions(plan, ws, initial_state, emulate)
@@ -67,12 +70,8 @@ def open_entry_transitions(q, k, v, g, beta, *, plan, A_log, dt_bias, lower_boun
     :func:`chunk_kda_forward` takes them, fixed-length rows) and a segmented ``plan``: writes each sequence's map
     ``exit_maps [N, H, V + K, K]`` (fp32, contiguous; rows ``[ℬᵀ; 𝒜ᵀ]``: the exit from an entry ``X [V, K]`` is
     ``X·𝒜ᵀ + ℬᵀ``) and returns the workspace :func:`open_entry_finish` takes."""
-    ws = Workspace.allocate(plan, v, None)
-    emulate = interpreting()
-    if errors is None and plan.num_seqs:
-        errors = counters(q.device)
-    _prepare(plan, ws, q, k, g, beta, A_log, dt_bias, lower_bound, scale, use_qk_l2norm, use_beta_sigmoid, errors,
-             emulate)
+    ws, errors, emulate = _prepared(plan, q, k, v, g, beta, A_log, dt_bias, lower_bound, scale, use_qk_l2norm,
+                                    use_beta_sigmoid, None, errors)
     if plan.num_seqs:
         launch_transitions(plan, ws, None, emulate, open_entry=True)
         launch_scan(plan, ws, None, errors, exit_maps=exit_maps)
