@@ -34,3 +34,13 @@ def test_set_rejects_what_is_not_a_launch_number(tool, capsys):
 def test_kernel_times_shapes_are_one_varlen_sequence():
     assert kernel_times.shape_workload("12:288") == {"name": "H12_N1_T288", "H": 12, "lengths": [288],
                                                     "layout": "varlen"}
+
+
+def test_overlap_probe_stages_resolve_on_the_cpu():
+    """The probe's halves import the prefill's stage functions only when built: build them here, so that a renamed
+    stage function fails on the CPU and not in a device call."""
+    from fastkda.bench.work import plan_for_inputs
+    from fastkda.bench.workloads import make_prefill_inputs
+
+    inp = make_prefill_inputs({"name": "tiny", "H": 2, "lengths": [64], "layout": "varlen"}, "cpu")
+    assert all(callable(half) for half in overlap_probe.stages(inp, plan_for_inputs(inp)))

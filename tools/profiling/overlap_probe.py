@@ -13,7 +13,9 @@ This times, on each workload's inputs under fastkda's own plan, CUDA-graph repla
   independent copies); an upper bound on what a producer running ahead of the recurrence could gain, as the real
   design adds the waits on the producer's flags.
 
-python tools/profiling/overlap_probe.py [--only NAME ...] [--out DIR]   ->  <date>-<gpu>-overlap-probe.json
+python tools/profiling/overlap_probe.py [--only NAME ...] [--set NAME=VALUE,...] [--out DIR]
+    ->  <date>-<gpu>-overlap-probe.json
+(``--set``: launch numbers of the plan changed for both halves, as ``kernel_times.py`` takes them)
 """
 
 import argparse
@@ -25,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository r
 from fastkda.bench.report import tool_results_file, write_tool_results  # noqa: E402
 from fastkda.bench.work import plan_for_inputs  # noqa: E402
 from fastkda.bench.workloads import LOWER_BOUND, load_workloads, make_prefill_inputs  # noqa: E402
+from tools.plan_changes import add_set_argument, describe, parse_arguments  # noqa: E402
 
 GROUP = "low_parallelism"
 
@@ -35,7 +38,7 @@ def stages(inp, plan):
     import torch
 
     from fastkda.errors import counters
-    from fastkda.ops.prefill import _prepare
+    from fastkda.ops.prefill import prepare_stages
     from fastkda.ops.prefill.layout import Workspace
     from fastkda.ops.prefill.recurrence import launch_recurrence
 
@@ -44,8 +47,8 @@ def stages(inp, plan):
     errors = counters(inp["q"].device)
 
     def prepare(ws):
-        _prepare(plan, ws, inp["q"], inp["k"], inp["g"], inp["beta"], inp["A_log"], inp["dt_bias"], LOWER_BOUND,
-                 inp["scale"], True, True, errors, False)
+        prepare_stages(plan, ws, inp["q"], inp["k"], inp["g"], inp["beta"], inp["A_log"], inp["dt_bias"], LOWER_BOUND,
+                       inp["scale"], True, True, errors, False)
 
     def recur(ws):
         launch_recurrence(plan, ws, out, inp["initial_state"], final, None, None, errors, False)
@@ -53,14 +56,16 @@ def stages(inp, plan):
     return prepare, recur, lambda: Workspace.allocate(plan, inp["v"], inp["cu_seqlens"])
 
 
-def probe(workload, side):
-    """The row of one workload (None under a sequence-parallel plan): its stages' times, serial and side by side."""
+def probe(workload, side, changes):
+    """The row of one workload (None under a sequence-parallel plan): its stages' times, serial and side by side,
+    under its plan with ``changes``."""
     import torch
 
     from fastkda.bench.timing import time_graph
 
     inp = make_prefill_inputs(workload, "cuda")
     plan = plan_for_inputs(inp)
+    plan = plan.replace(**changes) if changes else plan
     if plan.sequence_parallel:
         print(f"[overlap] {workload['name']}: a sequence-parallel plan, left out", flush=True)
         return None
@@ -81,10 +86,10 @@ def probe(workload, side):
 
     times = dict(serial=time_graph(serial), preparation=time_graph(lambda: prepare(second)),
                  recurrence=time_graph(lambda: recur(first)), side_by_side=time_graph(side_by_side))
-    print(f"[overlap] {workload['name']}: {plan.programs} recurrence programs; "
+    print(f"[overlap] {workload['name']} ({describe(changes)}): {plan.programs} recurrence programs; "
           + ", ".join(f"{name} {ms:.4f} ms" for name, ms in times.items())
           + f"; side by side / serial {times['side_by_side'] / times['serial']:.3f}", flush=True)
-    return dict(workload=workload["name"], programs=plan.programs, v_slices=plan.v_slices,
+    return dict(workload=workload["name"], programs=plan.programs, v_slices=plan.v_slices, plan=describe(changes),
                 ms={name: round(ms, 5) for name, ms in times.items()})
 
 
@@ -94,7 +99,8 @@ def main(argv=None):
     parser.add_argument("--only", nargs="*", choices=[w["name"] for w in workloads],
                         help=f"prefill workloads (default: the {GROUP} group)")
     parser.add_argument("--out", default="fastkda-results", help="folder for the results file")
-    args = parser.parse_args(argv)
+    add_set_argument(parser)
+    args, changes = parse_arguments(parser, argv)
     import torch
 
     rows = []
@@ -102,7 +108,7 @@ def main(argv=None):
     for w in workloads:
         if (args.only and w["name"] not in args.only) or (not args.only and w["group"] != GROUP):
             continue
-        row = probe(w, side)
+        row = probe(w, side, changes)
         if row:
             rows.append(row)
         torch.cuda.empty_cache()

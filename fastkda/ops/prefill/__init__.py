@@ -30,19 +30,26 @@ from .scan import launch_scan
 from .solve import launch_solve
 
 
-def _prepared(plan, q, k, v, g, beta, A_log, dt_bias, lower_bound, scale, use_qk_l2norm, use_beta_sigmoid,
-              cu_seqlens, errors):
-    """A new workspace with the first two stages (the preparation and the inverse) run into it where there are
-    chunks; returns it, the error counters (``errors``, or the device's :func:`fastkda.errors.counters` where there
-    are sequences) and whether the kernels run under the interpreter."""
-    ws = Workspace.allocate(plan, v, cu_seqlens)
-    emulate = interpreting()
-    if errors is None and plan.num_seqs:
-        errors = counters(q.device)
+def prepare_stages(plan, ws, q, k, g, beta, A_log, dt_bias, lower_bound, scale, use_qk_l2norm, use_beta_sigmoid,
+                   errors, emulate):
+    """The first two stages (the preparation and the inverse) into the workspace ``ws``, where there are chunks."""
     if plan.chunk_slots:
         launch_prepare(plan, ws, q, k, g, beta, A_log, dt_bias, lower_bound, scale, use_qk_l2norm, use_beta_sigmoid,
                        emulate)
         launch_solve(plan, ws, beta, use_beta_sigmoid, errors, emulate)
+
+
+def _prepared(plan, q, k, v, g, beta, A_log, dt_bias, lower_bound, scale, use_qk_l2norm, use_beta_sigmoid,
+              cu_seqlens, errors):
+    """A new workspace with :func:`prepare_stages` run into it; returns it, the error counters (``errors``, or the
+    device's :func:`fastkda.errors.counters` where there are sequences) and whether the kernels run under the
+    interpreter."""
+    ws = Workspace.allocate(plan, v, cu_seqlens)
+    emulate = interpreting()
+    if errors is None and plan.num_seqs:
+        errors = counters(q.device)
+    prepare_stages(plan, ws, q, k, g, beta, A_log, dt_bias, lower_bound, scale, use_qk_l2norm, use_beta_sigmoid,
+                   errors, emulate)
     return ws, errors, emulate
 
 
