@@ -324,9 +324,8 @@ def _decode_pool(tensors, kw, pool, indices, num_accepted_tokens, cu_seqlens, ou
         fail("q", "of batch size 1 when cu_seqlens is given", batch)
     tensors = _token_rows(tensors)
     total, num_seqs = batch * length, cu_seqlens.numel() - 1
-    o = torch.zeros_like(v) if out is None else out.zero_()
     if total == 0 or num_seqs < 1:
-        return o
+        return torch.zeros_like(v) if out is None else out.zero_()
     if indices.shape[0] != num_seqs:
         fail("ssm_state_indices", f"of one row per sequence ({num_seqs})", list(indices.shape))
     if not cu_seqlens.is_cuda:  # free on the CPU; on the GPU the tokens past S of a sequence stay zero
@@ -344,6 +343,8 @@ def _decode_pool(tensors, kw, pool, indices, num_accepted_tokens, cu_seqlens, ou
     decoded = _updated_in_place(pool, state_v_first, lambda states: kda_decode(
         *rows.values(), states, slots if per_token else slots[:, 0], **kw,
         num_accepted_tokens=num_accepted_tokens))
+    # `out` is written only now, after every check has passed: a refused call leaves it as it was
+    o = torch.empty_like(v) if out is None else out
     landing = torch.zeros(total + 1, *o.shape[2:], dtype=o.dtype, device=o.device)  # row `total`: padding's
     landing.index_copy_(0, torch.where(inside, token, total).reshape(-1), decoded.reshape(-1, *o.shape[2:]))
     return o.copy_(landing[:total].view(o.shape))

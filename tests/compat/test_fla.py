@@ -192,6 +192,21 @@ def test_fused_recurrent_fwd_decodes_over_a_pool(state_v_first):
     assert torch.equal(after[untouched], pool[untouched])
 
 
+@pytest.mark.parametrize("slots, what", [([5, 9, 2, 7], "slots"), ([5, 0, 2], "ssm_state_indices")])
+def test_fused_recurrent_fwd_refused_pool_call_leaves_out_and_pool_alone(slots, what):
+    """A slot past the pool, or a row count that is not the sequences', is refused before ``out`` or the pool is
+    written."""
+    inp, pool = pool_inputs(3, 1, seed=52)
+    cu = torch.tensor([0, 1, 2, 3, 3], dtype=torch.int32)
+    states = pool.clone()
+    out = torch.full_like(inp["v"], 5.0)
+    with pytest.raises(ValueError, match=what):
+        fla.fused_recurrent_kda_fwd(*(inp[x] for x in ("q", "k", "v", "g", "beta")), **lower_bound_gate(inp),
+                                    initial_state=states, cu_seqlens=cu, out=out, state_v_first=True,
+                                    ssm_state_indices=torch.tensor(slots, dtype=torch.int32))
+    assert bool((out == 5.0).all()) and torch.equal(states, pool)
+
+
 def test_fused_recurrent_fwd_speculative_decoding():
     """[N, S] slots: the state after token t goes to slot [n, t]; the initial state is read from slot
     [n, num_accepted_tokens[n] - 1]."""
