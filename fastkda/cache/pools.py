@@ -70,6 +70,8 @@ class KDACache:
 
     def allocate(self, count=1):
         """``count`` free slots as an int32 device tensor; their rows are zeroed. Raises when too few are free."""
+        if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+            raise ValueError(f"KDACache.allocate: count must be an int >= 0, got {count!r}")
         if count > len(self._free):
             raise RuntimeError(f"KDACache: {count} slot(s) requested, {len(self._free)} of {self.num_slots} free")
         taken = [self._free.pop() for _ in range(count)]
@@ -79,8 +81,17 @@ class KDACache:
         return slots
 
     def release(self, slots):
-        """Give slots back (host ints or a tensor; null slots are ignored). Releasing a free slot raises."""
-        values = [slot for slot in (slots.tolist() if isinstance(slots, torch.Tensor) else list(slots)) if slot >= 0]
+        """Give slots back (host ints, or an integer tensor of any shape, e.g. speculative decoding's ``[N, S]``;
+        null slots are ignored). Releasing a free slot, or anything but integers, raises before any slot is freed."""
+        if isinstance(slots, torch.Tensor):
+            if slots.dtype.is_floating_point or slots.dtype.is_complex or slots.dtype == torch.bool:
+                raise ValueError(f"KDACache.release: slots must be integers, got a {slots.dtype} tensor")
+            slots = slots.reshape(-1).tolist()
+        slots = list(slots)
+        for slot in slots:
+            if isinstance(slot, bool) or not isinstance(slot, int):
+                raise ValueError(f"KDACache.release: slots must be integers, got {slot!r}")
+        values = [slot for slot in slots if slot >= 0]
         free = set(self._free)
         for i, slot in enumerate(values):  # every slot checked before any is freed
             if slot >= self.num_slots or slot in free or slot in values[:i]:
@@ -103,8 +114,18 @@ class KDACache:
         """Put a prefix's states into ``slot`` (e.g. a fresh one from :meth:`allocate`): ``recurrent_states
         [layers, H, V, K]`` (a prefill's checkpoint, any float dtype) and ``conv_states [layers, C, W−1]`` (the
         W−1 inputs before the prefix's end). ``slot``: an int or a one-element tensor."""
-        slot = int(slot)
-        if not 0 <= slot < self.num_slots:
-            raise ValueError(f"KDACache.restore: slot must be in [0, {self.num_slots}), got {slot}")
+        if isinstance(slot, torch.Tensor):
+            if slot.numel() != 1 or slot.dtype.is_floating_point or slot.dtype == torch.bool:
+                raise ValueError(f"KDACache.restore: slot must be an int or a one-element integer tensor, got a "
+                                 f"{slot.dtype} tensor of shape {list(slot.shape)}")
+            slot = slot.item()
+        if isinstance(slot, bool) or not isinstance(slot, int) or not 0 <= slot < self.num_slots:
+            raise ValueError(f"KDACache.restore: slot must be an int in [0, {self.num_slots}), got {slot!r}")
+        for name, states, pool in (("recurrent_states", recurrent_states, self.recurrent),
+                                   ("conv_states", conv_states, self.conv)):
+            want = [pool.shape[0], *pool.shape[2:]]
+            if list(states.shape) != want:  # a broadcast would put one layer's states into every layer
+                raise ValueError(f"KDACache.restore: {name} must be of shape {want} (layers first), got "
+                                 f"{list(states.shape)}")
         self.recurrent[:, slot].copy_(recurrent_states)
         self.conv[:, slot].copy_(conv_states)

@@ -234,3 +234,29 @@ def test_release_checks_every_slot_before_freeing_any():
     with pytest.raises(ValueError, match="not allocated"):
         cache.release([1, 1])
     assert cache.free_slots == 2
+
+
+def test_cache_refuses_what_is_not_a_slot_before_changing_anything():
+    """Non-integer slots (a float would free slot 0 twice), a negative count, and a restore whose states are not
+    ``[layers, ...]`` (a broadcast would put one layer's states into every layer) are refused by name."""
+    cache = KDACache(2, 3, 2, 64, 384, 4)
+    taken = cache.allocate(1)
+    for bad in ([0.5], torch.tensor([0.0]), [True]):
+        with pytest.raises(ValueError, match="slots must be integers"):
+            cache.release(bad)
+    assert cache.free_slots == 1
+    cache.release(taken[None])  # any integer shape, e.g. speculative [N, S] slots
+    assert cache.free_slots == 2
+    with pytest.raises(ValueError, match="count must be an int >= 0"):
+        cache.allocate(-1)
+    slot = cache.allocate(1)
+    before = cache.recurrent.clone(), cache.conv.clone()
+    with pytest.raises(ValueError, match=r"recurrent_states must be of shape \[3, 2, 64, 64\]"):
+        cache.restore(slot, torch.ones(1, 2, 64, 64), torch.ones(3, 384, 3))
+    with pytest.raises(ValueError, match=r"conv_states must be of shape \[3, 384, 3\]"):
+        cache.restore(slot, torch.ones(3, 2, 64, 64), torch.ones(384, 3))
+    with pytest.raises(ValueError, match="slot must be an int or a one-element integer tensor"):
+        cache.restore(torch.tensor([0.0]), torch.ones(3, 2, 64, 64), torch.ones(3, 384, 3))
+    assert torch.equal(cache.recurrent, before[0]) and torch.equal(cache.conv, before[1])
+    cache.restore(slot, torch.ones(3, 2, 64, 64), torch.ones(3, 384, 3))
+    assert bool((cache.recurrent[:, int(slot)] == 1).all()) and bool((cache.conv[:, int(slot)] == 1).all())
