@@ -107,7 +107,7 @@ def _prefill_impl(
     if checks:
         if lower_bound is None:
             value_checks.precomputed_gate_values(g)
-        value_checks.finite(q=q, k=k, v=v, g=g, beta=beta, initial_state=initial_state)
+        value_checks.finite(q=q, k=k, v=v, g=g, beta=beta, initial_state=initial_state, A_log=A_log, dt_bias=dt_bias)
     gate = dict(A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound)
     checkpoints = dict(checkpoint_offsets=checkpoint_offsets, checkpoint_states=checkpoint_states)
     if q.is_cuda:
@@ -338,7 +338,7 @@ def kda_prefill_open(q, k, v, g, beta, *, A_log=None, dt_bias=None, lower_bound=
         _checked_mode_may_sync(q)
         if lower_bound is None:
             value_checks.precomputed_gate_values(g)
-        value_checks.finite(q=q, k=k, v=v, g=g, beta=beta)
+        value_checks.finite(q=q, k=k, v=v, g=g, beta=beta, A_log=A_log, dt_bias=dt_bias)
     batch, length, heads, key_dim = q.shape
     value_dim = v.shape[-1]
     exit_map = torch.zeros(batch, heads, value_dim + key_dim, key_dim, dtype=torch.float32, device=q.device)
@@ -381,7 +381,8 @@ def _decode_impl(
     :func:`_prefill_impl` takes it."""
     if take_views:
         q, k, v, g, beta = addressable_inputs(q, k, v, g, beta)
-    _check_decode_values(q, k, v, g, beta, state_pool, slots, lower_bound, num_accepted_tokens, checks)
+    _check_decode_values(q, k, v, g, beta, state_pool, slots, A_log, dt_bias, lower_bound, num_accepted_tokens,
+                         checks)
     kw = dict(A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, scale=scale,
               num_accepted_tokens=num_accepted_tokens, use_qk_l2norm=use_qk_l2norm, use_beta_sigmoid=use_beta_sigmoid)
     if q.is_cuda:
@@ -393,7 +394,8 @@ def _decode_impl(
     out.copy_(_decode_on_cpu(q, k, v, g, beta, state_pool, slots, **kw))
 
 
-def _check_decode_values(q, k, v, g, beta, state_pool, slots, lower_bound, num_accepted_tokens, checks):
+def _check_decode_values(q, k, v, g, beta, state_pool, slots, A_log, dt_bias, lower_bound, num_accepted_tokens,
+                         checks):
     """The values a decode call depends on: the slots and accepted counts always on the CPU (free there), on the
     GPU in checked mode, which also checks the gate and the inputs (:mod:`fastkda.checks`)."""
     if checks or not q.is_cuda:
@@ -403,7 +405,7 @@ def _check_decode_values(q, k, v, g, beta, state_pool, slots, lower_bound, num_a
     if checks:
         if lower_bound is None:
             value_checks.precomputed_gate_values(g)
-        value_checks.finite(q=q, k=k, v=v, g=g, beta=beta)
+        value_checks.finite(q=q, k=k, v=v, g=g, beta=beta, A_log=A_log, dt_bias=dt_bias)
 
 
 def _decode_on_cpu(q, k, v, g, beta, state_pool, slots, **options):
@@ -483,7 +485,8 @@ def kda_decode(
         if errors is not None:  # checked as on the GPU; the CPU path raises for bad indices, counting none
             _error_counters(errors, q)
         checks = value_checks.requested(checks)
-        _check_decode_values(q, k, v, g, beta, state_pool, slots, lower_bound, num_accepted_tokens, checks)
+        _check_decode_values(q, k, v, g, beta, state_pool, slots, A_log, dt_bias, lower_bound,
+                             num_accepted_tokens, checks)
         o = _decode_on_cpu(q, k, v, g, beta, state_pool, slots, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
                            scale=float(scale), num_accepted_tokens=num_accepted_tokens, use_qk_l2norm=use_qk_l2norm,
                            use_beta_sigmoid=use_beta_sigmoid)
@@ -868,6 +871,16 @@ def kda_decode_step(mixed, conv_states, conv_weight, g, beta, output_gate, norm_
         plan = plan or choose_decode_step_plan(num_seqs, heads, value_dim, _sms_of(mixed))
     else:  # the CPU, and torch.compile's traces (the three ops are opaque to it; the fused kernel is not)
         plan = None
+    if not compiling and value_checks.requested(None):
+        # checked mode: every value the step reads, before either pool moves (kda_decode's own checks would see q,
+        # k and v only after the conv had written its pool)
+        _checked_mode_may_sync(mixed)
+        value_checks.decode_indices(slots, None, state_pool.shape[0], 1)
+        if lower_bound is None:
+            value_checks.precomputed_gate_values(g)
+        value_checks.finite(mixed=mixed, conv_states=conv_states[slots[slots >= 0].long()], conv_weight=conv_weight,
+                            g=g, beta=beta, output_gate=output_gate, norm_weight=norm_weight, A_log=A_log,
+                            dt_bias=dt_bias)
     if plan is None:
         if not on_gpu and not compiling:
             # the slots' values first: the conv would otherwise have moved its pool before the decode refused them

@@ -159,6 +159,28 @@ def test_bad_values_are_refused_before_a_pool_moves():
                                 tickets=torch.zeros(1, dtype=torch.int32).expand(2 * HEADS))
 
 
+@pytest.mark.parametrize("bad", ["mixed", "conv_states", "A_log", "g_positive"])
+def test_checked_mode_refuses_bad_values_before_a_pool_moves(bad, monkeypatch):
+    """Under $FASTKDA_CHECKS the step checks what it reads (a live slot's conv row too, not another's) before the
+    conv writes its pool: a NaN in the projections, a live conv row or the gate's parameters, and a positive
+    precomputed gate."""
+    monkeypatch.setenv("FASTKDA_CHECKS", "1")
+    inp = step_inputs(2, 3, seed=9, lower_bound=None if bad == "g_positive" else -5.0)
+    inp["conv_states"][1, 0, 0] = float("nan")  # slot 1 is not in this call: its row is not read, not checked
+    slots = torch.tensor([0, 2], dtype=torch.int32)
+    if bad == "g_positive":
+        inp["g"] = inp["g"].abs()
+    elif bad == "conv_states":
+        inp["conv_states"][2, 5, 1] = float("nan")
+    else:
+        inp[bad].view(-1)[0] = float("nan")
+    before = inp["conv_states"].clone(), inp["state_pool"].clone()
+    with pytest.raises(ValueError, match="g" if bad == "g_positive" else bad):
+        fastkda.kda_decode_step(**inp, slots=slots)
+    torch.testing.assert_close(inp["conv_states"], before[0], rtol=0, atol=0, equal_nan=True)  # not one bit moved
+    assert torch.equal(inp["state_pool"], before[1])
+
+
 def test_torch_compile_traces_the_step_as_its_three_ops():
     """``fullgraph=True`` (the layer's default decode under torch.compile): the eager output and both pools."""
     inp = step_inputs(2, 3, seed=9)
