@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..api import causal_conv1d, causal_conv1d_update, gated_rmsnorm, kda_decode, kda_decode_step, kda_prefill
+from .. import checks
 from ..checks import decode_indices
 
 
@@ -169,6 +170,7 @@ class KimiDeltaAttention(nn.Module):
         x = hidden_states[None] if packed else hidden_states  # [B, T, hidden]
         mixed, g, gate, beta, output_gate = self._projections(x)
         state_pool, conv_pool = cache.layer(self.layer_idx) if cache else (None, None)  # with the scratch row
+        _check_before_the_pools(cache, conv_pool, slots, mixed=mixed, g=g, beta=beta, **gate)
         weight = self.conv1d.weight.squeeze(1)
         tokens = mixed[0] if packed else mixed  # the conv's own layouts: [T, C] packed, [B, T, C]
         conv_checkpoint = None
@@ -224,6 +226,7 @@ class KimiDeltaAttention(nn.Module):
         mixed, g, gate, beta, output_gate = self._projections(hidden_states)
         state_pool, conv_pool = cache.layer(self.layer_idx)
         weight = self.conv1d.weight.squeeze(1)
+        _check_before_the_pools(cache, conv_pool, slots, mixed=mixed, g=g, beta=beta, **gate)
         if self.fused_decode and slots.dim() == 1 and hidden_states.shape[1] == 1 and self.conv1d.bias is None:
             o = kda_decode_step(mixed[:, 0], _live_rows(conv_pool), weight, g[:, 0], beta[:, 0], output_gate[:, 0],
                                 self.o_norm.weight, _live_rows(state_pool), slots, **gate,
@@ -258,6 +261,18 @@ class KimiDeltaAttention(nn.Module):
         targets = torch.where(read.repeat_interleave(tokens), targets, cache.scratch_slot)  # as kda_decode: a null
         conv_pool.index_copy_(0, targets, after.reshape(-1, *after.shape[2:]))  # read row writes no state either
         return out
+
+
+def _check_before_the_pools(cache, conv_pool, slots, **tensors):
+    """Checked mode (``$FASTKDA_CHECKS``): the projections, the gate's parameters and the conv rows of the call's
+    live slots finite before the conv writes its pool, since the kernels' own checks see q, k and v only after
+    it (on the GPU this reads device memory: not inside graph capture)."""
+    if not checks.requested(None) or torch.compiler.is_compiling():
+        return
+    if cache is not None:
+        flat = slots.reshape(-1).long()
+        tensors["conv_states"] = conv_pool[flat[(flat >= 0) & (flat < cache.num_slots)]]
+    checks.finite(**{name: x for name, x in tensors.items() if isinstance(x, torch.Tensor)})
 
 
 def _rows(slots, cache, has_initial_state):

@@ -260,3 +260,26 @@ def test_cache_refuses_what_is_not_a_slot_before_changing_anything():
     assert torch.equal(cache.recurrent, before[0]) and torch.equal(cache.conv, before[1])
     cache.restore(slot, torch.ones(3, 2, 64, 64), torch.ones(3, 384, 3))
     assert bool((cache.recurrent[:, int(slot)] == 1).all()) and bool((cache.conv[:, int(slot)] == 1).all())
+
+
+@pytest.mark.parametrize("mode", ["prefill", "decode", "fused decode"])
+def test_checked_mode_refuses_a_nan_before_the_pools_move(mode, monkeypatch):
+    """Under $FASTKDA_CHECKS a NaN in the hidden states, or in the gate's parameters, is refused before the conv
+    writes its pool (the kernels' own checks see q, k and v only after the conv): both pools keep every bit."""
+    monkeypatch.setenv("FASTKDA_CHECKS", "1")
+    layer = make_layer(-5.0)
+    layer.fused_decode = mode == "fused decode"
+    cache = cache_for(layer)
+    slots = cache.allocate(2)
+    with torch.no_grad():
+        layer(hidden(2, 40), cache, slots=slots)
+        before = cache.recurrent.clone(), cache.conv.clone()
+        x = hidden(2, 1 if "decode" in mode else 40, seed=3)
+        x[1, -1, 0] = float("nan")
+        with pytest.raises(ValueError, match="mixed must be finite"):
+            layer(x, cache, slots=slots, decode="decode" in mode)
+        assert torch.equal(cache.recurrent, before[0]) and torch.equal(cache.conv, before[1])
+        layer.forget_gate.dt_bias.view(-1)[0] = float("nan")
+        with pytest.raises(ValueError, match="dt_bias"):
+            layer(hidden(2, 1 if "decode" in mode else 40, seed=4), cache, slots=slots, decode="decode" in mode)
+        assert torch.equal(cache.recurrent, before[0]) and torch.equal(cache.conv, before[1])
