@@ -13,6 +13,7 @@ from .plan import SUPPORTED_DIMS
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 STATE_DTYPES = (torch.bfloat16, torch.float32)
 INDEX_DTYPES = (torch.int32, torch.int64)
+FP32_MAX = torch.finfo(torch.float32).max
 MIN_LOWER_BOUND = -5.0  # exp(-G) over a 16-token block stays below e^80 (fp32/bf16 range) for λ >= -5
 INT32_LIMIT = 2 ** 31  # the kernels form some offsets in 32 bits (fastkda/ops/)
 
@@ -102,8 +103,9 @@ def _check_scale(scale):
     if isinstance(scale, torch.Tensor):
         fail("scale", "a Python number or a 0-d CPU tensor (reading a GPU tensor would synchronise)",
              f"a tensor of shape {list(scale.shape)} on {scale.device}")
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not (0 < scale < math.inf):
-        fail("scale", "a positive finite number", repr(scale))
+    # the kernels take it as fp32: past fp32's largest finite value it would be infinity there
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not (0 < scale <= FP32_MAX):
+        fail("scale", f"a positive finite number, at most fp32's largest ({FP32_MAX:.6g})", repr(scale))
 
 
 def check_inputs(q, k, v, g, beta, A_log, dt_bias, lower_bound, scale):

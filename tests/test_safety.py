@@ -78,6 +78,7 @@ def prefill(inp, out, final, **kw):
 @pytest.mark.parametrize("what, kw, name, words", [
     ("scale inf", dict(scale=float("inf")), "scale", "positive finite"),
     ("scale NaN", dict(scale=float("nan")), "scale", "positive finite"),
+    ("scale past fp32", dict(scale=1e39), "scale", "at most fp32's largest"),
     ("scale True", dict(scale=True), "scale", "positive finite"),
     ("scale on the GPU side", dict(scale=torch.tensor([0.1])), "scale", "0-d CPU tensor"),
     ("cu_seqlens [0] with tokens", dict(cu_seqlens=torch.tensor([0], dtype=torch.int32)), "cu_seqlens",
