@@ -152,8 +152,11 @@ def _check_gate(A_log, dt_bias, lower_bound, heads, key_dim, device):
     if not isinstance(A_log, torch.Tensor) or A_log.numel() != heads or not A_log.is_contiguous():
         fail("A_log", f"a contiguous tensor of {heads} values ([H])", _describe(A_log))
     check_tensor("A_log", A_log, A_log.shape, FLOAT_DTYPES, device)
-    if not isinstance(dt_bias, torch.Tensor) or dt_bias.numel() != heads * key_dim or not dt_bias.is_contiguous():
-        fail("dt_bias", f"a contiguous tensor of {heads * key_dim} values ([H, K] or [H*K])", _describe(dt_bias))
+    # its sizes other than 1 must be H then K, or H·K: a [K, H] tensor holds as many values, in another order
+    if not isinstance(dt_bias, torch.Tensor) or not dt_bias.is_contiguous() or tuple(
+            size for size in dt_bias.shape if size != 1) not in ((heads, key_dim), (heads * key_dim,)):
+        fail("dt_bias", f"a contiguous tensor of {heads * key_dim} values ([H, K] = [{heads}, {key_dim}] or [H*K])",
+             _describe(dt_bias))
     check_tensor("dt_bias", dt_bias, dt_bias.shape, FLOAT_DTYPES, device)
 
 

@@ -104,6 +104,22 @@ def test_prefill_breaks_raise_before_writing(what, kw, name, words):
     assert (out == SENTINEL).all() and (final == SENTINEL).all(), what
 
 
+def test_dt_bias_of_another_order_is_refused_and_its_two_forms_agree():
+    """dt_bias as [H, K], [H*K] or with sizes of 1 around them gives the same bits; [K, H], as many values in
+    another order, is refused by name."""
+    inp = make_inputs([10, 20], seed=43)
+    heads, key_dim = inp["q"].shape[2], inp["q"].shape[3]
+    bias = inp["dt_bias"].reshape(heads, key_dim)
+    outputs = []
+    for form in (bias, bias.reshape(-1), bias[None]):
+        inp["dt_bias"] = form
+        outputs.append(prefill(inp, None, None)[0])
+    assert all(torch.equal(o, outputs[0]) for o in outputs)
+    inp["dt_bias"] = bias.t().contiguous()
+    with pytest.raises(ValueError, match=r"dt_bias must be a contiguous tensor of 128 values \(\[H, K\] = \[2, 64\]"):
+        prefill(inp, None, None)
+
+
 def test_a_zero_dim_cpu_scale_is_its_number():
     inp = make_inputs([10, 20], seed=43)
     as_tensor, _ = prefill(inp, None, None, scale=torch.tensor(0.1))
