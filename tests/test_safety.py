@@ -184,6 +184,18 @@ def test_a_nan_in_q_stays_in_its_row_without_checks():
     assert torch.isnan(o[0, 7, 1]).all() and torch.isfinite(o[0, 8:]).all() and torch.isfinite(s).all()
 
 
+@pytest.mark.parametrize("name", ["k", "v", "g", "beta"])
+def test_a_nan_in_k_v_g_or_beta_stays_in_its_sequence_from_its_chunk_on(name):
+    """Without checks, a NaN in token 40's k, v, g or β reaches its own and every later output of its sequence
+    (through the state); the chunks before its own and the other sequences stay finite. (The earlier tokens of its
+    own chunk may take it too: the chunk's products multiply it by zeros; the README says so.)"""
+    inp = make_inputs([70, 30], seed=50)
+    inp[name][0, 40].view(-1)[0] = float("nan")
+    o, s = prefill(inp, None, None, output_final_state=True)
+    assert torch.isfinite(o[0, :32]).all() and torch.isnan(o[0, 40:70]).any(-1).any(-1).all()
+    assert torch.isfinite(o[0, 70:]).all() and torch.isfinite(s[1]).all() and not torch.isfinite(s[0]).all()
+
+
 @pytest.mark.parametrize("how", ["argument", "environment"])
 @pytest.mark.parametrize("what, edit, name", [
     ("NaN in k", lambda inp: inp["k"].view(-1)[3:4].fill_(float("nan")), "k"),
