@@ -61,11 +61,6 @@ def _error_counters(errors, q):
     return errors
 
 
-def _checked_mode_may_sync(q):
-    if q.is_cuda and torch.cuda.is_current_stream_capturing():
-        fail("checks", "off inside CUDA-graph capture (checked mode reads device memory)", True)
-
-
 def _cpu_path(run, name, shape):
     """Run the CPU path, turning an allocation that cannot succeed into a ``ValueError`` naming the input. It runs
     without autograd, as the GPU's custom ops do (fastkda is inference-only: outputs never require grad)."""
@@ -99,7 +94,7 @@ def _prefill_impl(
     plan = PrefillPlan.from_launch_numbers(launch_numbers, dot_precision)
     if checks or not q.is_cuda:  # index values: always on the CPU (free there), on the GPU in checked mode
         if checks:
-            _checked_mode_may_sync(q)
+            value_checks.outside_capture(q)
         if cu_seqlens is not None and cu_seqlens.numel() > 1:
             value_checks.cu_seqlens_values(cu_seqlens, q.shape[1], plan.seq_len if plan.equal_rows else None)
         if checkpoint_offsets is not None:
@@ -286,7 +281,7 @@ class OpenEntryPrefill:
             check_tensor("entry_state", entry_state, (batch, heads, value_dim, key_dim), STATE_DTYPES, q.device)
             check_contiguous("entry_state", entry_state)
             if self._checks:
-                _checked_mode_may_sync(q)
+                value_checks.outside_capture(q)
                 value_checks.finite(entry_state=entry_state)
         out = torch.empty_like(v, memory_format=torch.contiguous_format)
         final_state = torch.empty(batch, heads, value_dim, key_dim, dtype=torch.float32, device=q.device)
@@ -335,7 +330,7 @@ def kda_prefill_open(q, k, v, g, beta, *, A_log=None, dt_bias=None, lower_bound=
                None, CHUNK)
     checks = value_checks.requested(checks)
     if checks:
-        _checked_mode_may_sync(q)
+        value_checks.outside_capture(q)
         if lower_bound is None:
             value_checks.precomputed_gate_values(g)
         value_checks.finite(q=q, k=k, v=v, g=g, beta=beta, A_log=A_log, dt_bias=dt_bias)
@@ -400,7 +395,7 @@ def _check_decode_values(q, k, v, g, beta, state_pool, slots, A_log, dt_bias, lo
     GPU in checked mode, which also checks the gate and the inputs (:mod:`fastkda.checks`)."""
     if checks or not q.is_cuda:
         if checks:
-            _checked_mode_may_sync(q)
+            value_checks.outside_capture(q)
         value_checks.decode_indices(slots, num_accepted_tokens, state_pool.shape[0], q.shape[1])
     if checks:
         if lower_bound is None:
@@ -874,7 +869,7 @@ def kda_decode_step(mixed, conv_states, conv_weight, g, beta, output_gate, norm_
     if not compiling and value_checks.requested(None):
         # checked mode: every value the step reads, before either pool moves (kda_decode's own checks would see q,
         # k and v only after the conv had written its pool)
-        _checked_mode_may_sync(mixed)
+        value_checks.outside_capture(mixed)
         value_checks.decode_indices(slots, None, state_pool.shape[0], 1)
         if lower_bound is None:
             value_checks.precomputed_gate_values(g)

@@ -27,6 +27,13 @@ def requested(checks) -> bool:
     return checks
 
 
+def outside_capture(anchor):
+    """Checked mode reads device memory: refused by name while ``anchor``'s CUDA stream is being captured into a
+    graph (the read would end the capture with CUDA's own error)."""
+    if anchor.is_cuda and torch.cuda.is_current_stream_capturing():
+        fail("checks", "off inside CUDA-graph capture (checked mode reads device memory)", True)
+
+
 def cu_seqlens_values(cu_seqlens, length, row_length=None):
     """Offsets nondecreasing from 0 to T; with ``row_length``, every sequence that many tokens long, as a plan
     that runs the sequences as rows of that length needs (:attr:`fastkda.plan.PrefillPlan.equal_rows`: a

@@ -269,6 +269,7 @@ def _check_before_the_pools(cache, conv_pool, slots, **tensors):
     it (on the GPU this reads device memory: not inside graph capture)."""
     if not checks.requested(None) or torch.compiler.is_compiling():
         return
+    checks.outside_capture(tensors["mixed"])
     if cache is not None:
         flat = slots.reshape(-1).long()
         tensors["conv_states"] = conv_pool[flat[(flat >= 0) & (flat < cache.num_slots)]]
