@@ -12,6 +12,8 @@ Prefix-cache checkpoints (fp32 states a prefill wrote at a chunk multiple) go ba
 :meth:`KDACache.restore`.
 """
 
+import numbers
+
 import torch
 
 NULL_SLOT = -1
@@ -70,11 +72,11 @@ class KDACache:
 
     def allocate(self, count=1):
         """``count`` free slots as an int32 device tensor; their rows are zeroed. Raises when too few are free."""
-        if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+        if isinstance(count, bool) or not isinstance(count, numbers.Integral) or count < 0:
             raise ValueError(f"KDACache.allocate: count must be an int >= 0, got {count!r}")
         if count > len(self._free):
             raise RuntimeError(f"KDACache: {count} slot(s) requested, {len(self._free)} of {self.num_slots} free")
-        taken = [self._free.pop() for _ in range(count)]
+        taken = [self._free.pop() for _ in range(int(count))]
         slots = torch.tensor(taken, dtype=torch.int32, device=self.recurrent.device)
         self.recurrent[:, slots.long()] = 0
         self.conv[:, slots.long()] = 0
@@ -89,9 +91,9 @@ class KDACache:
             slots = slots.reshape(-1).tolist()
         slots = list(slots)
         for slot in slots:
-            if isinstance(slot, bool) or not isinstance(slot, int):
+            if isinstance(slot, bool) or not isinstance(slot, numbers.Integral):
                 raise ValueError(f"KDACache.release: slots must be integers, got {slot!r}")
-        values = [slot for slot in slots if slot >= 0]
+        values = [int(slot) for slot in slots if slot >= 0]
         free = set(self._free)
         for i, slot in enumerate(values):  # every slot checked before any is freed
             if slot >= self.num_slots or slot in free or slot in values[:i]:
@@ -119,8 +121,9 @@ class KDACache:
                 raise ValueError(f"KDACache.restore: slot must be an int or a one-element integer tensor, got a "
                                  f"{slot.dtype} tensor of shape {list(slot.shape)}")
             slot = slot.item()
-        if isinstance(slot, bool) or not isinstance(slot, int) or not 0 <= slot < self.num_slots:
+        if isinstance(slot, bool) or not isinstance(slot, numbers.Integral) or not 0 <= slot < self.num_slots:
             raise ValueError(f"KDACache.restore: slot must be an int in [0, {self.num_slots}), got {slot!r}")
+        slot = int(slot)
         for name, states, pool in (("recurrent_states", recurrent_states, self.recurrent),
                                    ("conv_states", conv_states, self.conv)):
             want = [pool.shape[0], *pool.shape[2:]]

@@ -1,6 +1,7 @@
 """fastkda.layers.KimiDeltaAttention on the CPU path: against transformers' own layers on the same weights, and
 its cache semantics (decode continuing a prefill, packed batches, speculative steps, checkpoints, null slots)."""
 
+import numpy as np
 import pytest
 import torch
 
@@ -246,6 +247,8 @@ def test_cache_refuses_what_is_not_a_slot_before_changing_anything():
             cache.release(bad)
     assert cache.free_slots == 1
     cache.release(taken[None])  # any integer shape, e.g. speculative [N, S] slots
+    assert cache.free_slots == 2
+    cache.release(cache.allocate(np.int64(2)).numpy())  # numpy's integers are integers
     assert cache.free_slots == 2
     with pytest.raises(ValueError, match="count must be an int >= 0"):
         cache.allocate(-1)
