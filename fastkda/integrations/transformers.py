@@ -78,9 +78,11 @@ def recurrent_kimi_delta_attention(q, k, v, *, g, beta, initial_state=None, outp
     """transformers' decode KDA call (one token per sequence from its state) on :func:`fastkda.kda_decode`, the
     states as a pool of one row per sequence; arguments and result as :func:`chunk_kimi_delta_attention`.
 
-    transformers' cache keeps the state it was first given, the prefill's K-first view of fastkda's V-first state,
-    so the state arrives V-first in memory and is decoded in place, without a copy either way; the final state
-    returned is then the cache's own tensor, whose copy into itself the cache skips."""
+    The given state is left as it was, as transformers' own function leaves it: its cache keeps the state before
+    each step (for ``crop`` in assisted and speculative decoding, it clones the cache's state after the forward,
+    and a prefill of several tokens keeps each step's returned state), so the step decodes a V-first copy and
+    returns that copy K-first. transformers keeps the prefill's K-first view of a V-first state, so its copy back
+    into the cache is one contiguous copy."""
     if initial_state is None or _fp32_on_gpu(q):
         return chunk_kimi_delta_attention(q, k, v, g=g, beta=beta, initial_state=initial_state,
                                           output_final_state=output_final_state,
@@ -88,11 +90,11 @@ def recurrent_kimi_delta_attention(q, k, v, *, g, beta, initial_state=None, outp
     pool = _v_first(initial_state)
     if pool.dtype != torch.float32:
         pool = pool.float()
+    elif pool.data_ptr() == initial_state.data_ptr():  # a K-first view of V-first memory: the caller's own tensor
+        pool = pool.clone()
     o = kda_decode(q, k, v, g, beta, pool, _sequence_slots(q.shape[0], q.device), use_qk_l2norm=use_qk_l2norm_in_kernel,
                    use_beta_sigmoid=False)
-    if not output_final_state:
-        return o, None
-    return o, initial_state if pool.data_ptr() == initial_state.data_ptr() else pool.transpose(-1, -2)
+    return o, pool.transpose(-1, -2) if output_final_state else None
 
 
 def causal_conv1d_fn(x, weight, bias=None, activation=None, **unused):

@@ -84,10 +84,10 @@ def test_conv_update_keeps_transformers_state_layout(columns, tokens):
     assert torch.equal(state, inputs[..., -columns:])
 
 
-def test_decode_step_updates_transformers_state_in_place():
-    """The cache's state as transformers keeps it after fastkda's prefill (a K-first view of a V-first tensor) is
-    decoded in place and handed back as the final state itself, so the cache's copy of it into itself is skipped; a
-    K-first contiguous state is decoded from a copy, left as it was, with the same result."""
+def test_decode_step_leaves_the_given_state_as_it_was():
+    """The state as transformers' cache keeps it after fastkda's prefill (a K-first view of a V-first tensor) and a
+    K-first contiguous one are both left as they were (transformers' cache keeps the state before each step for
+    ``crop``), and both give the same output and final state."""
     gen = torch.Generator().manual_seed(3)
     q, k, v = (torch.randn(2, 1, 2, 64, generator=gen) for _ in range(3))
     g, beta = -torch.rand(2, 1, 2, 64, generator=gen), torch.rand(2, 1, 2, generator=gen)
@@ -97,6 +97,26 @@ def test_decode_step_updates_transformers_state_in_place():
     step = dict(g=g, beta=beta, output_final_state=True, use_qk_l2norm_in_kernel=True)
     o, final = fastkda_transformers.recurrent_kimi_delta_attention(q, k, v, initial_state=cached, **step)
     o_copy, final_copy = fastkda_transformers.recurrent_kimi_delta_attention(q, k, v, initial_state=k_first, **step)
-    assert final is cached and final_copy is not k_first
-    assert torch.equal(k_first, v_first.transpose(-1, -2))
-    assert torch.equal(o, o_copy) and torch.equal(final, final_copy)
+    assert torch.equal(cached, v_first.transpose(-1, -2)) and torch.equal(k_first, v_first.transpose(-1, -2))
+    assert torch.equal(o, o_copy) and torch.equal(final, final_copy) and not torch.equal(final, cached)
+
+
+@pytest.mark.parametrize("kind", MODEL_KINDS)
+@pytest.mark.parametrize("keep, drafts", [(4, "one forward"), (1, "one token a forward")])
+def test_crop_after_drafts_gives_the_recomputed_logits(routed, kind, keep, drafts):
+    """Assisted and speculative decoding's rollback: four draft tokens (in one forward, or one a forward), two of
+    them kept by ``crop``, then the next token's logits equal a forward of the kept tokens from scratch, as with
+    transformers' own path."""
+    model = tiny_model(kind, moe=False)
+    gen = torch.Generator().manual_seed(3)
+    ids, new, nxt = (torch.randint(3, 128, (1, n), generator=gen) for n in (10, 4, 1))
+    routed.enable()
+    with torch.no_grad():
+        cache = model(ids, use_cache=True).past_key_values
+        cache.activate_past_recording(recurrent_states_to_keep=keep)
+        for part in ([new] if drafts == "one forward" else new.split(1, dim=1)):
+            model(part, past_key_values=cache, use_cache=True)
+        cache.crop(-2)
+        logits = model(nxt, past_key_values=cache, use_cache=True).logits
+        whole = model(torch.cat([ids, new[:, :2], nxt], 1)).logits[:, -1:]
+    assert rel_err(logits, whole) < 1e-5
