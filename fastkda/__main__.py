@@ -72,7 +72,8 @@ def demo(args):
 
 
 def plan_command(args):
-    sms = args.sms or (sm_count(torch.cuda.current_device()) if torch.cuda.is_available() else None)
+    sms = args.sms if args.sms is not None else (
+        sm_count(torch.cuda.current_device()) if torch.cuda.is_available() else None)
     if sms is None:
         print("error: no GPU here: pass --sms (e.g. 132 for an H200)", file=sys.stderr)
         return 2

@@ -35,7 +35,7 @@ def test_plan_command_prints_the_whole_plan():
 
 @pytest.mark.parametrize("args, word", [
     (["--v-slices", "3"], "v_slices"), (["--heads", "0"], "--heads"), (["--seqs", "0"], "--seqs"),
-    (["--tokens", "0"], "--tokens"), (["--value-dim", "96"], "value-dim"), (["--sms", "0"], "sms")])
+    (["--tokens", "0"], "--tokens"), (["--value-dim", "96"], "value-dim"), (["--sms", "0"], "sms must be")])
 def test_plan_command_rejects_what_the_api_rejects(args, word):
     options = {"--heads": "12", "--seqs": "1", "--tokens": "8", "--sms": "132", args[0]: args[1]}
     done = fastkda("plan", *[x for pair in options.items() for x in pair])
