@@ -86,6 +86,11 @@ def plan_command(args):
                 raise ValueError(f"--{name} must be at least 1, got {getattr(args, name)}")
         varlen = args.layout == "varlen"
         if args.entry_later:  # fixed-length rows, always segmented
+            for option, value, unset in (("--v-slices", args.v_slices, "auto"),
+                                         ("--max-seqlen", args.max_seqlen, None)):
+                if value != unset:  # kda_prefill_open takes neither
+                    raise ValueError(f"{option} does not apply with --entry-later (fixed rows, its own slices), got "
+                                     f"{value}")
             plan = choose_open_entry_plan(args.seqs, args.heads, args.tokens, args.key_dim, args.value_dim, sms,
                                           lower_bound_gate=args.gate == "lower-bound",
                                           sequence_parallel=args.sequence_parallel, warpgroup_mma=wgmma)

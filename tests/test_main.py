@@ -62,3 +62,10 @@ def test_plan_command_takes_the_gpus_warpgroup_mma():
     if not torch.cuda.is_available():
         default = fastkda(*shape)
         assert default.returncode == 0 and "Gluon" not in default.stdout, default.stderr
+
+
+@pytest.mark.parametrize("option", [["--v-slices", "3"], ["--max-seqlen", "-5"]])
+def test_plan_command_refuses_what_an_open_entry_plan_does_not_take(option):
+    done = fastkda("plan", "--heads", "12", "--seqs", "1", "--tokens", "8192", "--sms", "132", "--entry-later",
+                   *option)
+    assert done.returncode == 2 and f"{option[0]} does not apply with --entry-later" in done.stderr, done.stderr
