@@ -19,6 +19,15 @@ import torch
 NULL_SLOT = -1
 
 
+def _is_host_int(value):
+    """An integer on the host (numpy's too), not a bool: what a slot or a count may be."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _is_integer_tensor(tensor):
+    return not (tensor.dtype.is_floating_point or tensor.dtype.is_complex or tensor.dtype == torch.bool)
+
+
 def conv_state_pool(*rows, channels, kernel, dtype, device=None):
     """Zeros of shape ``[*rows, C, W−1]`` whose memory is ``[*rows, W−1, C]``: each of a row's W−1 columns is its
     channels back to back (the layout vLLM keeps too), so the conv's decode step reads and writes whole columns
@@ -72,7 +81,7 @@ class KDACache:
 
     def allocate(self, count=1):
         """``count`` free slots as an int32 device tensor; their rows are zeroed. Raises when too few are free."""
-        if isinstance(count, bool) or not isinstance(count, numbers.Integral) or count < 0:
+        if not _is_host_int(count) or count < 0:
             raise ValueError(f"KDACache.allocate: count must be an int >= 0, got {count!r}")
         if count > len(self._free):
             raise RuntimeError(f"KDACache: {count} slot(s) requested, {len(self._free)} of {self.num_slots} free")
@@ -86,12 +95,12 @@ class KDACache:
         """Give slots back (host ints, or an integer tensor of any shape, e.g. speculative decoding's ``[N, S]``;
         null slots are ignored). Releasing a free slot, or anything but integers, raises before any slot is freed."""
         if isinstance(slots, torch.Tensor):
-            if slots.dtype.is_floating_point or slots.dtype.is_complex or slots.dtype == torch.bool:
+            if not _is_integer_tensor(slots):
                 raise ValueError(f"KDACache.release: slots must be integers, got a {slots.dtype} tensor")
             slots = slots.reshape(-1).tolist()
         slots = list(slots)
         for slot in slots:
-            if isinstance(slot, bool) or not isinstance(slot, numbers.Integral):
+            if not _is_host_int(slot):
                 raise ValueError(f"KDACache.release: slots must be integers, got {slot!r}")
         values = [int(slot) for slot in slots if slot >= 0]
         free = set(self._free)
@@ -117,11 +126,11 @@ class KDACache:
         [layers, H, V, K]`` (a prefill's checkpoint, any float dtype) and ``conv_states [layers, C, W−1]`` (the
         W−1 inputs before the prefix's end). ``slot``: an int or a one-element tensor."""
         if isinstance(slot, torch.Tensor):
-            if slot.numel() != 1 or slot.dtype.is_floating_point or slot.dtype == torch.bool:
+            if slot.numel() != 1 or not _is_integer_tensor(slot):
                 raise ValueError(f"KDACache.restore: slot must be an int or a one-element integer tensor, got a "
                                  f"{slot.dtype} tensor of shape {list(slot.shape)}")
             slot = slot.item()
-        if isinstance(slot, bool) or not isinstance(slot, numbers.Integral) or not 0 <= slot < self.num_slots:
+        if not _is_host_int(slot) or not 0 <= slot < self.num_slots:
             raise ValueError(f"KDACache.restore: slot must be an int in [0, {self.num_slots}), got {slot!r}")
         slot = int(slot)
         for name, states, pool in (("recurrent_states", recurrent_states, self.recurrent),
