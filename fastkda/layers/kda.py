@@ -226,13 +226,13 @@ class KimiDeltaAttention(nn.Module):
         mixed, g, gate, beta, output_gate = self._projections(hidden_states)
         state_pool, conv_pool = cache.layer(self.layer_idx)
         weight = self.conv1d.weight.squeeze(1)
-        _check_before_the_pools(cache, conv_pool, slots, mixed=mixed, g=g, beta=beta, **gate)
         if self.fused_decode and slots.dim() == 1 and hidden_states.shape[1] == 1 and self.conv1d.bias is None:
             o = kda_decode_step(mixed[:, 0], _live_rows(conv_pool), weight, g[:, 0], beta[:, 0], output_gate[:, 0],
                                 self.o_norm.weight, _live_rows(state_pool), slots, **gate,
                                 eps=self.o_norm.variance_epsilon,
                                 tickets=cache.step_tickets(slots.shape[0] * self.num_heads))
             return self.o_proj(o.flatten(-2))[:, None]
+        _check_before_the_pools(cache, conv_pool, slots, mixed=mixed, g=g, beta=beta, **gate)  # the step checks its own
         if not hidden_states.is_cuda:  # the slots' values first: the conv would otherwise move its pool, then refuse
             decode_indices(slots, num_accepted_tokens, cache.num_slots, hidden_states.shape[1])
         if slots.dim() == 1:
