@@ -118,7 +118,12 @@ class KDACache:
 
     def layer(self, index):
         """Layer ``index``'s ``(recurrent pool [P + 1, H, V, K], conv pool [P + 1, C, W−1])``, views into the
-        cache (row P the scratch row; the kernels get the first P rows, so that slot P is out of range for them)."""
+        cache (row P the scratch row; the kernels get the first P rows, so that slot P is out of range for them).
+        ``index`` in ``[0, layers)``: a negative one would name another layer's pools."""
+        layers = self.recurrent.shape[0]
+        if not _is_host_int(index) or not 0 <= index < layers:
+            raise ValueError(f"KDACache.layer: index must be an int in [0, {layers}) (the cache's layers), got "
+                             f"{index!r}")
         return self.recurrent[index], self.conv[index]
 
     def restore(self, slot, recurrent_states, conv_states):

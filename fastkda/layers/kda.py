@@ -17,6 +17,7 @@ from torch import nn
 from ..api import causal_conv1d, causal_conv1d_update, gated_rmsnorm, kda_decode, kda_decode_step, kda_prefill
 from .. import checks
 from ..checks import decode_indices
+from ..validation import remembered, scalar_defaults, validate_decode
 
 
 class ForgetGate(nn.Module):
@@ -105,14 +106,18 @@ class KimiDeltaAttention(nn.Module):
         return self.conv1d.kernel_size[0]
 
     @classmethod
-    def from_transformers(cls, layer):
+    def from_transformers(cls, layer, *, layer_idx=None):
         """A copy of a transformers ``KimiLinearDeltaAttention`` or ``Glm5NextTextLinearAttention`` (its config
-        read from the module, its weights loaded), on the same device."""
+        read from the module, its weights loaded), on the same device. ``layer_idx``: the
+        :class:`fastkda.cache.KDACache` layer it uses; by default transformers' own ``layer_idx``, its place among
+        all the model's layers (attention layers too), so a cache then needs as many layers as the model; pass
+        the layer's place among the KDA layers alone for a cache of just those."""
         gate = layer.forget_gate
         weight = layer.q_proj.weight
         ours = cls(layer.hidden_size, layer.num_heads, layer.head_dim, conv_kernel=layer.conv_kernel_size,
                    lower_bound=getattr(gate, "safe_gate_lower_bound", None), norm_eps=layer.o_norm.variance_epsilon,
-                   layer_idx=layer.layer_idx, device=weight.device, dtype=weight.dtype)
+                   layer_idx=layer.layer_idx if layer_idx is None else layer_idx, device=weight.device,
+                   dtype=weight.dtype)
         ours.load_state_dict(layer.state_dict())
         if layer.conv1d.weight.dtype != weight.dtype:  # GLM-5.3-Flash keeps its conv in fp32
             ours.conv1d.to(layer.conv1d.weight.dtype)
@@ -177,22 +182,31 @@ class KimiDeltaAttention(nn.Module):
         if checkpoint_offsets is not None:  # before the conv, which overwrites the pool rows
             conv_checkpoint = self._conv_checkpoint(tokens, cache, slots, has_initial_state, cu_seqlens,
                                                     checkpoint_offsets)
-        mixed_conv = causal_conv1d(tokens, weight, self.conv1d.bias, conv_states=_live_rows(conv_pool), slots=slots,
-                                   has_initial_state=has_initial_state, cu_seqlens=cu_seqlens).view(mixed.shape)
-        q, k, v = self._split_heads(mixed_conv)
-        read, write, states = None, None, None
+        read, write, states, conv_before = None, None, None, None
         if cache is not None:
             read, write = _rows(slots, cache, has_initial_state)
             states = torch.where(read[:, None, None, None], state_pool[write], 0).to(state_pool.dtype)
+            conv_before = conv_pool[write]  # the rows the conv rewrites (padding: the scratch row), for a refusal
+        mixed_conv = causal_conv1d(tokens, weight, self.conv1d.bias, conv_states=_live_rows(conv_pool), slots=slots,
+                                   has_initial_state=has_initial_state, cu_seqlens=cu_seqlens).view(mixed.shape)
+        q, k, v = self._split_heads(mixed_conv)
         checkpoint_states = None
         if checkpoint_offsets is not None:
             num = slots.shape[0]
             checkpoint_states = torch.full((num, 2, self.num_heads, self.head_dim, self.head_dim), float("nan"),
                                            device=x.device)  # an offset past its sequence leaves NaN
-            checkpoint_offsets = checkpoint_offsets.to(cu_seqlens.dtype if cu_seqlens is not None else torch.int32)
-        o, _ = kda_prefill(q, k, v, g, beta, **gate, initial_state=states, final_state=states, cu_seqlens=cu_seqlens,
-                           max_seqlen=max_seqlen, checkpoint_offsets=checkpoint_offsets,
-                           checkpoint_states=checkpoint_states)
+            if not checkpoint_offsets.is_floating_point():  # kda_prefill takes them in cu_seqlens' dtype
+                checkpoint_offsets = checkpoint_offsets.to(cu_seqlens.dtype if cu_seqlens is not None else torch.int32)
+        try:
+            o, _ = kda_prefill(q, k, v, g, beta, **gate, initial_state=states, final_state=states,
+                               cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, checkpoint_offsets=checkpoint_offsets,
+                               checkpoint_states=checkpoint_states)
+        except Exception:
+            # kda_prefill checks its own arguments (max_seqlen, checkpoint_offsets, the pool's shape, and on the
+            # CPU their values) only once the conv has moved its pool: a refused call leaves the pool as it was
+            if conv_before is not None:
+                conv_pool.index_copy_(0, write, conv_before)
+            raise
         if cache is not None:
             state_pool.index_copy_(0, write, states)
         out = self.o_proj(self.o_norm(o, output_gate).flatten(-2))
@@ -220,7 +234,10 @@ class KimiDeltaAttention(nn.Module):
         read, row = _rows(slots, cache, has_initial_state)
         earlier = torch.where(read[:, None, None], cache.layer(self.layer_idx)[1][row], 0)  # [N, C, W−1]
         from_state = earlier.gather(2, (position + width).clamp(0, width - 1)[:, None, :].expand_as(earlier))
-        return torch.where((position >= 0)[:, None, :], from_inputs.transpose(1, 2).to(earlier.dtype), from_state)
+        state = torch.where((position >= 0)[:, None, :], from_inputs.transpose(1, 2).to(earlier.dtype), from_state)
+        lengths = starts.diff(append=cu_seqlens[-1:].long()) if cu_seqlens is not None else mixed.shape[1]
+        past = offsets.reshape(num).long() > lengths  # no such state: NaN, as the recurrent checkpoint leaves it
+        return torch.where(past[:, None, None], float("nan"), state)
 
     def _decode(self, hidden_states, cache, slots, num_accepted_tokens):
         mixed, g, gate, beta, output_gate = self._projections(hidden_states)
@@ -233,8 +250,7 @@ class KimiDeltaAttention(nn.Module):
                                 tickets=cache.step_tickets(slots.shape[0] * self.num_heads))
             return self.o_proj(o.flatten(-2))[:, None]
         _check_before_the_pools(cache, conv_pool, slots, mixed=mixed, g=g, beta=beta, **gate)  # the step checks its own
-        if not hidden_states.is_cuda:  # the slots' values first: the conv would otherwise move its pool, then refuse
-            decode_indices(slots, num_accepted_tokens, cache.num_slots, hidden_states.shape[1])
+        self._check_decode_call(mixed, g, beta, gate, _live_rows(state_pool), slots, num_accepted_tokens)
         if slots.dim() == 1:
             mixed_conv = causal_conv1d_update(mixed, _live_rows(conv_pool), weight, self.conv1d.bias, slots=slots)
         else:
@@ -242,6 +258,18 @@ class KimiDeltaAttention(nn.Module):
         q, k, v = self._split_heads(mixed_conv)
         o = kda_decode(q, k, v, g, beta, _live_rows(state_pool), slots, **gate, num_accepted_tokens=num_accepted_tokens)
         return self.o_proj(self.o_norm(o, output_gate).flatten(-2))
+
+    def _check_decode_call(self, mixed, g, beta, gate, state_pool, slots, num_accepted_tokens):
+        """:func:`fastkda.kda_decode`'s own checks of a step's arguments, run before the conv: it moves its pool
+        rows before kda_decode sees q, k and v, and the speculative conv indexes with the slots and accepted
+        counts. Shapes and dtypes on views shaped as the conv's output; on the CPU, the slots' and accepted
+        counts' values too (on the GPU kda_decode counts bad ones instead)."""
+        q, k, v = self._split_heads(mixed)
+        scale, lower_bound = scalar_defaults(q, None, gate.get("lower_bound"))
+        remembered(validate_decode, q, k, v, g, beta, state_pool, slots, gate.get("A_log"), gate.get("dt_bias"),
+                   lower_bound, scale, num_accepted_tokens, None)
+        if not mixed.is_cuda:
+            decode_indices(slots, num_accepted_tokens, state_pool.shape[0], mixed.shape[1])
 
     def _speculative_conv(self, mixed, conv_pool, weight, slots, num_accepted_tokens, cache):
         """The conv of T draft tokens per sequence from the state at its accepted token, the state after each

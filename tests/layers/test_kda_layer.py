@@ -286,3 +286,81 @@ def test_checked_mode_refuses_a_nan_before_the_pools_move(mode, monkeypatch):
         with pytest.raises(ValueError, match="dt_bias"):
             layer(hidden(2, 1 if "decode" in mode else 40, seed=4), cache, slots=slots, decode="decode" in mode)
         assert torch.equal(cache.recurrent, before[0]) and torch.equal(cache.conv, before[1])
+
+
+@pytest.mark.parametrize("bad", [dict(max_seqlen=20), dict(checkpoint_offsets=[5, 7]),
+                                 dict(checkpoint_offsets=[32.0, 0.0])], ids=["max_seqlen", "offsets", "float offsets"])
+def test_a_refused_prefill_leaves_both_pools(bad):
+    """kda_prefill checks max_seqlen and the checkpoint offsets only after the conv has moved its pool rows: a call
+    it refuses puts them back, so a corrected retry gives what a clean call gives."""
+    layer = make_layer(-5.0)
+    x, cu = hidden(40), torch.tensor([0, 10, 40], dtype=torch.int32)
+    if "checkpoint_offsets" in bad:
+        offsets = torch.tensor(bad["checkpoint_offsets"])
+        bad = dict(checkpoint_offsets=offsets if offsets.is_floating_point() else offsets.int())
+    clean, cache = cache_for(layer), cache_for(layer)
+    for pools in (clean, cache):
+        pools.allocate(2)
+        pools.conv.normal_(generator=torch.Generator().manual_seed(2))
+    slots = torch.tensor([0, 1], dtype=torch.int32)
+    with torch.no_grad():
+        want = layer(x, clean, slots=slots, cu_seqlens=cu)
+        before = cache.recurrent.clone(), cache.conv.clone()
+        with pytest.raises(ValueError, match="max_seqlen|cu_seqlens|checkpoint_offsets"):
+            layer(x, cache, slots=slots, cu_seqlens=cu, **bad)
+        assert torch.equal(cache.recurrent, before[0]) and torch.equal(cache.conv, before[1])
+        assert torch.equal(layer(x, cache, slots=slots, cu_seqlens=cu), want)
+
+
+@pytest.mark.parametrize("slots, accepted, message", [
+    ([0, 1], [2, 2], "slots must be per-token"),
+    ([0, 1], [1, 1], "slots must be per-token"),
+    ([[0, 2, 3], [1, 4, 5]], [1.0, 1.0], "num_accepted_tokens must be of dtype"),
+    ([[0, 2], [1, 4]], None, "slots must be of shape"),
+    ([[0, 2, 3], [1, 4, 5]], [1, 1, 1], "num_accepted_tokens must be of shape"),
+    (1, None, "slots must be of shape"),
+], ids=["accepted with [N] slots", "accepted 1 with [N] slots", "float accepted", "[N, T-1] slots",
+        "N+1 accepted", "0-d slot"])
+def test_a_refused_decode_names_the_argument_and_moves_no_pool(slots, accepted, message):
+    """A decode step's slots and accepted counts are checked as kda_decode checks them before the conv indexes
+    with them or moves its pool: a named ValueError (not an IndexError from inside the layer), both pools kept."""
+    layer = make_layer(-5.0)
+    cache = cache_for(layer)
+    cache.allocate(6)
+    cache.conv.normal_(generator=torch.Generator().manual_seed(2))
+    before = cache.recurrent.clone(), cache.conv.clone()
+    accepted = None if accepted is None else torch.tensor(accepted, dtype=None if isinstance(accepted[0], float)
+                                                           else torch.int32)
+    with torch.no_grad(), pytest.raises(ValueError, match=message):
+        layer(hidden(2, 3), cache, slots=torch.tensor(slots, dtype=torch.int32), decode=True,
+              num_accepted_tokens=accepted)
+    assert torch.equal(cache.recurrent, before[0]) and torch.equal(cache.conv, before[1])
+
+
+def test_a_conv_checkpoint_past_its_sequence_is_nan():
+    """An offset past its sequence has no state: the conv checkpoint is NaN there, as the recurrent one is (it
+    read the next sequence's inputs before), and the other sequence's checkpoint is finite."""
+    layer = make_layer(-5.0)
+    cache = cache_for(layer)
+    slots = cache.allocate(2)
+    with torch.no_grad():
+        _, (recurrent, conv) = layer(hidden(80), cache, slots=slots, cu_seqlens=torch.tensor([0, 40, 80]),
+                                     checkpoint_offsets=torch.tensor([64, 32]))
+    assert bool(recurrent[0].isnan().all()) and bool(conv[0].isnan().all())
+    assert bool(recurrent[1].isfinite().all()) and bool(conv[1].isfinite().all())
+
+
+def test_the_cache_refuses_a_layer_it_does_not_have():
+    """A layer index outside the cache's layers is refused by name (-1 would have used the last layer's pools);
+    from_transformers takes the KDA layer's own place for a cache of KDA layers alone."""
+    layer = make_layer(-5.0)
+    cache = cache_for(layer)
+    slots = cache.allocate(1)
+    for index in (-1, 1):
+        layer.layer_idx = index
+        with torch.no_grad(), pytest.raises(ValueError, match=r"index must be an int in \[0, 1\)"):
+            layer(hidden(1, 4), cache, slots=slots)
+    theirs = transformers_layer(-5.0)
+    theirs.layer_idx = 3  # its place among all the model's layers
+    assert KimiDeltaAttention.from_transformers(theirs).layer_idx == 3
+    assert KimiDeltaAttention.from_transformers(theirs, layer_idx=0).layer_idx == 0
