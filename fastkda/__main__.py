@@ -10,8 +10,9 @@ import time
 import torch
 
 from .api import kda_prefill
-from .plan import SUPPORTED_DIMS, choose_open_entry_plan, choose_plan, has_warpgroup_mma, sm_count
+from .plan import CHUNK, SUPPORTED_DIMS, choose_open_entry_plan, choose_plan, has_warpgroup_mma, sm_count
 from .reference import kda_reference
+from .validation import check_prefill_index_ranges
 
 DEMO_GPU = dict(heads=12, lengths=[8192])  # the seed's low-parallelism prefill: one sequence of TP8's local heads
 DEMO_CPU = dict(heads=4, lengths=[1000, 1048])
@@ -84,6 +85,9 @@ def plan_command(args):
         for name in ("heads", "seqs", "tokens"):
             if getattr(args, name) < 1:
                 raise ValueError(f"--{name} must be at least 1, got {getattr(args, name)}")
+        # the API's index-range check: B·T = seqs·tokens in either layout (varlen: one row of them all)
+        check_prefill_index_ranges(args.seqs * args.tokens, args.seqs, args.heads, args.key_dim, args.value_dim,
+                                   CHUNK)
         varlen = args.layout == "varlen"
         if args.entry_later:  # fixed-length rows, always segmented
             for option, value, unset in (("--v-slices", args.v_slices, "auto"),

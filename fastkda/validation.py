@@ -197,6 +197,22 @@ def check_index_ranges(**products):
                  f"{name.replace('_', ' x ')} = {' x '.join(map(str, factors))}")
 
 
+def check_prefill_index_ranges(tokens, num_seqs, heads, key_dim, value_dim, chunk):
+    """:func:`check_index_ranges` of a prefill of ``tokens`` tokens in all (B·T) in ``num_seqs`` sequences: its
+    chunk slots by heads by K, and its states' N by H by V. Shared by :func:`validate_prefill` and the plan
+    command (``python -m fastkda plan``), which refuses what the API refuses."""
+    check_index_ranges(slots_H_K=(tokens // chunk + num_seqs + 1, heads, key_dim),
+                       N_H_V=(num_seqs, heads, value_dim))
+
+
+def check_offsets(cu_seqlens, device):
+    """``cu_seqlens`` a 1-D int32/int64 tensor on q's device, checked before anything reads its values as token
+    offsets (a float tensor would be truncated); its length and values are the caller's to check."""
+    if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1:
+        fail("cu_seqlens", "a 1-D tensor [N+1] of token offsets", _describe(cu_seqlens))
+    check_tensor("cu_seqlens", cu_seqlens, cu_seqlens.shape, INDEX_DTYPES, device)
+
+
 _VALIDATED = {}  # (validation function, signature of its arguments) -> what it returned
 _NOT_YET = object()  # a signature not validated yet (validation may return None)
 
@@ -231,12 +247,10 @@ def validate_prefill(q, k, v, g, beta, A_log, dt_bias, lower_bound, scale, initi
     if cu_seqlens is None:
         num_seqs = batch
     else:
-        if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1:
-            fail("cu_seqlens", "a 1-D tensor [N+1] of token offsets", _describe(cu_seqlens))
+        check_offsets(cu_seqlens, device)
         if cu_seqlens.numel() == 0 or (cu_seqlens.numel() == 1 and length):
             fail("cu_seqlens", f"[N+1] offsets from 0 to T={length}: at least two entries when T > 0, one ([0]) "
                  f"for an empty batch", f"{cu_seqlens.numel()} entr{'y' if cu_seqlens.numel() == 1 else 'ies'}")
-        check_tensor("cu_seqlens", cu_seqlens, cu_seqlens.shape, INDEX_DTYPES, device)
         if batch != 1:
             fail("q", "of batch size 1 when cu_seqlens is given", batch)
         check_contiguous("cu_seqlens", cu_seqlens)
@@ -247,8 +261,7 @@ def validate_prefill(q, k, v, g, beta, A_log, dt_bias, lower_bound, scale, initi
             check_tensor(name, state, state_shape, STATE_DTYPES, device)
             check_contiguous(name, state)
     check_out(out, v)
-    check_index_ranges(slots_H_K=(batch * length // chunk + num_seqs + 1, heads, key_dim),
-                       N_H_V=(num_seqs, heads, value_dim))
+    check_prefill_index_ranges(batch * length, num_seqs, heads, key_dim, value_dim, chunk)
     if (checkpoint_offsets is None) != (checkpoint_states is None):
         fail("checkpoint_offsets and checkpoint_states", "given together",
              f"checkpoint_offsets={'set' if checkpoint_offsets is not None else None}, "

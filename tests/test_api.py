@@ -138,6 +138,21 @@ def test_flash_kda_adapter_matches_native():
                       final_state=final.bfloat16(), cu_seqlens=inp["cu_seqlens"])
 
 
+@pytest.mark.parametrize("name", ["initial_state", "final_state"])
+def test_flash_kda_adapter_refuses_a_state_that_is_not_a_tensor(name):
+    """A state that is not a tensor, beside one that is, is a ``ValueError`` naming it (not an AttributeError from
+    comparing dtypes), before ``out`` or the other state is written."""
+    inp = make_inputs([12, 50], key_dim=128, seed=15)
+    out = torch.full_like(inp["v"], 5.0)
+    states = dict(initial_state=inp["initial_state"], final_state=torch.full_like(inp["initial_state"], 5.0))
+    states[name] = 3
+    with pytest.raises(ValueError, match=f"{name} must be a torch.Tensor, got int"):
+        flash_kda.fwd(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], 128 ** -0.5, out, inp["A_log"],
+                      inp["dt_bias"], inp["lower_bound"], **states, cu_seqlens=inp["cu_seqlens"])
+    written = [out] + ([states["final_state"]] if name == "initial_state" else [])
+    assert all(bool((x == 5.0).all()) for x in written)
+
+
 @pytest.mark.parametrize("state_v_first", [False, True])
 def test_fla_adapter_lower_bound_gate(state_v_first):
     inp = make_inputs([20, 44], seed=16)

@@ -6,6 +6,9 @@ import sys
 import pytest
 import torch
 
+from fastkda.plan import CHUNK
+from fastkda.validation import validate_prefill
+
 
 def fastkda(*args, timeout=60):
     return subprocess.run([sys.executable, "-m", "fastkda", *args], capture_output=True, text=True, timeout=timeout)
@@ -69,3 +72,22 @@ def test_plan_command_refuses_what_an_open_entry_plan_does_not_take(option):
     done = fastkda("plan", "--heads", "12", "--seqs", "1", "--tokens", "8192", "--sms", "132", "--entry-later",
                    *option)
     assert done.returncode == 2 and f"{option[0]} does not apply with --entry-later" in done.stderr, done.stderr
+
+
+@pytest.mark.parametrize("heads, seqs, tokens, layout", [
+    (64, 1, 2 ** 23, "varlen"), (100000, 100000, 100000, "varlen"), (64, 2, 2 ** 22, "fixed"),
+    (64, 2, 2 ** 22, "entry-later")])
+def test_plan_command_refuses_shapes_past_the_kernels_32_bit_offsets(heads, seqs, tokens, layout):
+    """A shape whose index ranges the API refuses (validate_prefill, which kda_prefill_open runs too) is refused
+    by the plan command in the same words, with no plan printed."""
+    batch, length = (1, seqs * tokens) if layout == "varlen" else (seqs, tokens)
+    cu_seqlens = torch.arange(seqs + 1) * tokens if layout == "varlen" else None
+
+    def shaped(*shape):  # no memory: validation reads shapes only
+        return torch.zeros(1).expand(*shape)
+    with pytest.raises(ValueError, match="32-bit offsets") as api:
+        validate_prefill(*(shaped(batch, length, heads, 128) for _ in range(4)), shaped(batch, length, heads), None,
+                         None, None, 0.1, None, None, cu_seqlens, None, None, None, CHUNK)
+    done = fastkda("plan", "--heads", str(heads), "--seqs", str(seqs), "--tokens", str(tokens), "--sms", "132",
+                   *(["--entry-later"] if layout == "entry-later" else ["--layout", layout]))
+    assert done.returncode == 2 and done.stderr == f"error: {api.value}\n" and not done.stdout, done.stdout

@@ -135,9 +135,13 @@ def measure_accuracy(impls, device="cuda"):
 
 
 def main(argv=None):
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     if args.merge:
-        print(merge_files(*args.merge))
+        try:
+            print(merge_files(*args.merge))
+        except ValueError as exc:  # a file missing or not a results file, refused before anything is written
+            parser.error(str(exc))
         return 0
     if not torch.cuda.is_available():
         print("fastkda-bench needs a CUDA GPU; `python -m fastkda demo` runs the CPU path.", file=sys.stderr)

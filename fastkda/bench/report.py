@@ -340,11 +340,24 @@ def write_results(rows, out_dir, errors, run, copy_gbps=None, earlier=None, kern
     return render_results(meta, rows, results_stem(out_dir, props.name), kernels)
 
 
+def read_results(path):
+    """A results file's ``{"meta": {...}, "rows": [...], ...}``; ``ValueError`` naming the file where it is missing,
+    unreadable, not JSON or not a results file."""
+    try:
+        found = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as exc:  # ValueError: not JSON (JSONDecodeError) or not UTF-8 text
+        raise ValueError(f"cannot read results file {path}: {getattr(exc, 'strerror', None) or exc}") from None
+    if not (isinstance(found, dict) and isinstance(found.get("meta"), dict) and isinstance(found.get("rows"), list)):
+        raise ValueError(f"{path} is not a results file (a JSON object with \"meta\" and \"rows\")")
+    return found
+
+
 def merge_files(earlier_path, later_path):
     """``--merge``: rewrite ``later_path`` (and its .md/.png) with ``earlier_path``'s rows for what it lacks, e.g.
     after a run cut short by a time limit, and for what ``earlier_path`` measured in a newer run
-    (:func:`merge_rows`)."""
-    earlier, later = (json.loads(Path(p).read_text()) for p in (earlier_path, later_path))
+    (:func:`merge_rows`). A file that :func:`read_results` refuses raises its ``ValueError`` before anything is
+    written."""
+    earlier, later = (read_results(p) for p in (earlier_path, later_path))
     rows = merge_rows(earlier["rows"], later["rows"])
     kernels = merge_rows(earlier.get("kernels", []), later.get("kernels", []), KERNEL_FIELDS)
     meta = dict(later["meta"], commits=sorted({r["commit"] for r in rows if "commit" in r}),

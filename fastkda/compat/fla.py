@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from .. import checks
 from ..api import kda_decode, kda_prefill
-from ..validation import MIN_LOWER_BOUND, fail
+from ..validation import INDEX_DTYPES, MIN_LOWER_BOUND, _describe, check_offsets, check_tensor, fail
 
 CHUNK_SIZES = (32, 64)  # FLA's KDA chunk sizes: they set the spacing of return_intermediate_states only
 NAMES = ("q", "k", "v", "g", "beta")
@@ -57,10 +57,12 @@ def _inputs(q, k, v, g, beta, *, scale, use_qk_l2norm_in_kernel, use_gate_in_ker
             q, k = (x.repeat_interleave(value_heads // heads, dim=2) for x in (q, k))
     gate = {}
     if use_gate_in_kernel:
+        if not isinstance(g, torch.Tensor) or g.dim() != 4:
+            fail("g", "a 4-D tensor [B, T, HV, K] (the raw gate, use_gate_in_kernel=True)", _describe(g))
         value_heads, key_dim = g.shape[-2:]
         for name, x, size in (("A_log", A_log, value_heads), ("dt_bias", dt_bias, value_heads * key_dim)):
-            if x is not None and x.numel() != size:
-                fail(name, f"a tensor of {size} values", list(x.shape))
+            if x is not None and (not isinstance(x, torch.Tensor) or x.numel() != size):
+                fail(name, f"a tensor of {size} values", _describe(x))
         bias = torch.zeros(value_heads, key_dim, device=g.device) if dt_bias is None else dt_bias.reshape(
             value_heads, key_dim)
         if lower_bound is not None:
@@ -310,6 +312,9 @@ def _decode_pool(tensors, kw, pool, indices, num_accepted_tokens, cu_seqlens, ou
     outputs scattered back to the tokens they belong to. Device-side index math only: no sync."""
     q, v = tensors["q"], tensors["v"]
     batch, length = q.shape[:2]
+    if not isinstance(indices, torch.Tensor) or indices.dim() not in (1, 2):
+        fail("ssm_state_indices", "a tensor [N] or [N, S] of pool slots", _describe(indices))
+    check_tensor("ssm_state_indices", indices, indices.shape, INDEX_DTYPES, q.device)
     per_token = indices.dim() == 2
     columns = indices.shape[1] if per_token else 1
     if num_accepted_tokens is not None and not per_token:
@@ -320,10 +325,15 @@ def _decode_pool(tensors, kw, pool, indices, num_accepted_tokens, cu_seqlens, ou
             fail("ssm_state_indices", f"[N, S] with S >= T={length} (token t's slot is column t; [N] indices serve "
                  "one token per sequence)", list(indices.shape))
         cu_seqlens = torch.arange(batch + 1, device=q.device) * length
-    elif batch != 1:
-        fail("q", "of batch size 1 when cu_seqlens is given", batch)
+    else:
+        check_offsets(cu_seqlens, q.device)  # before its values are read as (integer) token offsets
+        if batch != 1:
+            fail("q", "of batch size 1 when cu_seqlens is given", batch)
     tensors = _token_rows(tensors)
     total, num_seqs = batch * length, cu_seqlens.numel() - 1
+    if num_seqs < 0 or (num_seqs == 0 and total):
+        fail("cu_seqlens", f"[N+1] offsets from 0 to T={total}: at least two entries when T > 0, one ([0]) for an "
+             "empty batch", f"{cu_seqlens.numel()} entr{'y' if cu_seqlens.numel() == 1 else 'ies'}")
     if total == 0 or num_seqs < 1:
         return torch.zeros_like(v) if out is None else out.zero_()
     if indices.shape[0] != num_seqs:

@@ -1,5 +1,7 @@
 """FlashKDA's ``flash_kda.fwd`` signature on fastkda (spec §5): ``from fastkda.compat import flash_kda``."""
 
+import torch
+
 from ..api import kda_prefill
 
 
@@ -10,7 +12,9 @@ def fwd(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state
     are given; ``final_state`` is filled in place; ``sequence_parallel`` and ``max_seqlen`` as in
     :func:`fastkda.kda_prefill`.
     Returns None."""
-    if initial_state is not None and final_state is not None and initial_state.dtype != final_state.dtype:
+    # a state that is not a tensor is left to kda_prefill's validation, which names it
+    if isinstance(initial_state, torch.Tensor) and isinstance(final_state, torch.Tensor) and (
+            initial_state.dtype != final_state.dtype):
         raise ValueError(f"flash_kda.fwd: initial_state and final_state must share a dtype, got "
                          f"{initial_state.dtype} and {final_state.dtype}")
     if out is None:

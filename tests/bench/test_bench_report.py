@@ -3,8 +3,10 @@
 import datetime
 import importlib.util
 import json
+import re
 import types
 
+import pytest
 import torch
 
 from fastkda.bench import main
@@ -130,6 +132,27 @@ def test_merge_keeps_the_newer_run_of_each_row_whichever_file_holds_it(tmp_path)
         merged = json.loads(paths[1].read_text())
         assert sorted((r["workload"], r["ms"]) for r in merged["rows"]) == [("w1", 1.5), ("w2", 2.0), ("w3", 3.0)]
         assert sorted((k["workload"], k["ms"]) for k in merged["kernels"]) == [("w1", 0.1), ("w3", 0.3)]
+
+
+@pytest.mark.parametrize("content, words", [
+    (None, "cannot read results file .*: No such file or directory"),
+    ("{not json", "cannot read results file .*: Expecting property name"),
+    ("[1]", "is not a results file"), ('{"rows": []}', "is not a results file")])
+def test_merge_refuses_a_missing_or_malformed_file_as_an_argument_error(tmp_path, capsys, content, words):
+    """``--merge`` of a file that is missing, not JSON or not a results file: argparse's ``error:`` line and
+    exit status 2 (no traceback), naming the file, before anything is written."""
+    bad, good = tmp_path / "bad.json", tmp_path / "good.json"
+    files = {"good.json": json.dumps(dict(meta=META, rows=[row("w", 1.0, "c")]))}
+    if content is not None:
+        files["bad.json"] = content
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+    for paths in ((bad, good), (good, bad)):
+        with pytest.raises(SystemExit) as done:
+            main(["--merge", *map(str, paths)])
+        err = capsys.readouterr().err
+        assert done.value.code == 2 and re.search(f"fastkda-bench: error: .*{words}", err) and str(bad) in err, err
+    assert {p.name: p.read_text() for p in tmp_path.iterdir()} == files  # no .md or .png, no file changed
 
 
 def test_kernel_heading_keeps_the_rates_its_rows_were_measured_against(tmp_path):

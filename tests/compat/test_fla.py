@@ -85,6 +85,16 @@ def test_chunk_size_32_or_64_only():
 
 
 @pytest.mark.parametrize("entry", ["chunk_kda", "fused_recurrent_kda"])
+def test_gate_in_kernel_refuses_a_missing_g(entry):
+    """``use_gate_in_kernel`` forms the gate from g: g=None is a ``ValueError`` naming g (not an AttributeError
+    from reading its shape)."""
+    inp = make_inputs([5, 3], seed=54)
+    with pytest.raises(ValueError, match="g must be a 4-D tensor"):
+        getattr(fla, entry)(inp["q"], inp["k"], inp["v"], None, inp["beta"], **lower_bound_gate(inp),
+                            cu_seqlens=inp["cu_seqlens"])
+
+
+@pytest.mark.parametrize("entry", ["chunk_kda", "fused_recurrent_kda"])
 def test_grouped_value_heads(entry):
     """HV = 4 value heads on H = 2 q/k heads: value head i reads q/k head i // (HV // H) (FLA's ``i_h``)."""
     inp = make_inputs([30, 90], heads=4, seed=44)
@@ -204,6 +214,33 @@ def test_fused_recurrent_fwd_refused_pool_call_leaves_out_and_pool_alone(slots, 
         fla.fused_recurrent_kda_fwd(*(inp[x] for x in ("q", "k", "v", "g", "beta")), **lower_bound_gate(inp),
                                     initial_state=states, cu_seqlens=cu, out=out, state_v_first=True,
                                     ssm_state_indices=torch.tensor(slots, dtype=torch.int32))
+    assert bool((out == 5.0).all()) and torch.equal(states, pool)
+
+
+POOL_CU = torch.tensor([0, 1, 2, 3, 3], dtype=torch.int32)  # three one-token sequences and an empty one
+POOL_SLOTS = torch.tensor([5, 0, 2, 7], dtype=torch.int32)
+
+
+@pytest.mark.parametrize("cu, slots, what", [
+    (torch.tensor([0.0, 1.5, 2.0, 3.0, 3.0]), POOL_SLOTS, "cu_seqlens must be of dtype"),  # not truncated
+    (POOL_CU[None], POOL_SLOTS, "cu_seqlens must be a 1-D tensor"),
+    (POOL_CU, torch.tensor(5, dtype=torch.int32), "ssm_state_indices must be a tensor"),
+    (POOL_CU, POOL_SLOTS.view(4, 1, 1), "ssm_state_indices must be a tensor"),
+    (POOL_CU, POOL_SLOTS.float(), "ssm_state_indices must be of dtype"),
+    (POOL_CU[:0], POOL_SLOTS, "at least two entries"), (POOL_CU[:1], POOL_SLOTS, "at least two entries")],
+    ids=["float cu_seqlens", "2-D cu_seqlens", "0-d indices", "3-D indices", "float indices", "empty cu_seqlens",
+         "one offset"])
+def test_fused_recurrent_fwd_refuses_malformed_offsets_and_indices(cu, slots, what):
+    """The pool form takes ``cu_seqlens`` only as 1-D int32/int64 offsets (as without ``ssm_state_indices``) and
+    ``ssm_state_indices`` only as the ``[N]`` or ``[N, S]`` integer slots its docstring gives: anything else is a
+    ``ValueError`` naming it, before ``out`` or the pool is written."""
+    inp, pool = pool_inputs(3, 1, seed=53)
+    states = pool.clone()
+    out = torch.full_like(inp["v"], 5.0)
+    with pytest.raises(ValueError, match=what):
+        fla.fused_recurrent_kda_fwd(*(inp[x] for x in ("q", "k", "v", "g", "beta")), **lower_bound_gate(inp),
+                                    initial_state=states, cu_seqlens=cu, out=out, state_v_first=True,
+                                    ssm_state_indices=slots)
     assert bool((out == 5.0).all()) and torch.equal(states, pool)
 
 
