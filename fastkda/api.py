@@ -198,11 +198,15 @@ def kda_prefill(
     num_seqs, extents = remembered(validate_prefill, q, k, v, g, beta, A_log, dt_bias, lower_bound, scale,
                                    initial_state, final_state, cu_seqlens, out, checkpoint_offsets, checkpoint_states,
                                    CHUNK)
-    if out is not None or final_state is not None:  # buffers the caller passed must not alias an input
-        others = list(zip(("q", "k", "v", "g", "beta", "initial_state", "final_state"),
-                          (q, k, v, g, beta, initial_state, final_state), extents))
-        check_disjoint("out", out, extents[7], others)
+    compiling = torch.compiler.is_compiling()
+    if not compiling and (out is not None or final_state is not None or checkpoint_states is not None):
+        # buffers the caller passed must not alias an input, nor each other (final_state may be initial_state;
+        # addresses exist on eager calls only, as for the conv's pool)
+        others = list(zip(("q", "k", "v", "g", "beta", "initial_state", "final_state", "out"),
+                          (q, k, v, g, beta, initial_state, final_state, out), extents))
+        check_disjoint("out", out, extents[7], others[:7])
         check_disjoint("final_state", final_state, extents[6], others[:5])
+        check_disjoint("checkpoint_states", checkpoint_states, extents[8], others)
     batch, length, heads, key_dim = q.shape
     value_dim = v.shape[-1]
     facts = (num_seqs, heads, length, key_dim, value_dim)
@@ -219,7 +223,6 @@ def kda_prefill(
         out = torch.empty_like(v, memory_format=torch.contiguous_format)
     if final_state is None and output_final_state:
         final_state = torch.empty(num_seqs, heads, value_dim, key_dim, dtype=torch.float32, device=q.device)
-    compiling = torch.compiler.is_compiling()
     _opaque_when_compiling(_prefill_op, _prefill_impl)(
         *(given if compiling else (q, k, v, g, beta)), A_log, dt_bias, lower_bound, float(scale), initial_state,
         cu_seqlens, use_qk_l2norm, use_beta_sigmoid, plan.launch_numbers(), plan.dot_precision,
@@ -800,7 +803,8 @@ def _validate_decode_step(mixed, conv_states, conv_weight, g, beta, output_gate,
         fail("conv_states", f"[P, C, W-1] = [P, {channels}, {conv_weight.shape[1] - 1}] (the step's pools)",
              _describe(conv_states))
     q, k, v = _token_heads(mixed, heads, key_dim, value_dim)
-    beta = beta[:, None] if isinstance(beta, torch.Tensor) else beta
+    check_tensor("beta", beta, (num_seqs, heads), FLOAT_DTYPES, mixed.device)  # its own shape, not decode's
+    beta = beta[:, None]
     validate_decode(*addressable_inputs(q, k, v, g[:, None], beta), state_pool, slots, A_log, dt_bias, lower_bound,
                     scale, None, None)
     for name, x, shape in (("g", g, (num_seqs, heads, key_dim)), ("output_gate", output_gate,

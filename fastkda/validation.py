@@ -240,7 +240,7 @@ def remembered(validate, *args):
 def validate_prefill(q, k, v, g, beta, A_log, dt_bias, lower_bound, scale, initial_state, final_state,
                      cu_seqlens, out, checkpoint_offsets, checkpoint_states, chunk):
     """Raise ``ValueError`` naming the first argument that breaks the contract (spec §3); return N and the byte
-    extents of q, k, v, g, beta, initial_state, final_state and out (:func:`check_disjoint`)."""
+    extents of q, k, v, g, beta, initial_state, final_state, out and checkpoint_states (:func:`check_disjoint`)."""
     value_dim = check_inputs(q, k, v, g, beta, A_log, dt_bias, lower_bound, scale)
     batch, length, heads, key_dim = q.shape
     device = q.device
@@ -275,7 +275,8 @@ def validate_prefill(q, k, v, g, beta, A_log, dt_bias, lower_bound, scale, initi
         check_tensor("checkpoint_states", checkpoint_states, (num_seqs, 2, heads, value_dim, key_dim),
                      (torch.float32,), device)
         check_contiguous("checkpoint_states", checkpoint_states)
-    return num_seqs, tuple(byte_extent(x) for x in (q, k, v, g, beta, initial_state, final_state, out))
+    return num_seqs, tuple(byte_extent(x) for x in (q, k, v, g, beta, initial_state, final_state, out,
+                                                     checkpoint_states))
 
 
 def validate_decode(q, k, v, g, beta, state_pool, slots, A_log, dt_bias, lower_bound, scale, num_accepted_tokens,

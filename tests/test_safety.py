@@ -158,6 +158,31 @@ def test_an_out_sharing_memory_with_an_input_is_refused(shift):
         prefill(inp, out, None)
 
 
+@pytest.mark.parametrize("other", ["v", "out", "final_state"])
+def test_checkpoint_states_sharing_memory_with_another_tensor_is_refused(other):
+    """Checkpoint states written over an input would change it (v came back modified), over ``out`` or
+    ``final_state`` they would come back as the other's values: refused by name, nothing written."""
+    inp = make_inputs([64, 96], seed=48)
+    num, heads, value_dim, key_dim = inp["initial_state"].shape
+    states = num * 2 * heads * value_dim * key_dim
+    buffer = torch.zeros(4 * states + 2 * inp["v"].numel() + 32, dtype=torch.uint8)  # bytes, viewed as each dtype
+    checkpoint_states = buffer[32:32 + 4 * states].view(torch.float32).view(num, 2, heads, value_dim, key_dim)
+    out, final = None, None
+    if other in ("v", "out"):  # bf16, its first 32 bytes before the checkpoint states
+        shared = buffer[:2 * inp["v"].numel()].view(torch.bfloat16).view(inp["v"].shape)
+        if other == "v":
+            inp["v"] = shared.copy_(inp["v"])
+        else:
+            out = shared
+    else:
+        final = buffer[:4 * states // 2].view(torch.float32).view(inp["initial_state"].shape)
+    before = buffer.clone()
+    with pytest.raises(ValueError, match=f"checkpoint_states must be a buffer that shares no memory with {other}"):
+        prefill(inp, out, final, checkpoint_offsets=torch.tensor([32, 64], dtype=inp["cu_seqlens"].dtype),
+                checkpoint_states=checkpoint_states)
+    assert torch.equal(buffer, before)
+
+
 def test_final_state_may_be_the_initial_state():
     """In place: each program reads its slice of the initial state before it writes the final one."""
     inp = make_inputs([10, 20], seed=46)

@@ -133,6 +133,9 @@ def test_errors_name_the_argument():
         fastkda.kda_decode_step(**{**inp, "conv_states": wide}, slots=slots)
     with pytest.raises(ValueError, match="plan"):  # a plan of another shape
         fastkda.kda_decode_step(**inp, slots=slots, plan=choose_decode_plan(3, HEADS, DIM, 132, tokens=1))
+    for beta in (inp["beta"][0, 0], inp["beta"][:, 0]):  # 0-d (was an IndexError), [N] (named decode's [N, 1, H])
+        with pytest.raises(ValueError, match=rf"beta must be of shape \[2, {HEADS}\]"):
+            fastkda.kda_decode_step(**{**inp, "beta": beta}, slots=slots)
 
 
 @needs_interpreter
