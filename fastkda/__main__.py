@@ -42,8 +42,12 @@ def demo(args):
     heads, lengths = workload["heads"], workload["lengths"]
     tensors, kw = demo_inputs(heads, lengths, device)
     sms = sm_count(torch.cuda.current_device()) if cuda else 1
-    plan = choose_plan(len(lengths), heads, sum(lengths), DIM, DIM, sms,
-                       warpgroup_mma=cuda and has_warpgroup_mma(torch.cuda.current_device()))
+    try:  # the environment's $FASTKDA_V_SLICES and $FASTKDA_SEQUENCE_PARALLEL are read here first
+        plan = choose_plan(len(lengths), heads, sum(lengths), DIM, DIM, sms,
+                           warpgroup_mma=cuda and has_warpgroup_mma(torch.cuda.current_device()))
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     qkvgb = [tensors[x] for x in ("q", "k", "v", "g", "beta")]
 
     def run():

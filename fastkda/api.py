@@ -216,7 +216,7 @@ def kda_prefill(
                            sequence_parallel=sequence_parallel, max_seqlen=max_seqlen,
                            warpgroup_mma=_warpgroup_mma_of(q))
     else:
-        _check_plan_fits(plan, facts, varlen, lower_bound_gate, v_slices, sequence_parallel)
+        _check_plan_fits(plan, facts, varlen, lower_bound_gate, v_slices, sequence_parallel, max_seqlen)
         _check_plan_runs_here(plan, q)
     errors = _error_counters(errors, q)
     if out is None:
@@ -241,15 +241,18 @@ def _check_plan_runs_here(plan, q):
              f"{' and '.join(f'{name}=True' for name in asked)} on compute capability {major}.{minor}")
 
 
-def _check_plan_fits(plan, facts, varlen, lower_bound_gate, v_slices, sequence_parallel):
-    """A caller's plan must be a :class:`PrefillPlan` made for this call's shape and gate, without ``v_slices``
-    or ``sequence_parallel``."""
+def _check_plan_fits(plan, facts, varlen, lower_bound_gate, v_slices, sequence_parallel, max_seqlen):
+    """A caller's plan must be a :class:`PrefillPlan` made for this call's shape and gate, without ``v_slices``,
+    ``sequence_parallel`` or ``max_seqlen`` (the plan was made from its own hint, and holds what it decided)."""
     if not isinstance(plan, PrefillPlan):
         fail("plan", "a fastkda.PrefillPlan", type(plan).__name__)
     if v_slices != "auto":
         fail("v_slices", "'auto' when a plan is given (the plan holds v_slices)", v_slices)
     if not (isinstance(sequence_parallel, str) and sequence_parallel == "auto"):
         fail("sequence_parallel", "'auto' when a plan is given (the plan holds the segments)", sequence_parallel)
+    if max_seqlen is not None:
+        fail("max_seqlen", "None when a plan is given (pass it to choose_plan: the plan holds the rows and segments "
+             "it decided)", max_seqlen)
     made_for = (plan.num_seqs, plan.heads, plan.seq_len * (plan.num_seqs if plan.equal_rows else 1),
                 plan.key_dim, plan.value_dim, plan.varlen or plan.equal_rows, plan.lower_bound_gate)
     needed = (*facts, varlen, lower_bound_gate)

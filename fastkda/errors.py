@@ -29,9 +29,20 @@ _COUNTERS: dict = {}  # torch.device -> int32 tensor [len(KINDS)]
 
 
 def _device(device) -> torch.device:
-    device = torch.device("cuda" if device is None else device)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
+    """The device whose counters are meant (None: the current CUDA device): a CPU device (the kernels under the
+    interpreter) or a CUDA device this process can use; anything else is a ``ValueError`` naming ``device``."""
+    try:
+        device = torch.device("cuda" if device is None else device)
+    except (RuntimeError, TypeError) as exc:
+        raise ValueError(f"fastkda: device must name a device, got {device!r} ({exc})") from None
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"fastkda: device must be a CUDA device this process can use (the counters live on "
+                             f"the GPU that runs the kernels), got {device} without CUDA")
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+    elif device.type != "cpu":
+        raise ValueError(f"fastkda: device must be a CUDA device (or cpu, for the interpreter), got {device}")
     return device
 
 

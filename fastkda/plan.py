@@ -99,6 +99,27 @@ def _check(condition, message):
         raise ValueError(f"fastkda plan: {message}")
 
 
+def _check_field_types(plan):
+    """Every number of a plan an int (not a bool: True would pass for 1), every flag a bool, before the ranges are
+    checked: a float or None would fail the range checks with a TypeError, or be truncated on the way to the
+    kernels."""
+    for field in dataclasses.fields(plan):
+        value = getattr(plan, field.name)
+        if field.type == "int":
+            _check(isinstance(value, int) and not isinstance(value, bool),
+                   f"{field.name} must be an int, got {value!r}")
+        elif field.type == "bool":
+            _check(isinstance(value, bool), f"{field.name} must be a bool, got {value!r}")
+
+
+def _replaced(plan, changes):
+    """``plan`` with ``changes`` (validated by its class), its reason saying which; the reason itself is not a
+    number to change."""
+    _check("reason" not in changes, "replace takes launch numbers; the reason records them")
+    changed = ", ".join(f"{name}={value!r}" for name, value in changes.items())
+    return dataclasses.replace(plan, **changes, reason=f"{plan.reason}; overridden: {changed}")
+
+
 @dataclass(frozen=True)
 class PrefillPlan:
     """Every number one prefill call launches with, the facts it was made from, and why (``reason``).
@@ -175,6 +196,7 @@ class PrefillPlan:
     reason: str = dataclasses.field(default="", compare=False)
 
     def __post_init__(self):
+        _check_field_types(self)
         for name in ("seq_len", "num_seqs", "heads", "sms"):
             least = 0 if name in ("seq_len", "num_seqs") else 1
             _check(getattr(self, name) >= least, f"{name} must be >= {least}, got {getattr(self, name)}")
@@ -183,7 +205,10 @@ class PrefillPlan:
                                                           f"{getattr(self, name)}")
         _check(self.block == 16 and self.chunk == 2 * self.block,
                f"the kernels take chunks of two 16-token blocks, got chunk={self.chunk}, block={self.block}")
-        _check(self.cpu_chunk >= 1, f"cpu_chunk must be >= 1, got {self.cpu_chunk}")
+        # a divisor of the chunk: checkpoints and segments fall on chunk multiples, which the CPU path keeps only at
+        # its own chunks' ends, and its cumulative decays are taken over one chunk (a long one loses them)
+        _check(self.cpu_chunk >= 1 and self.chunk % self.cpu_chunk == 0,
+               f"cpu_chunk must divide the chunk ({self.chunk}), got {self.cpu_chunk}")
         width = self.value_dim // max(self.v_slices, 1)
         _check(self.v_slices >= 1 and self.value_dim % self.v_slices == 0 and width >= MIN_SLICE_WIDTH
                and width & (width - 1) == 0,
@@ -328,8 +353,7 @@ class PrefillPlan:
 
     def replace(self, **changes) -> "PrefillPlan":
         """This plan with some numbers changed (validated), its reason saying which."""
-        changed = ", ".join(f"{name}={value!r}" for name, value in changes.items())
-        return dataclasses.replace(self, **changes, reason=f"{self.reason}; overridden: {changed}")
+        return _replaced(self, changes)
 
     def launch_numbers(self) -> tuple:
         """The plan as plain integers (bools as 0/1), the form the custom op carries; see
@@ -623,7 +647,7 @@ def choose_plan(num_seqs: int, heads: int, seq_len: int, key_dim: int, value_dim
                         max_seqlen or 0, bool(warpgroup_mma))
 
 
-@functools.lru_cache(maxsize=4096)  # an eager call's host time counts: a repeated shape reuses its plan
+@functools.lru_cache(maxsize=4096, typed=True)  # an eager call's host time counts: a repeated shape reuses its plan
 def _choose_plan(num_seqs, heads, seq_len, key_dim, value_dim, sms, varlen, lower_bound_gate, choice,
                  sp_choice="auto", max_seqlen=0, warpgroup_mma=False):
     for name, value in (("num_seqs", num_seqs), ("heads", heads), ("seq_len", seq_len), ("sms", sms)):
@@ -790,6 +814,10 @@ class DecodePlan:
     reason: str = dataclasses.field(default="", compare=False)
 
     def __post_init__(self):
+        _check_field_types(self)
+        _check(self.num_seqs >= 0 and self.heads >= 1, f"decode needs num_seqs >= 0 and heads >= 1, got "
+                                                       f"{self.num_seqs} and {self.heads}")
+        _check(self.value_dim in SUPPORTED_DIMS, f"value_dim must be one of {SUPPORTED_DIMS}, got {self.value_dim}")
         width = self.value_dim // max(self.v_slices, 1)
         _check(self.v_slices >= 1 and self.value_dim % self.v_slices == 0 and width >= MIN_SLICE_WIDTH,
                f"v_slices={self.v_slices} leaves decode slices narrower than {MIN_SLICE_WIDTH} columns of "
@@ -809,8 +837,8 @@ class DecodePlan:
         return _decode_plan_from_numbers(tuple(numbers))
 
     def replace(self, **changes) -> "DecodePlan":
-        changed = ", ".join(f"{name}={value!r}" for name, value in changes.items())
-        return dataclasses.replace(self, **changes, reason=f"{self.reason}; overridden: {changed}")
+        """This plan with some numbers changed (validated), its reason saying which."""
+        return _replaced(self, changes)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -846,8 +874,12 @@ def one_token_decode_warps(programs: int, sms: int) -> int:
     return 1 if programs >= sms else LONE_DECODE_WARPS
 
 
-@functools.lru_cache(maxsize=4096)
+@functools.lru_cache(maxsize=4096, typed=True)  # typed: a cached 1 must not pass True or 1.0 (checked here)
 def _choose_decode_plan(num_seqs, heads, value_dim, sms, choice, tokens):
+    for name, value, least in (("num_seqs", num_seqs, 0), ("heads", heads, 1), ("sms", sms, 1),
+                               ("tokens", tokens, 1)):
+        _check(isinstance(value, int) and not isinstance(value, bool) and value >= least,
+               f"{name} must be an integer >= {least}, got {value!r}")
     _check(value_dim in SUPPORTED_DIMS, f"V must be in {SUPPORTED_DIMS}, got {value_dim}")
     if choice == "auto":
         slices = max(value_dim // DECODE_SLICE_WIDTH, 1)

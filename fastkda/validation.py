@@ -225,7 +225,7 @@ def remembered(validate, *args):
     tensor's key."""
     try:
         key = validate, tuple([(a.shape, a.stride(), a.dtype, a.is_cpu or a.device) if isinstance(a, torch.Tensor)
-                               else a for a in args])
+                               else (type(a), a) for a in args])  # typed: True == 1 == 1.0, not equally valid
         result = _VALIDATED.get(key, _NOT_YET)
     except TypeError:  # an unhashable argument (a symbolic size, a list): no signature
         return validate(*args)

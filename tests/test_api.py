@@ -233,6 +233,31 @@ def test_bad_sequence_parallel_arguments_are_rejected():
             fastkda.kda_prefill(*args, **kw, **{name: bad})
     with pytest.raises(ValueError, match="sequence_parallel"):
         fastkda.kda_prefill(*args, **kw, plan=plan_for(inp, sms=1), sequence_parallel=64)
+    for hint in (50, -1, "abc"):  # the plan was made from its own hint (was: ignored, even a hint offsets refute)
+        with pytest.raises(ValueError, match="max_seqlen must be None when a plan is given"):
+            fastkda.kda_prefill(*args, **kw, plan=plan_for(inp, sms=1), max_seqlen=hint)
+
+
+def test_remembered_validation_keys_each_argument_with_its_type():
+    """Validation is remembered per signature of the arguments, and True == 1 == 1.0: a valid scale of 1 let a
+    later scale=True through (refused by name in a fresh process)."""
+    inp = make_inputs([40], seed=62)
+    args = [inp[x] for x in ("q", "k", "v", "g", "beta")]
+    kw = dict(A_log=inp["A_log"], dt_bias=inp["dt_bias"], lower_bound=inp["lower_bound"], cu_seqlens=inp["cu_seqlens"])
+    fastkda.kda_prefill(*args, **kw, scale=1)
+    with pytest.raises(ValueError, match="scale must be a positive finite number"):
+        fastkda.kda_prefill(*args, **kw, scale=True)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the counters of a machine without CUDA")
+@pytest.mark.parametrize("device", [None, "cuda:0", "meta"])
+def test_error_counts_name_a_device_they_cannot_read(device):
+    """Without CUDA (or on a meta device) the counters' device is refused by name, not by torch's assertion."""
+    with pytest.raises(ValueError, match="device must be a CUDA device"):
+        fastkda.error_counts(device)
+    with pytest.raises(ValueError, match="device must be a CUDA device"):
+        fastkda.reset_error_counts(device)
+    assert set(fastkda.error_counts("cpu")) == {"slot", "accepted", "cu_seqlens"}  # the interpreter's counters
 
 
 def test_a_hint_of_equal_lengths_needs_offsets_that_agree():

@@ -426,3 +426,53 @@ def test_warpgroup_mma_is_read_from_the_device_capability(monkeypatch):
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index, c=capability: c)
         assert has_warpgroup_mma(0) is expected
     has_warpgroup_mma.cache_clear()
+
+
+@pytest.mark.parametrize("cpu_chunk", [7, 48, 64, 1024])
+def test_the_cpu_chunk_divides_the_chunk(cpu_chunk):
+    """The CPU path keeps checkpoints only at its own chunks' ends (64: the one at 32 was never written) and takes
+    its cumulative decays over one chunk (1024: 13x the float64 output's norm off): a divisor of 32 or nothing."""
+    plan = choose_plan(1, 2, 96, 64, 64, 1, varlen=False)
+    with pytest.raises(ValueError, match="cpu_chunk must divide the chunk"):
+        plan.replace(cpu_chunk=cpu_chunk)
+    assert plan.replace(cpu_chunk=8).cpu_chunk == 8
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(v_slices=1.0), "v_slices must be an int"), (dict(v_slices=None), "v_slices must be an int"),
+    (dict(recurrence_stages=2.5), "recurrence_stages must be an int"), (dict(heads=2.0), "heads must be an int"),
+    (dict(cpu_chunk=True), "cpu_chunk must be an int"), (dict(longest_first=1), "longest_first must be a bool"),
+    (dict(reason="mine"), "replace takes launch numbers")])
+def test_plan_fields_are_typed(change, message):
+    """A float was truncated on its way to the kernels (2.5 stages ran as 2), None and floats failed the range
+    checks with a TypeError, and a reason given to replace collided with the one it writes."""
+    with pytest.raises(ValueError, match=message):
+        choose_plan(2, 2, 100, 64, 64, 1).replace(**change)
+    with pytest.raises(ValueError, match="warps must be an int"):
+        choose_decode_plan(2, 2, 64, 1).replace(warps=8.0)
+
+
+@pytest.mark.parametrize("facts, message", [
+    (dict(sms=0), "sms must be an integer >= 1"), (dict(sms=-5), "sms must be an integer >= 1"),
+    (dict(sms=1.5), "sms must be an integer >= 1"), (dict(num_seqs=-1), "num_seqs must be an integer >= 0"),
+    (dict(heads=0), "heads must be an integer >= 1"), (dict(tokens=0), "tokens must be an integer >= 1")])
+def test_decode_plan_facts_are_checked_as_the_prefill_plan_s(facts, message):
+    given = {**dict(num_seqs=3, heads=2, value_dim=64, sms=4, tokens=1), **facts}
+    with pytest.raises(ValueError, match=message):
+        choose_decode_plan(given.pop("num_seqs"), given.pop("heads"), given.pop("value_dim"), given.pop("sms"),
+                           **given)
+    with pytest.raises(ValueError, match="value_dim must be one of"):
+        DecodePlan(1, 1, 32, 2, 1)  # 32-column V is no supported dimension, slices or not
+    with pytest.raises(ValueError, match="num_seqs >= 0 and heads >= 1"):
+        DecodePlan(-1, -2, 64, 1, 1)
+
+
+def test_a_cached_plan_does_not_pass_an_argument_of_another_type():
+    """The plans are cached by their facts, and True == 1 == 1.0: a cached 1 made 1.0 and True pass."""
+    choose_plan(2, 2, 100, 64, 64, 1)
+    choose_decode_plan(2, 2, 64, 1)
+    for sms in (1.0, True):
+        with pytest.raises(ValueError, match="sms must be an integer"):
+            choose_plan(2, 2, 100, 64, 64, sms)
+        with pytest.raises(ValueError, match="sms must be an integer"):
+            choose_decode_plan(2, 2, 64, sms)

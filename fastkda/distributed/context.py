@@ -58,6 +58,8 @@ def context_parallel_prefill(q, k, v, g, beta, *, group=None, initial_state=None
     ``scale``, ``use_qk_l2norm``, ``use_beta_sigmoid``, ``sequence_parallel``, ``checks``), the same on every
     rank. Tensors live on the device the group's backend serves (CPU for gloo, the rank's GPU for NCCL)."""
     rank = dist.get_rank(group)
+    if rank < 0:  # a rank outside the group takes no part in its exchanges (none of its ranks waits for it)
+        raise ValueError("context_parallel_prefill: this rank is not in group")
     device = next((x.device for x in (k, q, v, g, beta) if isinstance(x, torch.Tensor)), torch.device("cpu"))
     failure = None
     try:  # every rank enters every exchange, a failed one with a flag: a rank's error fails all of them at once

@@ -118,9 +118,8 @@ class KimiDeltaAttention(nn.Module):
                    lower_bound=getattr(gate, "safe_gate_lower_bound", None), norm_eps=layer.o_norm.variance_epsilon,
                    layer_idx=layer.layer_idx if layer_idx is None else layer_idx, device=weight.device,
                    dtype=weight.dtype)
+        ours.conv1d.to(layer.conv1d.weight.dtype)  # GLM-5.3-Flash keeps its conv in fp32: loaded as it is
         ours.load_state_dict(layer.state_dict())
-        if layer.conv1d.weight.dtype != weight.dtype:  # GLM-5.3-Flash keeps its conv in fp32
-            ours.conv1d.to(layer.conv1d.weight.dtype)
         return ours
 
     def _projections(self, x):

@@ -32,6 +32,8 @@ class TensorParallelKimiDeltaAttention(nn.Module):
     def from_unsharded(cls, layer, group=None):
         """This rank's shard of ``layer`` (the whole layer's weights, the same on every rank)."""
         world, rank = dist.get_world_size(group), dist.get_rank(group)
+        if rank < 0:
+            raise ValueError("TensorParallelKimiDeltaAttention: this rank is not in group")
         heads, dim = layer.num_heads, layer.head_dim
         if heads % world:
             raise ValueError(f"TensorParallelKimiDeltaAttention: {heads} heads do not split over {world} ranks")
@@ -40,6 +42,7 @@ class TensorParallelKimiDeltaAttention(nn.Module):
                                    lower_bound=layer.forget_gate.lower_bound, norm_eps=layer.o_norm.variance_epsilon,
                                    layer_idx=layer.layer_idx, fused_decode=layer.fused_decode, device=weight.device,
                                    dtype=weight.dtype)
+        local.conv1d.to(layer.conv1d.weight.dtype)  # a conv kept in fp32 (GLM-5.3-Flash's) stays fp32
         conv = layer.conv1d.weight.chunk(3, dim=0)  # q | k | v channels, each [H·D, 1, W]
         shard = {
             "q_proj.weight": _shard_rows(layer.q_proj.weight, rank, world),

@@ -364,3 +364,15 @@ def test_the_cache_refuses_a_layer_it_does_not_have():
     theirs.layer_idx = 3  # its place among all the model's layers
     assert KimiDeltaAttention.from_transformers(theirs).layer_idx == 3
     assert KimiDeltaAttention.from_transformers(theirs, layer_idx=0).layer_idx == 0
+
+
+def test_a_conv_kept_in_fp32_is_loaded_as_it_is():
+    """GLM-5.3-Flash keeps its conv in fp32 in a bf16 model: the copy's conv holds the same fp32 weights (loaded
+    into a bf16 conv first, they lost their low bits when it was cast back)."""
+    theirs = transformers_layer(-5.0).to(torch.bfloat16)
+    theirs.conv1d.to(torch.float32)
+    with torch.no_grad():
+        theirs.conv1d.weight.uniform_(-0.5, 0.5)  # fp32 values past bf16's 8 bits
+    ours = KimiDeltaAttention.from_transformers(theirs)
+    assert ours.conv1d.weight.dtype == torch.float32 and ours.q_proj.weight.dtype == torch.bfloat16
+    assert torch.equal(ours.conv1d.weight, theirs.conv1d.weight)

@@ -69,3 +69,29 @@ def _indivisible_main(rank, world, port):
 
 def test_heads_must_divide_over_the_ranks():
     mp.spawn(_indivisible_main, args=(2, free_port()), nprocs=2, join=True)
+
+
+def _fp32_conv_main(rank, world, port):
+    from fastkda.layers import KimiDeltaAttention
+    from fastkda.layers.parallel import TensorParallelKimiDeltaAttention
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        torch.manual_seed(0)
+        whole = KimiDeltaAttention(HIDDEN, HEADS, DIM, lower_bound=-5.0, dtype=torch.bfloat16)
+        whole.conv1d.to(torch.float32)
+        with torch.no_grad():
+            whole.conv1d.weight.uniform_(-0.5, 0.5)  # fp32 values past bf16's 8 bits
+        local = TensorParallelKimiDeltaAttention.from_unsharded(whole).local
+        assert local.conv1d.weight.dtype == torch.float32
+        shards = [part.chunk(world, dim=0)[rank] for part in whole.conv1d.weight.chunk(3, dim=0)]
+        assert torch.equal(local.conv1d.weight, torch.cat(shards))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_conv_kept_in_fp32_stays_fp32_in_each_shard():
+    """GLM-5.3-Flash's fp32 conv in a bf16 layer: each rank's shard keeps its fp32 weights (a bf16 shard was 5.6e-3
+    off the whole layer's output)."""
+    mp.spawn(_fp32_conv_main, args=(2, free_port()), nprocs=2, join=True)
