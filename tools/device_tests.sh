@@ -12,8 +12,8 @@
 #   NCU_KERNEL=prepare|solve|recurrence|transition|scan|decode|state_chain|decode_step NCU_WORKLOAD=H96_B1_T8192
 #   (the ncu step's target)
 #   NCU_PACKAGE=<commit>: the ncu step runs .ab/fastkda_<commit> (ab_packages.py --make; carry .ab)
-#   DSWEEP_S=90 SSWEEP_S=120 PSWEEP_S=100 BENCH_S=200 (0 skips a step; the bench appends to today's committed
-#   results file)
+#   DSWEEP_S=90 SSWEEP_S=120 PSWEEP_S=100 BENCH_S=200 MODELS_S=240 (0 skips a step; the bench appends to today's
+#   committed results file; MODELS_ARGS: fastkda.bench.models' arguments)
 #   PSWEEP_ARGS, SSWEEP_ARGS, VARIANTS_ARGS: extra arguments of tools/sweeps/plan_sweep.py,
 #   tools/sweeps/segment_sweep.py and tools/variants/prepare_variants.py
 #   AB_S, AB_ARGS: the same-run A/B against packages of other commits (tools/variants/ab_packages.py; carry .ab)
@@ -118,6 +118,10 @@ step kernel-times "${KERNELS_S:-60}" python3 tools/profiling/kernel_times.py ${K
 # shellcheck disable=SC2086
 step kernel-times-2 "${KERNELS2_S:-0}" python3 tools/profiling/kernel_times.py ${KERNELS2_ARGS:-}
 step checkpoint-cost "${CKPT_S:-0}" python3 tools/sweeps/checkpoint_cost.py
+# transformers' tiny models three ways (its eight cases took more than 170 s on an H100: MODELS_ARGS="--cases 1x64
+# 1x2048" for fewer); the step's log keeps its lines even when its limit ends it before it writes its file
+# shellcheck disable=SC2086
+step models "${MODELS_S:-0}" python3 -m fastkda.bench.models --out "$OUT/results" ${MODELS_ARGS:-}
 NCU_KERNEL=${NCU_KERNEL:-prepare} NCU_WORKLOAD=${NCU_WORKLOAD:-H96_B1_T8192}  # the kernel's Triton name less _kernel
 [ "$NCU_KERNEL" = scan ] && ncu_name=segment_scan || ncu_name=$NCU_KERNEL
 # a decode workload (decode_*) runs the decode step, its memory floor and the fused step (NCU_KERNEL=decode,

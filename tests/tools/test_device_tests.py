@@ -68,6 +68,12 @@ def test_no_gpu_tests_at_zero_or_malformed_seconds(tmp_path, seconds):
     assert ("TESTS_S must be whole seconds" in out) == (seconds != "0")
 
 
+@pytest.mark.parametrize("seconds", [None, "5"])
+def test_the_models_bench_is_a_step_of_its_own_when_asked(tmp_path, seconds):
+    out = run_script(tmp_path, TESTS_S="0", **({"MODELS_S": seconds, "MODELS_ARGS": "--cases 1x64"} if seconds else {}))
+    assert ("== models (rc=0)" in out) == (seconds is not None)
+
+
 def test_the_progress_plugin_writes_each_outcome_as_it_is_known(tmp_path):
     (tmp_path / "test_outcomes.py").write_text(
         "import sys\nimport pytest\n\n"
