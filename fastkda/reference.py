@@ -10,6 +10,9 @@ import math
 
 import torch
 
+from .checks import cu_seqlens_values
+from .validation import INDEX_DTYPES, _describe, fail
+
 CPU_CHUNK = 16  # chunk length of the CPU path (spec §2)
 # Chunked paths clamp a precomputed log-decay here: exp(-30) keeps 1e-13 of the state (below fp32
 # resolution), and the floor bounds the in-chunk cumulative decay, so its fp32 ulp stays small. Like the GPU
@@ -46,6 +49,45 @@ def prepare_inputs(q, k, v, g, beta, *, A_log, dt_bias, lower_bound, scale, use_
     return q * scale, k, v, a, beta
 
 
+def check_reference_inputs(q, k, v, g, beta, A_log, dt_bias, lower_bound, initial_state, cu_seqlens):
+    """Spec §3's shapes for the PyTorch paths, which take any float dtype and any K and V (the kernels' own
+    validation, :mod:`fastkda.validation`, is narrower): ``ValueError`` naming the first argument that breaks them,
+    where a mismatch would broadcast into a wrong result or fail deep inside an einsum. ``cu_seqlens`` values are
+    read on the host (0 first, T last, in order), as the paths read them anyway."""
+    for name, x in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
+        if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+            fail(name, "a floating-point tensor", _describe(x))
+    if q.dim() != 4:
+        fail("q", "[B, T, H, K]", list(q.shape))
+    batch, length, heads, key_dim = q.shape
+    for name, x in (("k", k), ("g", g)):
+        if x.shape != q.shape:
+            fail(name, f"of q's shape {list(q.shape)}", list(x.shape))
+    if v.dim() != 4 or v.shape[:3] != q.shape[:3]:
+        fail("v", f"[{batch}, {length}, {heads}, V]", list(v.shape))
+    if beta.shape != q.shape[:3]:
+        fail("beta", f"[{batch}, {length}, {heads}]", list(beta.shape))
+    if lower_bound is not None:
+        for name, x, size in (("A_log", A_log, heads), ("dt_bias", dt_bias, heads * key_dim)):
+            if not isinstance(x, torch.Tensor) or x.numel() != size:
+                fail(name, f"a tensor of {size} values (the lower-bound gate)", _describe(x))
+    num_seqs = batch
+    if cu_seqlens is not None:
+        if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.dtype not in INDEX_DTYPES:
+            fail("cu_seqlens", "a 1-D int32/int64 tensor [N+1]", _describe(cu_seqlens) if not isinstance(
+                cu_seqlens, torch.Tensor) else f"{cu_seqlens.dtype} of shape {list(cu_seqlens.shape)}")
+        if batch != 1:
+            fail("q", "of batch size 1 when cu_seqlens is given", batch)
+        if cu_seqlens.numel() < 1:
+            fail("cu_seqlens", "[N+1] offsets from 0 to T", "no entries")
+        cu_seqlens_values(cu_seqlens, length)
+        num_seqs = cu_seqlens.numel() - 1
+    if initial_state is not None and (not isinstance(initial_state, torch.Tensor)
+                                      or initial_state.shape != (num_seqs, heads, v.shape[-1], key_dim)):
+        fail("initial_state", f"[N, H, V, K] = [{num_seqs}, {heads}, {v.shape[-1]}, {key_dim}]",
+             _describe(initial_state))
+
+
 def sequence_bounds(batch, length, cu_seqlens):
     """``[(batch_index, start, end)]`` of each sequence: the B rows, or the ``cu_seqlens`` spans of row 0."""
     if cu_seqlens is None:
@@ -77,6 +119,7 @@ def kda_reference(
     cu_seqlens=None, use_qk_l2norm=True, use_beta_sigmoid=True, dtype=torch.float64,
 ):
     """Token-by-token recurrence of spec §1 in ``dtype``; returns ``(o [B,T,H,V], final_state [N,H,V,K])``."""
+    check_reference_inputs(q, k, v, g, beta, A_log, dt_bias, lower_bound, initial_state, cu_seqlens)
     q, k, v, a, beta = prepare_inputs(
         q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, scale=scale,
         use_qk_l2norm=use_qk_l2norm, use_beta_sigmoid=use_beta_sigmoid, dtype=dtype,
@@ -353,6 +396,7 @@ def kda_chunked(
     Each sequence runs through :func:`kda_chunked_span` in blocks of chunks, so besides the output the working
     memory is bounded (``CPU_BLOCK_PAIRS``), whatever the length. ``segment_tokens`` (a multiple of ``chunk``;
     0: off) runs sequences longer than that in the sequence-parallel form (:func:`kda_segmented_span`)."""
+    check_reference_inputs(q, k, v, g, beta, A_log, dt_bias, lower_bound, initial_state, cu_seqlens)
     bounds = sequence_bounds(q.shape[0], q.shape[1], cu_seqlens)
     out, final = _zero_outputs(q, v, bounds, initial_state, dtype)
     offsets = [] if checkpoint_offsets is None else checkpoint_offsets.reshape(len(bounds), -1).tolist()

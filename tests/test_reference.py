@@ -201,3 +201,22 @@ def test_segmented_cpu_path_through_the_api():
     serial_o, _ = fastkda.kda_prefill(*args, initial_state=inp["initial_state"], cu_seqlens=inp["cu_seqlens"],
                                       sequence_parallel=False)
     assert rel_err(out, serial_o.float()) < 1e-2  # bf16 outputs of two fp32 paths
+
+
+@pytest.mark.parametrize("function", [kda_reference, kda_chunked])
+@pytest.mark.parametrize("change, message", [
+    (dict(cu_seqlens=torch.tensor([0, 3])), "cu_seqlens must be nondecreasing from 0 to T=8"),  # was: 3 tokens run
+    (dict(cu_seqlens=torch.tensor([0.0, 8.0])), "cu_seqlens must be a 1-D int32/int64 tensor"),  # a TypeError
+    (dict(beta=torch.randn(1, 8)), r"beta must be \[1, 8, 2\]"),  # broadcast over the heads by the reference
+    (dict(k=torch.randn(1, 8, 2, 32)), "k must be of q's shape"),  # an einsum's RuntimeError
+    (dict(initial_state=torch.zeros(2, 2, 64, 64)), r"initial_state must be \[N, H, V, K\]"),
+    (dict(lower_bound=-5.0, A_log=torch.zeros(3), dt_bias=torch.zeros(2, 64)), "A_log must be a tensor of 2")])
+def test_the_pytorch_paths_name_an_argument_of_the_wrong_shape(function, change, message):
+    """The PyTorch paths take any float dtype and any K and V, but not shapes that broadcast into a wrong result
+    or fail deep inside: the argument is named, as the kernels' validation names it."""
+    inputs = dict(q=torch.randn(1, 8, 2, 64), k=torch.randn(1, 8, 2, 64), v=torch.randn(1, 8, 2, 64),
+                  g=-torch.rand(1, 8, 2, 64), beta=torch.randn(1, 8, 2))
+    inputs.update(change)
+    operands = [inputs.pop(x) for x in ("q", "k", "v", "g", "beta")]
+    with pytest.raises(ValueError, match=message):
+        function(*operands, **inputs)
