@@ -184,8 +184,8 @@ def kda_prefill(
             ``checkpoint_states [N, 2, H, V, K]``, bitwise equal to the final state of a prefill of that prefix
             on the same device. An offset beyond its sequence is ignored.
         plan: a :class:`fastkda.plan.PrefillPlan` for this call's shape (``fastkda.choose_plan(...)``, changed with
-            ``.replace(...)``) instead of the automatic one, for sweeps and experiments; ``v_slices`` must then
-            stay ``"auto"``.
+            ``.replace(...)``) instead of the automatic one, for sweeps and experiments; ``v_slices`` and
+            ``sequence_parallel`` must then stay ``"auto"`` and ``max_seqlen`` None (give them to ``choose_plan``).
         checks: True synchronises and raises ``ValueError`` for every contract break the host cannot see cheaply
             (``cu_seqlens`` and checkpoint offsets, a precomputed gate above 0, non-finite inputs); None (default)
             reads ``$FASTKDA_CHECKS`` ("1" turns it on). Not inside CUDA-graph capture.
