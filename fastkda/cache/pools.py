@@ -141,8 +141,10 @@ class KDACache:
         for name, states, pool in (("recurrent_states", recurrent_states, self.recurrent),
                                    ("conv_states", conv_states, self.conv)):
             want = [pool.shape[0], *pool.shape[2:]]
-            if list(states.shape) != want:  # a broadcast would put one layer's states into every layer
-                raise ValueError(f"KDACache.restore: {name} must be of shape {want} (layers first), got "
-                                 f"{list(states.shape)}")
-        self.recurrent[:, slot].copy_(recurrent_states)
-        self.conv[:, slot].copy_(conv_states)
+            if not isinstance(states, torch.Tensor) or list(states.shape) != want:  # a broadcast would put one
+                # layer's states into every layer
+                raise ValueError(f"KDACache.restore: {name} must be a tensor of shape {want} (layers first), got "
+                                 f"{list(states.shape) if isinstance(states, torch.Tensor) else type(states).__name__}")
+        with torch.no_grad():  # the pools are state: no autograd history enters them
+            self.recurrent[:, slot].copy_(recurrent_states)
+            self.conv[:, slot].copy_(conv_states)

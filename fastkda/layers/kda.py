@@ -236,7 +236,7 @@ class KimiDeltaAttention(nn.Module):
         state = torch.where((position >= 0)[:, None, :], from_inputs.transpose(1, 2).to(earlier.dtype), from_state)
         lengths = starts.diff(append=cu_seqlens[-1:].long()) if cu_seqlens is not None else mixed.shape[1]
         past = offsets.reshape(num).long() > lengths  # no such state: NaN, as the recurrent checkpoint leaves it
-        return torch.where(past[:, None, None], float("nan"), state)
+        return torch.where(past[:, None, None], float("nan"), state).detach()  # state for a cache, as the recurrent
 
     def _decode(self, hidden_states, cache, slots, num_accepted_tokens):
         mixed, g, gate, beta, output_gate = self._projections(hidden_states)
@@ -286,7 +286,8 @@ class KimiDeltaAttention(nn.Module):
         after = window.unfold(2, width, 1)[:, :, 1:tokens + 1].permute(0, 2, 1, 3)  # [N, T, C, W−1]
         _, targets = _rows(slots.reshape(-1), cache, None)
         targets = torch.where(read.repeat_interleave(tokens), targets, cache.scratch_slot)  # as kda_decode: a null
-        conv_pool.index_copy_(0, targets, after.reshape(-1, *after.shape[2:]))  # read row writes no state either
+        # detached: a pool is state, never part of an autograd graph (a later in-place write would then fail)
+        conv_pool.index_copy_(0, targets, after.reshape(-1, *after.shape[2:]).detach())  # read row writes no state
         return out
 
 

@@ -254,9 +254,9 @@ def test_cache_refuses_what_is_not_a_slot_before_changing_anything():
         cache.allocate(-1)
     slot = cache.allocate(1)
     before = cache.recurrent.clone(), cache.conv.clone()
-    with pytest.raises(ValueError, match=r"recurrent_states must be of shape \[3, 2, 64, 64\]"):
+    with pytest.raises(ValueError, match=r"recurrent_states must be a tensor of shape \[3, 2, 64, 64\]"):
         cache.restore(slot, torch.ones(1, 2, 64, 64), torch.ones(3, 384, 3))
-    with pytest.raises(ValueError, match=r"conv_states must be of shape \[3, 384, 3\]"):
+    with pytest.raises(ValueError, match=r"conv_states must be a tensor of shape \[3, 384, 3\]"):
         cache.restore(slot, torch.ones(3, 2, 64, 64), torch.ones(384, 3))
     with pytest.raises(ValueError, match="slot must be an int or a one-element integer tensor"):
         cache.restore(torch.tensor([0.0]), torch.ones(3, 2, 64, 64), torch.ones(3, 384, 3))
@@ -376,3 +376,21 @@ def test_a_conv_kept_in_fp32_is_loaded_as_it_is():
     ours = KimiDeltaAttention.from_transformers(theirs)
     assert ours.conv1d.weight.dtype == torch.float32 and ours.q_proj.weight.dtype == torch.bfloat16
     assert torch.equal(ours.conv1d.weight, theirs.conv1d.weight)
+
+
+def test_the_pools_keep_no_autograd_history_outside_no_grad():
+    """Called with autograd on (the layer's projections then track gradients), a speculative decode step and a
+    restore of a checkpoint wrote tensors with history into the conv pool: the next allocate's in-place zeroing
+    failed ("a leaf Variable that requires grad"). The pools stay plain state."""
+    layer = make_layer(-5.0)
+    cache = cache_for(layer)
+    slots = cache.allocate(2)
+    _, (recurrent, conv) = layer(hidden(2, 40), cache, slots=slots, checkpoint_offsets=torch.tensor([32, 32]))
+    assert not conv.requires_grad
+    cache.restore(cache.allocate(1), recurrent[:1], conv[:1] * layer.conv1d.weight.sum())  # a history on purpose
+    drafts = cache.allocate(4).tolist()
+    layer(hidden(2, 3), cache, slots=torch.tensor([[0, *drafts[:2]], [1, *drafts[2:]]], dtype=torch.int32),
+          decode=True)
+    assert not cache.recurrent.requires_grad and not cache.conv.requires_grad
+    cache.release(drafts)
+    cache.allocate(4)  # zeroes their rows in place
