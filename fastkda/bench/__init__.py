@@ -5,6 +5,7 @@
 - :mod:`.timing`: eager and CUDA-graph medians, the device's copy and matrix-product rates, per-kernel times;
 - :mod:`.work`: the bytes and FLOPs of each fastkda kernel under a call's plan, and the kernel breakdown;
 - :mod:`.report`: the results files (JSON, markdown, plot), merged across runs;
+- :mod:`.arguments`: argument types and checks shared by the models, layer and parallel command lines;
 - :mod:`.cli`: the command line and the run loop.
 """
 

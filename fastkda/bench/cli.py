@@ -143,14 +143,28 @@ def main(argv=None):
         except ValueError as exc:  # a file missing or not a results file, refused before anything is written
             parser.error(str(exc))
         return 0
+    try:  # a bad workloads file, an unknown --only name or --group: refused before anything is measured
+        workloads = load_workloads(args.workloads)
+        chosen = select(workloads, args.only, args.group, args.quick)
+    except ValueError as exc:
+        parser.error(str(exc))
+    decode = [] if args.no_decode else select_decode(workloads, args.only)
+    if not chosen and not decode:
+        parser.error("no workload chosen (check --only, --group, --quick and --no-decode)")
     if not torch.cuda.is_available():
         print("fastkda-bench needs a CUDA GPU; `python -m fastkda demo` runs the CPU path.", file=sys.stderr)
         return 2
-    run = run_id()
     out_dir = Path(args.out)
+    try:  # made before the first measurement, so that a folder that cannot be made does not cost a run
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        parser.error(f"--out {args.out}: cannot make the folder: {exc.strerror or exc}")
+    try:
+        earlier = earlier_results(out_dir) if args.append else None
+    except ValueError as exc:  # today's results file is unreadable: --append would lose its rows
+        parser.error(f"--append: {exc}")
+    run = run_id()
     print(f"[bench] run {run}; results in {out_dir.resolve()}", flush=True)
-    workloads = load_workloads(args.workloads)
-    chosen = select(workloads, args.only, args.group, args.quick)
     impls = {name: IMPLS[name] for name in args.impls}
     copy_gbps = copy_bandwidth_gbps()
     print(f"[bench] device-to-device copy: {copy_gbps} GB/s", flush=True)
@@ -158,12 +172,10 @@ def main(argv=None):
     matmul = matmul_tflops() if breakdown else None
     if breakdown:
         print(f"[bench] bf16 matrix product: {matmul} TFLOP/s", flush=True)
-    earlier = earlier_results(out_dir) if args.append else None
     rows, kernels, errors = [], [], {}
 
     def results():
         return write_results(rows, out_dir, errors, run, copy_gbps, earlier, kernels, matmul)
-    decode = [] if args.no_decode else select_decode(workloads, args.only)
     if decode:
         rows += run_decode_benchmark(decode, DECODE_IMPLS, copy_gbps=copy_gbps)
         results()

@@ -25,6 +25,7 @@ import torch
 
 from ..cache import KDACache
 from ..layers import KimiDeltaAttention
+from .arguments import checked_device, positive_int
 from .models import binds_fla, bound_functions, device_name, modeling_module, use_path
 from .report import git_commit, run_id
 from .runners import relative_error
@@ -164,23 +165,24 @@ def run_transformers(layer, prompts, steps_in, device, repeats):
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m fastkda.bench.layer", description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--workload", default="H12_chunked_mix", help="a prefill workload whose lengths and heads "
-                                                                      "are used")
+    prefill = {w["name"]: w for w in load_workloads()["prefill"]}
+    parser.add_argument("--workload", default="H12_chunked_mix", choices=list(prefill), metavar="NAME",
+                        help="a prefill workload whose lengths and heads are used")
     parser.add_argument("--hidden", type=int, default=2048)
-    parser.add_argument("--steps", type=int, help="decode steps (default 64; 8 on a CPU)")
+    parser.add_argument("--steps", type=positive_int, help="decode steps (default 64; 8 on a CPU)")
     parser.add_argument("--gate", choices=("lower_bound", "softplus"), default="lower_bound")
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=positive_int, default=5)
     parser.add_argument("--pytorch", action="store_true", help="also time transformers' PyTorch fallbacks")
     parser.add_argument("--scale", type=float, help="multiply the sequence lengths (default 1; 0.05 on a CPU, where "
                                                     "transformers' PyTorch path takes minutes at full length)")
     parser.add_argument("--out", default="fastkda-results")
     args = parser.parse_args(argv)
-    device = torch.device(args.device)
+    device = checked_device(parser, args.device)
     on_gpu = device.type == "cuda"
     args.steps = args.steps if args.steps is not None else 64 if on_gpu else 8
     args.scale = args.scale if args.scale is not None else 1.0 if on_gpu else 0.05
     dtype = torch.bfloat16 if on_gpu else torch.float32
-    workload = next(w for w in load_workloads()["prefill"] if w["name"] == args.workload)
+    workload = prefill[args.workload]
     heads = workload["H"]
     lengths = [max(1, round(n * args.scale)) for n in workload["lengths"]]
     gen = torch.Generator().manual_seed(1)

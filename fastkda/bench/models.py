@@ -27,6 +27,7 @@ import torch
 
 from ..integrations import transformers as fastkda_transformers
 from ..integrations.tiny_models import MODEL_KINDS, tiny_model
+from .arguments import batch_by_length, checked_device, positive_int
 from .report import git_commit, run_id
 from .timing import synced_median_ms
 
@@ -144,12 +145,12 @@ def device_name(device):
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m fastkda.bench.models", description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--cases", nargs="*", default=[f"{b}x{t}" for b, t in CASES], metavar="BxT")
+    parser.add_argument("--repeats", type=positive_int, default=5)
+    parser.add_argument("--cases", nargs="+", type=batch_by_length, default=list(CASES), metavar="BxT")
     parser.add_argument("--out", default="fastkda-results")
     args = parser.parse_args(argv)
-    device = torch.device(args.device)
-    cases = [tuple(int(n) for n in case.split("x")) for case in args.cases]
+    device = checked_device(parser, args.device)
+    cases = args.cases
     rows, commit, run = [], git_commit(), run_id()
     for kind in MODEL_KINDS:
         module = modeling_module(kind)
@@ -165,7 +166,8 @@ def main(argv=None):
                 rows.append(row)
                 print(f"[models] {kind:12s} {row['path']:8s} B{batch} T{length:<5d} forward {row['forward_ms']:8.2f} "
                       f"ms  per token {row['per_token_ms']:7.2f} ms", flush=True)
-        use_path(module, "fla" if "fla" in paths else "pytorch", bound)
+        use_path(module, "fla", bound)  # the functions as transformers bound them (FLA's or its own wrappers): a
+        # later bound_functions must find them, not the fallbacks behind them (the layer bench read those and failed)
         fastkda_transformers.disable()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from .arguments import positive_int
 from .models import device_name
 from .report import git_commit, run_id
 from .workloads import load_workloads
@@ -196,19 +197,19 @@ def process_rows(args, backend):
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m fastkda.bench.parallel", description=__doc__.split("\n\n")[0])
     on_gpu = torch.cuda.is_available()
-    parser.add_argument("--world", type=int, default=torch.cuda.device_count() if on_gpu else 2,
+    parser.add_argument("--world", type=positive_int, default=torch.cuda.device_count() if on_gpu else 2,
                         help="the largest world size (default: the GPUs here, or 2 CPU processes)")
     parser.add_argument("--workloads", nargs="*", default=list(WORKLOADS), choices=list(WORKLOADS))
-    parser.add_argument("--tokens", type=int, help="context parallelism's sequence length (default 1048576 on "
+    parser.add_argument("--tokens", type=positive_int, help="context parallelism's sequence length (default 1048576 on "
                                                    "GPUs, 4096 on the CPU)")
     parser.add_argument("--heads", type=int, default=12)
     parser.add_argument("--dim", type=int, help="K = V (default 128 on GPUs, 64 on the CPU)")
     parser.add_argument("--hidden", type=int, help="the layer's width (default 2048 on GPUs, 256 on the CPU)")
     parser.add_argument("--scale", type=float, help="the chunked mix's lengths times this (default 1; 0.1 on the CPU)")
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=positive_int, default=5)
     parser.add_argument("--one-device", action="store_true",
                         help="context parallelism's parts one after another on this one device (module docstring)")
-    parser.add_argument("--worlds", type=int, nargs="*", default=[1, 2, 4, 8],
+    parser.add_argument("--worlds", type=positive_int, nargs="+", default=[1, 2, 4, 8],
                         help="world sizes whose rank's work --one-device measures")
     parser.add_argument("--out", default="fastkda-results")
     args = parser.parse_args(argv)
@@ -218,6 +219,9 @@ def main(argv=None):
         backend = "nccl" if on_gpu and torch.cuda.device_count() >= args.world else "gloo"
         gpu = backend == "nccl"
     args.tokens = args.tokens or (1 << 20 if gpu else 4096)
+    largest = max(args.worlds) if args.one_device else args.world
+    if args.tokens < largest:  # every rank needs a part of the sequence
+        parser.error(f"--tokens {args.tokens} is fewer than the world size {largest}: every rank needs a token")
     args.dim = args.dim or (128 if gpu else 64)
     args.hidden = args.hidden or (2048 if gpu else 256)
     args.scale = args.scale if args.scale is not None else 1.0 if gpu else 0.1

@@ -18,6 +18,8 @@ from pathlib import Path
 PEERS = ("flashkda", "fla", "fla_cp")  # the implementations fastkda's rows are compared with, by name
 KERNEL_FIELDS = ("workload",)  # a workload's breakdown is replaced whole: the plan decides which kernels run
 ROW_FIELDS = ("workload", "impl", "mode")  # what identifies a timing row
+META_FIELDS = ("gpu", "sms", "date", "torch", "triton", "peers")  # the meta render_results reads
+RESULT_ROW_FIELDS = ROW_FIELDS + ("group", "ms")  # what render_results reads of every row
 
 
 def git_commit():
@@ -89,9 +91,10 @@ def write_tool_results(path, meta, rows):
 
 
 def earlier_results(out_dir):
-    """Today's results file for this GPU (``--append``): ``{"rows": [...], "kernels": [...]}``, empty if none."""
+    """Today's results file for this GPU (``--append``): ``{"rows": [...], "kernels": [...]}``, empty if none;
+    :func:`read_results`'s ``ValueError`` where it is not a results file."""
     path = Path(f"{results_stem(out_dir)}.json")
-    found = json.loads(path.read_text()) if path.exists() else {}
+    found = read_results(path) if path.exists() else {}  # a corrupt file: ValueError, not rows silently lost
     return dict(rows=found.get("rows", []), kernels=found.get("kernels", []))
 
 
@@ -260,7 +263,8 @@ def plot(rows, impls, path):
 
 def render_results(meta, rows, stem, kernels=()):
     """Write ``stem.json``, ``.md`` and ``.png`` from ``meta``, ``rows`` and the kernel breakdown; returns the
-    markdown."""
+    markdown. The markdown is built before any file is written, so rows it cannot be built from raise without
+    leaving a rewritten ``stem.json`` beside a stale ``.md``."""
     from .runners import IMPLS
 
     kernels = list(kernels)
@@ -268,8 +272,6 @@ def render_results(meta, rows, stem, kernels=()):
     known = [i for i in IMPLS if any(r["impl"] == i for r in prefill_rows)]
     impls = known + [i for i in dict.fromkeys(r["impl"] for r in prefill_rows) if i not in known]
     runs = run_numbers(rows, kernels)
-    with open(f"{stem}.json", "w") as f:
-        json.dump(dict(meta=meta, rows=rows, kernels=kernels), f, indent=1)
     md = [f"# KDA prefill, {meta['gpu']} ({meta['sms']} SMs), {meta['date']}, commit(s) {', '.join(meta['commits'])}",
           f"torch {meta['torch']}, triton {meta['triton']}, peers {meta['peers']}. Median ms.", ""]
     if meta.get("note"):  # what a reader must know about where the rows came from
@@ -298,6 +300,8 @@ def render_results(meta, rows, stem, kernels=()):
         md += ["", "## runs", "", "Rows of several runs meet in this file; a table's run column and a bracketed "
                "number after a cell name the run a row came from:", ""] + runs_legend(runs, rows + kernels)
     text = "\n".join(md) + "\n"
+    with open(f"{stem}.json", "w") as f:  # only now: rows the markdown cannot be built from leave the files be
+        json.dump(dict(meta=meta, rows=rows, kernels=kernels), f, indent=1)
     Path(f"{stem}.md").write_text(text)
     try:
         plot(prefill_rows, impls, f"{stem}.png")
@@ -342,13 +346,22 @@ def write_results(rows, out_dir, errors, run, copy_gbps=None, earlier=None, kern
 
 def read_results(path):
     """A results file's ``{"meta": {...}, "rows": [...], ...}``; ``ValueError`` naming the file where it is missing,
-    unreadable, not JSON or not a results file."""
+    unreadable, not JSON or not a results file: a meta without :data:`META_FIELDS` or a row without
+    :data:`RESULT_ROW_FIELDS`, which :func:`render_results` reads."""
     try:
         found = json.loads(Path(path).read_text())
     except (OSError, ValueError) as exc:  # ValueError: not JSON (JSONDecodeError) or not UTF-8 text
         raise ValueError(f"cannot read results file {path}: {getattr(exc, 'strerror', None) or exc}") from None
-    if not (isinstance(found, dict) and isinstance(found.get("meta"), dict) and isinstance(found.get("rows"), list)):
+    if not (isinstance(found, dict) and isinstance(found.get("meta"), dict) and isinstance(found.get("rows"), list)
+            and isinstance(found.get("kernels", []), list)):
         raise ValueError(f"{path} is not a results file (a JSON object with \"meta\" and \"rows\")")
+    missing = [k for k in META_FIELDS if k not in found["meta"]]
+    if missing:
+        raise ValueError(f"{path} is not a results file: its meta lacks {', '.join(missing)}")
+    for i, r in enumerate(found["rows"]):
+        lacks = [k for k in RESULT_ROW_FIELDS if k not in r] if isinstance(r, dict) else ["a JSON object"]
+        if lacks:
+            raise ValueError(f"{path} is not a results file: row {i} lacks {', '.join(lacks)}")
     return found
 
 
@@ -356,7 +369,9 @@ def merge_files(earlier_path, later_path):
     """``--merge``: rewrite ``later_path`` (and its .md/.png) with ``earlier_path``'s rows for what it lacks, e.g.
     after a run cut short by a time limit, and for what ``earlier_path`` measured in a newer run
     (:func:`merge_rows`). A file that :func:`read_results` refuses raises its ``ValueError`` before anything is
-    written."""
+    written, as does a ``later_path`` not named ``*.json`` (its .md and .png are named by cutting that off)."""
+    if not str(later_path).endswith(".json"):
+        raise ValueError(f"{later_path} is not a results file: the file rewritten must end in .json")
     earlier, later = (read_results(p) for p in (earlier_path, later_path))
     rows = merge_rows(earlier["rows"], later["rows"])
     kernels = merge_rows(earlier.get("kernels", []), later.get("kernels", []), KERNEL_FIELDS)

@@ -21,18 +21,67 @@ ACCURACY_CASE = dict(name="accuracy_H4_T2048", H=4, lengths=[2048], layout="varl
 STATE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}  # a decode workload's ``state_dtype``
 
 
+PREFILL_KEYS = ("name", "group", "H", "lengths", "layout")  # what a prefill entry must have
+DECODE_KEYS = ("name", "H", "N", "tokens_per_seq")  # what a decode entry must have
+LAYOUTS = ("varlen", "fixed")  # a prefill entry's ``layout``
+
+
 def load_workloads(path=None):
-    """The workloads file: the one shipped with the package, or ``path``."""
-    if path is None:
-        text = resources.files("fastkda.bench").joinpath("workloads.json").read_text(encoding="utf-8")
-    else:
-        text = Path(path).read_text(encoding="utf-8")
-    return json.loads(text)
+    """The workloads file: the one shipped with the package, or ``path``; ``ValueError`` naming the file (and the
+    entry) where it is unreadable, not JSON or not a workloads file (:func:`check_workloads`), so that a bad file
+    is refused before anything is measured."""
+    source = "the shipped workloads.json" if path is None else str(path)
+    try:
+        if path is None:
+            text = resources.files("fastkda.bench").joinpath("workloads.json").read_text(encoding="utf-8")
+        else:
+            text = Path(path).read_text(encoding="utf-8")
+        found = json.loads(text)
+    except (OSError, ValueError) as exc:  # ValueError: not JSON (JSONDecodeError) or not UTF-8 text
+        raise ValueError(f"cannot read workloads file {source}: {getattr(exc, 'strerror', None) or exc}") from None
+    check_workloads(found, source)
+    return found
+
+
+def check_workloads(found, source):
+    """``ValueError`` naming ``source`` and the entry unless ``found`` is a JSON object with lists ``prefill`` and
+    ``decode`` whose entries have the keys the bench reads (:data:`PREFILL_KEYS`, :data:`DECODE_KEYS`), a prefill
+    ``layout`` of :data:`LAYOUTS` and, for ``fixed`` (one row per sequence), sequences of one length."""
+    if not isinstance(found, dict):
+        raise ValueError(f"workloads file {source}: not a JSON object with \"prefill\" and \"decode\"")
+    for part, keys in (("prefill", PREFILL_KEYS), ("decode", DECODE_KEYS)):
+        if not isinstance(found.get(part), list):
+            raise ValueError(f"workloads file {source}: no \"{part}\" list")
+        for i, w in enumerate(found[part]):
+            entry = f"workloads file {source}: {part} entry {i}" + (
+                f" ({w['name']})" if isinstance(w, dict) and "name" in w else "")
+            if not isinstance(w, dict):
+                raise ValueError(f"{entry}: not a JSON object")
+            missing = [k for k in keys if k not in w]
+            if missing:
+                raise ValueError(f"{entry}: missing {', '.join(missing)}")
+    for i, w in enumerate(found["prefill"]):
+        entry = f"workloads file {source}: prefill entry {i} ({w['name']})"
+        if w["layout"] not in LAYOUTS:
+            raise ValueError(f"{entry}: layout must be one of {list(LAYOUTS)}, got {w['layout']!r}")
+        if not (isinstance(w["lengths"], list) and w["lengths"]):
+            raise ValueError(f"{entry}: lengths must be a non-empty list")
+        if w["layout"] == "fixed" and len(set(w["lengths"])) > 1:
+            raise ValueError(f"{entry}: a fixed layout needs sequences of one length, got {w['lengths']}")
 
 
 def select(workloads, only=None, group=None, quick=False):
     """The prefill workloads named in ``only`` (in that order, so that a run cut short has measured the ones asked
-    for first), or of ``group``, or all; ``quick`` keeps those of at most 12 heads x 8192 tokens."""
+    for first), or of ``group``, or all; ``quick`` keeps those of at most 12 heads x 8192 tokens. ``ValueError``
+    for a name in ``only`` that is no prefill or decode workload (``only`` names both kinds) or an unknown
+    ``group``, so that a typo is refused rather than measuring nothing."""
+    names = [w["name"] for w in workloads["prefill"] + workloads.get("decode", [])]
+    unknown = [n for n in only or () if n not in names]
+    if unknown:
+        raise ValueError(f"unknown workload(s) {', '.join(unknown)}; known: {', '.join(names)}")
+    groups = list(dict.fromkeys(w["group"] for w in workloads["prefill"]))
+    if group is not None and group not in groups:
+        raise ValueError(f"unknown group {group}; known: {', '.join(groups)}")
     chosen = [w for w in workloads["prefill"] if (not only or w["name"] in only) and (not group or w["group"] == group)]
     if only:
         chosen.sort(key=lambda w: only.index(w["name"]))

@@ -1,11 +1,15 @@
 """The bench's command line: its flags, and an installed package's view of it from any directory."""
 
+import datetime
 import os
+import re
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
+import torch
 
 from fastkda.bench import main
 from fastkda.bench.cli import build_parser
@@ -49,3 +53,59 @@ def test_module_runs_from_another_directory(tmp_path):
     assert done.returncode == 0, done.stderr
     assert "fastkda-bench" in done.stdout and "--out DIR, --out-dir DIR" in done.stdout
     assert not list(tmp_path.iterdir())  # --help writes nothing
+
+
+@pytest.fixture
+def fake_gpu(monkeypatch):
+    """A CUDA device as far as the command line can see, on which measuring fails: an argument the bench refuses
+    must end the run (exit 2) before its first measurement."""
+    from fastkda.bench import cli
+
+    def measured():
+        raise AssertionError("measured before the arguments were refused")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda index=0: types.SimpleNamespace(name="Fake GPU", multi_processor_count=132))
+    monkeypatch.setattr(cli, "copy_bandwidth_gbps", measured)
+
+
+def refused(argv, capsys, words):
+    """``main(argv)`` ends with argparse's ``error:`` line matching ``words`` and exit status 2."""
+    with pytest.raises(SystemExit) as done:
+        main(argv)
+    err = capsys.readouterr().err
+    assert done.value.code == 2 and re.search(f"fastkda-bench: error: .*{words}", err), err
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--only", "H12_N1_T1024", "nonsense"], "unknown workload.*nonsense"), (["--group", "nonsense"], "unknown group"),
+    (["--group", "long_sequence", "--quick", "--no-decode"], "no workload chosen"),
+    (["--only", "decode_H12_N1", "--no-decode"], "no workload chosen")])
+def test_unknown_workload_or_group_is_refused_before_anything_is_measured(fake_gpu, tmp_path, capsys, args, words):
+    refused(args + ["--out", str(tmp_path / "out")], capsys, words)
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("content, words", [
+    (None, "cannot read workloads file"), ("{not json", "cannot read workloads file"),
+    ('{"prefill": []}', "no \"decode\" list"),
+    ('{"prefill": [{"name": "x", "H": 4, "lengths": [64], "layout": "varlen"}], "decode": []}',
+     r"prefill entry 0 \(x\): missing group")])
+def test_a_bad_workloads_file_is_refused_before_anything_is_measured(fake_gpu, tmp_path, capsys, content, words):
+    path = tmp_path / "w.json"
+    if content is not None:
+        path.write_text(content)
+    refused(["--workloads", str(path), "--out", str(tmp_path / "out")], capsys, words)
+    assert not (tmp_path / "out").exists()
+
+
+def test_an_out_folder_that_cannot_be_made_is_refused_before_anything_is_measured(fake_gpu, tmp_path, capsys):
+    (tmp_path / "afile").write_text("")
+    refused(["--only", "H12_N1_T1024", "--out", str(tmp_path / "afile" / "out")], capsys, "--out .*cannot make")
+
+
+def test_append_to_a_corrupt_results_file_is_refused_before_anything_is_measured(fake_gpu, tmp_path, capsys):
+    today = tmp_path / f"{datetime.date.today().isoformat()}-Fake_GPU.json"
+    today.write_text("{not json")
+    refused(["--only", "H12_N1_T1024", "--append", "--out", str(tmp_path)], capsys, "--append: cannot read results")
+    assert [p.name for p in tmp_path.iterdir()] == [today.name] and today.read_text() == "{not json"

@@ -2,6 +2,7 @@
 transformers' layer's (fp32) on the same weights after the same prefill."""
 
 import json
+import re
 
 import pytest
 
@@ -20,3 +21,15 @@ def test_layer_bench_runs_and_agrees(tmp_path, gate):
     assert rows[1]["decode_rel_err"] < 1e-6 and rows[2]["decode_rel_err"] < 1e-5
     assert all(r["prefill_ms"] > 0 and r["decode_step_ms"] > 0 for r in rows)
     assert (tmp_path / results.name.replace(".json", ".md")).exists()
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--workload", "decode_H12_N1"], "--workload: invalid choice"), (["--workload", "nonsense"], "invalid choice"),
+    (["--steps", "0"], "--steps: must be at least 1"), (["--repeats", "0"], "--repeats: must be at least 1"),
+    (["--repeats", "-2"], "--repeats: must be at least 1")])
+def test_bad_arguments_are_refused_before_anything_is_measured(tmp_path, capsys, args, words):
+    with pytest.raises(SystemExit) as done:
+        layer_bench.main(["--device", "cpu", "--out", str(tmp_path / "out")] + args)
+    err = capsys.readouterr().err
+    assert done.value.code == 2 and re.search(f"error: .*{words}", err), err
+    assert not (tmp_path / "out").exists()

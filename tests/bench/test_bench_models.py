@@ -2,8 +2,10 @@
 commit."""
 
 import json
+import re
 
 import pytest
+import torch
 
 pytest.importorskip("transformers")
 
@@ -23,3 +25,16 @@ def test_models_bench_runs(tmp_path):
         assert row["per_token_beyond_fastkda_ms"] == pytest.approx(row["per_token_ms"] - fastkda["per_token_ms"])
         assert row["forward_beyond_fastkda_ms"] == pytest.approx(row["forward_ms"] - fastkda["forward_ms"])
     assert "| kimi_linear | 1 | 8 |" in (tmp_path / results.name.replace(".json", ".md")).read_text()
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--cases", "0x8"], "--cases: B and T must be at least 1"), (["--cases", "1x"], "--cases: expected BxT"),
+    (["--cases", "2"], "--cases: expected BxT"), (["--cases"], "--cases: expected at least one argument"),
+    (["--repeats", "0"], "--repeats: must be at least 1"), (["--device", "nonsense"], "--device nonsense"),
+    (["--device", "cuda"] if not torch.cuda.is_available() else ["--repeats", "x"], "--device cuda|--repeats")])
+def test_bad_arguments_are_refused_before_anything_is_measured(tmp_path, capsys, args, words):
+    with pytest.raises(SystemExit) as done:
+        models.main(["--device", "cpu", "--out", str(tmp_path / "out")] + args)
+    err = capsys.readouterr().err
+    assert done.value.code == 2 and re.search(f"error: .*({words})", err), err
+    assert not (tmp_path / "out").exists()

@@ -1,6 +1,9 @@
 """fastkda.bench.parallel on the CPU at a tiny size: one and two gloo processes, both workloads, its files."""
 
 import json
+import re
+
+import pytest
 
 from fastkda.bench import parallel
 
@@ -27,3 +30,18 @@ def test_one_device_rows_scale_against_the_whole_prefill(tmp_path):
     rows = data["rows"]
     assert [(r["workload"], r["world"]) for r in rows] == [("prefill", 1), ("context rank", 1), ("context rank", 2)]
     assert rows[0]["scaling"] == 1.0 and all(r["ms"] > 0 and r["scaling"] > 0 for r in rows)
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--world", "0"], "--world: must be at least 1"), (["--repeats", "0"], "--repeats: must be at least 1"),
+    (["--one-device", "--worlds", "1", "0"], "--worlds: must be at least 1"),
+    (["--one-device", "--worlds"], "--worlds: expected at least one argument"),
+    (["--world", "4", "--tokens", "2"], "--tokens 2 is fewer than the world size 4"),
+    (["--one-device", "--worlds", "1", "8", "--tokens", "4"], "--tokens 4 is fewer than the world size 8"),
+    (["--tokens", "0"], "--tokens: must be at least 1")])
+def test_bad_arguments_are_refused_before_anything_is_measured(tmp_path, capsys, args, words):
+    with pytest.raises(SystemExit) as done:
+        parallel.main(["--out", str(tmp_path / "out")] + args)
+    err = capsys.readouterr().err
+    assert done.value.code == 2 and re.search(f"error: {words}|error: argument {words}", err), err
+    assert not (tmp_path / "out").exists()

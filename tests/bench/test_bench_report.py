@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from fastkda.bench import main
-from fastkda.bench.report import (decode_table, git_commit, kernel_table, markdown_table, render_results, run_id,
-                                  run_numbers, tool_results_file, write_results, write_tool_results)
+from fastkda.bench.report import (decode_table, earlier_results, git_commit, kernel_table, markdown_table,
+                                  render_results, run_id, run_numbers, tool_results_file, write_results,
+                                  write_tool_results)
 
 META = dict(gpu="G", sms=1, torch="t", triton="3.6.0", commit="new", commits=["new"], date="d", peers={})
 
@@ -201,3 +202,46 @@ def test_a_tool_results_file_is_named_by_date_and_gpu_and_carries_the_meta(tmp_p
                         changes="none")
     write_tool_results(path, meta, [dict(ms=1.0)])
     assert json.loads(path.read_text()) == dict(meta=meta, rows=[dict(ms=1.0)])
+
+
+@pytest.mark.parametrize("later, words", [
+    (dict(meta={k: v for k, v in META.items() if k != "gpu"}, rows=[]), "meta lacks gpu"),
+    (dict(meta={k: v for k, v in META.items() if k not in ("torch", "peers")}, rows=[]), "meta lacks torch, peers"),
+    (dict(meta=META, rows=[{k: v for k, v in row("w", 1.0, "c").items() if k != "group"}]), "row 0 lacks group"),
+    (dict(meta=META, rows=[dict(workload="w", ms=1.0)]), "row 0 lacks impl, mode, group"),
+    (dict(meta=META, rows=[], kernels={}), "is not a results file")])
+def test_merge_refuses_a_results_file_the_tables_cannot_be_built_from(tmp_path, capsys, later, words):
+    """A file whose meta or rows lack what the markdown reads is refused as an argument error, nothing written."""
+    files = {"earlier.json": json.dumps(dict(meta=META, rows=[row("w", 1.0, "c")])), "later.json": json.dumps(later)}
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+    with pytest.raises(SystemExit) as done:
+        main(["--merge", str(tmp_path / "earlier.json"), str(tmp_path / "later.json")])
+    err = capsys.readouterr().err
+    assert done.value.code == 2 and re.search(f"fastkda-bench: error: .*later.json.*{words}", err), err
+    assert {p.name: p.read_text() for p in tmp_path.iterdir()} == files
+
+
+def test_merge_refuses_a_later_file_not_named_json(tmp_path, capsys):
+    text = json.dumps(dict(meta=META, rows=[row("w", 1.0, "c")]))
+    for name in ("earlier.json", "later"):
+        (tmp_path / name).write_text(text)
+    with pytest.raises(SystemExit) as done:
+        main(["--merge", str(tmp_path / "earlier.json"), str(tmp_path / "later")])
+    assert done.value.code == 2 and "must end in .json" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["earlier.json", "later"]
+
+
+def test_render_writes_nothing_when_the_markdown_cannot_be_built(tmp_path):
+    with pytest.raises(KeyError):
+        render_results(META, [row("w", 1.0, "c")], str(tmp_path / "r"), [dict(workload="w", kernel="prepare")])
+    assert not list(tmp_path.iterdir())
+
+
+def test_earlier_results_refuse_a_corrupt_file(tmp_path, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda index=0: types.SimpleNamespace(name="Test GPU", multi_processor_count=4))
+    assert earlier_results(tmp_path) == dict(rows=[], kernels=[])
+    (tmp_path / f"{datetime.date.today().isoformat()}-Test_GPU.json").write_text('{"rows": []}')
+    with pytest.raises(ValueError, match="is not a results file"):
+        earlier_results(tmp_path)

@@ -1,6 +1,7 @@
 """The shipped workloads file and the inputs made from it, on the CPU."""
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -71,3 +72,32 @@ def test_shipped_bf16_decode_workloads_count_two_bytes_per_state_element():
         assert 2 * decode_state_bytes(w) == decode_state_bytes(fp32)
     with pytest.raises(ValueError, match="state_dtype"):
         make_decode_inputs(dict(bf16[0], state_dtype="fp16", N=1), "cpu")
+
+
+PREFILL = dict(name="x", group="g", H=4, lengths=[64, 32], layout="varlen")
+
+
+@pytest.mark.parametrize("found, words", [
+    ("{not json", "Expecting property name"), ([], "not a JSON object"),
+    (dict(decode=[]), 'no "prefill" list'), (dict(prefill=[]), 'no "decode" list'),
+    (dict(prefill=[{k: v for k, v in PREFILL.items() if k != "group"}], decode=[]), r"prefill entry 0 \(x\): .*group"),
+    (dict(prefill=[{k: v for k, v in PREFILL.items() if k != "layout"}], decode=[]), r"entry 0 \(x\): .*layout"),
+    (dict(prefill=[dict(PREFILL, layout="packed")], decode=[]), r"entry 0 \(x\): layout must be one of"),
+    (dict(prefill=[dict(PREFILL, layout="fixed")], decode=[]), r"entry 0 \(x\): a fixed layout needs"),
+    (dict(prefill=[], decode=[dict(name="d", H=1, N=1)]), r"decode entry 0 \(d\): missing tokens_per_seq")])
+def test_a_malformed_workloads_file_is_refused_naming_the_file_and_entry(tmp_path, found, words):
+    path = tmp_path / "w.json"
+    path.write_text(found if isinstance(found, str) else json.dumps(found))
+    with pytest.raises(ValueError, match=f"workloads file {re.escape(str(path))}: .*{words}"):
+        load_workloads(path)
+    with pytest.raises(ValueError, match="cannot read workloads file"):
+        load_workloads(tmp_path / "missing.json")
+
+
+def test_select_refuses_unknown_names_and_groups():
+    workloads = load_workloads()
+    with pytest.raises(ValueError, match="unknown workload.*nonsense"):
+        select(workloads, only=["H12_N1_T1024", "nonsense"])
+    with pytest.raises(ValueError, match="unknown group nonsense"):
+        select(workloads, group="nonsense")
+    assert select(workloads, only=["decode_H12_N1"]) == []  # a decode name is known: select_decode runs it
