@@ -3,11 +3,18 @@ states), the gated norm over the same tokens, and a 256-sequence conv update, at
 against the copy rate measured in the same run; conv pools in KDACache's layout (channel-last memory).
 
 python tools/profiling/layer_kernels.py"""
+import argparse
+import sys
+
 import torch
+
 import fastkda
 from fastkda.bench.timing import copy_bandwidth_gbps, time_graph
 from fastkda.cache import conv_state_pool
 
+argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
+if not torch.cuda.is_available():
+    sys.exit("layer_kernels.py times the GPU kernels: it needs a CUDA GPU")
 copy = copy_bandwidth_gbps()
 print(f"copy {copy:.0f} GB/s")
 for heads in (12, 96):
