@@ -69,20 +69,19 @@ def fake_gpu(monkeypatch):
     monkeypatch.setattr(cli, "copy_bandwidth_gbps", measured)
 
 
-def refused(argv, capsys, words):
+def refused(argparse_error, argv, words):
     """``main(argv)`` ends with argparse's ``error:`` line matching ``words`` and exit status 2."""
-    with pytest.raises(SystemExit) as done:
-        main(argv)
-    err = capsys.readouterr().err
-    assert done.value.code == 2 and re.search(f"fastkda-bench: error: .*{words}", err), err
+    err = argparse_error(main, argv)
+    assert re.search(f"fastkda-bench: error: .*{words}", err), err
 
 
 @pytest.mark.parametrize("args, words", [
     (["--only", "H12_N1_T1024", "nonsense"], "unknown workload.*nonsense"), (["--group", "nonsense"], "unknown group"),
     (["--group", "long_sequence", "--quick", "--no-decode"], "no workload chosen"),
     (["--only", "decode_H12_N1", "--no-decode"], "no workload chosen")])
-def test_unknown_workload_or_group_is_refused_before_anything_is_measured(fake_gpu, tmp_path, capsys, args, words):
-    refused(args + ["--out", str(tmp_path / "out")], capsys, words)
+def test_unknown_workload_or_group_is_refused_before_anything_is_measured(fake_gpu, tmp_path, argparse_error, args,
+                                                                          words):
+    refused(argparse_error, args + ["--out", str(tmp_path / "out")], words)
     assert not (tmp_path / "out").exists()
 
 
@@ -91,21 +90,24 @@ def test_unknown_workload_or_group_is_refused_before_anything_is_measured(fake_g
     ('{"prefill": []}', "no \"decode\" list"),
     ('{"prefill": [{"name": "x", "H": 4, "lengths": [64], "layout": "varlen"}], "decode": []}',
      r"prefill entry 0 \(x\): missing group")])
-def test_a_bad_workloads_file_is_refused_before_anything_is_measured(fake_gpu, tmp_path, capsys, content, words):
+def test_a_bad_workloads_file_is_refused_before_anything_is_measured(fake_gpu, tmp_path, argparse_error, content,
+                                                                     words):
     path = tmp_path / "w.json"
     if content is not None:
         path.write_text(content)
-    refused(["--workloads", str(path), "--out", str(tmp_path / "out")], capsys, words)
+    refused(argparse_error, ["--workloads", str(path), "--out", str(tmp_path / "out")], words)
     assert not (tmp_path / "out").exists()
 
 
-def test_an_out_folder_that_cannot_be_made_is_refused_before_anything_is_measured(fake_gpu, tmp_path, capsys):
+def test_an_out_folder_that_cannot_be_made_is_refused_before_anything_is_measured(fake_gpu, tmp_path, argparse_error):
     (tmp_path / "afile").write_text("")
-    refused(["--only", "H12_N1_T1024", "--out", str(tmp_path / "afile" / "out")], capsys, "--out .*cannot make")
+    refused(argparse_error, ["--only", "H12_N1_T1024", "--out", str(tmp_path / "afile" / "out")],
+            "--out .*cannot make")
 
 
-def test_append_to_a_corrupt_results_file_is_refused_before_anything_is_measured(fake_gpu, tmp_path, capsys):
+def test_append_to_a_corrupt_results_file_is_refused_before_anything_is_measured(fake_gpu, tmp_path, argparse_error):
     today = tmp_path / f"{datetime.date.today().isoformat()}-Fake_GPU.json"
     today.write_text("{not json")
-    refused(["--only", "H12_N1_T1024", "--append", "--out", str(tmp_path)], capsys, "--append: cannot read results")
+    refused(argparse_error, ["--only", "H12_N1_T1024", "--append", "--out", str(tmp_path)],
+            "--append: cannot read results")
     assert [p.name for p in tmp_path.iterdir()] == [today.name] and today.read_text() == "{not json"

@@ -27,9 +27,7 @@ def test_layer_bench_runs_and_agrees(tmp_path, gate):
     (["--workload", "decode_H12_N1"], "--workload: invalid choice"), (["--workload", "nonsense"], "invalid choice"),
     (["--steps", "0"], "--steps: must be at least 1"), (["--repeats", "0"], "--repeats: must be at least 1"),
     (["--repeats", "-2"], "--repeats: must be at least 1")])
-def test_bad_arguments_are_refused_before_anything_is_measured(tmp_path, capsys, args, words):
-    with pytest.raises(SystemExit) as done:
-        layer_bench.main(["--device", "cpu", "--out", str(tmp_path / "out")] + args)
-    err = capsys.readouterr().err
-    assert done.value.code == 2 and re.search(f"error: .*{words}", err), err
+def test_bad_arguments_are_refused_before_anything_is_measured(tmp_path, argparse_error, args, words):
+    err = argparse_error(layer_bench.main, ["--device", "cpu", "--out", str(tmp_path / "out")] + args)
+    assert re.search(f"error: .*{words}", err), err
     assert not (tmp_path / "out").exists()

@@ -32,9 +32,7 @@ def test_models_bench_runs(tmp_path):
     (["--cases", "2"], "--cases: expected BxT"), (["--cases"], "--cases: expected at least one argument"),
     (["--repeats", "0"], "--repeats: must be at least 1"), (["--device", "nonsense"], "--device nonsense"),
     (["--device", "cuda"] if not torch.cuda.is_available() else ["--repeats", "x"], "--device cuda|--repeats")])
-def test_bad_arguments_are_refused_before_anything_is_measured(tmp_path, capsys, args, words):
-    with pytest.raises(SystemExit) as done:
-        models.main(["--device", "cpu", "--out", str(tmp_path / "out")] + args)
-    err = capsys.readouterr().err
-    assert done.value.code == 2 and re.search(f"error: .*({words})", err), err
+def test_bad_arguments_are_refused_before_anything_is_measured(tmp_path, argparse_error, args, words):
+    err = argparse_error(models.main, ["--device", "cpu", "--out", str(tmp_path / "out")] + args)
+    assert re.search(f"error: .*({words})", err), err
     assert not (tmp_path / "out").exists()

@@ -39,9 +39,7 @@ def test_one_device_rows_scale_against_the_whole_prefill(tmp_path):
     (["--world", "4", "--tokens", "2"], "--tokens 2 is fewer than the world size 4"),
     (["--one-device", "--worlds", "1", "8", "--tokens", "4"], "--tokens 4 is fewer than the world size 8"),
     (["--tokens", "0"], "--tokens: must be at least 1")])
-def test_bad_arguments_are_refused_before_anything_is_measured(tmp_path, capsys, args, words):
-    with pytest.raises(SystemExit) as done:
-        parallel.main(["--out", str(tmp_path / "out")] + args)
-    err = capsys.readouterr().err
-    assert done.value.code == 2 and re.search(f"error: {words}|error: argument {words}", err), err
+def test_bad_arguments_are_refused_before_anything_is_measured(tmp_path, argparse_error, args, words):
+    err = argparse_error(parallel.main, ["--out", str(tmp_path / "out")] + args)
+    assert re.search(f"error: {words}|error: argument {words}", err), err
     assert not (tmp_path / "out").exists()

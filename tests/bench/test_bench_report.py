@@ -139,7 +139,7 @@ def test_merge_keeps_the_newer_run_of_each_row_whichever_file_holds_it(tmp_path)
     (None, "cannot read results file .*: No such file or directory"),
     ("{not json", "cannot read results file .*: Expecting property name"),
     ("[1]", "is not a results file"), ('{"rows": []}', "is not a results file")])
-def test_merge_refuses_a_missing_or_malformed_file_as_an_argument_error(tmp_path, capsys, content, words):
+def test_merge_refuses_a_missing_or_malformed_file_as_an_argument_error(tmp_path, argparse_error, content, words):
     """``--merge`` of a file that is missing, not JSON or not a results file: argparse's ``error:`` line and
     exit status 2 (no traceback), naming the file, before anything is written."""
     bad, good = tmp_path / "bad.json", tmp_path / "good.json"
@@ -149,10 +149,8 @@ def test_merge_refuses_a_missing_or_malformed_file_as_an_argument_error(tmp_path
     for name, text in files.items():
         (tmp_path / name).write_text(text)
     for paths in ((bad, good), (good, bad)):
-        with pytest.raises(SystemExit) as done:
-            main(["--merge", *map(str, paths)])
-        err = capsys.readouterr().err
-        assert done.value.code == 2 and re.search(f"fastkda-bench: error: .*{words}", err) and str(bad) in err, err
+        err = argparse_error(main, ["--merge", *map(str, paths)])
+        assert re.search(f"fastkda-bench: error: .*{words}", err) and str(bad) in err, err
     assert {p.name: p.read_text() for p in tmp_path.iterdir()} == files  # no .md or .png, no file changed
 
 
@@ -210,25 +208,22 @@ def test_a_tool_results_file_is_named_by_date_and_gpu_and_carries_the_meta(tmp_p
     (dict(meta=META, rows=[{k: v for k, v in row("w", 1.0, "c").items() if k != "group"}]), "row 0 lacks group"),
     (dict(meta=META, rows=[dict(workload="w", ms=1.0)]), "row 0 lacks impl, mode, group"),
     (dict(meta=META, rows=[], kernels={}), "is not a results file")])
-def test_merge_refuses_a_results_file_the_tables_cannot_be_built_from(tmp_path, capsys, later, words):
+def test_merge_refuses_a_results_file_the_tables_cannot_be_built_from(tmp_path, argparse_error, later, words):
     """A file whose meta or rows lack what the markdown reads is refused as an argument error, nothing written."""
     files = {"earlier.json": json.dumps(dict(meta=META, rows=[row("w", 1.0, "c")])), "later.json": json.dumps(later)}
     for name, text in files.items():
         (tmp_path / name).write_text(text)
-    with pytest.raises(SystemExit) as done:
-        main(["--merge", str(tmp_path / "earlier.json"), str(tmp_path / "later.json")])
-    err = capsys.readouterr().err
-    assert done.value.code == 2 and re.search(f"fastkda-bench: error: .*later.json.*{words}", err), err
+    err = argparse_error(main, ["--merge", str(tmp_path / "earlier.json"), str(tmp_path / "later.json")])
+    assert re.search(f"fastkda-bench: error: .*later.json.*{words}", err), err
     assert {p.name: p.read_text() for p in tmp_path.iterdir()} == files
 
 
-def test_merge_refuses_a_later_file_not_named_json(tmp_path, capsys):
+def test_merge_refuses_a_later_file_not_named_json(tmp_path, argparse_error):
     text = json.dumps(dict(meta=META, rows=[row("w", 1.0, "c")]))
     for name in ("earlier.json", "later"):
         (tmp_path / name).write_text(text)
-    with pytest.raises(SystemExit) as done:
-        main(["--merge", str(tmp_path / "earlier.json"), str(tmp_path / "later")])
-    assert done.value.code == 2 and "must end in .json" in capsys.readouterr().err
+    assert "must end in .json" in argparse_error(main, ["--merge", str(tmp_path / "earlier.json"),
+                                                         str(tmp_path / "later")])
     assert sorted(p.name for p in tmp_path.iterdir()) == ["earlier.json", "later"]
 
 
