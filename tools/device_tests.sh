@@ -119,7 +119,8 @@ step kernel-times "${KERNELS_S:-60}" python3 tools/profiling/kernel_times.py ${K
 step kernel-times-2 "${KERNELS2_S:-0}" python3 tools/profiling/kernel_times.py ${KERNELS2_ARGS:-}
 step checkpoint-cost "${CKPT_S:-0}" python3 tools/sweeps/checkpoint_cost.py
 # transformers' tiny models three ways (its eight cases took more than 170 s on an H100: MODELS_ARGS="--cases 1x64
-# 1x2048" for fewer); the step's log keeps its lines even when its limit ends it before it writes its file
+# 1x2048" for fewer, and "--profile" for where a generated token's host time goes); it writes its files after each
+# case, so a limit that ends it keeps the cases it finished
 # shellcheck disable=SC2086
 step models "${MODELS_S:-0}" python3 -m fastkda.bench.models --out "$OUT/results" ${MODELS_ARGS:-}
 NCU_KERNEL=${NCU_KERNEL:-prepare} NCU_WORKLOAD=${NCU_WORKLOAD:-H96_B1_T8192}  # the kernel's Triton name less _kernel

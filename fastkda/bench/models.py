@@ -16,8 +16,11 @@ function module (:func:`transformers_wrapper`).
 from __future__ import annotations
 
 import argparse
+import cProfile
 import importlib
+import io
 import json
+import pstats
 import statistics
 import time
 from datetime import date
@@ -134,6 +137,41 @@ def measure_case(kind, paths, model, module, bound, batch, length, device, repea
     return rows
 
 
+PROFILED_TOKENS = 16  # generated tokens under the profilers, per path
+
+
+def profile_generation(kind, paths, model, module, bound, batch, length, device):
+    """Where a generated token's host time goes, per path, as text: the torch profiler's table of operators (host
+    time each, and on a GPU the kernels launched) and cProfile's functions by cumulative time, over a generation of
+    ``PROFILED_TOKENS`` tokens past its prompt (a tiny model's token is host-bound, so the host's work is what the
+    paths differ by)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    ids = torch.randint(3, 128, (batch, length), generator=torch.Generator().manual_seed(0)).to(device)
+
+    def generate():
+        model.generate(ids, max_new_tokens=PROFILED_TOKENS, min_new_tokens=PROFILED_TOKENS, do_sample=False,
+                       eos_token_id=None)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    sections = []
+    with torch.no_grad():
+        for path in paths:
+            use_path(module, path, bound)
+            generate()  # warm: compiled, autotuned, allocator filled
+            with profile(activities=activities) as operators:
+                generate()
+            functions = cProfile.Profile()
+            functions.runcall(generate)
+            text = io.StringIO()
+            pstats.Stats(functions, stream=text).sort_stats("cumulative").print_stats(40)
+            sections.append(f"## {kind} {path} B{batch} T{length}: {PROFILED_TOKENS} generated tokens\n\n"
+                            + operators.key_averages().table(sort_by="cpu_time_total", row_limit=40)
+                            + "\n" + text.getvalue())
+    return "\n".join(sections)
+
+
 def device_name(device):
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
@@ -148,10 +186,22 @@ def main(argv=None):
     parser.add_argument("--repeats", type=positive_int, default=5)
     parser.add_argument("--cases", nargs="+", type=batch_by_length, default=list(CASES), metavar="BxT")
     parser.add_argument("--out", default="fastkda-results")
+    parser.add_argument("--profile", action="store_true",
+                        help="also profile a generation per path and case (host operators and Python functions), "
+                             "written to OUT/<date>-<device>-models-profile.txt")
     args = parser.parse_args(argv)
     device = checked_device(parser, args.device)
     cases = args.cases
-    rows, commit, run = [], git_commit(), run_id()
+    rows, profiles, commit, run = [], [], git_commit(), run_id()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = out / f"{date.today().isoformat()}-{device_name(device).replace(' ', '_')}-models"
+
+    def write():  # after every case, so that a run cut short by a time limit keeps the cases it finished
+        stem.with_suffix(".json").write_text(json.dumps(dict(rows=rows), indent=1))
+        stem.with_suffix(".md").write_text(markdown(rows))
+        if profiles:
+            Path(f"{stem}-profile.txt").write_text(f"# commit {commit}, run {run}\n\n" + "\n".join(profiles))
     for kind in MODEL_KINDS:
         module = modeling_module(kind)
         bound = bound_functions(module)
@@ -165,15 +215,16 @@ def main(argv=None):
                            date=date.today().isoformat())
                 rows.append(row)
                 print(f"[models] {kind:12s} {row['path']:8s} B{batch} T{length:<5d} forward {row['forward_ms']:8.2f} "
-                      f"ms  per token {row['per_token_ms']:7.2f} ms", flush=True)
+                      f"ms  per token {row['per_token_ms']:7.2f} ms  (beyond fastkda: forward "
+                      f"{row['forward_beyond_fastkda_ms']:+.3f}, per token "
+                      f"{row['per_token_beyond_fastkda_ms']:+.3f} ms)",
+                      flush=True)
+            if args.profile:
+                profiles.append(profile_generation(kind, paths, model, module, bound, batch, length, device))
+            write()
         use_path(module, "fla", bound)  # the functions as transformers bound them (FLA's or its own wrappers): a
         # later bound_functions must find them, not the fallbacks behind them (the layer bench read those and failed)
         fastkda_transformers.disable()
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    stem = out / f"{date.today().isoformat()}-{device_name(device).replace(' ', '_')}-models"
-    stem.with_suffix(".json").write_text(json.dumps(dict(rows=rows), indent=1))
-    stem.with_suffix(".md").write_text(markdown(rows))
     print(f"[models] wrote {stem}.json")
 
 

@@ -36,3 +36,14 @@ def test_bad_arguments_are_refused_before_anything_is_measured(tmp_path, argpars
     err = argparse_error(models.main, ["--device", "cpu", "--out", str(tmp_path / "out")] + args)
     assert re.search(f"error: .*({words})", err), err
     assert not (tmp_path / "out").exists()
+
+
+def test_profile_writes_each_path_s_operators_and_functions(tmp_path):
+    models.main(["--device", "cpu", "--cases", "1x8", "--repeats", "1", "--out", str(tmp_path), "--profile"])
+    [profile] = tmp_path.glob("*-models-profile.txt")
+    text = profile.read_text()
+    for kind in models.MODEL_KINDS:
+        for path in ("pytorch", "fastkda"):
+            assert f"## {kind} {path} B1 T8: {models.PROFILED_TOKENS} generated tokens" in text
+    assert "fastkda/integrations/transformers.py" in text  # cProfile saw fastkda's functions
+    assert "aten::" in text  # the profiler's operators
