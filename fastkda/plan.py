@@ -157,7 +157,8 @@ class PrefillPlan:
     products only): the solve kernel inverts a diagonal block whose entries are at most 1 by Horner's rule in fp16
     operands (``fastkda/ops/prefill/solve.py``; other bits, as accurate or more); the automatic plan sets it where
     the call's (chunk, head) pairs are at most :data:`HORNER_PROGRAMS_PER_SM` an SM (the ``replace`` to "ieee"
-    products must clear it too).
+    products must clear it too). ``inverse_in_prepare``: the first kernel does the solve kernel's work on its own
+    chunk after storing β·L, and the solve kernel is not launched (the same bits: the same code on the same values).
     ``dot_precision``: the kernels' fp32 products ("tf32" or "ieee")."""
 
     seq_len: int
@@ -192,6 +193,7 @@ class PrefillPlan:
     longest_first: bool = False
     equal_rows: bool = False
     horner_inverse: bool = False
+    inverse_in_prepare: bool = False
     dot_precision: str = "tf32"
     reason: str = dataclasses.field(default="", compare=False)
 
@@ -380,8 +382,9 @@ class PrefillPlan:
             f"{_counted(self.prepare_warps, 'warp')}, {self.prepare_stages} stages, "
             f"{self.prepare_channels} key channels per step, {self.prepare_token_run} consecutive tokens per thread"
             + (f", at most {self.prepare_registers} registers a thread" if self.prepare_registers else "") + "; "
-            f"solve kernel on {_counted(self.solve_warps, 'warp')}, {self.solve_stages} stages: T·diag(β)"
-            + (", diagonal blocks by Horner's rule in fp16 operands" if self.horner_inverse else ""),
+            + ("the first kernel then inverts its chunk" if self.inverse_in_prepare
+               else f"solve kernel on {_counted(self.solve_warps, 'warp')}, {self.solve_stages} stages")
+            + ": T·diag(β)" + (", diagonal blocks by Horner's rule in fp16 operands" if self.horner_inverse else ""),
             f"recurrence: v_slices={self.v_slices} (V cut into {self.v_slices} slice(s) of {self.slice_width} "
             f"columns): {self.programs} programs "
             + ("per segment of each sequence" if self.segment_chunks else f"on {self.sms} SMs")
@@ -739,6 +742,14 @@ def _choose_plan(num_seqs, heads, seq_len, key_dim, value_dim, sms, varlen, lowe
     if horner_inverse:
         reason += (f"; the solve's diagonal blocks by Horner's rule ({solve_programs} chunks x heads, at most "
                    f"{HORNER_PROGRAMS_PER_SM} an SM)")
+    # the inverse at the first kernel's tail where its programs (counted as the solve's) fit in one wave: no program
+    # waits for a slot behind another's inverse, and the solve's launch and one boundary go. Measured (H100, session
+    # 33, docs/perf-notes.md "The inverse in the first kernel"): H12 N1 T1024 2% faster; 4-10% slower wherever the
+    # first kernel runs in several waves
+    inverse_in_prepare = lower_bound_gate and solve_programs <= PREPARE_PROGRAMS_PER_SM * sms
+    if inverse_in_prepare:
+        reason += (f"; the first kernel inverts its own chunk ({solve_programs} programs in one wave of "
+                   f"{PREPARE_PROGRAMS_PER_SM} an SM)")
     return PrefillPlan(
         seq_len=seq_len, num_seqs=num_seqs, varlen=varlen, heads=heads, key_dim=key_dim, value_dim=value_dim,
         lower_bound_gate=lower_bound_gate, sms=sms, chunk=CHUNK, block=BLOCK, cpu_chunk=CPU_CHUNK,
@@ -749,8 +760,9 @@ def _choose_plan(num_seqs, heads, seq_len, key_dim, value_dim, sms, varlen, lowe
         prepare_warps=prepare_warps, prepare_stages=3, prepare_channels=prepare_channels(key_dim, lower_bound_gate),
         prepare_token_run=prepare_token_run(CHUNK, key_dim, prepare_warps),
         prepare_registers=prepare_registers(lower_bound_gate, prepare_warps), solve_warps=SOLVE_WARPS,
-        solve_stages=3, horner_inverse=horner_inverse, segment_chunks=segment_chunks,
-        transition_width=transition_width, scan_warps=8 if key_dim >= 128 else 4, reason=reason)
+        solve_stages=3, horner_inverse=horner_inverse, inverse_in_prepare=inverse_in_prepare,
+        segment_chunks=segment_chunks, transition_width=transition_width, scan_warps=8 if key_dim >= 128 else 4,
+        reason=reason)
 
 
 def choose_open_entry_plan(num_seqs: int, heads: int, seq_len: int, key_dim: int, value_dim: int, sms: int, *,

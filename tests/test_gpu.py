@@ -166,6 +166,29 @@ def test_longest_first_same_bits_and_replays_new_offsets(gluon, sequence_paralle
     assert torch.equal(out, eager_o) and torch.equal(final, eager_s)
 
 
+@pytest.mark.parametrize("lengths, hint", [([1024], 1024), ([300, 5, 0, 200, 1, 64], None), ([352] * 3, 352)])
+def test_inverse_in_prepare_same_bits_as_the_solve_kernel_and_replays(lengths, hint):
+    """The automatic plan's ``inverse_in_prepare`` (H12 with the first kernel in one wave: the first kernel inverts
+    its own chunk, no solve launch): the bits of the plan with the solve kernel, varlen and as rows; and a graph
+    captured once, replayed after new inputs are written, equals an eager call on them."""
+    inp = make_inputs(lengths, heads=12, key_dim=128, device="cuda", seed=23)
+    plan = plan_for(inp, max_seqlen=hint)
+    assert plan.inverse_in_prepare
+    base_o, base_s, _ = run_prefill(inp, torch.float32, torch.float32, plan=plan.replace(inverse_in_prepare=False))
+    out, final, _ = run_prefill(inp, torch.float32, torch.float32, plan=plan)
+    assert torch.equal(out, base_o) and torch.equal(final, base_s)
+    names = ("q", "k", "v", "g", "beta", "initial_state", "A_log", "dt_bias", "cu_seqlens")
+    out = torch.empty_like(inp["v"])
+    final = torch.empty_like(inp["initial_state"])
+    graph = capture_graph(lambda: fastkda.kda_prefill(
+        *(inp[x] for x in names[:5]), A_log=inp["A_log"], dt_bias=inp["dt_bias"], lower_bound=inp["lower_bound"],
+        initial_state=inp["initial_state"], final_state=final, cu_seqlens=inp["cu_seqlens"], out=out, plan=plan))
+    fresh = make_inputs(lengths, heads=12, key_dim=128, device="cuda", seed=24)
+    replay_with(graph, inp, fresh, names, (out, final))
+    eager_o, eager_s, _ = run_prefill(fresh, torch.float32, torch.float32, plan=plan)
+    assert torch.equal(out, eager_o) and torch.equal(final, eager_s)
+
+
 @pytest.mark.parametrize("gluon", [False, True])
 def test_equal_rows_same_bits_offsets_counted_and_replayed(gluon):
     """8 sequences of 1000 tokens × 24 heads with the hint N·max_seqlen = T, run as rows (the plan's

@@ -39,7 +39,8 @@ def kernel_work(workload, plan):
     """Bytes each fastkda kernel moves and tensor-core FLOPs it issues in one call of ``workload`` under ``plan``
     (bf16 inputs, fp32 states in and out): ``{kernel: (bytes, flops)}``. The chunk and the V-slices come from the
     plan. Each chunk's products are counted at full chunk size (the kernels compute them so); the solve kernel's
-    16x16 inverse, its only products, is left out."""
+    16x16 inverse, its only products, is left out (under the plan's ``inverse_in_prepare`` its bytes are the first
+    kernel's, and there is no solve entry)."""
     heads, lengths = workload["H"], workload["lengths"]
     if (heads, len(lengths)) != (plan.heads, plan.num_seqs):
         raise ValueError(f"the plan is for {plan.num_seqs} sequence(s) of {plan.heads} heads, the workload has "
@@ -59,7 +60,9 @@ def kernel_work(workload, plan):
     solve = (rows * (2 * t_row + 2), 0)
     recurrence = (rows * (s * (3 * K * 2 + m_row + t_row) + V * 2 + V * 2) + chunks * s * K * 4 + 2 * state,
                   recurrence_flops + chunks * 2 * 2 * C * C * V)  # v_new = T·β·Y as two bf16 products (hi + lo)
-    work = dict(prepare=prepare, solve=solve)
+    # under the plan's inverse_in_prepare the first kernel does the solve's work and no solve kernel runs
+    work = dict(prepare=(prepare[0] + solve[0], prepare[1])) if plan.inverse_in_prepare else dict(prepare=prepare,
+                                                                                                   solve=solve)
     if plan.sequence_parallel:  # every segment but each sequence's last runs once more, over V + K columns
         L = plan.segment_tokens
         segments = heads * sum(-(-n // L) for n in lengths)

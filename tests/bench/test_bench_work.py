@@ -11,8 +11,11 @@ def plan_of(workload, v_slices="auto", sms=132):
     return plan_for_inputs(make_prefill_inputs(dict(workload, layout="varlen"), "cpu"), sms=sms, v_slices=v_slices)
 
 
-def work_of(workload, v_slices="auto"):
-    return kernel_work(workload, plan_of(workload, v_slices))
+def work_of(workload, v_slices="auto", **changes):
+    """The work of ``workload`` under its plan with ``changes``; by default with the solve kernel launched (the
+    automatic plan folds it into the first kernel where that runs in one wave, as these small workloads do)."""
+    return kernel_work(workload, plan_of(workload, v_slices).replace(**dict(dict(inverse_in_prepare=False),
+                                                                            **changes)))
 
 
 def test_plan_for_inputs_takes_the_facts_the_api_takes():
@@ -46,9 +49,13 @@ def test_kernel_work_counts_the_solve_as_the_inverse_alone():
     # 8-15 two, 16-23 three, 24-31 four: 80 B a row), writes T·diag(β) over them, and multiplies nothing counted;
     # the recurrence loads T with kd and multiplies T·β·Y (two bf16 products) on top of the state's
     assert CHUNK == 32
-    work = kernel_work(dict(H=4, lengths=[CHUNK]), plan_of(dict(H=4, lengths=[CHUNK]), 1))
+    work = work_of(dict(H=4, lengths=[CHUNK]), 1)
     assert work["solve"] == (4 * CHUNK * (80 + 80 + 2), 0)
     assert work["recurrence"][1] == 4 * 2 * (3 * CHUNK * 128 + CHUNK * CHUNK) * 128 + 4 * 2 * 2 * CHUNK * CHUNK * 128
+    # the inverse in the first kernel: its bytes are the first kernel's, no solve kernel
+    folded = work_of(dict(H=4, lengths=[CHUNK]), 1, inverse_in_prepare=True)
+    assert set(folded) == {"prepare", "recurrence"} and folded["recurrence"] == work["recurrence"]
+    assert folded["prepare"] == (work["prepare"][0] + work["solve"][0], work["prepare"][1])
 
 
 def test_lower_row_bytes_counts_sectors_up_to_the_diagonal():

@@ -86,6 +86,28 @@ def test_equal_rows_same_bits_and_offsets_that_disagree_counted(cu_dtype):
     assert torch.isfinite(out).all() and torch.isfinite(final).all()
 
 
+@pytest.mark.parametrize("gate", ["lower_bound", "precomputed"])
+def test_inverse_in_prepare_gives_the_solve_kernels_bits(gate):
+    """The plan's ``inverse_in_prepare`` (the first kernel inverts its own chunk; no solve launch) gives the two
+    kernels' outputs and final states bit for bit: varlen with empty and 1-token sequences (the longest first),
+    segmented, and as rows under ``equal_rows``, whose malformed offsets it counts as the solve kernel does."""
+    inp = make_inputs([0, 80, 1, 45, 33], heads=2, key_dim=64, gate=gate, seed=21)
+    for changes in (dict(), dict(longest_first=True), dict(sequence_parallel=64, longest_first=True)):
+        base_o, base_s = run_triton(inp, 2, **changes)
+        out, final = run_triton(inp, 2, inverse_in_prepare=True, **changes)
+        assert torch.equal(out, base_o) and torch.equal(final, base_s), changes
+    rows = make_inputs([40, 40, 40], heads=2, key_dim=64, gate=gate, seed=22)
+    rows["cu_seqlens"] = torch.tensor([0, 30, 80, 120], dtype=torch.int32)  # sequences 0 and 1 disagree
+    counted = []
+    for inverse_in_prepare in (False, True):
+        errors = torch.zeros(3, dtype=torch.int32)
+        counted.append((run_triton(rows, 2, max_seqlen=40, errors=errors, inverse_in_prepare=inverse_in_prepare),
+                        errors.tolist()))
+    (base, base_errors), (got, got_errors) = counted
+    assert got_errors == base_errors == [0, 0, 2]
+    assert all(torch.equal(x, y) for x, y in zip(got, base))
+
+
 def test_longest_first_takes_the_sequences_longest_first_with_the_same_bits():
     """``longest_first``: the solve kernel writes the sequences sorted by length, longest first, ties in index
     order, and the recurrence's programs taking them in that order give the same outputs and final states (and
@@ -105,7 +127,7 @@ def test_longest_first_takes_the_sequences_longest_first_with_the_same_bits():
                      (torch.tensor([0, 3, 500, 0, 40, 307, 307, 307], dtype=torch.int32), [1, 4, 3, 0, 2, 5, 6])):
         ws = Workspace.allocate(plan, inp["v"], cu)
         ws.fp32.fill_(float("nan"))
-        prepare.launch_prepare(plan, ws, inp["q"], inp["k"], inp["g"], inp["beta"], *gate, True)
+        prepare.launch_prepare(plan, ws, inp["q"], inp["k"], inp["g"], inp["beta"], *gate, None, True)
         solve.launch_solve(plan, ws, inp["beta"], True, None, True)
         assert ws.fp32[ws.layout.order:].view(torch.int32).tolist() == want
     bad = inp["cu_seqlens"].clone()
@@ -144,7 +166,7 @@ def test_longest_first_orders_the_segment_programs_with_the_same_bits():
     ws = Workspace.allocate(plan, inp["v"], inp["cu_seqlens"])
     ws.fp32.fill_(float("nan"))
     gate = (inp["A_log"], inp["dt_bias"], inp["lower_bound"], 0.125, True, True)
-    prepare.launch_prepare(plan, ws, inp["q"], inp["k"], inp["g"], inp["beta"], *gate, True)
+    prepare.launch_prepare(plan, ws, inp["q"], inp["k"], inp["g"], inp["beta"], *gate, None, True)
     solve.launch_solve(plan, ws, inp["beta"], True, None, True)
     want = sorted(range(len(rows)), key=lambda z: (-rows[z], z))
     assert ws.fp32[ws.layout.order:].view(torch.int32).tolist() == want

@@ -24,10 +24,13 @@ def main(argv=None):
     print(f"[compile] plan: {plan.describe()}".replace("\n", "\n[compile]   "))
     print(f"[compile] decode plan: v_slices={decode_plan.v_slices}, warps={decode_plan.warps}")
     found = {}
-    for name, (fn, kernel_args, warps, stages, maxnreg) in launches(plan, decode_plan, args.kernels,
-                                                                    args.checkpoints).items():
+    launched = launches(plan, decode_plan, args.kernels, args.checkpoints)
+    for name, (fn, kernel_args, warps, stages, maxnreg) in launched.items():
         found[name] = compile_stats(fn, kernel_args, warps, stages, maxnreg)
         print(f"[compile] {name} warps={warps} stages={stages}: {found[name]}", flush=True)
+    for name in args.kernels:
+        if name not in launched:  # e.g. the solve under inverse_in_prepare, the SP kernels under a serial plan
+            print(f"[compile] {name}: not launched under this plan", flush=True)
     return found
 
 

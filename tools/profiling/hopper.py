@@ -85,18 +85,20 @@ def prefill_launches(plan, checkpoints=0, l2norm=True, beta_sigmoid=True):
     shared = dict(ws_bf16=BF16, ws_fp32=F32, seq_len=plan.seq_len, C=plan.chunk, IS_VARLEN=plan.varlen, EMULATE=False)
     precision = dict(DOT_PRECISION=plan.dot_precision)  # the kernels with fp32 products
     beta = dict(beta=BF16, stride_beta_tok=H, stride_beta_head=1, BETA_SIGMOID=beta_sigmoid)
-    prepare_args = dict(
-        shared, **beta, **precision, q=BF16, k=BF16, g=BF16 if gate else F32, A_log=F32, dt_bias=F32, cu_seqlens=cu,
-        qg_at=at.qg, kg_at=at.kg, A_at=at.A, scratch_at=at.scratch, stride_q=H * K, stride_k=H * K, stride_g=H * K,
-        num_seqs=plan.num_seqs, lower_bound=LOWER_BOUND if gate else 0.0, scale=K ** -0.5, H=H, K=K, BC=plan.block,
-        BK=plan.prepare_channels, LOWER_BOUND_GATE=gate, L2NORM=l2norm, RUN=plan.prepare_token_run)
-    solve_args = dict(
-        {name: value for name, value in shared.items() if name != "ws_bf16"}, **beta, **precision,
+    inverse = dict(  # what the solve kernel, or the first kernel under inverse_in_prepare, takes for the inverse
         cu_seqlens=I32 if plan.varlen or plan.equal_rows else F32, errors=I32 if plan.equal_rows else F32,
-        scratch_at=at.scratch, order_at=at.order, order_count=plan.recurrence_grid[2],
-        segment_chunks=plan.segment_chunks, num_seqs=plan.num_seqs, H=H, BC=plan.block,
+        order_at=at.order, order_count=plan.recurrence_grid[2], segment_chunks=plan.segment_chunks,
         LONGEST_FIRST=plan.longest_first, SEGMENTED=plan.sequence_parallel, EQUAL_ROWS=plan.equal_rows,
         HORNER=plan.horner_inverse)
+    prepare_args = dict(
+        shared, **beta, **precision, **inverse, q=BF16, k=BF16, g=BF16 if gate else F32, A_log=F32, dt_bias=F32,
+        qg_at=at.qg, kg_at=at.kg, A_at=at.A, scratch_at=at.scratch, stride_q=H * K, stride_k=H * K, stride_g=H * K,
+        num_seqs=plan.num_seqs, lower_bound=LOWER_BOUND if gate else 0.0, scale=K ** -0.5, H=H, K=K, BC=plan.block,
+        BK=plan.prepare_channels, LOWER_BOUND_GATE=gate, L2NORM=l2norm, RUN=plan.prepare_token_run,
+        INVERT=plan.inverse_in_prepare)
+    solve_args = dict(
+        {name: value for name, value in shared.items() if name != "ws_bf16"}, **beta, **precision, **inverse,
+        scratch_at=at.scratch, num_seqs=plan.num_seqs, H=H, BC=plan.block)
     recurrence_args = dict(
         shared, qg_at=at.qg, kg_at=at.kg, A_at=at.A, scratch_at=at.scratch, entries_at=at.entries, order_at=at.order,
         out=BF16, initial_state=F32, final_state=F32, cu_seqlens=cu, errors=I32,
@@ -140,6 +142,8 @@ def prefill_launches(plan, checkpoints=0, l2norm=True, beta_sigmoid=True):
                           plan.transition_warps, plan.transition_stages, None)
         found.update(transition=transition,
                      scan=(scan.segment_scan_kernel, scan_args, plan.scan_warps, plan.scan_stages, None))
+    if plan.inverse_in_prepare:  # the first kernel does the solve's work: no solve launch
+        del found["solve"]
     return found
 
 

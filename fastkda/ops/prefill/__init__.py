@@ -4,7 +4,8 @@ Spec §2 in the WY form, over chunks of ``C`` tokens (the plan's ``chunk``, two 
 
 1. ``prepare.py``: everything of a chunk that does not depend on the state but the inverse (gate, cumulative
    decays, normalised q and k, the in-chunk matrices M and β·L), token-parallel over (chunk, head);
-2. ``solve.py``: the in-chunk inverse ``T = (I + β·L)⁻¹``, stored as T·diag(β), token-parallel;
+2. ``solve.py``: the in-chunk inverse ``T = (I + β·L)⁻¹``, stored as T·diag(β), token-parallel (its own kernel,
+   or the first kernel's tail under the plan's ``inverse_in_prepare``);
 3. ``recurrence.py``: the serial recurrence over chunks, one program per (sequence, head, V-slice); each step forms
    ``v_new = T·β·(v − kd·S)`` (w and u are never formed).
 
@@ -32,11 +33,13 @@ from .solve import launch_solve
 
 def prepare_stages(plan, ws, q, k, g, beta, A_log, dt_bias, lower_bound, scale, use_qk_l2norm, use_beta_sigmoid,
                    errors, emulate):
-    """The first two stages (the preparation and the inverse) into the workspace ``ws``, where there are chunks."""
+    """The first two stages (the preparation and the inverse) into the workspace ``ws``, where there are chunks: in
+    one launch under the plan's ``inverse_in_prepare``."""
     if plan.chunk_slots:
         launch_prepare(plan, ws, q, k, g, beta, A_log, dt_bias, lower_bound, scale, use_qk_l2norm, use_beta_sigmoid,
-                       emulate)
-        launch_solve(plan, ws, beta, use_beta_sigmoid, errors, emulate)
+                       errors, emulate)
+        if not plan.inverse_in_prepare:
+            launch_solve(plan, ws, beta, use_beta_sigmoid, errors, emulate)
 
 
 def _prepared(plan, q, k, v, g, beta, A_log, dt_bias, lower_bound, scale, use_qk_l2norm, use_beta_sigmoid,

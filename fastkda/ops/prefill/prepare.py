@@ -32,6 +32,7 @@ from ..common import bf16_operand, fast_exp2, launch
 from ..tiles import load_rows, store_lower, store_rows
 from .inputs import beta_rows, log2_decay_block, row_scales
 from .layout import chunk_of_slot
+from .solve import inverse_arguments, invert_chunk, offsets_argument
 
 
 @triton.jit
@@ -174,13 +175,18 @@ def midpoint_products(q_b, k_b, g_c, r, valid, stride_g, h, kk, A_log, dt_bias, 
 def prepare_kernel(
     q, k, g, beta, A_log, dt_bias, cu_seqlens, ws_bf16, ws_fp32, qg_at, kg_at, A_at, scratch_at,
     stride_q, stride_k, stride_g, stride_beta_tok, stride_beta_head, seq_len, num_seqs, lower_bound, scale,
+    errors, order_at, order_count, segment_chunks,
     H, K: tl.constexpr, C: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
     IS_VARLEN: tl.constexpr, LOWER_BOUND_GATE: tl.constexpr, L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr,
-    RUN: tl.constexpr, DOT_PRECISION: tl.constexpr, EMULATE: tl.constexpr,
+    RUN: tl.constexpr, DOT_PRECISION: tl.constexpr, EMULATE: tl.constexpr, INVERT: tl.constexpr,
+    LONGEST_FIRST: tl.constexpr, SEGMENTED: tl.constexpr, EQUAL_ROWS: tl.constexpr, HORNER: tl.constexpr,
 ):
     """One (chunk slot, head): norms, gate, cumulative decays, qg, kg, kd, the chunk decay, M and β·L (module
     docstring): under the lower-bound gate :func:`midpoint_products`, over all K channels at once; under a
-    precomputed gate ``BK`` channels at a time, M and L accumulated as ``C / BC`` ``[C, BC]`` column blocks."""
+    precomputed gate ``BK`` channels at a time, M and L accumulated as ``C / BC`` ``[C, BC]`` column blocks.
+    Under ``INVERT`` (the plan's ``inverse_in_prepare``) it then does the solve kernel's work on its own chunk
+    (:func:`fastkda.ops.prefill.solve.invert_chunk`, whose other arguments it passes through): β·L, just stored,
+    is read back behind a barrier, so that no launch and no trip through DRAM lies between the two."""
     NB: tl.constexpr = C // BC
     tl.static_assert(NB == 2)
     slot = tl.program_id(0)
@@ -249,22 +255,30 @@ def prepare_kernel(
             L1 += tl.where((blk == 1)[:, None], l_d, 0.0)
         store_column_block(A_c, L_c, valid, M0, L0, bv, 0, H, C, BC, EMULATE)
         store_column_block(A_c, L_c, valid, M1, L1, bv, 1, H, C, BC, EMULATE)
+    if INVERT:
+        tl.debug_barrier()  # every thread's β·L stored before any thread reads the blocks back
+        invert_chunk(slot, h, beta, cu_seqlens, errors, ws_fp32, scratch_at, order_at, order_count, segment_chunks,
+                     stride_beta_tok, stride_beta_head, seq_len, num_seqs, H, C, BC, IS_VARLEN, BETA_SIGMOID,
+                     DOT_PRECISION, EMULATE, LONGEST_FIRST, SEGMENTED, EQUAL_ROWS, HORNER)
 
 
 def launch_prepare(plan, ws, q, k, g, beta, A_log, dt_bias, lower_bound, scale, use_qk_l2norm, use_beta_sigmoid,
-                   emulate):
-    """Launch :func:`prepare_kernel` over the plan's grid into the workspace ``ws``."""
+                   errors, emulate):
+    """Launch :func:`prepare_kernel` over the plan's grid into the workspace ``ws`` (under the plan's
+    ``inverse_in_prepare``, the solve kernel's work too, counting in ``errors`` as it does)."""
     absent = ws.fp32  # stands for absent optional tensors; never dereferenced
     gate = (A_log, dt_bias) if plan.lower_bound_gate else (absent, absent)
     layout = ws.layout
+    inverse_runtime, inverse_constants = inverse_arguments(plan, ws, errors)
     launch(
         prepare_kernel, plan.prepare_grid,
-        q, k, g, beta, *gate, ws.cu_seqlens if plan.varlen else absent, ws.bf16, ws.fp32,
+        q, k, g, beta, *gate, offsets_argument(plan, ws), ws.bf16, ws.fp32,
         layout.qg, layout.kg, layout.A, layout.scratch, q.stride(1), k.stride(1), g.stride(1), beta.stride(1),
         beta.stride(2), plan.seq_len, plan.num_seqs, float(lower_bound) if plan.lower_bound_gate else 0.0,
-        float(scale), plan.heads,
+        float(scale), *inverse_runtime, plan.heads,
         K=plan.key_dim, C=plan.chunk, BC=plan.block, BK=plan.prepare_channels, IS_VARLEN=plan.varlen,
         LOWER_BOUND_GATE=plan.lower_bound_gate, L2NORM=use_qk_l2norm, BETA_SIGMOID=use_beta_sigmoid,
         RUN=plan.prepare_token_run, DOT_PRECISION=plan.dot_precision, EMULATE=emulate,
+        INVERT=plan.inverse_in_prepare, **inverse_constants,
         num_warps=plan.prepare_warps, num_stages=plan.prepare_stages, maxnreg=plan.prepare_registers or None,
     )

@@ -80,20 +80,19 @@ def mm(a, b, DOT_PRECISION: tl.constexpr):
     return tl.dot(a, b, input_precision=DOT_PRECISION)
 
 
-@triton.jit(do_not_specialize=["H"])  # one compile for every head count
-def solve_kernel(
-    beta, cu_seqlens, errors, ws_fp32, scratch_at, order_at, order_count, segment_chunks, stride_beta_tok,
+@triton.jit
+def invert_chunk(
+    slot, h, beta, cu_seqlens, errors, ws_fp32, scratch_at, order_at, order_count, segment_chunks, stride_beta_tok,
     stride_beta_head, seq_len, num_seqs, H, C: tl.constexpr, BC: tl.constexpr, IS_VARLEN: tl.constexpr,
     BETA_SIGMOID: tl.constexpr, DOT_PRECISION: tl.constexpr, EMULATE: tl.constexpr, LONGEST_FIRST: tl.constexpr,
     SEGMENTED: tl.constexpr, EQUAL_ROWS: tl.constexpr, HORNER: tl.constexpr,
 ):
-    """One (chunk slot, head): T from the scratch's 16×16 blocks (diagonal ones strictly lower), then T·diag(β)
-    over the scratch (module docstring); under ``LONGEST_FIRST`` the programs of head 0 also place the
+    """Chunk slot ``slot`` of head ``h``: T from the scratch's 16×16 blocks (diagonal ones strictly lower), then
+    T·diag(β) over the scratch (module docstring); under ``LONGEST_FIRST`` the chunk slots of head 0 also place the
     recurrence's program rows ``slot``, ``slot`` + the grid's slots, ... below ``order_count`` in its order. Under
-    ``EQUAL_ROWS`` (a varlen call run as rows: the plan's ``equal_rows``) the program of each row's first chunk
-    and head 0 counts the row's sequence in ``errors`` if its ``cu_seqlens`` entries are not the row's."""
-    slot = tl.program_id(0)
-    h = tl.program_id(1)
+    ``EQUAL_ROWS`` (a varlen call run as rows: the plan's ``equal_rows``) each row's first chunk of head 0 counts
+    the row's sequence in ``errors`` if its ``cu_seqlens`` entries are not the row's. The body of
+    :func:`solve_kernel`, and the tail of the first kernel under the plan's ``inverse_in_prepare``."""
     if EQUAL_ROWS:
         if h == 0:
             row_slots = tl.cdiv(seq_len, C)
@@ -130,19 +129,46 @@ def solve_kernel(
                                     segment_chunks, C, SEGMENTED)
 
 
+@triton.jit(do_not_specialize=["H"])  # one compile for every head count
+def solve_kernel(
+    beta, cu_seqlens, errors, ws_fp32, scratch_at, order_at, order_count, segment_chunks, stride_beta_tok,
+    stride_beta_head, seq_len, num_seqs, H, C: tl.constexpr, BC: tl.constexpr, IS_VARLEN: tl.constexpr,
+    BETA_SIGMOID: tl.constexpr, DOT_PRECISION: tl.constexpr, EMULATE: tl.constexpr, LONGEST_FIRST: tl.constexpr,
+    SEGMENTED: tl.constexpr, EQUAL_ROWS: tl.constexpr, HORNER: tl.constexpr,
+):
+    """One (chunk slot, head): :func:`invert_chunk`."""
+    invert_chunk(tl.program_id(0), tl.program_id(1), beta, cu_seqlens, errors, ws_fp32, scratch_at, order_at,
+                 order_count, segment_chunks, stride_beta_tok, stride_beta_head, seq_len, num_seqs, H, C, BC,
+                 IS_VARLEN, BETA_SIGMOID, DOT_PRECISION, EMULATE, LONGEST_FIRST, SEGMENTED, EQUAL_ROWS, HORNER)
+
+
+def inverse_arguments(plan, ws, errors):
+    """The runtime arguments of :func:`invert_chunk` that only it takes (``errors``, where the plan's
+    ``equal_rows`` checks the rows; the ``order`` section, its length and the segment length, for its
+    ``longest_first``) and its own constexprs, for the launch of :func:`solve_kernel` or of the first kernel under
+    the plan's ``inverse_in_prepare``."""
+    runtime = (errors if plan.equal_rows else ws.fp32, ws.layout.order, plan.recurrence_grid[2], plan.segment_chunks)
+    constants = dict(LONGEST_FIRST=plan.longest_first, SEGMENTED=plan.sequence_parallel, EQUAL_ROWS=plan.equal_rows,
+                     HORNER=plan.horner_inverse)
+    return runtime, constants
+
+
+def offsets_argument(plan, ws):
+    """``cu_seqlens`` where a kernel of the preparation reads it (varlen chunk slots, or :func:`invert_chunk`'s
+    check of the rows under ``equal_rows``), else the fp32 workspace, which stands for it unread."""
+    return ws.cu_seqlens if plan.varlen or plan.equal_rows else ws.fp32
+
+
 def launch_solve(plan, ws, beta, use_beta_sigmoid, errors, emulate):
     """Launch :func:`solve_kernel` over the plan's grid on the workspace ``ws`` (and, under the plan's
     ``longest_first``, its ``order`` section); under its ``equal_rows``, ``cu_seqlens`` that disagree with the rows
     are counted in ``errors``."""
-    reads_offsets = plan.varlen or plan.equal_rows
+    (errors_or_absent, order_at, order_count, segment_chunks), constants = inverse_arguments(plan, ws, errors)
     launch(
         solve_kernel, plan.prepare_grid,
-        beta, ws.cu_seqlens if reads_offsets else ws.fp32, errors if plan.equal_rows else ws.fp32, ws.fp32,
-        ws.layout.scratch, ws.layout.order,
-        plan.recurrence_grid[2], plan.segment_chunks,
-        beta.stride(1), beta.stride(2), plan.seq_len, plan.num_seqs, plan.heads,
+        beta, offsets_argument(plan, ws), errors_or_absent, ws.fp32, ws.layout.scratch, order_at, order_count,
+        segment_chunks, beta.stride(1), beta.stride(2), plan.seq_len, plan.num_seqs, plan.heads,
         C=plan.chunk, BC=plan.block, IS_VARLEN=plan.varlen, BETA_SIGMOID=use_beta_sigmoid,
-        DOT_PRECISION=plan.dot_precision, EMULATE=emulate, LONGEST_FIRST=plan.longest_first,
-        SEGMENTED=plan.sequence_parallel, EQUAL_ROWS=plan.equal_rows, HORNER=plan.horner_inverse,
+        DOT_PRECISION=plan.dot_precision, EMULATE=emulate, **constants,
         num_warps=plan.solve_warps, num_stages=plan.solve_stages,
     )
