@@ -742,13 +742,15 @@ def _choose_plan(num_seqs, heads, seq_len, key_dim, value_dim, sms, varlen, lowe
     if horner_inverse:
         reason += (f"; the solve's diagonal blocks by Horner's rule ({solve_programs} chunks x heads, at most "
                    f"{HORNER_PROGRAMS_PER_SM} an SM)")
-    # the inverse at the first kernel's tail where its programs (counted as the solve's) fit in one wave: no program
-    # waits for a slot behind another's inverse, and the solve's launch and one boundary go. Measured (H100, session
-    # 33, docs/perf-notes.md "The inverse in the first kernel"): H12 N1 T1024 2% faster; 4-10% slower wherever the
-    # first kernel runs in several waves
-    inverse_in_prepare = lower_bound_gate and solve_programs <= PREPARE_PROGRAMS_PER_SM * sms
+    # the inverse at the first kernel's tail where its programs (its grid: chunk slots x heads) fit in one wave: no
+    # program waits for a slot behind another's inverse, and the solve's launch and one boundary go. Measured (H100,
+    # session 33, docs/perf-notes.md "The inverse in the first kernel"): H12 N1 T1024 2% faster; 4-10% slower
+    # wherever the first kernel runs in several waves. The same bits either way, so a varlen call and the same call
+    # run as rows may choose differently
+    prepare_programs = heads * slot_count(seq_len, num_seqs, CHUNK, varlen)
+    inverse_in_prepare = lower_bound_gate and prepare_programs <= PREPARE_PROGRAMS_PER_SM * sms
     if inverse_in_prepare:
-        reason += (f"; the first kernel inverts its own chunk ({solve_programs} programs in one wave of "
+        reason += (f"; the first kernel inverts its own chunk ({prepare_programs} programs in one wave of "
                    f"{PREPARE_PROGRAMS_PER_SM} an SM)")
     return PrefillPlan(
         seq_len=seq_len, num_seqs=num_seqs, varlen=varlen, heads=heads, key_dim=key_dim, value_dim=value_dim,

@@ -479,22 +479,22 @@ def test_a_cached_plan_does_not_pass_an_argument_of_another_type():
 
 
 def test_inverse_in_prepare_where_the_first_kernel_runs_in_one_wave_under_the_lower_bound_gate():
-    """The first kernel inverts its own chunk (no solve launch) where its programs, counted from the tokens as the
-    solve's are, fit one wave of PREPARE_PROGRAMS_PER_SM an SM (H12 N1 T1024: 384 on 396 slots); not past it (H12
-    N2 T1024: 768), nor under the precomputed gate (unmeasured there). The same choice with or without the
-    max_seqlen hint; the plan says it and carries it through its launch numbers."""
+    """The first kernel inverts its own chunk (no solve launch) where its grid (chunk slots x heads) fits one wave
+    of PREPARE_PROGRAMS_PER_SM an SM (H12 N1 T1024: 384 programs on 396 slots); not past it (H12 N2 T1024: 768; a
+    varlen batch's spare slots count: 3 x 352 tokens take 37 slots, 444 programs, and 33 run as rows), nor under
+    the precomputed gate (unmeasured there). The plan says it and carries it through its launch numbers."""
     from fastkda.plan import PREPARE_PROGRAMS_PER_SM
 
     assert PREPARE_PROGRAMS_PER_SM * 132 == 396
-    for num_seqs, tokens, on in ((1, 1024, True), (1, 1056, True), (1, 1057, False), (2, 2048, False),
-                                 (3, 1056, True), (3, 1059, False)):  # tokens: the batch's
-        for hint in (None, -(-tokens // num_seqs)):
-            plan = choose_plan(num_seqs, 12, tokens, 128, 128, 132, varlen=True, max_seqlen=hint,
-                               warpgroup_mma=True)
-            assert plan.inverse_in_prepare == on, (num_seqs, tokens, hint)
-            assert ("inverts its own chunk" in plan.reason) == on
-            assert ("the first kernel then inverts its chunk" in plan.describe()) == on
-            assert ("solve kernel on" in plan.describe()) != on
-            assert PrefillPlan.from_launch_numbers(plan.launch_numbers()) == plan
+    for num_seqs, tokens, hint, on in ((1, 1024, None, True), (1, 1056, None, True), (1, 1057, None, False),
+                                       (2, 2048, 1024, False), (3, 1056, 352, True), (3, 1056, None, False),
+                                       (3, 1059, 353, False), (2, 320, None, True)):  # tokens: the batch's
+        plan = choose_plan(num_seqs, 12, tokens, 128, 128, 132, varlen=True, max_seqlen=hint, warpgroup_mma=True)
+        assert plan.inverse_in_prepare == on, (num_seqs, tokens, hint)
+        assert (plan.heads * plan.chunk_slots <= 396) == on, (num_seqs, tokens, hint)
+        assert ("inverts its own chunk" in plan.reason) == on
+        assert ("the first kernel then inverts its chunk" in plan.describe()) == on
+        assert ("solve kernel on" in plan.describe()) != on
+        assert PrefillPlan.from_launch_numbers(plan.launch_numbers()) == plan
     assert not choose_plan(1, 12, 1024, 128, 128, 132, lower_bound_gate=False).inverse_in_prepare
     assert not choose_plan(1, 12, 1024, 128, 128, 66).inverse_in_prepare  # 384 programs on 198 slots

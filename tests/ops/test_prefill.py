@@ -93,7 +93,7 @@ def test_inverse_in_prepare_gives_the_solve_kernels_bits(gate):
     segmented, and as rows under ``equal_rows``, whose malformed offsets it counts as the solve kernel does."""
     inp = make_inputs([0, 80, 1, 45, 33], heads=2, key_dim=64, gate=gate, seed=21)
     for changes in (dict(), dict(longest_first=True), dict(sequence_parallel=64, longest_first=True)):
-        base_o, base_s = run_triton(inp, 2, **changes)
+        base_o, base_s = run_triton(inp, 2, inverse_in_prepare=False, **changes)
         out, final = run_triton(inp, 2, inverse_in_prepare=True, **changes)
         assert torch.equal(out, base_o) and torch.equal(final, base_s), changes
     rows = make_inputs([40, 40, 40], heads=2, key_dim=64, gate=gate, seed=22)
@@ -121,15 +121,17 @@ def test_longest_first_takes_the_sequences_longest_first_with_the_same_bits():
         base_o, base_s = run_triton(inp, 2)
         out, final = run_triton(inp, 2, longest_first=True)
         assert torch.equal(out, base_o) and torch.equal(final, base_s)
-    plan = plan_for(inp, 2, longest_first=True)
     gate = (inp["A_log"], inp["dt_bias"], inp["lower_bound"], 0.125, True, True)
-    for cu, want in ((inp["cu_seqlens"], [6, 1, 4, 3, 0, 5, 2]),
-                     (torch.tensor([0, 3, 500, 0, 40, 307, 307, 307], dtype=torch.int32), [1, 4, 3, 0, 2, 5, 6])):
-        ws = Workspace.allocate(plan, inp["v"], cu)
-        ws.fp32.fill_(float("nan"))
-        prepare.launch_prepare(plan, ws, inp["q"], inp["k"], inp["g"], inp["beta"], *gate, None, True)
-        solve.launch_solve(plan, ws, inp["beta"], True, None, True)
-        assert ws.fp32[ws.layout.order:].view(torch.int32).tolist() == want
+    for folded in (False, True):  # the order written by the solve kernel, or by the first kernel that inverts
+        plan = plan_for(inp, 2, longest_first=True, inverse_in_prepare=folded)
+        for cu, want in ((inp["cu_seqlens"], [6, 1, 4, 3, 0, 5, 2]),
+                         (torch.tensor([0, 3, 500, 0, 40, 307, 307, 307], dtype=torch.int32), [1, 4, 3, 0, 2, 5, 6])):
+            ws = Workspace.allocate(plan, inp["v"], cu)
+            ws.fp32.fill_(float("nan"))
+            prepare.launch_prepare(plan, ws, inp["q"], inp["k"], inp["g"], inp["beta"], *gate, None, True)
+            if not folded:
+                solve.launch_solve(plan, ws, inp["beta"], True, None, True)
+            assert ws.fp32[ws.layout.order:].view(torch.int32).tolist() == want, folded
     bad = inp["cu_seqlens"].clone()
     bad[3] = 10_000  # past T: clamped and counted, the same count in either order
     counts = []
@@ -143,7 +145,8 @@ def test_longest_first_takes_the_sequences_longest_first_with_the_same_bits():
 def test_longest_first_orders_the_segment_programs_with_the_same_bits():
     """Under sequence parallelism the rerun's rows are each sequence's first segment, then one per segment slot
     (idle where the slot holds no later segment): the solve kernel sorts them by their chunks, the most first,
-    ties in grid order, and the rerun taking them in that order gives the same bits."""
+    ties in grid order (or the first kernel does, where it inverts), and the rerun taking them in that order gives
+    the same bits."""
     from fastkda.ops.prefill import prepare, solve
     from fastkda.ops.prefill.layout import Workspace
 
@@ -163,14 +166,17 @@ def test_longest_first_orders_the_segment_programs_with_the_same_bits():
         rows.append(min((j + 1) * segment_chunks, chunks[n]) - j * segment_chunks
                     if j > 0 and j * segment_chunks < chunks[n] else 0)
     assert len(rows) == plan.recurrence_grid[2]
-    ws = Workspace.allocate(plan, inp["v"], inp["cu_seqlens"])
-    ws.fp32.fill_(float("nan"))
-    gate = (inp["A_log"], inp["dt_bias"], inp["lower_bound"], 0.125, True, True)
-    prepare.launch_prepare(plan, ws, inp["q"], inp["k"], inp["g"], inp["beta"], *gate, None, True)
-    solve.launch_solve(plan, ws, inp["beta"], True, None, True)
     want = sorted(range(len(rows)), key=lambda z: (-rows[z], z))
-    assert ws.fp32[ws.layout.order:].view(torch.int32).tolist() == want
     assert rows[want[0]] == segment_chunks and rows[want[-1]] == 0
+    gate = (inp["A_log"], inp["dt_bias"], inp["lower_bound"], 0.125, True, True)
+    for folded in (False, True):  # the order written by the solve kernel, or by the first kernel that inverts
+        plan = plan.replace(inverse_in_prepare=folded)
+        ws = Workspace.allocate(plan, inp["v"], inp["cu_seqlens"])
+        ws.fp32.fill_(float("nan"))
+        prepare.launch_prepare(plan, ws, inp["q"], inp["k"], inp["g"], inp["beta"], *gate, None, True)
+        if not folded:
+            solve.launch_solve(plan, ws, inp["beta"], True, None, True)
+        assert ws.fp32[ws.layout.order:].view(torch.int32).tolist() == want, folded
 
 
 @pytest.mark.parametrize("horner", [False, True])

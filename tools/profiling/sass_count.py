@@ -29,7 +29,8 @@ def sass_of_arguments(args, line_info=False):
     """The SASS of ``args.kernel`` under the plan ``args`` describe."""
     plan, decode_plan = plans_from_arguments(args)
     found = launches(plan, decode_plan, [args.kernel], args.checkpoints)
-    if args.kernel not in found:  # an SP kernel under a serial plan, or the fused step past four heads an SM
+    # an SP kernel under a serial plan, the solve under inverse_in_prepare, the fused step past four heads an SM
+    if args.kernel not in found:
         raise SystemExit(f"{args.kernel} does not run under this shape's plans")
     fn, kernel_args, warps, stages, maxnreg = found[args.kernel]
     return sass(fn, kernel_args, warps, stages, maxnreg, line_info)

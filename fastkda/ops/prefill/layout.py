@@ -23,7 +23,7 @@ section    dtype  per row         holds
 ``qg``     bf16   K               qd = s·q̂·exp(G)
 ``kg``     bf16   K               kr = k̂·exp(G_C − G)
 ``A``      bf16   C               M = lower_incl(qd·kiᵀ)
-``scratch`` fp32  C               β·L from the first kernel; T·diag(β) from the solve kernel
+``scratch`` fp32  C               β·L from the first kernel; T·diag(β) from the solve kernel (or the first)
 =========  =====  ==============  ======================================================================
 
 and per (chunk slot, head), the fp32 chunk decay ``decay = exp(G_C)`` (K values) at the start of the fp32 buffer.
@@ -32,8 +32,8 @@ laid out as a state ``[v, k]``: ``transitions`` (V + K rows: the segment's exit 
 exit of the K identity columns, i.e. its transition matrix) and ``entries`` (V rows: the segment's entry state).
 Segment slots are laid out as the chunk slots are, with segments in place of chunks. Last, ``order`` (one int32
 per recurrence program row, in fp32 slots): under the plan's ``longest_first``, those rows (sequences, or under
-sequence parallelism segment programs) from the most work down, which the solve kernel writes
-(:func:`write_longest_first`) and the recurrence's programs take in turn.
+sequence parallelism segment programs) from the most work down, which the solve kernel writes (the first kernel
+under the plan's ``inverse_in_prepare``; :func:`write_longest_first`) and the recurrence's programs take in turn.
 Kernels receive the two buffers and each section's element offset (:class:`Workspace` fields); they address
 rows from their chunk's first token.
 """

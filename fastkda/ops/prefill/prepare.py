@@ -1,4 +1,5 @@
-"""Preparation, first kernel: everything of a chunk that does not depend on the state, but the inverse.
+"""Preparation, first kernel: everything of a chunk that does not depend on the state, but the inverse (which it
+also does, at its end, under the plan's ``inverse_in_prepare``: ``solve.invert_chunk``).
 
 One program per (chunk slot, head) (``layout.py``). It loads the chunk's q, k, g and β rows, applies the norms and
 the gate, forms the cumulative log-decay ``G`` (base 2) over the chunk, and writes ``qg = qd``, ``kg = kr``, kd

@@ -1,4 +1,5 @@
-"""Preparation, second kernel: the in-chunk inverse ``T = (I + β·L)⁻¹``, stored as T·diag(β) over the scratch.
+"""Preparation, second kernel: the in-chunk inverse ``T = (I + β·L)⁻¹``, stored as T·diag(β) over the scratch
+(:func:`invert_chunk`, which the first kernel calls at its end instead under the plan's ``inverse_in_prepare``).
 
 One program per (chunk slot, head), on few warps: its products are 16×16 blocks, which more warps would only
 replicate. T is formed by blocks from the β·L scratch of the first kernel: the diagonal blocks' inverses by
