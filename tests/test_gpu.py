@@ -139,6 +139,23 @@ def test_cuda_graph_replay_with_new_inputs(lengths, varlen, v_slices):
     assert torch.equal(out, eager_o) and torch.equal(final, eager_s)
 
 
+def assert_same_bits_and_replays(inp, plan, base_plan, fresh):
+    """``plan`` gives ``base_plan``'s bits on ``inp``; and a graph of ``plan`` captured on ``inp``, replayed after
+    ``fresh``'s inputs (same N and T) are written into its buffers, equals an eager call on them."""
+    base_o, base_s, _ = run_prefill(inp, torch.float32, torch.float32, plan=base_plan)
+    out, final, _ = run_prefill(inp, torch.float32, torch.float32, plan=plan)
+    assert torch.equal(out, base_o) and torch.equal(final, base_s)
+    names = ("q", "k", "v", "g", "beta", "initial_state", "A_log", "dt_bias", "cu_seqlens")
+    out = torch.empty_like(inp["v"])
+    final = torch.empty_like(inp["initial_state"])
+    graph = capture_graph(lambda: fastkda.kda_prefill(
+        *(inp[x] for x in names[:5]), A_log=inp["A_log"], dt_bias=inp["dt_bias"], lower_bound=inp["lower_bound"],
+        initial_state=inp["initial_state"], final_state=final, cu_seqlens=inp["cu_seqlens"], out=out, plan=plan))
+    replay_with(graph, inp, fresh, names, (out, final))
+    eager_o, eager_s, _ = run_prefill(fresh, torch.float32, torch.float32, plan=plan)
+    assert torch.equal(out, eager_o) and torch.equal(final, eager_s)
+
+
 @pytest.mark.parametrize("sequence_parallel", [False, 256])
 @pytest.mark.parametrize("gluon", [False, True])
 def test_longest_first_same_bits_and_replays_new_offsets(gluon, sequence_parallel):
@@ -151,19 +168,8 @@ def test_longest_first_same_bits_and_replays_new_offsets(gluon, sequence_paralle
     assert plan.longest_first and plan.recurrence_grid[1] * plan.recurrence_grid[2] > 132
     if gluon:
         plan = plan.replace(warpgroup_recurrence=True, recurrence_stages=4)
-    base_o, base_s, _ = run_prefill(inp, torch.float32, torch.float32, plan=plan.replace(longest_first=False))
-    out, final, _ = run_prefill(inp, torch.float32, torch.float32, plan=plan)
-    assert torch.equal(out, base_o) and torch.equal(final, base_s)
-    names = ("q", "k", "v", "g", "beta", "initial_state", "A_log", "dt_bias", "cu_seqlens")
-    out = torch.empty_like(inp["v"])
-    final = torch.empty_like(inp["initial_state"])
-    graph = capture_graph(lambda: fastkda.kda_prefill(
-        *(inp[x] for x in names[:5]), A_log=inp["A_log"], dt_bias=inp["dt_bias"], lower_bound=inp["lower_bound"],
-        initial_state=inp["initial_state"], final_state=final, cu_seqlens=inp["cu_seqlens"], out=out, plan=plan))
     fresh = make_inputs([1200, 1, 700, 30, 0, 300, 64, 5], heads=24, key_dim=128, device="cuda", seed=22)
-    replay_with(graph, inp, fresh, names, (out, final))
-    eager_o, eager_s, _ = run_prefill(fresh, torch.float32, torch.float32, plan=plan)
-    assert torch.equal(out, eager_o) and torch.equal(final, eager_s)
+    assert_same_bits_and_replays(inp, plan, plan.replace(longest_first=False), fresh)
 
 
 @pytest.mark.parametrize("lengths, hint", [([1024], 1024), ([300, 5, 0, 200, 1, 64], None), ([352] * 3, 352)])
@@ -174,19 +180,8 @@ def test_inverse_in_prepare_same_bits_as_the_solve_kernel_and_replays(lengths, h
     inp = make_inputs(lengths, heads=12, key_dim=128, device="cuda", seed=23)
     plan = plan_for(inp, max_seqlen=hint)
     assert plan.inverse_in_prepare
-    base_o, base_s, _ = run_prefill(inp, torch.float32, torch.float32, plan=plan.replace(inverse_in_prepare=False))
-    out, final, _ = run_prefill(inp, torch.float32, torch.float32, plan=plan)
-    assert torch.equal(out, base_o) and torch.equal(final, base_s)
-    names = ("q", "k", "v", "g", "beta", "initial_state", "A_log", "dt_bias", "cu_seqlens")
-    out = torch.empty_like(inp["v"])
-    final = torch.empty_like(inp["initial_state"])
-    graph = capture_graph(lambda: fastkda.kda_prefill(
-        *(inp[x] for x in names[:5]), A_log=inp["A_log"], dt_bias=inp["dt_bias"], lower_bound=inp["lower_bound"],
-        initial_state=inp["initial_state"], final_state=final, cu_seqlens=inp["cu_seqlens"], out=out, plan=plan))
     fresh = make_inputs(lengths, heads=12, key_dim=128, device="cuda", seed=24)
-    replay_with(graph, inp, fresh, names, (out, final))
-    eager_o, eager_s, _ = run_prefill(fresh, torch.float32, torch.float32, plan=plan)
-    assert torch.equal(out, eager_o) and torch.equal(final, eager_s)
+    assert_same_bits_and_replays(inp, plan, plan.replace(inverse_in_prepare=False), fresh)
 
 
 @pytest.mark.parametrize("gluon", [False, True])
