@@ -90,8 +90,12 @@ def prefill_launches(plan, checkpoints=0, l2norm=True, beta_sigmoid=True):
         order_at=at.order, order_count=plan.recurrence_grid[2], segment_chunks=plan.segment_chunks,
         LONGEST_FIRST=plan.longest_first, SEGMENTED=plan.sequence_parallel, EQUAL_ROWS=plan.equal_rows,
         HORNER=plan.horner_inverse)
+    # the first kernel takes the inverse's own arguments only where it inverts, else launch_prepare's stand-ins
+    unread = dict(cu_seqlens=cu, errors=F32, order_at=0, order_count=0, segment_chunks=0,
+                  **prepare.UNREAD_INVERSE_CONSTANTS)
     prepare_args = dict(
-        shared, **beta, **precision, **inverse, q=BF16, k=BF16, g=BF16 if gate else F32, A_log=F32, dt_bias=F32,
+        shared, **beta, **precision, **(inverse if plan.inverse_in_prepare else unread), q=BF16, k=BF16,
+        g=BF16 if gate else F32, A_log=F32, dt_bias=F32,
         qg_at=at.qg, kg_at=at.kg, A_at=at.A, scratch_at=at.scratch, stride_q=H * K, stride_k=H * K, stride_g=H * K,
         num_seqs=plan.num_seqs, lower_bound=LOWER_BOUND if gate else 0.0, scale=K ** -0.5, H=H, K=K, BC=plan.block,
         BK=plan.prepare_channels, LOWER_BOUND_GATE=gate, L2NORM=l2norm, RUN=plan.prepare_token_run,

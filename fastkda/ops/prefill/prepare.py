@@ -35,6 +35,9 @@ from .inputs import beta_rows, log2_decay_block, row_scales
 from .layout import chunk_of_slot
 from .solve import inverse_arguments, invert_chunk, offsets_argument
 
+# the inverse's constexprs where the first kernel does not invert (INVERT=False reads none of them)
+UNREAD_INVERSE_CONSTANTS = dict(LONGEST_FIRST=False, SEGMENTED=False, EQUAL_ROWS=False, HORNER=False)
+
 
 @triton.jit
 def expand_blocks(x, NB: tl.constexpr, BC: tl.constexpr, D: tl.constexpr):
@@ -270,10 +273,16 @@ def launch_prepare(plan, ws, q, k, g, beta, A_log, dt_bias, lower_bound, scale, 
     absent = ws.fp32  # stands for absent optional tensors; never dereferenced
     gate = (A_log, dt_bias) if plan.lower_bound_gate else (absent, absent)
     layout = ws.layout
-    inverse_runtime, inverse_constants = inverse_arguments(plan, ws, errors)
+    if plan.inverse_in_prepare:
+        offsets = offsets_argument(plan, ws)
+        inverse_runtime, inverse_constants = inverse_arguments(plan, ws, errors)
+    else:  # the inverse's arguments unread: fixed stand-ins, so that the kernel compiles no more variants than the
+        # plans it serves (a count or a dtype that only the inverse reads would key Triton's specialisations)
+        offsets = ws.cu_seqlens if plan.varlen else absent
+        inverse_runtime, inverse_constants = (absent, 0, 0, 0), UNREAD_INVERSE_CONSTANTS
     launch(
         prepare_kernel, plan.prepare_grid,
-        q, k, g, beta, *gate, offsets_argument(plan, ws), ws.bf16, ws.fp32,
+        q, k, g, beta, *gate, offsets, ws.bf16, ws.fp32,
         layout.qg, layout.kg, layout.A, layout.scratch, q.stride(1), k.stride(1), g.stride(1), beta.stride(1),
         beta.stride(2), plan.seq_len, plan.num_seqs, float(lower_bound) if plan.lower_bound_gate else 0.0,
         float(scale), *inverse_runtime, plan.heads,
