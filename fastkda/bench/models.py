@@ -80,6 +80,20 @@ def use_path(module, path, bound):
         fastkda_transformers.enable()
 
 
+def prompt_ids(batch, length, device):
+    """The prompt of a case: ``[batch, length]`` token ids, the same on every call."""
+    return torch.randint(3, 128, (batch, length), generator=torch.Generator().manual_seed(0)).to(device)
+
+
+def greedy_generate(model, ids, tokens, processors=()):
+    """Exactly ``tokens`` new tokens, greedy, with the model's cache (no end-of-sequence stop) and the logits
+    ``processors``."""
+    from transformers import LogitsProcessorList
+
+    return model.generate(ids, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False, eos_token_id=None,
+                          logits_processor=LogitsProcessorList(processors))
+
+
 def step_clock(stamps, device):
     """A logits processor for ``generate`` that appends to ``stamps`` the time at which each step's logits are
     ready (the device synchronised first on a GPU): the stamps after the first one time the generated tokens."""
@@ -101,13 +115,10 @@ def measure_case(kind, paths, model, module, bound, batch, length, device, repea
     alike; medians of the forward, and of the time per generated token (the median interval between the 48 tokens
     after the first of one generation, :func:`step_clock`); and, for each path, the median over the rounds of
     what it took beyond fastkda in the same round."""
-    from transformers import LogitsProcessorList
-
-    ids = torch.randint(3, 128, (batch, length), generator=torch.Generator().manual_seed(0)).to(device)
+    ids = prompt_ids(batch, length, device)
 
     def generate(tokens, processors=()):
-        return model.generate(ids, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False, eos_token_id=None,
-                              logits_processor=LogitsProcessorList(processors))
+        return greedy_generate(model, ids, tokens, processors)
 
     def per_token_ms():
         stamps = []
@@ -144,22 +155,20 @@ def profile_generation(kind, paths, model, module, bound, batch, length, device)
     """Where a generated token's host time goes, per path, as text: the torch profiler's table of operators (host
     time each, and on a GPU the kernels launched) and cProfile's functions by cumulative time, over a generation of
     ``PROFILED_TOKENS`` tokens past its prompt (a tiny model's token is host-bound, so the host's work is what the
-    paths differ by)."""
+    paths differ by). Called after :func:`measure_case`, whose warm-up compiled and autotuned every path."""
     from torch.profiler import ProfilerActivity, profile
 
-    ids = torch.randint(3, 128, (batch, length), generator=torch.Generator().manual_seed(0)).to(device)
+    ids = prompt_ids(batch, length, device)
 
     def generate():
-        model.generate(ids, max_new_tokens=PROFILED_TOKENS, min_new_tokens=PROFILED_TOKENS, do_sample=False,
-                       eos_token_id=None)
+        greedy_generate(model, ids, PROFILED_TOKENS)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     sections = []
     with torch.no_grad():
-        for path in paths:
+        for path in paths:  # each already warm: measure_case ran it first (compiled, autotuned)
             use_path(module, path, bound)
-            generate()  # warm: compiled, autotuned, allocator filled
             with profile(activities=activities) as operators:
                 generate()
             functions = cProfile.Profile()
