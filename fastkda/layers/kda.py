@@ -17,7 +17,7 @@ from torch import nn
 from ..api import causal_conv1d, causal_conv1d_update, gated_rmsnorm, kda_decode, kda_decode_step, kda_prefill
 from .. import checks
 from ..checks import decode_indices
-from ..validation import remembered, scalar_defaults, validate_decode
+from ..validation import addressable_inputs, remembered, scalar_defaults, validate_decode
 
 
 class ForgetGate(nn.Module):
@@ -263,7 +263,9 @@ class KimiDeltaAttention(nn.Module):
         rows before kda_decode sees q, k and v, and the speculative conv indexes with the slots and accepted
         counts. Shapes and dtypes on views shaped as the conv's output; on the CPU, the slots' and accepted
         counts' values too (on the GPU kda_decode counts bad ones instead)."""
-        q, k, v = self._split_heads(mixed)
+        # as kda_decode sees them: a size-1 token dimension's stride is arbitrary (the GPU's projection gives 1-token
+        # rows a stride other than the batch's), and kda_decode restrides such views before its own checks
+        q, k, v, g, beta = addressable_inputs(*self._split_heads(mixed), g, beta)
         scale, lower_bound = scalar_defaults(q, None, gate.get("lower_bound"))
         remembered(validate_decode, q, k, v, g, beta, state_pool, slots, gate.get("A_log"), gate.get("dt_bias"),
                    lower_bound, scale, num_accepted_tokens, None)
