@@ -331,7 +331,7 @@ def _decode_pool(tensors, kw, pool, indices, num_accepted_tokens, cu_seqlens, ou
             fail("q", "of batch size 1 when cu_seqlens is given", batch)
     tensors = _token_rows(tensors)
     total, num_seqs = batch * length, cu_seqlens.numel() - 1
-    if total == 0 or num_seqs < 1:
+    if total == 0:  # no sequence at all only with no tokens: check_offsets refused fewer than two offsets for T > 0
         return torch.zeros_like(v) if out is None else out.zero_()
     if indices.shape[0] != num_seqs:
         fail("ssm_state_indices", f"of one row per sequence ({num_seqs})", list(indices.shape))
