@@ -60,9 +60,9 @@ def kernel_work(workload, plan):
     solve = (rows * (2 * t_row + 2), 0)
     recurrence = (rows * (s * (3 * K * 2 + m_row + t_row) + V * 2 + V * 2) + chunks * s * K * 4 + 2 * state,
                   recurrence_flops + chunks * 2 * 2 * C * C * V)  # v_new = T·β·Y as two bf16 products (hi + lo)
-    # under the plan's inverse_in_prepare the first kernel does the solve's work and no solve kernel runs
-    work = dict(prepare=(prepare[0] + solve[0], prepare[1])) if plan.inverse_in_prepare else dict(prepare=prepare,
-                                                                                                   solve=solve)
+    work = dict(prepare=prepare, solve=solve)
+    if plan.inverse_in_prepare:  # the first kernel does the solve's work, and no solve kernel runs
+        work = dict(prepare=(prepare[0] + solve[0], prepare[1]))
     if plan.sequence_parallel:  # every segment but each sequence's last runs once more, over V + K columns
         L = plan.segment_tokens
         segments = heads * sum(-(-n // L) for n in lengths)
