@@ -884,6 +884,7 @@ def kda_decode_step(mixed, conv_states, conv_weight, g, beta, output_gate, norm_
                             g=g, beta=beta, output_gate=output_gate, norm_weight=norm_weight, A_log=A_log,
                             dt_bias=dt_bias)
     if plan is None:
+        requested_v_slices()  # $FASTKDA_V_SLICES, which kda_decode reads, checked before the conv moves its pool
         if not on_gpu and not compiling:
             # the slots' values first: the conv would otherwise have moved its pool before the decode refused them
             # (a trace reads no values: there the decode's op refuses them, after the conv's)

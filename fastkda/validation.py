@@ -205,15 +205,16 @@ def check_prefill_index_ranges(tokens, num_seqs, heads, key_dim, value_dim, chun
                        N_H_V=(num_seqs, heads, value_dim))
 
 
-def check_offsets(cu_seqlens, device, length):
+def check_offsets(cu_seqlens, device, length, name="cu_seqlens"):
     """``cu_seqlens`` a 1-D int32/int64 tensor on q's device, checked before anything reads its values as token
     offsets (a float tensor would be truncated), with as many entries as offsets of ``length`` tokens need: at
-    least two, or one ([0]) for no tokens; its values are the caller's to check."""
+    least two, or one ([0]) for no tokens; its values are the caller's to check. ``name``: the argument's, for a
+    copy of the offsets (FLA's ``cu_seqlens_cpu``)."""
     if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1:
-        fail("cu_seqlens", "a 1-D tensor [N+1] of token offsets", _describe(cu_seqlens))
-    check_tensor("cu_seqlens", cu_seqlens, cu_seqlens.shape, INDEX_DTYPES, device)
+        fail(name, "a 1-D tensor [N+1] of token offsets", _describe(cu_seqlens))
+    check_tensor(name, cu_seqlens, cu_seqlens.shape, INDEX_DTYPES, device)
     if cu_seqlens.numel() == 0 or (cu_seqlens.numel() == 1 and length):
-        fail("cu_seqlens", f"[N+1] offsets from 0 to T={length}: at least two entries when T > 0, one ([0]) "
+        fail(name, f"[N+1] offsets from 0 to T={length}: at least two entries when T > 0, one ([0]) "
              f"for an empty batch", f"{cu_seqlens.numel()} entr{'y' if cu_seqlens.numel() == 1 else 'ies'}")
 
 

@@ -153,6 +153,19 @@ def test_flash_kda_adapter_refuses_a_state_that_is_not_a_tensor(name):
     assert all(bool((x == 5.0).all()) for x in written)
 
 
+@pytest.mark.parametrize("missing", ["A_log", "dt_bias", "lower_bound"])
+def test_flash_kda_adapter_requires_the_raw_gates_parameters(missing):
+    """FlashKDA's g is always the raw gate: without A_log, dt_bias or lower_bound kda_prefill would read it as a
+    log-decay (another operator), so the adapter refuses the call by the missing name and leaves ``out`` alone."""
+    inp = make_inputs([12, 50], key_dim=128, seed=15)
+    out = torch.full_like(inp["v"], 5.0)
+    gate = {name: None if name == missing else inp[name] for name in ("A_log", "dt_bias", "lower_bound")}
+    with pytest.raises(ValueError, match=f"{missing} is required"):
+        flash_kda.fwd(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], 128 ** -0.5, out, **gate,
+                      cu_seqlens=inp["cu_seqlens"])
+    assert bool((out == 5.0).all())
+
+
 @pytest.mark.parametrize("state_v_first", [False, True])
 def test_fla_adapter_lower_bound_gate(state_v_first):
     inp = make_inputs([20, 44], seed=16)

@@ -130,6 +130,7 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
                           lower_bound=lower_bound, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
                           allow_neg_eigval=allow_neg_eigval)
     h0 = _other_layout(initial_state, state_v_first)
+    _check_offset_pair(cu_seqlens, cu_seqlens_cpu, q)
     if max_seqlen is None and cu_seqlens_cpu is not None and cu_seqlens_cpu.numel() > 1:
         offsets = cu_seqlens_cpu.tolist()
         max_seqlen = max(b - a for a, b in zip(offsets, offsets[1:]))
@@ -140,6 +141,21 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
     o, final, h = _prefill_with_chunk_states(tensors, kw, h0, cu_seqlens, cu_seqlens_cpu, chunk_size,
                                              state_v_first, sequence_parallel)
     return o, _other_layout(final, state_v_first) if output_final_state else None, h
+
+
+def _check_offset_pair(cu_seqlens, cu_seqlens_cpu, q):
+    """``cu_seqlens`` and FLA's host copy ``cu_seqlens_cpu`` as token offsets, checked before any of their values is
+    read (a float tensor would be truncated); the copy only beside the offsets it copies."""
+    if not isinstance(q, torch.Tensor) or q.dim() != 4:
+        return  # _inputs names q
+    tokens = q.shape[0] * q.shape[1]
+    if cu_seqlens is not None:
+        check_offsets(cu_seqlens, q.device, tokens)
+    if cu_seqlens_cpu is not None:
+        if cu_seqlens is None:
+            fail("cu_seqlens_cpu", "None without cu_seqlens (it is the host copy of cu_seqlens)",
+                 _describe(cu_seqlens_cpu))
+        check_offsets(cu_seqlens_cpu, torch.device("cpu"), tokens, name="cu_seqlens_cpu")
 
 
 def _token_rows(tensors):
@@ -247,7 +263,9 @@ def fused_recurrent_kda_fwd(q, k, v, g, beta, A_log=None, dt_bias=None, initial_
     states ``[P, HV, K, V]`` (``[P, HV, V, K]`` with ``state_v_first``), updated in place and returned.
     ``[N]`` indices: sequence n reads and writes slot ``[n]`` (at most one token per sequence, as FLA's indexing
     assumes); ``[N, S]``: it reads slot ``[n, num_accepted_tokens[n] - 1]`` (``[n, 0]`` without
-    ``num_accepted_tokens``) and writes the state after its token t to slot ``[n, t]`` (t < S). A sequence of no
+    ``num_accepted_tokens``) and writes the state after its token t to slot ``[n, t]`` (t < S);
+    ``num_accepted_tokens[n]`` may not exceed sequence n's token count (FLA would read a column past the sequence's
+    tokens; refused on the CPU, a padding row on the GPU, where the offsets are not read). A sequence of no
     tokens reads and writes nothing; a negative slot is padding (zero output, nothing written; FLA does not guard
     it). ``inplace_final_state=False`` is refused there (FLA then writes token states past an ``[N]`` buffer).
     Errors from :func:`fastkda.kda_decode` call the indices ``slots`` and the pool ``state_pool``. A K-first pool
@@ -337,10 +355,19 @@ def _decode_pool(tensors, kw, pool, indices, num_accepted_tokens, cu_seqlens, ou
         fail("ssm_state_indices", f"of one row per sequence ({num_seqs})", list(indices.shape))
     if not cu_seqlens.is_cuda:  # free on the CPU; on the GPU the tokens past S of a sequence stay zero
         checks.cu_seqlens_values(cu_seqlens, total)
-        longest = int(cu_seqlens.diff().max())
+        lengths = cu_seqlens.diff()
+        longest = int(lengths.max())
         if longest > columns:
             fail("cu_seqlens", f"sequences of at most {columns} tokens (one column of ssm_state_indices each)",
                  f"one of {longest}")
+        if (isinstance(num_accepted_tokens, torch.Tensor) and num_accepted_tokens.device == lengths.device
+                and num_accepted_tokens.shape == lengths.shape):  # else kda_decode names what is wrong with it
+            past = (num_accepted_tokens.long() > lengths.long()) & (lengths > 0)  # its read column is padding's
+            if bool(past.any()):
+                n = int(past.nonzero()[0])
+                fail("num_accepted_tokens", "at most its sequence's token count (the state is read from the column "
+                     "of its last accepted token, which must be one of the sequence's own)",
+                     f"{int(num_accepted_tokens[n])} for sequence {n} of {int(lengths[n])} tokens")
     start = cu_seqlens[:-1].long()
     step = torch.arange(columns, device=q.device)
     inside = step < (cu_seqlens[1:].long() - start)[:, None]  # [N, S]: token t of sequence n exists

@@ -19,6 +19,12 @@ def fwd(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state
                          f"{initial_state.dtype} and {final_state.dtype}")
     if out is None:
         raise ValueError("flash_kda.fwd: out must be a preallocated tensor shaped like v, got None")
+    # FlashKDA's gate is always the raw gate fused with these three; without them kda_prefill would read g as a
+    # log-decay (its precomputed mode), a different operator
+    for name, given in (("A_log", A_log), ("dt_bias", dt_bias), ("lower_bound", lower_bound)):
+        if given is None:
+            raise ValueError(f"flash_kda.fwd: {name} is required (g is the raw gate fused with A_log, dt_bias and "
+                             f"lower_bound), got None")
     kda_prefill(q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, scale=scale,
                 initial_state=initial_state, final_state=final_state, cu_seqlens=cu_seqlens, out=out,
                 sequence_parallel=sequence_parallel, max_seqlen=max_seqlen)

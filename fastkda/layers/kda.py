@@ -17,6 +17,7 @@ from torch import nn
 from ..api import causal_conv1d, causal_conv1d_update, gated_rmsnorm, kda_decode, kda_decode_step, kda_prefill
 from .. import checks
 from ..checks import decode_indices
+from ..plan import requested_v_slices
 from ..validation import addressable_inputs, remembered, scalar_defaults, validate_decode
 
 
@@ -261,14 +262,15 @@ class KimiDeltaAttention(nn.Module):
     def _check_decode_call(self, mixed, g, beta, gate, state_pool, slots, num_accepted_tokens):
         """:func:`fastkda.kda_decode`'s own checks of a step's arguments, run before the conv: it moves its pool
         rows before kda_decode sees q, k and v, and the speculative conv indexes with the slots and accepted
-        counts. Shapes and dtypes on views shaped as the conv's output; on the CPU, the slots' and accepted
-        counts' values too (on the GPU kda_decode counts bad ones instead)."""
+        counts. Shapes and dtypes on views shaped as the conv's output, and ``$FASTKDA_V_SLICES``; on the CPU, the
+        slots' and accepted counts' values too (on the GPU kda_decode counts bad ones instead)."""
         # as kda_decode sees them: a size-1 token dimension's stride is arbitrary (the GPU's projection gives 1-token
         # rows a stride other than the batch's), and kda_decode restrides such views before its own checks
         q, k, v, g, beta = addressable_inputs(*self._split_heads(mixed), g, beta)
         scale, lower_bound = scalar_defaults(q, None, gate.get("lower_bound"))
         remembered(validate_decode, q, k, v, g, beta, state_pool, slots, gate.get("A_log"), gate.get("dt_bias"),
                    lower_bound, scale, num_accepted_tokens, None)
+        requested_v_slices()  # $FASTKDA_V_SLICES, which kda_decode reads
         if not mixed.is_cuda:
             decode_indices(slots, num_accepted_tokens, state_pool.shape[0], mixed.shape[1])
 

@@ -299,3 +299,40 @@ def test_cu_seqlens_cpu_gives_the_plan_its_longest_length(monkeypatch):
     want, _ = fastkda.kda_prefill(*args, A_log=inp["A_log"], dt_bias=inp["dt_bias"], lower_bound=inp["lower_bound"],
                                   cu_seqlens=cu, max_seqlen=40)
     assert torch.equal(o, want)
+
+
+@pytest.mark.parametrize("intermediate", [False, True])
+@pytest.mark.parametrize("cu_float,host,what", [
+    (True, None, "cu_seqlens must be of dtype"),
+    (False, torch.tensor([0.0, 40.0, 80.0, 120.0]), "cu_seqlens_cpu must be of dtype"),
+    (False, [0, 40, 80, 120], "cu_seqlens_cpu must be a 1-D tensor"),
+    (None, torch.tensor([0, 40, 80, 120]), "cu_seqlens_cpu must be None without cu_seqlens")],
+    ids=["float cu_seqlens", "float host copy", "list host copy", "host copy alone"])
+def test_chunk_kda_refuses_malformed_offsets(cu_float, host, what, intermediate):
+    """``cu_seqlens`` and its host copy ``cu_seqlens_cpu`` are checked as offsets before their values are read,
+    with and without ``return_intermediate_states`` (whose lengths come from them): a float tensor is not
+    truncated, a list is not read, a host copy without the offsets it copies is refused; each by its name."""
+    inp = make_inputs([40, 40, 40], seed=72)
+    cu = {True: inp["cu_seqlens"].float(), False: inp["cu_seqlens"], None: None}[cu_float]
+    with pytest.raises(ValueError, match=what):
+        fla.chunk_kda(*(inp[x] for x in ("q", "k", "v", "g", "beta")), **lower_bound_gate(inp), cu_seqlens=cu,
+                      cu_seqlens_cpu=host, return_intermediate_states=intermediate)
+
+
+def test_fused_recurrent_fwd_refuses_more_accepted_tokens_than_a_sequence_has():
+    """An accepted count past a sequence's own tokens would read the state from a column no token of it owns
+    (FLA reads that slot anyway; fastkda cannot also skip its write): a ``ValueError`` naming
+    ``num_accepted_tokens``, before ``out`` or the pool is written, where equal counts decode."""
+    inp, pool = pool_inputs(2, 3, seed=54)
+    cu = torch.tensor([0, 3, 4], dtype=torch.int32)  # the second sequence has one token of the batch's six
+    rows = {x: inp[x][:, :4] for x in ("q", "k", "v", "g", "beta")}
+    slots = torch.tensor([[0, 1, 2], [3, 4, 5]], dtype=torch.int32)
+    states, out = kv(pool), torch.full_like(rows["v"], 5.0)
+    with pytest.raises(ValueError, match="num_accepted_tokens must be at most.* 2 for sequence 1 of 1 tokens"):
+        fla.fused_recurrent_kda_fwd(*rows.values(), **lower_bound_gate(inp), initial_state=states, cu_seqlens=cu,
+                                    ssm_state_indices=slots, num_accepted_tokens=torch.tensor([1, 2]), out=out)
+    assert bool((out == 5.0).all()) and torch.equal(states, kv(pool))
+    o, _ = fla.fused_recurrent_kda_fwd(*rows.values(), **lower_bound_gate(inp), initial_state=states,
+                                       cu_seqlens=cu, ssm_state_indices=slots, num_accepted_tokens=torch.tensor([3, 1]))
+    ref_o, _ = truth(inp, **rows, initial_state=pool[torch.tensor([2, 3])], cu_seqlens=cu)
+    assert rel_err(o, ref_o) < OUT_ERR

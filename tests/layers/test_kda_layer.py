@@ -337,6 +337,22 @@ def test_a_refused_decode_names_the_argument_and_moves_no_pool(slots, accepted, 
     assert torch.equal(cache.recurrent, before[0]) and torch.equal(cache.conv, before[1])
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["decode", "fused decode"])
+def test_a_bad_v_slices_environment_moves_no_pool(fused, monkeypatch):
+    """kda_decode reads $FASTKDA_V_SLICES after the conv has moved its pool: a decode step checks it first, so a
+    typo there is a named ValueError with both pools kept."""
+    monkeypatch.setenv("FASTKDA_V_SLICES", "3")
+    layer = make_layer(-5.0)
+    layer.fused_decode = fused
+    cache = cache_for(layer)
+    slots = cache.allocate(2)
+    cache.conv.normal_(generator=torch.Generator().manual_seed(2))
+    before = cache.recurrent.clone(), cache.conv.clone()
+    with torch.no_grad(), pytest.raises(ValueError, match="FASTKDA_V_SLICES"):
+        layer(hidden(2, 1), cache, slots=slots, decode=True)
+    assert torch.equal(cache.recurrent, before[0]) and torch.equal(cache.conv, before[1])
+
+
 def test_a_conv_checkpoint_past_its_sequence_is_nan():
     """An offset past its sequence has no state: the conv checkpoint is NaN there, as the recurrent one is (it
     read the next sequence's inputs before), and the other sequence's checkpoint is finite."""
