@@ -23,9 +23,9 @@ from .plan import (CHUNK, DecodePlan, PrefillPlan, choose_decode_plan, choose_de
                    choose_open_entry_plan, choose_plan, has_warpgroup_mma, requested_v_slices, sm_count)
 from .reference import (_as, causal_conv1d_reference, compose_segment_maps, gated_rmsnorm_reference, kda_chunked,
                         kda_decode_reference, open_segment_maps, run_from_segment_maps)
-from .validation import (FLOAT_DTYPES, INDEX_DTYPES, STATE_DTYPES, _describe, addressable_inputs, byte_extent,
-                         check_contiguous, check_disjoint, check_tensor, fail, remembered, scalar_defaults,
-                         validate_decode, validate_prefill)
+from .validation import (FLOAT_DTYPES, INDEX_DTYPES, STATE_DTYPES, _describe, addressable_inputs, as_float,
+                         byte_extent, check_contiguous, check_disjoint, check_tensor, fail, remembered,
+                         scalar_defaults, validate_decode, validate_prefill)
 
 
 def _device_index(q):
@@ -709,7 +709,7 @@ def _row_levels(x, gate):
 
 def _check_eps(eps, positive):
     """The norm's epsilon: a finite number, > 0 when ``positive`` (else >= 0)."""
-    number = not isinstance(eps, bool) and isinstance(eps, (int, float))
+    number = isinstance(as_float(eps), float)  # any real number but a bool (NumPy's scalars too)
     if not (number and (0 < eps if positive else 0 <= eps) and eps < math.inf):
         fail("eps", "a positive finite number" if positive else "a finite number >= 0", repr(eps))
 
@@ -899,7 +899,7 @@ def kda_decode_step(mixed, conv_states, conv_weight, g, beta, output_gate, norm_
         tickets = torch.zeros(num_seqs * heads, dtype=torch.int32, device=mixed.device)
     out = torch.empty(num_seqs, heads, value_dim, dtype=mixed.dtype, device=mixed.device)
     fused_decode_step(mixed, conv_states, conv_weight, g, beta, output_gate, norm_weight, state_pool, slots,
-                      plan=plan, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, scale=scale, eps=eps,
+                      plan=plan, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, scale=scale, eps=float(eps),
                       use_qk_l2norm=use_qk_l2norm, use_beta_sigmoid=use_beta_sigmoid, tickets=tickets, out=out,
                       errors=_error_counters(None, mixed))
     return out

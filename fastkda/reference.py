@@ -399,7 +399,8 @@ def kda_chunked(
     check_reference_inputs(q, k, v, g, beta, A_log, dt_bias, lower_bound, initial_state, cu_seqlens)
     bounds = sequence_bounds(q.shape[0], q.shape[1], cu_seqlens)
     out, final = _zero_outputs(q, v, bounds, initial_state, dtype)
-    offsets = [] if checkpoint_offsets is None else checkpoint_offsets.reshape(len(bounds), -1).tolist()
+    # no sequence (an empty batch) has no checkpoint: reshape cannot infer the row length of zero rows
+    offsets = [] if checkpoint_offsets is None or not bounds else checkpoint_offsets.reshape(len(bounds), -1).tolist()
     prep = dict(A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, scale=scale, use_qk_l2norm=use_qk_l2norm,
                 use_beta_sigmoid=use_beta_sigmoid, dtype=dtype, chunk=chunk)
     for n, (b, start, end) in enumerate(bounds):
@@ -494,7 +495,10 @@ def kda_decode_reference(
         S = state_pool if num_seqs == state_pool.shape[0] else state_pool[first:first + num_seqs]
     else:
         read_slot = read_slot.long()
-        S = state_pool.index_select(0, read_slot if all_live else read_slot.clamp(min=0)).to(dtype)  # [N, H, V, K]
+        if state_pool.shape[0]:
+            S = state_pool.index_select(0, read_slot if all_live else read_slot.clamp(min=0)).to(dtype)  # [N, H, V, K]
+        else:  # an empty pool: every row is padding (a read slot past P is refused), none to gather
+            S = state_pool.new_zeros(num_seqs, *state_pool.shape[1:], dtype=dtype)
     if not all_live:
         live = read_slot >= 0
         S = torch.where(live.view(-1, 1, 1, 1), S, 0)

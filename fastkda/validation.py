@@ -5,6 +5,7 @@ came, before anything is written. Values inside tensors are :mod:`fastkda.checks
 from __future__ import annotations
 
 import math
+import numbers
 
 import torch
 
@@ -87,16 +88,21 @@ def _contiguous_rows(x):
     return x.is_contiguous() and (x.shape[1] != 1 or x.shape[0] == 1 or x.stride(0) == x.stride(1))
 
 
+def as_float(x):
+    """A real number of any kind (int, NumPy's scalars: ``numbers.Real``), not a bool, as a Python float; anything
+    else as it is, for validation to name."""
+    return float(x) if isinstance(x, numbers.Real) and not isinstance(x, bool) else x
+
+
 def scalar_defaults(q, scale, lower_bound):
     """``scale`` defaulting to K^-1/2 (when q is a 4-D tensor to read K from; validation reports anything else), a
-    0-d CPU tensor ``scale`` as its number, and an integer ``lower_bound`` as a float."""
+    0-d CPU tensor ``scale`` as its number, and both as Python floats where they are real numbers of another kind
+    (an int, a NumPy scalar)."""
     if scale is None and isinstance(q, torch.Tensor) and q.dim() == 4 and q.shape[-1]:
         scale = q.shape[-1] ** -0.5
     if isinstance(scale, torch.Tensor) and scale.dim() == 0 and scale.device.type == "cpu":
         scale = scale.item()
-    if isinstance(lower_bound, int) and not isinstance(lower_bound, bool):
-        lower_bound = float(lower_bound)
-    return scale, lower_bound
+    return as_float(scale), as_float(lower_bound)
 
 
 def _check_scale(scale):

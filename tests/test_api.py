@@ -123,6 +123,21 @@ def test_engine_views_are_taken_as_they_are_or_copied():
         assert torch.equal(got, want)
 
 
+def test_numpy_scalars_are_numbers():
+    """``scale``, ``lower_bound`` and ``eps`` given as NumPy scalars (a config read with NumPy) act as the Python
+    floats they equal; a NumPy bool is still refused."""
+    np = pytest.importorskip("numpy")
+    inp = make_inputs([20, 44], seed=17)
+    want = call(inp, scale=0.125, lower_bound=-4.0)
+    got = call(inp, scale=np.float32(0.125), lower_bound=np.float64(-4.0))
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    x = torch.randn(3, 64)
+    assert torch.equal(fastkda.gated_rmsnorm(x, x, torch.ones(64), np.float32(1e-3)),
+                       fastkda.gated_rmsnorm(x, x, torch.ones(64), float(np.float32(1e-3))))
+    with pytest.raises(ValueError, match="scale must be a positive finite number"):
+        call(inp, scale=np.bool_(True))
+
+
 def test_flash_kda_adapter_matches_native():
     inp = make_inputs([12, 50], key_dim=128, seed=15)
     native_o, native_s = call(inp)

@@ -85,6 +85,20 @@ def test_offsets_beyond_the_sequence_are_ignored(backend):
     assert torch.isfinite(states[1, 1]).all()
 
 
+@pytest.mark.parametrize("varlen", [True, False], ids=["no sequence", "no row"])
+def test_checkpoints_of_an_empty_batch(varlen):
+    """An engine passes its checkpoint buffers every step, also a step with no sequence (``cu_seqlens = [0]``) or
+    no row (B = 0): the call does nothing and returns empty outputs."""
+    heads, dim = 2, 64
+    x = torch.randn(1 if varlen else 0, 0 if varlen else 8, heads, dim)
+    beta = torch.randn(*x.shape[:3])
+    states = torch.full((0, 2, heads, dim, dim), float("nan"))
+    o, final = fastkda.kda_prefill(x, x, x, -x.abs(), beta, checkpoint_offsets=torch.zeros(0, 2, dtype=torch.int32),
+                                   checkpoint_states=states, output_final_state=True,
+                                   cu_seqlens=torch.zeros(1, dtype=torch.int32) if varlen else None)
+    assert o.shape == x.shape and final.shape == (0, heads, dim, dim)
+
+
 def test_bad_checkpoint_arguments():
     inp = make_inputs([128], heads=2, seed=33)
     args = [inp[x] for x in ("q", "k", "v", "g", "beta")]

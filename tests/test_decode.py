@@ -90,6 +90,16 @@ def test_null_slots_give_zero_rows_and_touch_nothing(backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_an_empty_pool_serves_padding_rows(backend):
+    """A pool of no rows is legal when every row is padding (a graph's warm-up step, an engine's idle batch):
+    zero outputs, nothing gathered from the empty pool."""
+    inp = make_inputs([2] * 3, heads=2, varlen=False, seed=25)
+    for slots in (torch.tensor([-1, -1, -1], dtype=torch.int32), torch.full((3, 2), -1, dtype=torch.int32)):
+        out = decode(backend, inp, torch.zeros(0, 2, 64, 64), slots)
+        assert out.shape == inp["v"].shape and bool((out == 0).all())
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_v_slices_agree(backend):
     inp = make_inputs([3] * 2, heads=2, varlen=False, seed=24)
     results = []
