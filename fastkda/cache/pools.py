@@ -52,8 +52,11 @@ class KDACache:
 
     def __init__(self, num_slots, num_layers, heads, head_dim, conv_channels, conv_kernel, *,
                  state_dtype=torch.float32, conv_dtype=torch.float32, device=None):
-        if num_slots < 1 or num_layers < 1:
-            raise ValueError(f"KDACache: num_slots and num_layers must be >= 1, got {num_slots}, {num_layers}")
+        sizes = dict(num_slots=num_slots, num_layers=num_layers, heads=heads, head_dim=head_dim,
+                     conv_channels=conv_channels, conv_kernel=conv_kernel)
+        for name, size in sizes.items():
+            if not _is_host_int(size) or size < 1:
+                raise ValueError(f"KDACache: {name} must be an int >= 1, got {size!r}")
         if state_dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(f"KDACache: state_dtype must be torch.float32 or torch.bfloat16, got {state_dtype}")
         if conv_kernel < 2:
@@ -92,13 +95,14 @@ class KDACache:
         return slots
 
     def release(self, slots):
-        """Give slots back (host ints, or an integer tensor of any shape, e.g. speculative decoding's ``[N, S]``;
-        null slots are ignored). Releasing a free slot, or anything but integers, raises before any slot is freed."""
+        """Give slots back (a host int, an iterable of them, or an integer tensor of any shape, e.g. speculative
+        decoding's ``[N, S]``; null slots are ignored). Releasing a free slot, or anything but integers, raises
+        before any slot is freed."""
         if isinstance(slots, torch.Tensor):
             if not _is_integer_tensor(slots):
                 raise ValueError(f"KDACache.release: slots must be integers, got a {slots.dtype} tensor")
             slots = slots.reshape(-1).tolist()
-        slots = list(slots)
+        slots = [slots] if _is_host_int(slots) else list(slots)
         for slot in slots:
             if not _is_host_int(slot):
                 raise ValueError(f"KDACache.release: slots must be integers, got {slot!r}")
@@ -129,7 +133,8 @@ class KDACache:
     def restore(self, slot, recurrent_states, conv_states):
         """Put a prefix's states into ``slot`` (e.g. a fresh one from :meth:`allocate`): ``recurrent_states
         [layers, H, V, K]`` (a prefill's checkpoint, any float dtype) and ``conv_states [layers, C, W−1]`` (the
-        W−1 inputs before the prefix's end). ``slot``: an int or a one-element tensor."""
+        W−1 inputs before the prefix's end). ``slot``: an int or a one-element tensor, allocated (a free slot's
+        states would be zeroed when :meth:`allocate` hands it out)."""
         if isinstance(slot, torch.Tensor):
             if slot.numel() != 1 or not _is_integer_tensor(slot):
                 raise ValueError(f"KDACache.restore: slot must be an int or a one-element integer tensor, got a "
@@ -138,6 +143,8 @@ class KDACache:
         if not _is_host_int(slot) or not 0 <= slot < self.num_slots:
             raise ValueError(f"KDACache.restore: slot must be an int in [0, {self.num_slots}), got {slot!r}")
         slot = int(slot)
+        if slot in self._free:
+            raise ValueError(f"KDACache.restore: slot {slot} is not allocated (allocate() it first)")
         for name, states, pool in (("recurrent_states", recurrent_states, self.recurrent),
                                    ("conv_states", conv_states, self.conv)):
             want = [pool.shape[0], *pool.shape[2:]]

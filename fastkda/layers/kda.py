@@ -18,7 +18,8 @@ from ..api import causal_conv1d, causal_conv1d_update, gated_rmsnorm, kda_decode
 from .. import checks
 from ..checks import decode_indices
 from ..plan import requested_v_slices
-from ..validation import addressable_inputs, remembered, scalar_defaults, validate_decode
+from ..validation import (INDEX_DTYPES, addressable_inputs, check_offsets, check_tensor, remembered, scalar_defaults,
+                          validate_decode)
 
 
 class ForgetGate(nn.Module):
@@ -173,6 +174,7 @@ class KimiDeltaAttention(nn.Module):
         if not packed and cu_seqlens is not None:
             raise ValueError("KimiDeltaAttention: cu_seqlens takes packed hidden_states [T, hidden]")
         x = hidden_states[None] if packed else hidden_states  # [B, T, hidden]
+        _check_sequence_arguments(x, cu_seqlens, slots, has_initial_state, checkpoint_offsets)
         mixed, g, gate, beta, output_gate = self._projections(x)
         state_pool, conv_pool = cache.layer(self.layer_idx) if cache else (None, None)  # with the scratch row
         _check_before_the_pools(cache, conv_pool, slots, mixed=mixed, g=g, beta=beta, **gate)
@@ -293,6 +295,19 @@ class KimiDeltaAttention(nn.Module):
         # detached: a pool is state, never part of an autograd graph (a later in-place write would then fail)
         conv_pool.index_copy_(0, targets, after.reshape(-1, *after.shape[2:]).detach())  # read row writes no state
         return out
+
+
+def _check_sequence_arguments(x, cu_seqlens, slots, has_initial_state, checkpoint_offsets):
+    """A prefill's per-sequence arguments as tensors of one entry per sequence on x's device (``[B, T, hidden]``),
+    checked by name before anything indexes with them (a list, a 0-d tensor or ``[N, 2]`` offsets would otherwise
+    fail inside the layer's own index math)."""
+    if cu_seqlens is not None:
+        check_offsets(cu_seqlens, x.device, x.shape[1])
+    num_seqs = x.shape[0] if cu_seqlens is None else cu_seqlens.numel() - 1
+    for name, given, dtypes in (("slots", slots, INDEX_DTYPES), ("has_initial_state", has_initial_state, (torch.bool,)),
+                                ("checkpoint_offsets", checkpoint_offsets, INDEX_DTYPES)):
+        if given is not None:
+            check_tensor(name, given, (num_seqs,), dtypes, x.device)
 
 
 def _check_before_the_pools(cache, conv_pool, slots, **tensors):

@@ -265,6 +265,24 @@ def test_cache_refuses_what_is_not_a_slot_before_changing_anything():
     assert bool((cache.recurrent[:, int(slot)] == 1).all()) and bool((cache.conv[:, int(slot)] == 1).all())
 
 
+def test_cache_restores_only_into_an_allocated_slot_and_takes_plain_sizes():
+    """A restore into a free slot would be zeroed by the allocate() that hands it out: refused by name, nothing
+    written. A single int releases one slot; sizes that are not positive ints are refused by name."""
+    cache = KDACache(4, 1, 2, 64, 384, 4)
+    slot = cache.allocate(1)
+    before = cache.recurrent.clone(), cache.conv.clone()
+    with pytest.raises(ValueError, match="slot 3 is not allocated"):
+        cache.restore(3, torch.ones(1, 2, 64, 64), torch.ones(1, 384, 3))
+    assert torch.equal(cache.recurrent, before[0]) and torch.equal(cache.conv, before[1])
+    cache.release(int(slot))
+    assert cache.free_slots == 4
+    for index, bad in ((0, 2.5), (2, 0), (4, True)):
+        sizes = [4, 1, 2, 64, 384, 4]
+        sizes[index] = bad
+        with pytest.raises(ValueError, match="must be an int >= 1"):
+            KDACache(*sizes)
+
+
 @pytest.mark.parametrize("mode", ["prefill", "decode", "fused decode"])
 def test_checked_mode_refuses_a_nan_before_the_pools_move(mode, monkeypatch):
     """Under $FASTKDA_CHECKS a NaN in the hidden states, or in the gate's parameters, is refused before the conv
@@ -350,6 +368,30 @@ def test_a_bad_v_slices_environment_moves_no_pool(fused, monkeypatch):
     before = cache.recurrent.clone(), cache.conv.clone()
     with torch.no_grad(), pytest.raises(ValueError, match="FASTKDA_V_SLICES"):
         layer(hidden(2, 1), cache, slots=slots, decode=True)
+    assert torch.equal(cache.recurrent, before[0]) and torch.equal(cache.conv, before[1])
+
+
+@pytest.mark.parametrize("bad, message", [
+    (dict(checkpoint_offsets=torch.tensor([32])), r"checkpoint_offsets must be of shape \[2\]"),
+    (dict(checkpoint_offsets=torch.tensor([[32, 0], [32, 0]])), r"checkpoint_offsets must be of shape \[2\]"),
+    (dict(checkpoint_offsets=[32, 32]), "checkpoint_offsets must be a torch.Tensor"),
+    (dict(slots=[0, 1]), "slots must be a torch.Tensor"),
+    (dict(slots=torch.tensor(0)), r"slots must be of shape \[2\]"),
+    (dict(slots=torch.tensor([0.0, 1.0])), "slots must be of dtype"),
+    (dict(has_initial_state=[True, False]), "has_initial_state must be a torch.Tensor"),
+    (dict(has_initial_state=torch.tensor([1, 0])), "has_initial_state must be of dtype torch.bool")],
+    ids=["one offset", "[N, 2] offsets", "list offsets", "list slots", "0-d slots", "float slots",
+         "list flags", "int flags"])
+def test_a_prefill_names_a_malformed_per_sequence_argument(bad, message):
+    """Slots, start flags and checkpoint offsets are ``[N]`` tensors on the inputs' device: anything else is a
+    ValueError naming it (not an IndexError or AttributeError from the layer's index math), both pools kept."""
+    layer = make_layer(-5.0)
+    cache = cache_for(layer)
+    kw = {"slots": cache.allocate(2), **bad}
+    cache.conv.normal_(generator=torch.Generator().manual_seed(2))
+    before = cache.recurrent.clone(), cache.conv.clone()
+    with torch.no_grad(), pytest.raises(ValueError, match=message):
+        layer(hidden(2, 40), cache, **kw)
     assert torch.equal(cache.recurrent, before[0]) and torch.equal(cache.conv, before[1])
 
 
