@@ -7,7 +7,9 @@ functions back. transformers looks these up at call time as module globals of ea
 and as the gated norm class's ``forward``, so those are what is replaced. Their conventions are handled here:
 recurrent states K-first ``[B, H, K, V]`` (fastkda keeps ``[B, H, V, K]``), β already passed through the sigmoid,
 conv inputs ``[B, C, T]`` (channel-last views) with a conv state ``[B, C, W]`` of the last W inputs, and extra
-keyword arguments that GLM-5.3-Flash forwards (ignored).
+keyword arguments that GLM-5.3-Flash forwards (ignored). fastkda is inference-only: where autograd records a call
+(grad mode on and a parameter requiring grad, as in training), transformers' own function runs it instead, with a
+warning, so that gradients reach the KDA layers.
 
 Precision follows the model's dtype: a bf16 (or fp16) model runs the KDA kernels, whose products take bf16
 operands; an fp32 model on a GPU runs fastkda's fp32 chunked path (:func:`fastkda.kda_chunked`, PyTorch on the
@@ -22,6 +24,7 @@ call takes that path anyway.
 
 import functools
 import importlib
+import warnings
 
 import torch
 
@@ -112,6 +115,35 @@ def causal_conv1d_update_fn(x, conv_state, weight, bias=None, activation=None, *
     return out.transpose(1, 2)
 
 
+def _needs_gradient(args, kwargs):
+    """Whether autograd records this call: grad mode on and a tensor argument, or a module argument's own
+    parameter (the norm's weight), requiring grad."""
+    if not torch.is_grad_enabled():  # generate(), no_grad and inference_mode: the common case, decided at once
+        return False
+    for given in (*args, *kwargs.values()):
+        if isinstance(given, torch.Tensor) and given.requires_grad:
+            return True
+        if isinstance(given, torch.nn.Module) and any(p.requires_grad for p in given.parameters(recurse=False)):
+            return True
+    return False
+
+
+def _inference_or_original(fastkda_function, original):
+    """``fastkda_function`` where no gradient is asked for, transformers' ``original`` where one is: fastkda is
+    inference-only (its outputs carry no gradient), and a model trained or differentiated with fastkda enabled must
+    not silently leave its KDA layers without gradients. Warns once when it falls back."""
+    @functools.wraps(fastkda_function)
+    def routed(*args, **kwargs):
+        if _needs_gradient(args, kwargs):
+            warnings.warn("fastkda is inference-only: with autograd recording (grad mode on and parameters requiring "
+                          "grad) transformers' KDA layers run their own functions, so that gradients reach them; "
+                          "run inference under torch.no_grad() or torch.inference_mode() to use fastkda",
+                          stacklevel=2)
+            return original(*args, **kwargs)
+        return fastkda_function(*args, **kwargs)
+    return routed
+
+
 def gated_norm_forward(self, hidden_states, gate=None):
     """The gated RMSNorm classes' ``forward`` on :func:`fastkda.gated_rmsnorm` (without a gate: transformers'
     own)."""
@@ -137,12 +169,15 @@ def enable():
             module = importlib.import_module(name)
         except ImportError:
             continue
+        if (name, norm + ".forward") in _replaced:  # enabled already
+            patched.append(name)
+            continue
         for attribute, replacement in REPLACEMENTS.items():
-            _replaced.setdefault((name, attribute), getattr(module, attribute))
-            setattr(module, attribute, replacement)
+            original = _replaced[(name, attribute)] = getattr(module, attribute)
+            setattr(module, attribute, _inference_or_original(replacement, original))
         norm_class = getattr(module, norm)
-        _replaced.setdefault((name, norm + ".forward"), norm_class.forward)
-        norm_class.forward = gated_norm_forward
+        original = _replaced[(name, norm + ".forward")] = norm_class.forward
+        norm_class.forward = _inference_or_original(gated_norm_forward, original)
         patched.append(name)
     return patched
 

@@ -2,6 +2,8 @@
 same logits (fp32, 1e-5 relative L2) and greedy tokens with and without fastkda, left padding included; in bf16 the
 logits stay as close to the fp32 ones as transformers' own bf16 path keeps them."""
 
+import warnings
+
 import pytest
 import torch
 
@@ -63,10 +65,35 @@ def test_disable_restores_transformers_functions(routed):
     original = module.chunk_kimi_delta_attention, module.KimiLinearRMSNormGated.forward
     routed.enable()
     routed.enable()  # twice: still one set of originals
-    assert module.chunk_kimi_delta_attention is fastkda_transformers.chunk_kimi_delta_attention
+    assert module.chunk_kimi_delta_attention.__wrapped__ is fastkda_transformers.chunk_kimi_delta_attention
     routed.disable()
     assert (module.chunk_kimi_delta_attention, module.KimiLinearRMSNormGated.forward) == original
     assert not routed.enabled()
+
+
+@pytest.mark.parametrize("kind", MODEL_KINDS)
+def test_gradients_reach_the_kda_layers_when_autograd_records(routed, kind, monkeypatch):
+    """fastkda is inference-only: a backward pass with it enabled gives every parameter transformers' own
+    gradient (its functions run where autograd records, with a warning), not a silently frozen KDA layer; without
+    grad mode fastkda runs."""
+    model = tiny_model(kind, moe=False)
+    ids = torch.randint(3, 128, (2, 40), generator=torch.Generator().manual_seed(3))
+    model(ids, labels=ids).loss.backward()
+    want = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    routed.enable()
+    with pytest.warns(UserWarning, match="inference-only"):
+        model(ids, labels=ids).loss.backward()
+    got = {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
+    assert got.keys() == want.keys() and any("A_log" in name for name in got)
+    assert all(torch.equal(got[name], want[name]) for name in want)
+    calls = []
+    prefill = fastkda_transformers.kda_prefill
+    monkeypatch.setattr(fastkda_transformers, "kda_prefill", lambda *a, **kw: calls.append(1) or prefill(*a, **kw))
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("error")
+        model(ids)
+    assert calls
 
 
 @pytest.mark.parametrize("columns,tokens", [(4, 1), (4, 3), (4, 5), (6, 1), (6, 3)])
