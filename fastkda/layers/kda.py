@@ -113,7 +113,21 @@ class KimiDeltaAttention(nn.Module):
         read from the module, its weights loaded), on the same device. ``layer_idx``: the
         :class:`fastkda.cache.KDACache` layer it uses; by default transformers' own ``layer_idx``, its place among
         all the model's layers (attention layers too), so a cache then needs as many layers as the model; pass
-        the layer's place among the KDA layers alone for a cache of just those."""
+        the layer's place among the KDA layers alone for a cache of just those. Raises ``TypeError`` for another
+        kind of layer (a full-attention layer), ``ValueError`` for a conv activation other than SiLU or an output
+        norm gate other than the sigmoid, which this layer does not compute."""
+        parts = ("q_proj", "k_proj", "v_proj", "conv1d", "forget_gate", "b_proj", "g_a_proj", "g_b_proj", "o_norm",
+                 "o_proj")
+        missing = [name for name in parts if not hasattr(layer, name)]
+        if missing:
+            raise TypeError(f"KimiDeltaAttention.from_transformers: takes a KimiLinearDeltaAttention or "
+                            f"Glm5NextTextLinearAttention layer, got {type(layer).__name__} (no {', '.join(missing)})")
+        for what, given, wanted in (("conv activation", getattr(layer, "activation", "silu"), ("silu", "swish")),
+                                    ("output norm's gate", getattr(layer.o_norm, "activation", "sigmoid"),
+                                     ("sigmoid",))):
+            if given not in wanted:
+                raise ValueError(f"KimiDeltaAttention.from_transformers: the layer's {what} must be "
+                                 f"{' or '.join(map(repr, wanted))} (this layer computes only that), got {given!r}")
         gate = layer.forget_gate
         weight = layer.q_proj.weight
         ours = cls(layer.hidden_size, layer.num_heads, layer.head_dim, conv_kernel=layer.conv_kernel_size,

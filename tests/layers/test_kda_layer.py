@@ -424,6 +424,22 @@ def test_the_cache_refuses_a_layer_it_does_not_have():
     assert KimiDeltaAttention.from_transformers(theirs, layer_idx=0).layer_idx == 0
 
 
+def test_from_transformers_refuses_what_it_cannot_copy():
+    """A full-attention layer is a TypeError naming the layers it takes (not an AttributeError); a layer whose conv
+    activation or output gate this layer does not compute is a ValueError (a silent copy would differ)."""
+    pytest.importorskip("transformers")
+    with pytest.raises(TypeError, match="takes a KimiLinearDeltaAttention or Glm5NextTextLinearAttention"):
+        KimiDeltaAttention.from_transformers(torch.nn.Linear(2, 2))
+    theirs = transformers_layer(-5.0)
+    theirs.activation = "gelu"
+    with pytest.raises(ValueError, match="conv activation must be 'silu' or 'swish'.*got 'gelu'"):
+        KimiDeltaAttention.from_transformers(theirs)
+    theirs.activation = "silu"
+    theirs.o_norm.activation = "silu"
+    with pytest.raises(ValueError, match="output norm's gate must be 'sigmoid'"):
+        KimiDeltaAttention.from_transformers(theirs)
+
+
 def test_a_conv_kept_in_fp32_is_loaded_as_it_is():
     """GLM-5.3-Flash keeps its conv in fp32 in a bf16 model: the copy's conv holds the same fp32 weights (loaded
     into a bf16 conv first, they lost their low bits when it was cast back)."""
