@@ -9,7 +9,8 @@ recurrent states K-first ``[B, H, K, V]`` (fastkda keeps ``[B, H, V, K]``), β a
 conv inputs ``[B, C, T]`` (channel-last views) with a conv state ``[B, C, W]`` of the last W inputs, and extra
 keyword arguments that GLM-5.3-Flash forwards (ignored). fastkda is inference-only: where autograd records a call
 (grad mode on and a parameter requiring grad, as in training), transformers' own function runs it instead, with a
-warning, so that gradients reach the KDA layers.
+warning, so that gradients reach the KDA layers; so does a model whose head dimension the kernels do not take
+(K, V outside {64, 128}) or a float64 one.
 
 Precision follows the model's dtype: a bf16 (or fp16) model runs the KDA kernels, whose products take bf16
 operands; an fp32 model on a GPU runs fastkda's fp32 chunked path (:func:`fastkda.kda_chunked`, PyTorch on the
@@ -29,6 +30,7 @@ import warnings
 import torch
 
 from ..api import causal_conv1d, causal_conv1d_update, gated_rmsnorm, kda_decode, kda_prefill
+from ..plan import SUPPORTED_DIMS
 from ..reference import kda_chunked
 
 MODELS = {  # modeling module -> its gated norm class
@@ -128,17 +130,31 @@ def _needs_gradient(args, kwargs):
     return False
 
 
-def _inference_or_original(fastkda_function, original):
+def _unsupported(q, k, v, *args, **kwargs):
+    """Why fastkda's KDA cannot run these q, k, v (None where it can): head dimensions outside
+    :data:`fastkda.plan.SUPPORTED_DIMS`, or float64."""
+    if q.shape[-1] not in SUPPORTED_DIMS or v.shape[-1] not in SUPPORTED_DIMS:
+        return f"head dimensions K={q.shape[-1]}, V={v.shape[-1]} (fastkda runs {SUPPORTED_DIMS})"
+    if q.dtype == torch.float64:
+        return "float64 inputs"
+    return None
+
+
+def _inference_or_original(fastkda_function, original, name, unsupported=None):
     """``fastkda_function`` where no gradient is asked for, transformers' ``original`` where one is: fastkda is
     inference-only (its outputs carry no gradient), and a model trained or differentiated with fastkda enabled must
-    not silently leave its KDA layers without gradients. Warns once when it falls back."""
+    not silently leave its KDA layers without gradients. Likewise where ``unsupported(*args, **kwargs)`` gives a
+    reason (a model fastkda's kernels do not cover still runs). Each fallback warns, naming transformers'
+    ``name`` (once per reason, Python's default filter)."""
     @functools.wraps(fastkda_function)
     def routed(*args, **kwargs):
-        if _needs_gradient(args, kwargs):
-            warnings.warn("fastkda is inference-only: with autograd recording (grad mode on and parameters requiring "
-                          "grad) transformers' KDA layers run their own functions, so that gradients reach them; "
-                          "run inference under torch.no_grad() or torch.inference_mode() to use fastkda",
-                          stacklevel=2)
+        reason = unsupported and unsupported(*args, **kwargs)
+        if reason is None and _needs_gradient(args, kwargs):
+            reason = ("autograd records the call (grad mode on, parameters requiring grad); fastkda is inference-only: "
+                      "run inference under torch.no_grad() or torch.inference_mode() to use it")
+        if reason:
+            warnings.warn(f"fastkda: transformers' own {name} runs this call, computed (and differentiated) as "
+                          f"without fastkda: {reason}", stacklevel=2)
             return original(*args, **kwargs)
         return fastkda_function(*args, **kwargs)
     return routed
@@ -174,10 +190,11 @@ def enable():
             continue
         for attribute, replacement in REPLACEMENTS.items():
             original = _replaced[(name, attribute)] = getattr(module, attribute)
-            setattr(module, attribute, _inference_or_original(replacement, original))
+            unsupported = _unsupported if attribute.endswith("kimi_delta_attention") else None
+            setattr(module, attribute, _inference_or_original(replacement, original, attribute, unsupported))
         norm_class = getattr(module, norm)
         original = _replaced[(name, norm + ".forward")] = norm_class.forward
-        norm_class.forward = _inference_or_original(gated_norm_forward, original)
+        norm_class.forward = _inference_or_original(gated_norm_forward, original, norm + ".forward")
         patched.append(name)
     return patched
 

@@ -96,6 +96,19 @@ def test_gradients_reach_the_kda_layers_when_autograd_records(routed, kind, monk
     assert calls
 
 
+def test_a_head_dimension_fastkda_does_not_run_takes_transformers_path(routed):
+    """enable() covers every Kimi-Linear model: one whose head dimension the kernels do not take (32) runs
+    transformers' own KDA, with a warning naming why, and generates what it generates without fastkda."""
+    model = tiny_model("kimi_linear", head_dim=32)
+    ids = torch.randint(3, 128, (1, 20), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        want = model.generate(ids, max_new_tokens=4, do_sample=False, eos_token_id=None)
+        routed.enable()
+        with pytest.warns(UserWarning, match="head dimensions K=32, V=32"):
+            got = model.generate(ids, max_new_tokens=4, do_sample=False, eos_token_id=None)
+    assert torch.equal(got, want)
+
+
 @pytest.mark.parametrize("columns,tokens", [(4, 1), (4, 3), (4, 5), (6, 1), (6, 3)])
 def test_conv_update_keeps_transformers_state_layout(columns, tokens):
     """transformers keeps the last S >= W inputs as the conv state, fastkda's update the last W − 1: the whole
