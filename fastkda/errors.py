@@ -29,10 +29,13 @@ _COUNTERS: dict = {}  # torch.device -> int32 tensor [len(KINDS)]
 
 
 def _device(device) -> torch.device:
-    """The device whose counters are meant (None: the current CUDA device): a CPU device (the kernels under the
-    interpreter) or a CUDA device this process can use; anything else is a ``ValueError`` naming ``device``."""
+    """The device whose counters are meant (None: the current CUDA device, or the CPU on a machine without CUDA,
+    whose path raises for bad values and counts none): a CPU device (the kernels under the interpreter) or a CUDA
+    device this process can use; anything else is a ``ValueError`` naming ``device``."""
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
     try:
-        device = torch.device("cuda" if device is None else device)
+        device = torch.device(device)
     except (RuntimeError, TypeError) as exc:
         raise ValueError(f"fastkda: device must name a device, got {device!r} ({exc})") from None
     if device.type == "cuda":
@@ -64,7 +67,8 @@ def counters(device=None) -> torch.Tensor:
 
 
 def error_counts(device=None) -> dict:
-    """``{kind: count}`` on a CUDA device since the last reset (this synchronises with the device)."""
+    """``{kind: count}`` on a CUDA device since the last reset (this synchronises with the device); None: the
+    current one (the CPU's, all zeros, on a machine without CUDA)."""
     return dict(zip(KINDS, counters(device).tolist()))
 
 
