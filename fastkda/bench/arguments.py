@@ -19,6 +19,27 @@ def positive_int(text):
     return value
 
 
+def positive_float(text):
+    """An argparse type: a finite number above 0 (a scale of the workloads' lengths)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number above 0, got {text}")
+    return value
+
+
+def head_dim(text):
+    """An argparse type: K = V, one the kernels take (:data:`fastkda.plan.SUPPORTED_DIMS`)."""
+    from ..plan import SUPPORTED_DIMS
+
+    value = positive_int(text)
+    if value not in SUPPORTED_DIMS:
+        raise argparse.ArgumentTypeError(f"must be one of {SUPPORTED_DIMS}, got {value}")
+    return value
+
+
 def batch_by_length(text):
     """An argparse type: a ``BxT`` case (B sequences of T tokens, both at least 1) as ``(B, T)``."""
     parts = text.split("x")

@@ -25,7 +25,7 @@ import torch
 
 from ..cache import KDACache
 from ..layers import KimiDeltaAttention
-from .arguments import checked_device, positive_int
+from .arguments import checked_device, positive_float, positive_int
 from .models import binds_fla, bound_functions, device_name, modeling_module, use_path
 from .report import git_commit, run_id
 from .runners import relative_error
@@ -168,13 +168,14 @@ def main(argv=None):
     prefill = {w["name"]: w for w in load_workloads()["prefill"]}
     parser.add_argument("--workload", default="H12_chunked_mix", choices=list(prefill), metavar="NAME",
                         help="a prefill workload whose lengths and heads are used")
-    parser.add_argument("--hidden", type=int, default=2048)
+    parser.add_argument("--hidden", type=positive_int, default=2048)
     parser.add_argument("--steps", type=positive_int, help="decode steps (default 64; 8 on a CPU)")
     parser.add_argument("--gate", choices=("lower_bound", "softplus"), default="lower_bound")
     parser.add_argument("--repeats", type=positive_int, default=5)
     parser.add_argument("--pytorch", action="store_true", help="also time transformers' PyTorch fallbacks")
-    parser.add_argument("--scale", type=float, help="multiply the sequence lengths (default 1; 0.05 on a CPU, where "
-                                                    "transformers' PyTorch path takes minutes at full length)")
+    parser.add_argument("--scale", type=positive_float,
+                        help="multiply the sequence lengths (default 1; 0.05 on a CPU, where transformers' PyTorch "
+                             "path takes minutes at full length)")
     parser.add_argument("--out", default="fastkda-results")
     args = parser.parse_args(argv)
     device = checked_device(parser, args.device)

@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from .arguments import positive_int
+from .arguments import head_dim, positive_float, positive_int
 from .models import device_name
 from .report import git_commit, run_id
 from .workloads import load_workloads
@@ -199,13 +199,14 @@ def main(argv=None):
     on_gpu = torch.cuda.is_available()
     parser.add_argument("--world", type=positive_int, default=torch.cuda.device_count() if on_gpu else 2,
                         help="the largest world size (default: the GPUs here, or 2 CPU processes)")
-    parser.add_argument("--workloads", nargs="*", default=list(WORKLOADS), choices=list(WORKLOADS))
+    parser.add_argument("--workloads", nargs="+", choices=list(WORKLOADS), help="default: all (not with --one-device)")
     parser.add_argument("--tokens", type=positive_int, help="context parallelism's sequence length (default 1048576 on "
                                                    "GPUs, 4096 on the CPU)")
-    parser.add_argument("--heads", type=int, default=12)
-    parser.add_argument("--dim", type=int, help="K = V (default 128 on GPUs, 64 on the CPU)")
-    parser.add_argument("--hidden", type=int, help="the layer's width (default 2048 on GPUs, 256 on the CPU)")
-    parser.add_argument("--scale", type=float, help="the chunked mix's lengths times this (default 1; 0.1 on the CPU)")
+    parser.add_argument("--heads", type=positive_int, default=12)
+    parser.add_argument("--dim", type=head_dim, help="K = V (default 128 on GPUs, 64 on the CPU)")
+    parser.add_argument("--hidden", type=positive_int, help="the layer's width (default 2048 on GPUs, 256 on the CPU)")
+    parser.add_argument("--scale", type=positive_float,
+                        help="the chunked mix's lengths times this (default 1; 0.1 on the CPU)")
     parser.add_argument("--repeats", type=positive_int, default=5)
     parser.add_argument("--one-device", action="store_true",
                         help="context parallelism's parts one after another on this one device (module docstring)")
@@ -213,6 +214,9 @@ def main(argv=None):
                         help="world sizes whose rank's work --one-device measures")
     parser.add_argument("--out", default="fastkda-results")
     args = parser.parse_args(argv)
+    if args.one_device and args.workloads:
+        parser.error("--workloads does not apply to --one-device (which times context parallelism's parts alone)")
+    args.workloads = args.workloads or list(WORKLOADS)
     if args.one_device:
         backend, gpu = "one device", on_gpu
     else:

@@ -26,7 +26,9 @@ def test_layer_bench_runs_and_agrees(tmp_path, gate):
 @pytest.mark.parametrize("args, words", [
     (["--workload", "decode_H12_N1"], "--workload: invalid choice"), (["--workload", "nonsense"], "invalid choice"),
     (["--steps", "0"], "--steps: must be at least 1"), (["--repeats", "0"], "--repeats: must be at least 1"),
-    (["--repeats", "-2"], "--repeats: must be at least 1")])
+    (["--repeats", "-2"], "--repeats: must be at least 1"), (["--hidden", "0"], "--hidden: must be at least 1"),
+    (["--scale", "-1"], "--scale: must be a finite number above 0"),
+    (["--scale", "nan"], "--scale: must be a finite number above 0")])
 def test_bad_arguments_are_refused_before_anything_is_measured(tmp_path, argparse_error, args, words):
     err = argparse_error(layer_bench.main, ["--device", "cpu", "--out", str(tmp_path / "out")] + args)
     assert re.search(f"error: .*{words}", err), err

@@ -38,7 +38,11 @@ def test_one_device_rows_scale_against_the_whole_prefill(tmp_path):
     (["--one-device", "--worlds"], "--worlds: expected at least one argument"),
     (["--world", "4", "--tokens", "2"], "--tokens 2 is fewer than the world size 4"),
     (["--one-device", "--worlds", "1", "8", "--tokens", "4"], "--tokens 4 is fewer than the world size 8"),
-    (["--tokens", "0"], "--tokens: must be at least 1")])
+    (["--tokens", "0"], "--tokens: must be at least 1"), (["--dim", "32"], r"--dim: must be one of \(64, 128\)"),
+    (["--heads", "0"], "--heads: must be at least 1"), (["--hidden", "-1"], "--hidden: must be at least 1"),
+    (["--scale", "nan"], "--scale: must be a finite number above 0"),
+    (["--workloads"], "--workloads: expected at least one argument"),
+    (["--one-device", "--workloads", "tensor"], "--workloads does not apply to --one-device")])
 def test_bad_arguments_are_refused_before_anything_is_measured(tmp_path, argparse_error, args, words):
     err = argparse_error(parallel.main, ["--out", str(tmp_path / "out")] + args)
     assert re.search(f"error: {words}|error: argument {words}", err), err
