@@ -27,7 +27,9 @@ def _describe(x):
     return list(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
 
 
-def check_tensor(name, x, shape, dtypes, device):
+def check_tensor(name, x, shape, dtypes, device, where="q"):
+    """``x`` a tensor of ``shape``, one of ``dtypes``, on ``device``: the device of the argument ``where`` names
+    (None: a device of its own, such as the CPU for a host copy)."""
     if not isinstance(x, torch.Tensor):
         fail(name, "a torch.Tensor", type(x).__name__)
     if x.shape != shape:
@@ -35,7 +37,7 @@ def check_tensor(name, x, shape, dtypes, device):
     if x.dtype not in dtypes:
         fail(name, f"of dtype {' or '.join(str(d) for d in dtypes)}", x.dtype)
     if x.device != device:
-        fail(name, f"on {device} (where q is)", x.device)
+        fail(name, f"on {device}" + (f" (where {where} is)" if where else ""), x.device)
 
 
 def check_contiguous(name, x):
@@ -91,6 +93,8 @@ def _contiguous_rows(x):
 def as_float(x):
     """A real number of any kind (int, NumPy's scalars: ``numbers.Real``), not a bool, as a Python float; anything
     else as it is, for validation to name."""
+    if x is None or type(x) is float:  # the common cases, before the slower abstract-class check
+        return x
     return float(x) if isinstance(x, numbers.Real) and not isinstance(x, bool) else x
 
 
@@ -211,14 +215,14 @@ def check_prefill_index_ranges(tokens, num_seqs, heads, key_dim, value_dim, chun
                        N_H_V=(num_seqs, heads, value_dim))
 
 
-def check_offsets(cu_seqlens, device, length, name="cu_seqlens"):
+def check_offsets(cu_seqlens, device, length, name="cu_seqlens", where="q"):
     """``cu_seqlens`` a 1-D int32/int64 tensor on q's device, checked before anything reads its values as token
     offsets (a float tensor would be truncated), with as many entries as offsets of ``length`` tokens need: at
     least two, or one ([0]) for no tokens; its values are the caller's to check. ``name``: the argument's, for a
-    copy of the offsets (FLA's ``cu_seqlens_cpu``)."""
+    copy of the offsets (FLA's ``cu_seqlens_cpu``); ``where``: as :func:`check_tensor` takes it."""
     if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1:
         fail(name, "a 1-D tensor [N+1] of token offsets", _describe(cu_seqlens))
-    check_tensor(name, cu_seqlens, cu_seqlens.shape, INDEX_DTYPES, device)
+    check_tensor(name, cu_seqlens, cu_seqlens.shape, INDEX_DTYPES, device, where)
     if cu_seqlens.numel() == 0 or (cu_seqlens.numel() == 1 and length):
         fail(name, f"[N+1] offsets from 0 to T={length}: at least two entries when T > 0, one ([0]) "
              f"for an empty batch", f"{cu_seqlens.numel()} entr{'y' if cu_seqlens.numel() == 1 else 'ies'}")

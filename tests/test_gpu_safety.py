@@ -70,3 +70,29 @@ def test_checked_mode_raises_for_prefill_values(edit, name):
                             dt_bias=inp["dt_bias"], lower_bound=inp["lower_bound"], cu_seqlens=inp["cu_seqlens"],
                             out=out, checks=True)
     assert (out == 7.0).all()
+
+
+def test_the_pool_drop_in_counts_more_accepted_tokens_than_a_sequence_has():
+    """FLA's pool form on the GPU (no sync): a sequence whose accepted count passes its own tokens is a padding
+    row (zero output, its slots unwritten) counted as ``accepted``; the other sequence decodes as alone."""
+    from fastkda.compat import fla
+
+    inp = make_inputs([3, 1], heads=2, key_dim=64, device="cuda", seed=66, with_initial=False)
+    pool = torch.randn(8, 2, 64, 64, device="cuda")
+    slots = torch.tensor([[0, 1, 2], [3, 4, 5]], dtype=torch.int32, device="cuda")
+    gate = dict(use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True, use_qk_l2norm_in_kernel=True,
+                lower_bound=inp["lower_bound"], A_log=inp["A_log"], dt_bias=inp["dt_bias"].reshape(-1))
+    tensors = [inp[x] for x in ("q", "k", "v", "g", "beta")]
+    alone = pool.clone()
+    want, _ = fla.fused_recurrent_kda_fwd(*(x[:, :3] for x in tensors), **gate, initial_state=alone,
+                                          state_v_first=True, cu_seqlens=inp["cu_seqlens"][:2],
+                                          ssm_state_indices=slots[:1],
+                                          num_accepted_tokens=torch.tensor([3], device="cuda"))
+    fastkda.reset_error_counts()
+    states = pool.clone()
+    o, _ = fla.fused_recurrent_kda_fwd(*tensors, **gate, initial_state=states, state_v_first=True,
+                                       cu_seqlens=inp["cu_seqlens"], ssm_state_indices=slots,
+                                       num_accepted_tokens=torch.tensor([3, 2], device="cuda"))
+    assert fastkda.error_counts()["accepted"] == 1
+    assert bool((o[0, 3] == 0).all()) and torch.equal(o[:, :3], want)
+    assert torch.equal(states[3:6], pool[3:6]) and torch.equal(states[:3], alone[:3])

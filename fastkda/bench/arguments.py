@@ -30,7 +30,7 @@ def positive_float(text):
     return value
 
 
-def head_dim(text):
+def supported_head_dim(text):
     """An argparse type: K = V, one the kernels take (:data:`fastkda.plan.SUPPORTED_DIMS`)."""
     from ..plan import SUPPORTED_DIMS
 

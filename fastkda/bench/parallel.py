@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from .arguments import head_dim, positive_float, positive_int
+from .arguments import positive_float, positive_int, supported_head_dim
 from .models import device_name
 from .report import git_commit, run_id
 from .workloads import load_workloads
@@ -203,7 +203,7 @@ def main(argv=None):
     parser.add_argument("--tokens", type=positive_int, help="context parallelism's sequence length (default 1048576 on "
                                                    "GPUs, 4096 on the CPU)")
     parser.add_argument("--heads", type=positive_int, default=12)
-    parser.add_argument("--dim", type=head_dim, help="K = V (default 128 on GPUs, 64 on the CPU)")
+    parser.add_argument("--dim", type=supported_head_dim, help="K = V (default 128 on GPUs, 64 on the CPU)")
     parser.add_argument("--hidden", type=positive_int, help="the layer's width (default 2048 on GPUs, 256 on the CPU)")
     parser.add_argument("--scale", type=positive_float,
                         help="the chunked mix's lengths times this (default 1; 0.1 on the CPU)")

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from .. import checks
 from ..api import kda_decode, kda_prefill
-from ..validation import INDEX_DTYPES, MIN_LOWER_BOUND, _describe, check_offsets, check_tensor, fail
+from ..validation import INDEX_DTYPES, MIN_LOWER_BOUND, _describe, as_float, check_offsets, check_tensor, fail
 
 CHUNK_SIZES = (32, 64)  # FLA's KDA chunk sizes: they set the spacing of return_intermediate_states only
 NAMES = ("q", "k", "v", "g", "beta")
@@ -49,6 +49,7 @@ def _inputs(q, k, v, g, beta, *, scale, use_qk_l2norm_in_kernel, use_gate_in_ker
     ``λ·sigmoid(g + dt_bias)``; else ``-exp(A_log)·softplus(g + dt_bias)``,
     computed here; otherwise g is the log-decay and the gate arguments are not read, fla/ops/kda/chunk_fwd.py);
     ``allow_neg_eigval`` with ``use_beta_sigmoid_in_kernel``: beta ``2·sigmoid(b)`` (fla/ops/kda/chunk.py)."""
+    lower_bound = as_float(lower_bound)  # a NumPy scalar's bound below the fused range is computed here too
     if isinstance(q, torch.Tensor) and isinstance(v, torch.Tensor) and q.dim() == v.dim() == 4:
         heads, value_heads = q.shape[2], v.shape[2]
         if value_heads != heads:
@@ -68,7 +69,7 @@ def _inputs(q, k, v, g, beta, *, scale, use_qk_l2norm_in_kernel, use_gate_in_ker
         if lower_bound is not None:
             A = torch.zeros(value_heads, device=g.device) if A_log is None else A_log.reshape(value_heads)
             gate = dict(A_log=A.contiguous(), dt_bias=bias.contiguous(), lower_bound=lower_bound)
-            if isinstance(lower_bound, (int, float)) and lower_bound < MIN_LOWER_BOUND:  # past the fused range
+            if isinstance(lower_bound, float) and lower_bound < MIN_LOWER_BOUND:  # past the fused range
                 g = lower_bound * torch.sigmoid(A.float().exp().reshape(value_heads, 1) * (g.float() + bias.float()))
                 gate = {}
         else:
@@ -155,7 +156,7 @@ def _check_offset_pair(cu_seqlens, cu_seqlens_cpu, q):
         if cu_seqlens is None:
             fail("cu_seqlens_cpu", "None without cu_seqlens (it is the host copy of cu_seqlens)",
                  _describe(cu_seqlens_cpu))
-        check_offsets(cu_seqlens_cpu, torch.device("cpu"), tokens, name="cu_seqlens_cpu")
+        check_offsets(cu_seqlens_cpu, torch.device("cpu"), tokens, name="cu_seqlens_cpu", where=None)
 
 
 def _token_rows(tensors):
@@ -265,9 +266,10 @@ def fused_recurrent_kda_fwd(q, k, v, g, beta, A_log=None, dt_bias=None, initial_
     assumes); ``[N, S]``: it reads slot ``[n, num_accepted_tokens[n] - 1]`` (``[n, 0]`` without
     ``num_accepted_tokens``) and writes the state after its token t to slot ``[n, t]`` (t < S);
     ``num_accepted_tokens[n]`` may not exceed sequence n's token count (FLA would read a column past the sequence's
-    tokens; refused on the CPU, a padding row on the GPU, where the offsets are not read). A sequence of no
-    tokens reads and writes nothing; a negative slot is padding (zero output, nothing written; FLA does not guard
-    it). ``inplace_final_state=False`` is refused there (FLA then writes token states past an ``[N]`` buffer).
+    tokens; refused on the CPU; on the GPU, without a sync, a padding row counted as ``accepted``,
+    :func:`fastkda.error_counts`). A sequence of no tokens reads and writes nothing; a negative slot is padding
+    (zero output, nothing written; FLA does not guard it). ``inplace_final_state=False`` is refused there (FLA
+    then writes token states past an ``[N]`` buffer).
     Errors from :func:`fastkda.kda_decode` call the indices ``slots`` and the pool ``state_pool``. A K-first pool
     is transposed and written back whole on each call; V-first pools (``state_v_first``) are used in place.
     ``cu_seqlens`` stays on the device (no sync), so the V-first pool path can be captured in a CUDA graph.
@@ -368,6 +370,12 @@ def _decode_pool(tensors, kw, pool, indices, num_accepted_tokens, cu_seqlens, ou
                 fail("num_accepted_tokens", "at most its sequence's token count (the state is read from the column "
                      "of its last accepted token, which must be one of the sequence's own)",
                      f"{int(num_accepted_tokens[n])} for sequence {n} of {int(lengths[n])} tokens")
+    elif (isinstance(num_accepted_tokens, torch.Tensor) and num_accepted_tokens.device == cu_seqlens.device
+            and num_accepted_tokens.shape == (num_seqs,)):
+        # the GPU: such a sequence's count set to 0 (outside [1, S]) makes kda_decode count it (`accepted`) and pad
+        # the row, on the device, without a sync
+        lengths = cu_seqlens.diff()
+        num_accepted_tokens = torch.where((num_accepted_tokens > lengths) & (lengths > 0), 0, num_accepted_tokens)
     start = cu_seqlens[:-1].long()
     step = torch.arange(columns, device=q.device)
     inside = step < (cu_seqlens[1:].long() - start)[:, None]  # [N, S]: token t of sequence n exists

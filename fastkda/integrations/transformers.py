@@ -8,9 +8,11 @@ and as the gated norm class's ``forward``, so those are what is replaced. Their 
 recurrent states K-first ``[B, H, K, V]`` (fastkda keeps ``[B, H, V, K]``), β already passed through the sigmoid,
 conv inputs ``[B, C, T]`` (channel-last views) with a conv state ``[B, C, W]`` of the last W inputs, and extra
 keyword arguments that GLM-5.3-Flash forwards (ignored). fastkda is inference-only: where autograd records a call
-(grad mode on and a parameter requiring grad, as in training), transformers' own function runs it instead, with a
-warning, so that gradients reach the KDA layers; so does a model whose head dimension the kernels do not take
-(K, V outside {64, 128}) or a float64 one.
+(grad mode on and a parameter requiring grad: training, and also a plain ``model(...)`` in eval mode, which does
+not turn gradients off), transformers' own function runs it instead, with a warning, so that gradients reach the
+KDA layers; so does a model whose head dimension the kernels do not take (K, V outside {64, 128}) or whose dtype
+they do not (float64). Inference under ``torch.no_grad()``, ``torch.inference_mode()`` or ``generate()`` runs
+fastkda.
 
 Precision follows the model's dtype: a bf16 (or fp16) model runs the KDA kernels, whose products take bf16
 operands; an fp32 model on a GPU runs fastkda's fp32 chunked path (:func:`fastkda.kda_chunked`, PyTorch on the
@@ -32,6 +34,7 @@ import torch
 from ..api import causal_conv1d, causal_conv1d_update, gated_rmsnorm, kda_decode, kda_prefill
 from ..plan import SUPPORTED_DIMS
 from ..reference import kda_chunked
+from ..validation import FLOAT_DTYPES
 
 MODELS = {  # modeling module -> its gated norm class
     "transformers.models.kimi_linear.modeling_kimi_linear": "KimiLinearRMSNormGated",
@@ -130,28 +133,42 @@ def _needs_gradient(args, kwargs):
     return False
 
 
-def _unsupported(q, k, v, *args, **kwargs):
-    """Why fastkda's KDA cannot run these q, k, v (None where it can): head dimensions outside
-    :data:`fastkda.plan.SUPPORTED_DIMS`, or float64."""
-    if q.shape[-1] not in SUPPORTED_DIMS or v.shape[-1] not in SUPPORTED_DIMS:
-        return f"head dimensions K={q.shape[-1]}, V={v.shape[-1]} (fastkda runs {SUPPORTED_DIMS})"
-    if q.dtype == torch.float64:
-        return "float64 inputs"
+def _unsupported_dtype(args):
+    """Why fastkda cannot take the call's first tensor argument's dtype (None where it can): float64 and
+    anything else outside bf16, fp16 and fp32."""
+    first = next((x for x in args if isinstance(x, torch.Tensor)), None)
+    if first is not None and first.dtype not in FLOAT_DTYPES:
+        return f"{first.dtype} inputs (fastkda takes bf16, fp16 and fp32)"
     return None
 
 
-def _inference_or_original(fastkda_function, original, name, unsupported=None):
+def _dtype_reason(*args, **kwargs):
+    """:func:`_unsupported_dtype` of a call's arguments (the conv's x, the norm's module then hidden states)."""
+    return _unsupported_dtype(args)
+
+
+def _unsupported_kda(q, k, v, *args, **kwargs):
+    """Why fastkda's KDA cannot run these q, k, v (None where it can): head dimensions outside
+    :data:`fastkda.plan.SUPPORTED_DIMS`, or a dtype it does not take."""
+    if q.shape[-1] not in SUPPORTED_DIMS or v.shape[-1] not in SUPPORTED_DIMS:
+        return f"head dimensions K={q.shape[-1]}, V={v.shape[-1]} (fastkda runs {SUPPORTED_DIMS})"
+    return _unsupported_dtype((q,))
+
+
+GRADIENT_REASON = ("autograd records the call: grad mode is on and parameters require grad (as in training, and in "
+                   "a plain model(...) call: eval() does not turn gradients off); fastkda is inference-only, so run "
+                   "inference under torch.no_grad() or torch.inference_mode() to use it")
+
+
+def _inference_or_original(fastkda_function, original, name, unsupported_reason):
     """``fastkda_function`` where no gradient is asked for, transformers' ``original`` where one is: fastkda is
     inference-only (its outputs carry no gradient), and a model trained or differentiated with fastkda enabled must
-    not silently leave its KDA layers without gradients. Likewise where ``unsupported(*args, **kwargs)`` gives a
-    reason (a model fastkda's kernels do not cover still runs). Each fallback warns, naming transformers'
-    ``name`` (once per reason, Python's default filter)."""
+    not silently leave its KDA layers without gradients. Likewise where ``unsupported_reason(*args, **kwargs)``
+    gives one (a model the kernels do not cover still runs). Each fallback warns, naming transformers' ``name``
+    (once per reason, Python's default filter)."""
     @functools.wraps(fastkda_function)
     def routed(*args, **kwargs):
-        reason = unsupported and unsupported(*args, **kwargs)
-        if reason is None and _needs_gradient(args, kwargs):
-            reason = ("autograd records the call (grad mode on, parameters requiring grad); fastkda is inference-only: "
-                      "run inference under torch.no_grad() or torch.inference_mode() to use it")
+        reason = GRADIENT_REASON if _needs_gradient(args, kwargs) else unsupported_reason(*args, **kwargs)
         if reason:
             warnings.warn(f"fastkda: transformers' own {name} runs this call, computed (and differentiated) as "
                           f"without fastkda: {reason}", stacklevel=2)
@@ -190,11 +207,11 @@ def enable():
             continue
         for attribute, replacement in REPLACEMENTS.items():
             original = _replaced[(name, attribute)] = getattr(module, attribute)
-            unsupported = _unsupported if attribute.endswith("kimi_delta_attention") else None
-            setattr(module, attribute, _inference_or_original(replacement, original, attribute, unsupported))
+            reason = _unsupported_kda if attribute.endswith("kimi_delta_attention") else _dtype_reason
+            setattr(module, attribute, _inference_or_original(replacement, original, attribute, reason))
         norm_class = getattr(module, norm)
         original = _replaced[(name, norm + ".forward")] = norm_class.forward
-        norm_class.forward = _inference_or_original(gated_norm_forward, original, norm + ".forward")
+        norm_class.forward = _inference_or_original(gated_norm_forward, original, norm + ".forward", _dtype_reason)
         patched.append(name)
     return patched
 

@@ -316,12 +316,16 @@ def _check_sequence_arguments(x, cu_seqlens, slots, has_initial_state, checkpoin
     checked by name before anything indexes with them (a list, a 0-d tensor or ``[N, 2]`` offsets would otherwise
     fail inside the layer's own index math)."""
     if cu_seqlens is not None:
-        check_offsets(cu_seqlens, x.device, x.shape[1])
+        check_offsets(cu_seqlens, x.device, x.shape[1], where="hidden_states")
     num_seqs = x.shape[0] if cu_seqlens is None else cu_seqlens.numel() - 1
-    for name, given, dtypes in (("slots", slots, INDEX_DTYPES), ("has_initial_state", has_initial_state, (torch.bool,)),
-                                ("checkpoint_offsets", checkpoint_offsets, INDEX_DTYPES)):
+    if checkpoint_offsets is not None:  # [N], or kda_prefill's [N, 1]: one offset a sequence
+        shape = checkpoint_offsets.shape if isinstance(checkpoint_offsets, torch.Tensor) else None
+        check_tensor("checkpoint_offsets", checkpoint_offsets, shape if shape == (num_seqs, 1) else (num_seqs,),
+                     INDEX_DTYPES, x.device, "hidden_states")
+    for name, given, dtypes in (("slots", slots, INDEX_DTYPES),
+                                ("has_initial_state", has_initial_state, (torch.bool,))):
         if given is not None:
-            check_tensor(name, given, (num_seqs,), dtypes, x.device)
+            check_tensor(name, given, (num_seqs,), dtypes, x.device, "hidden_states")
 
 
 def _check_before_the_pools(cache, conv_pool, slots, **tensors):

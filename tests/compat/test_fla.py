@@ -1,6 +1,7 @@
 """FLA's KDA entry points on fastkda (:mod:`fastkda.compat.fla`, fla-core 0.6.0 semantics) against the float64
 token-by-token reference, on the CPU path."""
 
+import numpy as np
 import pytest
 import torch
 
@@ -43,13 +44,14 @@ def test_lower_bound_is_ignored_without_gate_in_kernel():
     assert rel_err(o, ref_o) < OUT_ERR and rel_err(kv(s), ref_s) < STATE_ERR
 
 
-def test_lower_bound_below_the_fused_range():
+@pytest.mark.parametrize("bound", [-8.0, np.float32(-8.0)], ids=["float", "numpy"])
+def test_lower_bound_below_the_fused_range(bound):
     """FLA fuses any λ < 0 without ``safe_gate`` (fastkda's fused gate takes [-5, 0): below, the gate is computed
-    here); with ``safe_gate`` it requires [-5, 0)."""
+    here, also for a NumPy scalar); with ``safe_gate`` it requires [-5, 0)."""
     inp = make_inputs([45, 80], seed=51)
     ref_o, ref_s = truth(inp, lower_bound=-8.0)
     args = [inp[x] for x in ("q", "k", "v", "g", "beta")]
-    kw = dict(lower_bound_gate(inp), lower_bound=-8.0, initial_state=kv(inp["initial_state"]),
+    kw = dict(lower_bound_gate(inp), lower_bound=bound, initial_state=kv(inp["initial_state"]),
               output_final_state=True, cu_seqlens=inp["cu_seqlens"])
     o, s = fla.chunk_kda(*args, **kw)
     assert rel_err(o, ref_o) < OUT_ERR and rel_err(kv(s), ref_s) < STATE_ERR

@@ -96,15 +96,19 @@ def test_gradients_reach_the_kda_layers_when_autograd_records(routed, kind, monk
     assert calls
 
 
-def test_a_head_dimension_fastkda_does_not_run_takes_transformers_path(routed):
-    """enable() covers every Kimi-Linear model: one whose head dimension the kernels do not take (32) runs
-    transformers' own KDA, with a warning naming why, and generates what it generates without fastkda."""
-    model = tiny_model("kimi_linear", head_dim=32)
+@pytest.mark.parametrize("options, reason", [(dict(head_dim=32), "head dimensions K=32, V=32"),
+                                             (dict(dtype=torch.float64, moe=False), "torch.float64 inputs")],
+                         ids=["head_dim 32", "float64"])
+def test_a_model_the_kernels_do_not_take_runs_transformers_path(routed, options, reason):
+    """enable() covers every Kimi-Linear model: one whose head dimension (32) or dtype (float64) the kernels do
+    not take runs transformers' own functions, with a warning naming why, and generates what it generates
+    without fastkda."""
+    model = tiny_model("kimi_linear", **options)
     ids = torch.randint(3, 128, (1, 20), generator=torch.Generator().manual_seed(4))
     with torch.no_grad():
         want = model.generate(ids, max_new_tokens=4, do_sample=False, eos_token_id=None)
         routed.enable()
-        with pytest.warns(UserWarning, match="head dimensions K=32, V=32"):
+        with pytest.warns(UserWarning, match=reason):
             got = model.generate(ids, max_new_tokens=4, do_sample=False, eos_token_id=None)
     assert torch.equal(got, want)
 

@@ -397,15 +397,20 @@ def test_a_prefill_names_a_malformed_per_sequence_argument(bad, message):
 
 def test_a_conv_checkpoint_past_its_sequence_is_nan():
     """An offset past its sequence has no state: the conv checkpoint is NaN there, as the recurrent one is (it
-    read the next sequence's inputs before), and the other sequence's checkpoint is finite."""
+    read the next sequence's inputs before), and the other sequence's checkpoint is finite. Offsets as a column
+    (``[N, 1]``, as kda_prefill also takes them) give the same checkpoints."""
     layer = make_layer(-5.0)
-    cache = cache_for(layer)
-    slots = cache.allocate(2)
-    with torch.no_grad():
-        _, (recurrent, conv) = layer(hidden(80), cache, slots=slots, cu_seqlens=torch.tensor([0, 40, 80]),
-                                     checkpoint_offsets=torch.tensor([64, 32]))
+    results = []
+    for offsets in (torch.tensor([64, 32]), torch.tensor([[64], [32]])):
+        cache = cache_for(layer)
+        with torch.no_grad():
+            _, checkpoint = layer(hidden(80), cache, slots=cache.allocate(2), cu_seqlens=torch.tensor([0, 40, 80]),
+                                  checkpoint_offsets=offsets)
+        results.append(checkpoint)
+    (recurrent, conv), (recurrent_column, conv_column) = results
     assert bool(recurrent[0].isnan().all()) and bool(conv[0].isnan().all())
     assert bool(recurrent[1].isfinite().all()) and bool(conv[1].isfinite().all())
+    assert torch.equal(recurrent_column[1], recurrent[1]) and torch.equal(conv_column[1], conv[1])
 
 
 def test_the_cache_refuses_a_layer_it_does_not_have():
