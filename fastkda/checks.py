@@ -18,10 +18,22 @@ from .validation import fail
 ENV_CHECKS = "FASTKDA_CHECKS"
 
 
+ENV_SWITCH = {"": False, "0": False, "false": False, "no": False, "off": False,
+              "1": True, "true": True, "yes": True, "on": True}  # $FASTKDA_CHECKS's spellings, case aside
+
+
 def requested(checks) -> bool:
-    """The call's ``checks`` argument, or ``$FASTKDA_CHECKS == "1"`` when it is None."""
+    """The call's ``checks`` argument, or ``$FASTKDA_CHECKS`` when it is None: "1", "true", "yes", "on" (any case)
+    turn checked mode on, "", "0", "false", "no", "off" leave it off; anything else is a ``ValueError`` naming it
+    (a safety switch must not turn itself off over a spelling)."""
     if checks is None:
-        return os.environ.get(ENV_CHECKS, "") == "1"
+        setting = os.environ.get(ENV_CHECKS, "")
+        switch = ENV_SWITCH.get(setting)  # the common spellings exactly, before normalising
+        if switch is None:
+            switch = ENV_SWITCH.get(setting.strip().lower())
+            if switch is None:
+                fail(ENV_CHECKS, f"one of {', '.join(repr(s) for s in ENV_SWITCH if s)} (or unset)", repr(setting))
+        return switch
     if not isinstance(checks, bool):
         fail("checks", "True, False or None (then $FASTKDA_CHECKS decides)", repr(checks))
     return checks

@@ -235,9 +235,12 @@ _NOT_YET = object()  # a signature not validated yet (validation may return None
 def remembered(validate, *args):
     """``validate(*args)``, remembered per signature of the arguments: validation reads only each tensor's shape,
     strides, dtype and device and the other arguments' values, and an eager call's host time counts (validation
-    was a third of it). No signature holds a tensor; symbolic shapes (torch.compile) are validated afresh. A CPU
+    was a third of it). No signature holds a tensor. Under torch.compile every call is validated afresh: a
+    lookup keyed by sizes would make the trace guard on each size, one recompile per new batch or length. A CPU
     tensor's device is keyed as ``True`` (``is_cpu``): hashing a ``torch.device`` costs as much as the rest of a
     tensor's key."""
+    if torch.compiler.is_compiling():
+        return validate(*args)
     try:
         key = validate, tuple([(a.shape, a.stride(), a.dtype, a.is_cpu or a.device) if isinstance(a, torch.Tensor)
                                else (type(a), a) for a in args])  # typed: True == 1 == 1.0, not equally valid

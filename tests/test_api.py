@@ -232,6 +232,44 @@ def test_torch_compile_treats_prefill_as_one_op(lengths, hint):
     assert torch.equal(o, eager_o) and torch.equal(s, eager_s)
 
 
+def test_compiled_conv_and_norm_keep_one_graph_over_new_lengths():
+    """Validation remembered by sizes would make the trace guard on each size (a recompile per new length, and
+    torch.compile's limit of 8 ends a ``fullgraph`` program at the 9th): compiled, the conv and the norm take a
+    new length each call, past that limit, giving the eager bits."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    weight = torch.randn(96, 4)
+    conv = torch.compile(lambda x: fastkda.causal_conv1d(x, weight), backend="eager", fullgraph=True)
+    norm = torch.compile(lambda x: fastkda.gated_rmsnorm(x, x, weight[:, 0], 1e-5), backend="eager", fullgraph=True)
+    for length in range(1, 12):
+        x = torch.randn(length, 96)
+        assert torch.equal(conv(x), fastkda.causal_conv1d(x, weight))
+        assert torch.equal(norm(x), fastkda.gated_rmsnorm(x, x, weight[:, 0], 1e-5))
+
+
+@pytest.mark.parametrize("setting, on", [("1", True), ("TRUE", True), (" on", True), ("yes", True), ("0", False),
+                                         ("false", False), ("Off", False), ("", False)])
+def test_the_checks_switch_takes_the_usual_spellings(setting, on, monkeypatch):
+    """$FASTKDA_CHECKS takes the usual spellings of on and off (a NaN is then refused, or not)."""
+    monkeypatch.setenv("FASTKDA_CHECKS", setting)
+    inp = make_inputs([20], seed=20)
+    inp["q"].view(-1)[3] = float("nan")
+    if on:
+        with pytest.raises(ValueError, match="q must be finite"):
+            call(inp)
+    else:
+        call(inp)
+
+
+@pytest.mark.parametrize("setting", ["ture", "2", "enabled"])
+def test_a_misspelt_checks_switch_is_refused(setting, monkeypatch):
+    """A safety switch that a typo turned off would fail silently: anything else is refused by name."""
+    monkeypatch.setenv("FASTKDA_CHECKS", setting)
+    with pytest.raises(ValueError, match="FASTKDA_CHECKS must be one of"):
+        call(make_inputs([20], seed=20))
+
+
 def test_eager_calls_skip_the_dispatcher_and_compiled_ones_use_the_op(monkeypatch):
     """Eager calls run the implementation directly (the custom-op dispatcher costs tens of µs per call);
     torch.compile still sees the opaque op (the compile test above fails without it)."""

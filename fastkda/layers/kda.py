@@ -287,7 +287,7 @@ class KimiDeltaAttention(nn.Module):
         remembered(validate_decode, q, k, v, g, beta, state_pool, slots, gate.get("A_log"), gate.get("dt_bias"),
                    lower_bound, scale, num_accepted_tokens, None)
         requested_v_slices()  # $FASTKDA_V_SLICES, which kda_decode reads
-        if not mixed.is_cuda:
+        if not mixed.is_cuda and not torch.compiler.is_compiling():  # a trace reads no values: the op checks them
             decode_indices(slots, num_accepted_tokens, state_pool.shape[0], mixed.shape[1])
 
     def _speculative_conv(self, mixed, conv_pool, weight, slots, num_accepted_tokens, cache):

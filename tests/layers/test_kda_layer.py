@@ -395,6 +395,19 @@ def test_a_prefill_names_a_malformed_per_sequence_argument(bad, message):
     assert torch.equal(cache.recurrent, before[0]) and torch.equal(cache.conv, before[1])
 
 
+def test_decode_of_several_tokens_compiles_as_one_graph():
+    """Under ``torch.compile(fullgraph=True)`` a decode step of T > 1 tokens (no fused kernel) traces: the slots'
+    values are not read in the trace (the op checks them), and the output and pools equal the eager step's."""
+    layer = make_layer(-5.0).eval()
+    caches = [cache_for(layer), cache_for(layer)]
+    x = hidden(2, 3, seed=5)
+    compiled = torch.compile(layer, backend="eager", fullgraph=True)
+    with torch.no_grad():
+        outs = [run(x, cache, slots=cache.allocate(2), decode=True) for run, cache in zip((compiled, layer), caches)]
+    assert torch.equal(outs[0], outs[1])
+    assert torch.equal(caches[0].recurrent, caches[1].recurrent) and torch.equal(caches[0].conv, caches[1].conv)
+
+
 def test_a_conv_checkpoint_past_its_sequence_is_nan():
     """An offset past its sequence has no state: the conv checkpoint is NaN there, as the recurrent one is (it
     read the next sequence's inputs before), and the other sequence's checkpoint is finite. Offsets as a column
