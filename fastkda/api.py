@@ -20,7 +20,8 @@ from . import checks as value_checks
 from .errors import KINDS, counters
 from .ops.decode_step import fused_decode_step
 from .plan import (CHUNK, DecodePlan, PrefillPlan, choose_decode_plan, choose_decode_step_plan,
-                   choose_open_entry_plan, choose_plan, has_warpgroup_mma, requested_v_slices, sm_count)
+                   choose_open_entry_plan, choose_plan, has_warpgroup_mma, requested_open_entry_segments,
+                   requested_v_slices, sm_count)
 from .reference import (_as, causal_conv1d_reference, compose_segment_maps, gated_rmsnorm_reference, kda_chunked,
                         kda_decode_reference, open_segment_maps, run_from_segment_maps)
 from .validation import (FLOAT_DTYPES, INDEX_DTYPES, STATE_DTYPES, _describe, addressable_inputs, as_float,
@@ -345,6 +346,7 @@ def kda_prefill_open(q, k, v, g, beta, *, A_log=None, dt_bias=None, lower_bound=
     exit_map = torch.zeros(batch, heads, value_dim + key_dim, key_dim, dtype=torch.float32, device=q.device)
     options = dict(A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, scale=float(scale),
                    use_qk_l2norm=use_qk_l2norm, use_beta_sigmoid=use_beta_sigmoid)
+    requested_open_entry_segments(sequence_parallel)  # checked for an empty batch too, which plans nothing
     if not batch or not length:  # the identity map
         exit_map[:, :, value_dim:] = torch.eye(key_dim, device=q.device)
         return OpenEntryPrefill((q, k, v, g, beta), options, None, exit_map, None, checks)

@@ -767,6 +767,17 @@ def _choose_plan(num_seqs, heads, seq_len, key_dim, value_dim, sms, varlen, lowe
         reason=reason)
 
 
+def requested_open_entry_segments(sequence_parallel="auto"):
+    """:func:`choose_open_entry_plan`'s ``sequence_parallel``, checked: ``"auto"`` or tokens per segment (not False:
+    such a prefill always runs in segments); returns ``"auto"`` or the segment length, ``$FASTKDA_SEQUENCE_PARALLEL``
+    read as :func:`requested_sequence_parallel` reads it (its "off" leaves the choice automatic)."""
+    _check(parse_sequence_parallel(sequence_parallel, "sequence_parallel") is not False,
+           "a prefill whose entry state comes later runs in segments: sequence_parallel must be 'auto' or tokens "
+           "per segment, not False")
+    choice = requested_sequence_parallel(sequence_parallel)
+    return "auto" if choice is False else choice
+
+
 def choose_open_entry_plan(num_seqs: int, heads: int, seq_len: int, key_dim: int, value_dim: int, sms: int, *,
                            lower_bound_gate: bool = True, sequence_parallel="auto",
                            warpgroup_mma: bool = False) -> PrefillPlan:
@@ -778,17 +789,15 @@ def choose_open_entry_plan(num_seqs: int, heads: int, seq_len: int, key_dim: int
     transition over the V + K columns counted (``segmented_us(open_entry=True)``); an int forces segments of that
     many tokens; ``warpgroup_mma`` as :func:`choose_plan` takes it. Raises ``ValueError`` for ``False`` and for
     shapes the kernels do not take."""
-    _check(isinstance(seq_len, int) and not isinstance(seq_len, bool) and seq_len >= 1,
-           f"seq_len must be an integer >= 1, got {seq_len!r}")
-    _check(parse_sequence_parallel(sequence_parallel, "sequence_parallel") is not False,
-           "a prefill whose entry state comes later runs in segments: sequence_parallel must be 'auto' or tokens "
-           "per segment, not False")
-    choice = requested_sequence_parallel(sequence_parallel)
+    _check_counts(num_seqs=(num_seqs, 1), heads=(heads, 1), seq_len=(seq_len, 1), sms=(sms, 1))
+    _check(key_dim in SUPPORTED_DIMS and value_dim in SUPPORTED_DIMS,
+           f"K and V must be in {SUPPORTED_DIMS}, got K={key_dim}, V={value_dim}")
+    choice = requested_open_entry_segments(sequence_parallel)
     return _choose_open_entry_plan(num_seqs, heads, seq_len, key_dim, value_dim, sms, bool(lower_bound_gate),
-                                   "auto" if choice is False else choice, bool(warpgroup_mma))
+                                   choice, bool(warpgroup_mma))
 
 
-@functools.lru_cache(maxsize=4096)  # an eager call's host time counts: the model is weighed at 64 points
+@functools.lru_cache(maxsize=4096, typed=True)  # an eager call's host time counts: the model is weighed at 64 points
 def _choose_open_entry_plan(num_seqs, heads, seq_len, key_dim, value_dim, sms, lower_bound_gate, choice,
                             warpgroup_mma=False):
     chunks = -(-seq_len // CHUNK)
@@ -888,12 +897,16 @@ def one_token_decode_warps(programs: int, sms: int) -> int:
     return 1 if programs >= sms else LONE_DECODE_WARPS
 
 
-@functools.lru_cache(maxsize=4096, typed=True)  # typed: a cached 1 must not pass True or 1.0 (checked here)
-def _choose_decode_plan(num_seqs, heads, value_dim, sms, choice, tokens):
-    for name, value, least in (("num_seqs", num_seqs, 0), ("heads", heads, 1), ("sms", sms, 1),
-                               ("tokens", tokens, 1)):
+def _check_counts(**counts):
+    """Each ``name=(value, least)``: an int (not a bool) of at least ``least``, else a ``ValueError`` naming it."""
+    for name, (value, least) in counts.items():
         _check(isinstance(value, int) and not isinstance(value, bool) and value >= least,
                f"{name} must be an integer >= {least}, got {value!r}")
+
+
+@functools.lru_cache(maxsize=4096, typed=True)  # typed: a cached 1 must not pass True or 1.0 (checked here)
+def _choose_decode_plan(num_seqs, heads, value_dim, sms, choice, tokens):
+    _check_counts(num_seqs=(num_seqs, 0), heads=(heads, 1), sms=(sms, 1), tokens=(tokens, 1))
     _check(value_dim in SUPPORTED_DIMS, f"V must be in {SUPPORTED_DIMS}, got {value_dim}")
     if choice == "auto":
         slices = max(value_dim // DECODE_SLICE_WIDTH, 1)
@@ -921,7 +934,7 @@ def decode_step_chunk(value_dim: int) -> int:
     return min(DECODE_STEP_CHUNK, value_dim)
 
 
-@functools.lru_cache(maxsize=4096)  # called on every eager decode step
+@functools.lru_cache(maxsize=4096, typed=True)  # called on every eager decode step; typed as _choose_decode_plan
 def choose_decode_step_plan(num_seqs: int, heads: int, value_dim: int, sms: int):
     """The layer's decode step (:func:`fastkda.kda_decode_step`): the plan of its one fused kernel, or None where
     it runs as three launches (the conv's decode step, KDA decode, the gated norm).
@@ -938,7 +951,10 @@ def choose_decode_step_plan(num_seqs: int, heads: int, value_dim: int, sms: int)
 
     Measured in docs/perf-notes.md ("The fused step's head in one program", session 31; "Session 32"; the step
     sweeps before them): the ticket form wins at 1.45 heads an SM and one program a head at 2.18 (192 and 288
-    heads, V = 128, on two head counts each); V = 64 takes the same rule unmeasured."""
+    heads, V = 128, on two head counts each); V = 64 takes the same rule unmeasured. Raises ``ValueError`` for
+    counts that are not positive ints and for V outside :data:`SUPPORTED_DIMS`."""
+    _check_counts(num_seqs=(num_seqs, 0), heads=(heads, 1), sms=(sms, 1))
+    _check(value_dim in SUPPORTED_DIMS, f"V must be in {SUPPORTED_DIMS}, got {value_dim}")
     total = num_seqs * heads
     if total > 4 * sms:
         return None

@@ -404,6 +404,44 @@ def test_open_entry_plans_are_always_segmented():
         choose_open_entry_plan(1, 12, 100, 128, 128, 132, sequence_parallel=False)
 
 
+@pytest.mark.parametrize("args, name", [
+    ((2, 12, 4096, 128, 128, 0), "sms"), ((2, 12, 4096, 128, 96, 132), "K and V"), ((0, 12, 4096, 128, 128, 132),
+                                                                                      "num_seqs"),
+    ((1.0, 12, 4096, 128, 128, 132), "num_seqs")], ids=["no SMs", "V 96", "no rows", "float rows"])
+def test_open_entry_plans_name_a_bad_count(args, name):
+    """Counts that are not positive ints and unsupported K, V are a ValueError naming them (not a
+    ZeroDivisionError or KeyError inside the step model, nor a float served from the cache of its int)."""
+    from fastkda.plan import choose_open_entry_plan
+
+    choose_open_entry_plan(1, 12, 4096, 128, 128, 132)  # an int's plan in the cache first
+    with pytest.raises(ValueError, match=name):
+        choose_open_entry_plan(*args)
+
+
+@pytest.mark.parametrize("args, name", [((1, 12, 128, 0), "sms"), ((1, 12, 128, 1.5), "sms"),
+                                        ((1, 12, 128, "132"), "sms"), ((1000, 12, 96, 132), "V must be"),
+                                        ((1.0, 12, 128, 132), "num_seqs")])
+def test_decode_step_plans_name_a_bad_count(args, name):
+    """As the decode plan: a ValueError naming the count or V, whatever the cache holds."""
+    choose_decode_step_plan(1, 12, 128, 132)
+    with pytest.raises(ValueError, match=name):
+        choose_decode_step_plan(*args)
+
+
+def test_an_empty_open_entry_prefill_checks_its_segments():
+    """No rows or no tokens plan nothing, but ``sequence_parallel`` is still checked as with tokens."""
+    import torch
+
+    import fastkda
+
+    empty = torch.zeros(2, 0, 2, 64)
+    with pytest.raises(ValueError, match="sequence_parallel must be 'auto', False or a positive multiple"):
+        fastkda.kda_prefill_open(empty, empty, empty, empty, torch.zeros(2, 0, 2), sequence_parallel="garbage")
+    with pytest.raises(ValueError, match="not False"):
+        fastkda.kda_prefill_open(empty, empty, empty, empty, torch.zeros(2, 0, 2), sequence_parallel=False)
+    fastkda.kda_prefill_open(empty, empty, empty, empty, torch.zeros(2, 0, 2), sequence_parallel=64)
+
+
 def test_open_entry_plans_ignore_the_environment_turning_segments_off(monkeypatch):
     """$FASTKDA_SEQUENCE_PARALLEL=0 turns kda_prefill's segments off; a prefill whose entry state comes later still
     plans its own, and takes a segment length the variable gives."""
