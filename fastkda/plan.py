@@ -600,8 +600,8 @@ def _segmentation(num_seqs, heads, seq_len, key_dim, value_dim, sms, varlen, ser
         segment_chunks = choice // CHUNK
         predicted, width, v_slices = best(segment_chunks, worst, chunks, other_chunks)
         return segment_chunks, width, v_slices, (
-            f"sequence_parallel={choice} requested: segments of {segment_chunks} chunks, predicted {predicted:.0f} µs "
-            f"against {serial:.0f} µs serial for {reading}")
+            f"sequence_parallel={choice} requested: segments of {segment_chunks} chunks, predicted "
+            f"{round(predicted)} µs against {round(serial)} µs serial for {reading}")
     if chunks < MIN_SP_CHAIN:
         return None
     candidates = []
@@ -619,8 +619,8 @@ def _segmentation(num_seqs, heads, seq_len, key_dim, value_dim, sms, varlen, ser
         if balanced <= segment_chunks or best(segment_chunks, num_seqs, balanced)[0] > 1.02 * balanced_serial:
             return None
     return segment_chunks, width, v_slices, (
-        f"sequence parallelism: segments of {segment_chunks} chunks, predicted {predicted:.0f} µs against "
-        f"{serial:.0f} µs serial for {reading}")
+        f"sequence parallelism: segments of {segment_chunks} chunks, predicted {round(predicted)} µs against "
+        f"{round(serial)} µs serial for {reading}")
 
 
 def choose_plan(num_seqs: int, heads: int, seq_len: int, key_dim: int, value_dim: int, sms: int, *,
@@ -697,8 +697,9 @@ def _choose_plan(num_seqs, heads, seq_len, key_dim, value_dim, sms, varlen, lowe
         segmentation = _segmentation(num_seqs, heads, seq_len, key_dim, value_dim, sms, varlen, slices, choice,
                                      sp_choice, max_seqlen)
     segment_chunks, transition_width = 0, 0
+    # reasons round their numbers with round(), not a format spec, which torch.compile's dynamic shapes cannot trace
     serial_reason = ("sequence parallelism off (requested)" if sp_choice is False
-                     else f"the serial recurrence (segments are not predicted to gain {1 - SP_GAIN:.0%})")
+                     else f"the serial recurrence (segments are not predicted to gain {round(100 * (1 - SP_GAIN))}%)")
     if segmentation:
         programs = num_seqs + slot_count(seq_len, num_seqs, CHUNK * segmentation[0], varlen)
         if programs > MAX_GRID_Z:  # the segmented kernels' grid would not launch
@@ -813,7 +814,7 @@ def _choose_open_entry_plan(num_seqs, heads, seq_len, key_dim, value_dim, sms, l
             (segmented_us(num_seqs, chunks, segment_chunks, heads, key_dim, value_dim, width, s, sms,
                           open_entry=True), segment_chunks, s)
             for segment_chunks in fitting for s in slices)
-        reason = f"entry state later: segments of {segment_chunks} chunks, predicted {predicted:.0f} µs"
+        reason = f"entry state later: segments of {segment_chunks} chunks, predicted {round(predicted)} µs"
     else:
         segment_chunks = choice // CHUNK
         v_slices = min(slices, key=lambda s: segmented_us(num_seqs, chunks, segment_chunks, heads, key_dim,

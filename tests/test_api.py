@@ -232,6 +232,20 @@ def test_torch_compile_treats_prefill_as_one_op(lengths, hint):
     assert torch.equal(o, eager_o) and torch.equal(s, eager_s)
 
 
+def test_prefill_compiles_with_dynamic_shapes():
+    """``torch.compile(dynamic=True)`` traces the plan's choice with symbolic sizes (its reasons' numbers are
+    rounded without a format spec, which the trace cannot format): the compiled prefill gives the eager bits at two
+    lengths. (Forced segments still build their reason from symbolic sizes, which the trace refuses.)"""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda *a: fastkda.kda_prefill(*a)[0], backend="eager", fullgraph=True, dynamic=True)
+    for length in (64, 100):
+        inp = make_inputs([length], seed=21, varlen=False, with_initial=False)
+        args = [inp[x] for x in ("q", "k", "v")] + [-inp["g"].float().abs(), inp["beta"]]
+        assert torch.equal(compiled(*args), fastkda.kda_prefill(*args)[0])
+
+
 def test_compiled_conv_and_norm_keep_one_graph_over_new_lengths():
     """Validation remembered by sizes would make the trace guard on each size (a recompile per new length, and
     torch.compile's limit of 8 ends a ``fullgraph`` program at the 9th): compiled, the conv and the norm take a
