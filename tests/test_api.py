@@ -62,28 +62,35 @@ def bad_inputs():
         ("cu_seqlens values", dict(cu_seqlens=torch.tensor([0, 25, 20], dtype=torch.int32)), "cu_seqlens"),
         ("state dtype", dict(initial_state=inp["initial_state"].half()), "initial_state"),
         ("state shape", dict(initial_state=inp["initial_state"][:1]), "initial_state"),
-        ("final state layout", dict(final_state=torch.empty(2, 2, 64, 64).transpose(-1, -2)), "final_state"),
+        ("final state layout", dict(final_state=torch.full((2, 2, 64, 64), float("nan")).transpose(-1, -2)),
+         "final_state"),
         ("lower_bound range", dict(lower_bound=-6.0), "lower_bound"),
         ("lower_bound positive", dict(lower_bound=0.5), "lower_bound"),
         ("gate half given", dict(A_log=None), "A_log"),
+        ("gate without its bound", dict(lower_bound=None), "all given"),
         ("dt_bias size", dict(dt_bias=inp["dt_bias"][:1]), "dt_bias"),
         ("A_log strided", dict(A_log=torch.rand(4)[::2]), "A_log"),
         ("out is an input", dict(out=inp["v"]), "out"),
         ("scale", dict(scale=-1.0), "scale"),
-        ("out dtype", dict(out=torch.empty(1, 30, 2, 64)), "out"),
+        ("out dtype", dict(out=torch.full((1, 30, 2, 64), float("nan"))), "out"),
         ("v_slices", dict(v_slices=3), "v_slices"),
     ]
 
 
 @pytest.mark.parametrize("index", range(len(bad_inputs()[1])))
 def test_bad_input_is_rejected_before_writing(index):
+    """Neither the output nor the final state (the buffers the call was given, NaN-filled) is written before the
+    error."""
     inp, cases = bad_inputs()
     name, overrides, word = cases[index]
-    final = torch.full((2, 2, 64, 64), float("nan"))
-    overrides.setdefault("final_state", final)
+    overrides.setdefault("final_state", torch.full((2, 2, 64, 64), float("nan")))
+    overrides.setdefault("out", torch.full_like(inp["v"], float("nan")))
     with pytest.raises(ValueError, match=word):
         call(inp, **overrides)
-    assert torch.isnan(final).all(), f"{name}: final_state was written before the error"
+    for buffer in ("final_state", "out"):
+        given = overrides[buffer]
+        if given is not inp["v"]:  # "out is an input": the input itself, untouched as such
+            assert torch.isnan(given).all(), f"{name}: {buffer} was written before the error"
 
 
 def test_remembered_validation_still_rejects_an_aliased_out():

@@ -99,8 +99,10 @@ def test_an_empty_pool_serves_padding_rows(backend):
         assert out.shape == inp["v"].shape and bool((out == 0).all())
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", [b for b in BACKENDS if b != "cpu"])
 def test_v_slices_agree(backend):
+    """The kernel's slices of V agree (the CPU path takes v_slices only as an argument to check: it has no
+    slices, so it is not a case here)."""
     inp = make_inputs([3] * 2, heads=2, varlen=False, seed=24)
     results = []
     for s in (1, 2, 4):
@@ -116,8 +118,8 @@ def test_decode_rejects_bad_slots():
     pool = torch.zeros(3, 2, 64, 64)
     with pytest.raises(ValueError, match="slots"):
         fastkda.kda_decode(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], pool, torch.zeros(3, dtype=torch.int32))
-    with pytest.raises(ValueError, match="slots"):
-        fastkda.kda_decode(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], pool, torch.zeros(2),
+    with pytest.raises(ValueError, match="slots must be of dtype"):  # distinct slots: only the dtype is wrong
+        fastkda.kda_decode(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], pool, torch.tensor([0.0, 1.0]),
                            A_log=inp["A_log"], dt_bias=inp["dt_bias"], lower_bound=-5.0)
     with pytest.raises(ValueError, match="state_pool"):
         fastkda.kda_decode(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], pool.half(), torch.zeros(2).int())

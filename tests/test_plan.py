@@ -76,10 +76,16 @@ def test_launch_numbers_round_trip_and_changes_are_validated():
     assert all(type(n) is int for n in chosen.launch_numbers())
     changed = chosen.replace(prepare_warps=8, recurrence_stages=2)
     assert changed.prepare_warps == 8 and "overridden: prepare_warps=8, recurrence_stages=2" in changed.reason
-    for bad in (dict(v_slices=3), dict(v_slices=16), dict(prepare_warps=3), dict(solve_stages=0),
-                dict(prepare_channels=16), dict(prepare_channels=64), dict(prepare_token_run=5), dict(chunk=64),
-                dict(dot_precision="bf16"), dict(key_dim=96), dict(heads=0)):
-        with pytest.raises(ValueError, match="fastkda plan"):
+    for bad, message in ((dict(v_slices=3), "v_slices=3 must cut"), (dict(v_slices=16), "v_slices=16 must cut"),
+                         (dict(prepare_warps=3), "prepare_warps must be one of"),
+                         (dict(solve_stages=0), "solve_stages must be >= 1"),
+                         (dict(prepare_channels=16), "every key channel in one step"),
+                         (dict(prepare_channels=64), "every key channel in one step"),
+                         (dict(prepare_token_run=5), "prepare_token_run must divide"),
+                         (dict(chunk=64), "chunks of two 16-token blocks"),
+                         (dict(dot_precision="bf16"), "dot_precision must be"),
+                         (dict(key_dim=96), "key_dim must be one of"), (dict(heads=0), "heads must be >= 1")):
+        with pytest.raises(ValueError, match=f"fastkda plan: .*{message}"):  # its own check, not another's
             chosen.replace(**bad)
     assert DecodePlan.from_launch_numbers(choose_decode_plan(3, 4, 128, 132).launch_numbers()).v_slices == 8
 

@@ -60,15 +60,43 @@ def test_bf16_logits_no_farther_from_fp32(routed, kind):
 
 
 def test_disable_restores_transformers_functions(routed):
-    from transformers.models.kimi_linear import modeling_kimi_linear as module
+    """Every replaced function of both models' modules, and each gated norm's forward, is transformers' own object
+    again after disable(), also after enable() twice."""
+    import importlib
 
-    original = module.chunk_kimi_delta_attention, module.KimiLinearRMSNormGated.forward
+    modules = {name: importlib.import_module(name) for name in fastkda_transformers.MODELS}
+    names = list(fastkda_transformers.REPLACEMENTS)
+
+    def current():
+        return [getattr(module, name) for module in modules.values() for name in names] + [
+            getattr(module, norm).forward for module, norm in zip(modules.values(),
+                                                                  fastkda_transformers.MODELS.values())]
+    original = current()
     routed.enable()
     routed.enable()  # twice: still one set of originals
+    module = modules["transformers.models.kimi_linear.modeling_kimi_linear"]
     assert module.chunk_kimi_delta_attention.__wrapped__ is fastkda_transformers.chunk_kimi_delta_attention
+    assert not any(a is b for a, b in zip(current(), original))
     routed.disable()
-    assert (module.chunk_kimi_delta_attention, module.KimiLinearRMSNormGated.forward) == original
+    assert all(a is b for a, b in zip(current(), original))
     assert not routed.enabled()
+
+
+@pytest.mark.parametrize("kind", MODEL_KINDS)
+def test_generation_runs_every_layer_function_through_fastkda(routed, kind, monkeypatch):
+    """The logit tests compare with transformers' own path, which an unrouted function would pass too: here each
+    of fastkda's five functions the integration calls (prefill and decode KDA, the conv and its update, the gated
+    norm) is seen running during a generation."""
+    calls = set()
+    for name in ("kda_prefill", "kda_decode", "causal_conv1d", "causal_conv1d_update", "gated_rmsnorm"):
+        function = getattr(fastkda_transformers, name)
+        monkeypatch.setattr(fastkda_transformers, name,
+                            lambda *a, _function=function, _name=name, **kw: calls.add(_name) or _function(*a, **kw))
+    routed.enable()
+    ids, mask = prompts(2, 64)
+    with torch.no_grad():
+        tiny_model(kind).generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False, eos_token_id=None)
+    assert calls == {"kda_prefill", "kda_decode", "causal_conv1d", "causal_conv1d_update", "gated_rmsnorm"}
 
 
 @pytest.mark.parametrize("kind", MODEL_KINDS)
