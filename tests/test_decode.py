@@ -142,18 +142,24 @@ def test_decode_under_torch_compile_is_one_op():
     assert torch.equal(pools[0], pools[1])
 
 
-def test_cpu_path_updates_consecutive_slots_in_place():
-    """Slots first, first + 1, ... take the CPU path's in-place view: same results as the float64 walk, other
-    rows untouched."""
+def test_cpu_path_updates_consecutive_slots_in_place(monkeypatch):
+    """Slots first, first + 1, ... take the CPU path's in-place view (through kda_decode: no gather from the pool,
+    no scatter back): same results as the float64 walk, other rows untouched."""
     inp = make_inputs([2] * 3, heads=2, varlen=False, seed=31)
     pool = torch.randn(5, 2, 64, 64, generator=torch.Generator().manual_seed(1))
     truth_pool = pool.double()
     slots = torch.tensor([1, 2, 3])
     gate = dict(A_log=inp["A_log"], dt_bias=inp["dt_bias"], lower_bound=inp["lower_bound"])
-    out = kda_decode_reference(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], pool, slots, **gate)
+
+    def refused(*_, **__):
+        raise AssertionError("the pool was gathered or scattered, not viewed in place")
+    with monkeypatch.context() as patched:
+        for name in ("index_select", "index_copy_"):
+            patched.setattr(torch.Tensor, name, refused)
+        out = fastkda.kda_decode(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], pool, slots, **gate)
     want = kda_decode_reference(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], truth_pool, slots, **gate,
                                 dtype=torch.float64)
-    assert rel_err(out, want) < 1e-5 and rel_err(pool[1:4], truth_pool[1:4]) < 1e-5
+    assert rel_err(out, want) < 4e-3 and rel_err(pool[1:4], truth_pool[1:4]) < 1e-5  # o in v's bf16
     assert torch.equal(pool[[0, 4]], truth_pool[[0, 4]].float())
 
 
