@@ -346,8 +346,8 @@ def kda_prefill_open(q, k, v, g, beta, *, A_log=None, dt_bias=None, lower_bound=
     exit_map = torch.zeros(batch, heads, value_dim + key_dim, key_dim, dtype=torch.float32, device=q.device)
     options = dict(A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, scale=float(scale),
                    use_qk_l2norm=use_qk_l2norm, use_beta_sigmoid=use_beta_sigmoid)
-    requested_open_entry_segments(sequence_parallel)  # checked for an empty batch too, which plans nothing
     if not batch or not length:  # the identity map
+        requested_open_entry_segments(sequence_parallel)  # checked as with tokens, though nothing is planned
         exit_map[:, :, value_dim:] = torch.eye(key_dim, device=q.device)
         return OpenEntryPrefill((q, k, v, g, beta), options, None, exit_map, None, checks)
     plan = choose_open_entry_plan(batch, heads, length, key_dim, value_dim, _sms_of(q),

@@ -355,27 +355,25 @@ def _decode_pool(tensors, kw, pool, indices, num_accepted_tokens, cu_seqlens, ou
         return torch.zeros_like(v) if out is None else out.zero_()
     if indices.shape[0] != num_seqs:
         fail("ssm_state_indices", f"of one row per sequence ({num_seqs})", list(indices.shape))
+    # read on the CPU, and for the accepted counts (a GPU step without them launches nothing more)
+    lengths = cu_seqlens.diff() if not cu_seqlens.is_cuda or num_accepted_tokens is not None else None
     if not cu_seqlens.is_cuda:  # free on the CPU; on the GPU the tokens past S of a sequence stay zero
         checks.cu_seqlens_values(cu_seqlens, total)
-        lengths = cu_seqlens.diff()
         longest = int(lengths.max())
         if longest > columns:
             fail("cu_seqlens", f"sequences of at most {columns} tokens (one column of ssm_state_indices each)",
                  f"one of {longest}")
-        if (isinstance(num_accepted_tokens, torch.Tensor) and num_accepted_tokens.device == lengths.device
-                and num_accepted_tokens.shape == lengths.shape):  # else kda_decode names what is wrong with it
-            past = (num_accepted_tokens.long() > lengths.long()) & (lengths > 0)  # its read column is padding's
-            if bool(past.any()):
-                n = int(past.nonzero()[0])
-                fail("num_accepted_tokens", "at most its sequence's token count (the state is read from the column "
-                     "of its last accepted token, which must be one of the sequence's own)",
-                     f"{int(num_accepted_tokens[n])} for sequence {n} of {int(lengths[n])} tokens")
-    elif (isinstance(num_accepted_tokens, torch.Tensor) and num_accepted_tokens.device == cu_seqlens.device
-            and num_accepted_tokens.shape == (num_seqs,)):
-        # the GPU: such a sequence's count set to 0 (outside [1, S]) makes kda_decode count it (`accepted`) and pad
-        # the row, on the device, without a sync
-        lengths = cu_seqlens.diff()
-        num_accepted_tokens = torch.where((num_accepted_tokens > lengths) & (lengths > 0), 0, num_accepted_tokens)
+    if (isinstance(num_accepted_tokens, torch.Tensor) and num_accepted_tokens.device == cu_seqlens.device
+            and num_accepted_tokens.shape == (num_seqs,)):  # else kda_decode names what is wrong with it
+        past = (num_accepted_tokens > lengths) & (lengths > 0)  # the read column would be padding's
+        if not cu_seqlens.is_cuda and bool(past.any()):
+            n = int(past.nonzero()[0])
+            fail("num_accepted_tokens", "at most its sequence's token count (the state is read from the column "
+                 "of its last accepted token, which must be one of the sequence's own)",
+                 f"{int(num_accepted_tokens[n])} for sequence {n} of {int(lengths[n])} tokens")
+        # the GPU: such a count set to 0 (outside [1, S]) makes kda_decode count it (`accepted`) and pad the row,
+        # on the device, without a sync
+        num_accepted_tokens = torch.where(past, 0, num_accepted_tokens)
     start = cu_seqlens[:-1].long()
     step = torch.arange(columns, device=q.device)
     inside = step < (cu_seqlens[1:].long() - start)[:, None]  # [N, S]: token t of sequence n exists

@@ -133,18 +133,13 @@ def _needs_gradient(args, kwargs):
     return False
 
 
-def _unsupported_dtype(args):
-    """Why fastkda cannot take the call's first tensor argument's dtype (None where it can): float64 and
-    anything else outside bf16, fp16 and fp32."""
+def _unsupported_dtype(*args, **kwargs):
+    """Why fastkda cannot take the dtype of a call's first tensor argument (the conv's x, the norm's hidden states
+    after its module; None where it can): float64 and anything else outside bf16, fp16 and fp32."""
     first = next((x for x in args if isinstance(x, torch.Tensor)), None)
     if first is not None and first.dtype not in FLOAT_DTYPES:
         return f"{first.dtype} inputs (fastkda takes bf16, fp16 and fp32)"
     return None
-
-
-def _dtype_reason(*args, **kwargs):
-    """:func:`_unsupported_dtype` of a call's arguments (the conv's x, the norm's module then hidden states)."""
-    return _unsupported_dtype(args)
 
 
 def _unsupported_kda(q, k, v, *args, **kwargs):
@@ -152,7 +147,7 @@ def _unsupported_kda(q, k, v, *args, **kwargs):
     :data:`fastkda.plan.SUPPORTED_DIMS`, or a dtype it does not take."""
     if q.shape[-1] not in SUPPORTED_DIMS or v.shape[-1] not in SUPPORTED_DIMS:
         return f"head dimensions K={q.shape[-1]}, V={v.shape[-1]} (fastkda runs {SUPPORTED_DIMS})"
-    return _unsupported_dtype((q,))
+    return _unsupported_dtype(q)
 
 
 GRADIENT_REASON = ("autograd records the call: grad mode is on and parameters require grad (as in training, and in "
@@ -207,11 +202,11 @@ def enable():
             continue
         for attribute, replacement in REPLACEMENTS.items():
             original = _replaced[(name, attribute)] = getattr(module, attribute)
-            reason = _unsupported_kda if attribute.endswith("kimi_delta_attention") else _dtype_reason
+            reason = _unsupported_kda if attribute.endswith("kimi_delta_attention") else _unsupported_dtype
             setattr(module, attribute, _inference_or_original(replacement, original, attribute, reason))
         norm_class = getattr(module, norm)
         original = _replaced[(name, norm + ".forward")] = norm_class.forward
-        norm_class.forward = _inference_or_original(gated_norm_forward, original, norm + ".forward", _dtype_reason)
+        norm_class.forward = _inference_or_original(gated_norm_forward, original, norm + ".forward", _unsupported_dtype)
         patched.append(name)
     return patched
 
