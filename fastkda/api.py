@@ -19,9 +19,9 @@ import torch
 from . import checks as value_checks
 from .errors import KINDS, counters
 from .ops.decode_step import fused_decode_step
-from .plan import (CHUNK, DecodePlan, PrefillPlan, choose_decode_plan, choose_decode_step_plan,
-                   choose_open_entry_plan, choose_plan, has_warpgroup_mma, requested_open_entry_segments,
-                   requested_v_slices, sm_count)
+from .plan import (CHUNK, DOT_PRECISION, DecodePlan, PrefillPlan, choose_decode_plan, choose_decode_step_plan,
+                   choose_open_entry_plan, choose_plan, decode_plan_in_op, decode_plan_of, has_warpgroup_mma,
+                   plan_in_op, prefill_plan_of, requested_open_entry_segments, requested_v_slices, sm_count)
 from .reference import (_as, causal_conv1d_reference, compose_segment_maps, gated_rmsnorm_reference, kda_chunked,
                         kda_decode_reference, open_segment_maps, run_from_segment_maps)
 from .validation import (FLOAT_DTYPES, INDEX_DTYPES, STATE_DTYPES, _describe, addressable_inputs, as_float,
@@ -85,14 +85,18 @@ def _prefill_impl(
     checkpoint_states: Optional[torch.Tensor], errors: Optional[torch.Tensor],
 ) -> None:
     """One opaque op for torch.compile and CUDA graphs: Triton on CUDA, the chunked PyTorch path on CPU, both
-    as the plan carried in ``launch_numbers`` says (:meth:`fastkda.plan.PrefillPlan.launch_numbers`). With
+    as the plan carried in ``launch_numbers`` says (:meth:`fastkda.plan.PrefillPlan.launch_numbers`), or, under
+    torch.compile, as the automatic plan of the sizes it runs on (:func:`fastkda.plan.plan_in_op`). With
     ``take_views`` (under torch.compile) it gets the caller's q, k, v, g, beta and takes their kernel views here,
     where the tensors are real: a view restrided outside the op (``as_strided`` of a view of an intermediate
     buffer, such as the conv's output split three ways) was laid out anew by inductor, and the decode step read the
     wrong channels on the H200. Eagerly it gets the views its caller validated."""
     if take_views:
         q, k, v, g, beta = addressable_inputs(q, k, v, g, beta)
-    plan = PrefillPlan.from_launch_numbers(launch_numbers, dot_precision)
+    batch, length, heads, key_dim = q.shape
+    plan = prefill_plan_of(launch_numbers, dot_precision, batch if cu_seqlens is None else cu_seqlens.shape[0] - 1,
+                           heads, length, key_dim, v.shape[-1], _sms_of(q), varlen=cu_seqlens is not None,
+                           lower_bound_gate=lower_bound is not None, warpgroup_mma=_warpgroup_mma_of(q))
     if checks or not q.is_cuda:  # index values: always on the CPU (free there), on the GPU in checked mode
         if checks:
             value_checks.outside_capture(q)
@@ -212,13 +216,17 @@ def kda_prefill(
     value_dim = v.shape[-1]
     facts = (num_seqs, heads, length, key_dim, value_dim)
     varlen, lower_bound_gate = cu_seqlens is not None, lower_bound is not None
-    if plan is None:
+    if plan is None and compiling:  # the op chooses it from the sizes it runs on: the graph guards on none
+        launch_numbers, dot_precision = plan_in_op(v_slices, sequence_parallel, max_seqlen), DOT_PRECISION
+    elif plan is None:
         plan = choose_plan(*facts, _sms_of(q), varlen=varlen, lower_bound_gate=lower_bound_gate, v_slices=v_slices,
                            sequence_parallel=sequence_parallel, max_seqlen=max_seqlen,
                            warpgroup_mma=_warpgroup_mma_of(q))
     else:
         _check_plan_fits(plan, facts, varlen, lower_bound_gate, v_slices, sequence_parallel, max_seqlen)
         _check_plan_runs_here(plan, q)
+    if plan is not None:
+        launch_numbers, dot_precision = plan.launch_numbers(), plan.dot_precision
     errors = _error_counters(errors, q)
     if out is None:
         out = torch.empty_like(v, memory_format=torch.contiguous_format)
@@ -226,7 +234,7 @@ def kda_prefill(
         final_state = torch.empty(num_seqs, heads, value_dim, key_dim, dtype=torch.float32, device=q.device)
     _opaque_when_compiling(_prefill_op, _prefill_impl)(
         *(given if compiling else (q, k, v, g, beta)), A_log, dt_bias, lower_bound, float(scale), initial_state,
-        cu_seqlens, use_qk_l2norm, use_beta_sigmoid, plan.launch_numbers(), plan.dot_precision,
+        cu_seqlens, use_qk_l2norm, use_beta_sigmoid, launch_numbers, dot_precision,
         value_checks.requested(checks), compiling, out, final_state, checkpoint_offsets, checkpoint_states, errors)
     return out, final_state
 
@@ -380,7 +388,8 @@ def _decode_impl(
     errors: Optional[torch.Tensor],
 ) -> None:
     """One opaque op: the Triton kernel on CUDA as the plan carried in ``launch_numbers`` says
-    (:meth:`fastkda.plan.DecodePlan.launch_numbers`), the token-by-token PyTorch path on CPU; ``take_views`` as
+    (:meth:`fastkda.plan.DecodePlan.launch_numbers`; under torch.compile the automatic plan of the sizes it runs on,
+    :func:`fastkda.plan.decode_plan_in_op`), the token-by-token PyTorch path on CPU; ``take_views`` as
     :func:`_prefill_impl` takes it."""
     if take_views:
         q, k, v, g, beta = addressable_inputs(q, k, v, g, beta)
@@ -391,7 +400,8 @@ def _decode_impl(
     if q.is_cuda:
         from .ops.decode import recurrent_kda_decode
 
-        plan = DecodePlan.from_launch_numbers(launch_numbers)
+        num_seqs, tokens, heads, _ = q.shape
+        plan = decode_plan_of(launch_numbers, num_seqs, heads, v.shape[-1], _sms_of(q), tokens)
         recurrent_kda_decode(q, k, v, g, beta, state_pool, slots, plan=plan, **kw, out=out, errors=errors)
         return
     out.copy_(_decode_on_cpu(q, k, v, g, beta, state_pool, slots, **kw))
@@ -496,14 +506,17 @@ def kda_decode(
         if out is not None:
             return out.copy_(o)
         return _as(o, v.dtype)  # a same-dtype .to would still dispatch an op
-    plan = _decode_plan(plan, v_slices, num_seqs, heads, v.shape[-1], tokens, q)
+    if plan is None and compiling:  # the op chooses it from the sizes it runs on: the graph guards on none
+        launch_numbers = decode_plan_in_op(v_slices)
+    else:
+        launch_numbers = _decode_plan(plan, v_slices, num_seqs, heads, v.shape[-1], tokens, q).launch_numbers()
     errors = _error_counters(errors, q)
     checks = value_checks.requested(checks)
     if out is None:
         out = torch.empty_like(v, memory_format=torch.contiguous_format)
     _opaque_when_compiling(_decode_op, _decode_impl)(
         *(given if compiling else (q, k, v, g, beta)), state_pool, slots, A_log, dt_bias, lower_bound, float(scale),
-        num_accepted_tokens, use_qk_l2norm, use_beta_sigmoid, plan.launch_numbers(), checks, compiling, out, errors)
+        num_accepted_tokens, use_qk_l2norm, use_beta_sigmoid, launch_numbers, checks, compiling, out, errors)
     return out
 
 

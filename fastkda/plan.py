@@ -67,6 +67,8 @@ SCAN_STEP_US = 4.0
 LAUNCH_GAP_US = 2.5
 TRANSITION_WIDTHS = (64,)  # the sweep's winner everywhere (128 columns: 1-6% slower)
 RERUN_SLICE_CHOICES = (1, 2)  # slices of the rerun the auto plan weighs (64 columns and up)
+DOT_PRECISION = "tf32"  # the kernels' fp32 products in every automatic plan
+PLAN_IN_OP = -1  # the first launch number of a plan the custom op chooses itself (no plan's first number is < 0)
 
 
 def warpgroup_shared_bytes(width: int, key_dim: int, stages: int, chunk: int = 32, v_bytes: int = 4) -> int:
@@ -194,7 +196,7 @@ class PrefillPlan:
     equal_rows: bool = False
     horner_inverse: bool = False
     inverse_in_prepare: bool = False
-    dot_precision: str = "tf32"
+    dot_precision: str = DOT_PRECISION
     reason: str = dataclasses.field(default="", compare=False)
 
     def __post_init__(self):
@@ -642,12 +644,40 @@ def choose_plan(num_seqs: int, heads: int, seq_len: int, key_dim: int, value_dim
     128-column slices run the Gluon kernels (the plan's ``warpgroup_transition`` and ``warpgroup_recurrence``:
     where they measured faster), the transitions at :data:`WARPGROUP_STAGES` stages, the recurrence at
     :data:`WARPGROUP_RECURRENCE_STAGES`. Raises ``ValueError`` for shapes the kernels do not take."""
+    return _choose_plan(num_seqs, heads, seq_len, key_dim, value_dim, sms, bool(varlen), bool(lower_bound_gate),
+                        requested_v_slices(v_slices), requested_sequence_parallel(sequence_parallel),
+                        _checked_max_seqlen(max_seqlen), bool(warpgroup_mma))
+
+
+def _checked_max_seqlen(max_seqlen) -> int:
+    """The ``max_seqlen`` hint as the plan reads it (0: none), after checking it."""
     if max_seqlen is not None:
         _check(isinstance(max_seqlen, int) and not isinstance(max_seqlen, bool) and max_seqlen >= 0,
                f"max_seqlen must be None or an integer >= 0, got {max_seqlen!r}")
+    return max_seqlen or 0
+
+
+def plan_in_op(v_slices="auto", sequence_parallel="auto", max_seqlen=None) -> tuple:
+    """Launch numbers that ask a prefill's custom op to choose the automatic plan itself, from the sizes it runs
+    on (:func:`prefill_plan_of`), with the caller's choices, checked and read now (``$FASTKDA_V_SLICES`` and
+    ``$FASTKDA_SEQUENCE_PARALLEL`` included, as an eager call reads them). For torch.compile: a plan chosen while
+    tracing is a constant of the graph, so the graph would guard on every size the choice read, recompiling for
+    each new batch or length until torch's limit of recompiles (where ``fullgraph=True`` fails)."""
+    v_choice, sp_choice = requested_v_slices(v_slices), requested_sequence_parallel(sequence_parallel)
+    return (PLAN_IN_OP, 0 if v_choice == "auto" else v_choice, -1 if sp_choice == "auto" else int(sp_choice),
+            _checked_max_seqlen(max_seqlen))
+
+
+def prefill_plan_of(numbers, dot_precision, num_seqs, heads, seq_len, key_dim, value_dim, sms, *, varlen,
+                    lower_bound_gate, warpgroup_mma) -> PrefillPlan:
+    """The plan a prefill's custom op runs: the one its launch numbers carry (:meth:`PrefillPlan.launch_numbers`),
+    or for :func:`plan_in_op`'s numbers the automatic plan of these facts, which an eager call would have chosen."""
+    if numbers[0] != PLAN_IN_OP:
+        return PrefillPlan.from_launch_numbers(numbers, dot_precision)
+    _, v_choice, sp_choice, max_seqlen = numbers
     return _choose_plan(num_seqs, heads, seq_len, key_dim, value_dim, sms, bool(varlen), bool(lower_bound_gate),
-                        requested_v_slices(v_slices), requested_sequence_parallel(sequence_parallel),
-                        max_seqlen or 0, bool(warpgroup_mma))
+                        v_choice or "auto", "auto" if sp_choice < 0 else sp_choice or False, max_seqlen,
+                        bool(warpgroup_mma))
 
 
 @functools.lru_cache(maxsize=4096, typed=True)  # an eager call's host time counts: a repeated shape reuses its plan
@@ -882,6 +912,21 @@ def choose_decode_plan(num_seqs: int, heads: int, value_dim: int, sms: int, v_sl
     several programs per SM to keep loads in flight. The warps of a 16-column slice walking one token per sequence
     follow the grid (:func:`one_token_decode_warps`)."""
     return _choose_decode_plan(num_seqs, heads, value_dim, sms, requested_v_slices(v_slices), tokens)
+
+
+def decode_plan_in_op(v_slices="auto") -> tuple:
+    """Launch numbers that ask the decode op to choose the automatic plan itself from the sizes it runs on
+    (:func:`decode_plan_of`), with the caller's ``v_slices`` checked and read now: :func:`plan_in_op`'s reason."""
+    choice = requested_v_slices(v_slices)
+    return (PLAN_IN_OP, 0 if choice == "auto" else choice)
+
+
+def decode_plan_of(numbers, num_seqs: int, heads: int, value_dim: int, sms: int, tokens: int) -> "DecodePlan":
+    """The plan the decode op runs: the one its launch numbers carry (:meth:`DecodePlan.launch_numbers`), or for
+    :func:`decode_plan_in_op`'s numbers the automatic plan of these facts."""
+    if numbers[0] != PLAN_IN_OP:
+        return DecodePlan.from_launch_numbers(numbers)
+    return _choose_decode_plan(num_seqs, heads, value_dim, sms, numbers[1] or "auto", tokens)
 
 
 LONE_DECODE_WARPS = 8  # warps of a one-token 16-column decode program on a grid of fewer programs than SMs

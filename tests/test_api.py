@@ -239,18 +239,74 @@ def test_torch_compile_treats_prefill_as_one_op(lengths, hint):
     assert torch.equal(o, eager_o) and torch.equal(s, eager_s)
 
 
-def test_prefill_compiles_with_dynamic_shapes():
-    """``torch.compile(dynamic=True)`` traces the plan's choice with symbolic sizes (its reasons' numbers are
-    rounded without a format spec, which the trace cannot format): the compiled prefill gives the eager bits at two
-    lengths. (Forced segments still build their reason from symbolic sizes, which the trace refuses.)"""
+@pytest.mark.parametrize("sequence_parallel", ["auto", 64])
+def test_prefill_compiles_with_dynamic_shapes(sequence_parallel):
+    """``torch.compile(dynamic=True)`` traces with symbolic sizes, which no plan is made from (the op chooses it):
+    the compiled prefill gives the eager bits at two lengths, forced segments too."""
     import torch._dynamo
 
     torch._dynamo.reset()
-    compiled = torch.compile(lambda *a: fastkda.kda_prefill(*a)[0], backend="eager", fullgraph=True, dynamic=True)
+    kw = dict(sequence_parallel=sequence_parallel)
+    compiled = torch.compile(lambda *a: fastkda.kda_prefill(*a, **kw)[0], backend="eager", fullgraph=True,
+                             dynamic=True)
     for length in (64, 100):
         inp = make_inputs([length], seed=21, varlen=False, with_initial=False)
         args = [inp[x] for x in ("q", "k", "v")] + [-inp["g"].float().abs(), inp["beta"]]
-        assert torch.equal(compiled(*args), fastkda.kda_prefill(*args)[0])
+        assert torch.equal(compiled(*args), fastkda.kda_prefill(*args, **kw)[0])
+
+
+class CompileCounter:
+    """A torch.compile backend that counts the graphs it is given and runs them as traced."""
+
+    def __init__(self):
+        self.graphs = 0
+
+    def __call__(self, graph, example_inputs):
+        self.graphs += 1
+        return graph
+
+
+@pytest.mark.parametrize("varlen", [False, True])
+def test_compiled_prefill_keeps_one_graph_over_new_lengths_and_batches(varlen):
+    """A plan chosen while tracing would be a constant of the graph, which then guards on every size it was made
+    from: a recompile per new length or batch, and ``fullgraph`` fails at torch's limit of 8. The op chooses it
+    from the sizes it runs on (:func:`fastkda.plan.plan_in_op`): eleven shapes take three graphs at most (the
+    first, one with dynamic sizes, and one where torch specialises a size of 1), each call the eager bits."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    counter = CompileCounter()
+    compiled = torch.compile(lambda *a, **kw: fastkda.kda_prefill(*a, **kw), backend=counter, fullgraph=True)
+    for count, length in enumerate(range(40, 40 + 11 * 60, 60)):
+        lengths = [length // 2, 0, length][:count % 3 + 1] if varlen else [length] * (count % 3 + 1)
+        inp = make_inputs(lengths, seed=22 + count, varlen=varlen)
+        args = [inp[x] for x in ("q", "k", "v", "g", "beta")]
+        kw = dict(A_log=inp["A_log"], dt_bias=inp["dt_bias"], lower_bound=inp["lower_bound"],
+                  initial_state=inp["initial_state"], cu_seqlens=inp["cu_seqlens"], output_final_state=True)
+        o, s = compiled(*args, **kw)
+        eager_o, eager_s = fastkda.kda_prefill(*args, **kw)
+        assert torch.equal(o, eager_o) and torch.equal(s, eager_s)
+    assert counter.graphs <= 3
+
+
+def test_compiled_decode_keeps_one_graph_over_new_batches():
+    """Decode's plan likewise (its warps follow the programs, so the sequences): eleven batch sizes take three
+    graphs at most (as above), each step the eager step's bits and pool."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    counter = CompileCounter()
+    compiled = torch.compile(lambda *a, **kw: fastkda.kda_decode(*a, **kw), backend=counter, fullgraph=True)
+    for num_seqs in range(1, 12):
+        inp = make_inputs([1] * num_seqs, heads=2, varlen=False, seed=40 + num_seqs)
+        pools = [torch.randn(num_seqs + 1, 2, 64, 64, generator=torch.Generator().manual_seed(num_seqs))
+                 for _ in range(2)]
+        slots = torch.arange(num_seqs, 0, -1, dtype=torch.int32)
+        args = [inp[x] for x in ("q", "k", "v", "g", "beta")]
+        gate = dict(A_log=inp["A_log"], dt_bias=inp["dt_bias"], lower_bound=inp["lower_bound"])
+        assert torch.equal(compiled(*args, pools[0], slots, **gate), fastkda.kda_decode(*args, pools[1], slots, **gate))
+        assert torch.equal(pools[0], pools[1])
+    assert counter.graphs <= 3
 
 
 def test_compiled_conv_and_norm_keep_one_graph_over_new_lengths():

@@ -334,3 +334,41 @@ def test_bench_kernel_breakdown_times_each_kernel():
         rounding = max(1e-3, 0.5e-5 / r["ms"])
         assert r["ms"] > 0 and r["gbps"] == pytest.approx(work[r["kernel"]][0] / r["ms"] / 1e6, rel=rounding, abs=0.1)
         assert r["pct_copy"] == pytest.approx(100 * r["gbps"] / copy_gbps, abs=0.1)
+
+
+def test_compiled_prefill_and_decode_choose_each_shape_s_plan():
+    """Under torch.compile the ops choose their plans from the sizes they run on (:func:`fastkda.plan.plan_in_op`):
+    over lengths whose eager plans differ (one sequence of 12 heads: serial at 256 tokens, in segments from 8192;
+    V-slices by the sequences) and over batches whose decode plans differ (warps by the programs), a few graphs
+    at most, each call the eager call's bits."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    graphs = []
+    counted = lambda graph, example_inputs: graphs.append(graph) or graph  # noqa: E731
+    prefill = torch.compile(lambda *a, **kw: fastkda.kda_prefill(*a, **kw), backend=counted, fullgraph=True)
+    plans = set()
+    for lengths in ([256], [8192], [1024, 3000], [9000], [64] * 11, [16384, 1]):
+        inp = make_inputs(lengths, heads=12, key_dim=128, seed=sum(lengths), device="cuda")
+        args = [inp[x] for x in ("q", "k", "v", "g", "beta")]
+        kw = dict(A_log=inp["A_log"], dt_bias=inp["dt_bias"], lower_bound=inp["lower_bound"],
+                  initial_state=inp["initial_state"], cu_seqlens=inp["cu_seqlens"], output_final_state=True)
+        o, s = prefill(*args, **kw)
+        eager_o, eager_s = fastkda.kda_prefill(*args, **kw)
+        assert torch.equal(o, eager_o) and torch.equal(s, eager_s)
+        plan = fastkda.choose_plan(len(lengths), 12, sum(lengths), 128, 128, torch.cuda.get_device_properties(0)
+                                   .multi_processor_count, warpgroup_mma=torch.cuda.get_device_capability()[0] == 9)
+        plans.add((plan.segment_chunks, plan.v_slices))
+    assert len(plans) > 2 and len(graphs) <= 3
+    graphs.clear()
+    decode = torch.compile(lambda *a, **kw: fastkda.kda_decode(*a, **kw), backend=counted, fullgraph=True)
+    for num_seqs in (1, 2, 16, 40):  # 96 programs each alone on an SM, then a full grid
+        inp = make_inputs([1] * num_seqs, heads=12, key_dim=128, varlen=False, seed=num_seqs, device="cuda")
+        args = [inp[x] for x in ("q", "k", "v", "g", "beta")]
+        gate = dict(A_log=inp["A_log"], dt_bias=inp["dt_bias"], lower_bound=inp["lower_bound"])
+        pools = [torch.randn(num_seqs, 12, 128, 128, device="cuda", generator=torch.Generator("cuda").manual_seed(3))
+                 for _ in range(2)]
+        slots = torch.arange(num_seqs, dtype=torch.int32, device="cuda").flip(0)
+        assert torch.equal(decode(*args, pools[0], slots, **gate), fastkda.kda_decode(*args, pools[1], slots, **gate))
+        assert torch.equal(pools[0], pools[1])
+    assert len(graphs) <= 3

@@ -5,7 +5,8 @@ import dataclasses
 import pytest
 
 from fastkda.plan import (V_SLICE_CHOICES, DecodePlan, PrefillPlan, choose_decode_plan, choose_decode_step_plan,
-                          choose_plan, conv_update_launch, parse_v_slices, phase_us, requested_v_slices)
+                          choose_plan, conv_update_launch, decode_plan_in_op, decode_plan_of, parse_v_slices,
+                          phase_us, plan_in_op, prefill_plan_of, requested_v_slices)
 
 
 def plan(num_seqs, heads, value_dim=128, sms=132, **kw):
@@ -260,6 +261,51 @@ def test_decode_plan_uses_narrow_slices_and_honours_overrides(monkeypatch):
         choose_decode_plan(1, 12, 96, 132)
     with pytest.raises(ValueError, match="narrower"):
         dataclasses.replace(choose_decode_plan(1, 12, 64, 132), v_slices=8)
+
+
+@pytest.mark.parametrize("choices, env", [
+    (dict(), {}), (dict(v_slices=2), {}), (dict(sequence_parallel=False), {}), (dict(sequence_parallel=256), {}),
+    (dict(max_seqlen=4096), {}), (dict(), {"FASTKDA_V_SLICES": "1"}), (dict(), {"FASTKDA_SEQUENCE_PARALLEL": "off"}),
+    (dict(), {"FASTKDA_SEQUENCE_PARALLEL": "512"})])
+def test_a_plan_chosen_in_the_op_is_the_eager_call_s(choices, env, monkeypatch):
+    """Under torch.compile the op chooses the plan from the sizes it runs on (:func:`plan_in_op`): for every
+    choice of the caller's, and the environment read when the call was traced, the plan an eager call of those
+    sizes chooses, with the same bits' numbers (its launch numbers and dot precision)."""
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    numbers = plan_in_op(**choices)
+    monkeypatch.delenv("FASTKDA_V_SLICES", raising=False)  # read when traced, not when run
+    monkeypatch.delenv("FASTKDA_SEQUENCE_PARALLEL", raising=False)
+    for facts, varlen, gate, mma in [((1, 12, 16384, 128, 128), True, True, True),
+                                     ((4, 12, 4096, 128, 128), False, True, False),
+                                     ((2, 96, 16384, 64, 64), True, False, True),
+                                     ((3, 2, 0, 64, 64), True, True, False)]:
+        for name, value in env.items():
+            monkeypatch.setenv(name, value)
+        eager = choose_plan(*facts, 132, varlen=varlen, lower_bound_gate=gate, warpgroup_mma=mma, **choices)
+        monkeypatch.delenv("FASTKDA_V_SLICES", raising=False)
+        monkeypatch.delenv("FASTKDA_SEQUENCE_PARALLEL", raising=False)
+        in_op = prefill_plan_of(numbers, "tf32", *facts, 132, varlen=varlen, lower_bound_gate=gate,
+                                warpgroup_mma=mma)
+        assert in_op == eager and in_op.launch_numbers() == eager.launch_numbers()
+        assert in_op.dot_precision == eager.dot_precision and in_op.reason == eager.reason
+    carried = eager.replace(dot_precision="ieee", horner_inverse=False)  # the facts below are not read
+    assert prefill_plan_of(carried.launch_numbers(), "ieee", 9, 9, 9, 64, 64, 9, varlen=False,
+                           lower_bound_gate=False, warpgroup_mma=False) == carried
+
+
+def test_a_decode_plan_chosen_in_the_op_is_the_eager_call_s(monkeypatch):
+    """Decode's likewise (:func:`decode_plan_in_op`), ``$FASTKDA_V_SLICES`` read when traced."""
+    for choice, env in (("auto", None), (2, None), ("auto", "4")):
+        if env:
+            monkeypatch.setenv("FASTKDA_V_SLICES", env)
+        numbers = decode_plan_in_op(choice)
+        eager = [choose_decode_plan(n, 12, 128, 132, choice, tokens=t) for n, t in ((1, 1), (32, 1), (8, 3))]
+        monkeypatch.delenv("FASTKDA_V_SLICES", raising=False)
+        assert [decode_plan_of(numbers, n, 12, 128, 132, t) for n, t in ((1, 1), (32, 1), (8, 3))] == eager
+    assert decode_plan_of(eager[0].launch_numbers(), 99, 1, 64, 1, 7) == eager[0]
+    with pytest.raises(ValueError, match="v_slices"):
+        decode_plan_in_op(3)
 
 
 def test_decode_step_fuses_only_where_it_is_latency_bound():
