@@ -527,13 +527,6 @@ MAX_CONV_STATE = 8  # columns S of a conv state row at most (S >= W−1; transfo
 MAX_NORM_DIM = 16384  # the norm holds each row of D values in registers
 
 
-def _check_operand(name, x, shape, dtypes, device, anchor):
-    """:func:`check_tensor`, a device mismatch reported against the tensor that set the device, ``anchor``."""
-    if isinstance(x, torch.Tensor) and x.device != device:
-        fail(name, f"on {device} (where {anchor} is)", x.device)
-    check_tensor(name, x, shape, dtypes, device)
-
-
 def _check_activation(activation, allowed):
     if not (activation is None or isinstance(activation, str)) or activation not in allowed:
         fail("activation", " or ".join(repr(a) for a in allowed), repr(activation))
@@ -550,9 +543,9 @@ def _validate_conv(x, weight, bias, conv_states, slots, has_initial_state, cu_se
         fail("weight", f"a 2-D tensor [C, W] with a kernel size W in [{CONV_WIDTHS[0]}, {CONV_WIDTHS[-1]}]",
              _describe(weight))
     width = weight.shape[1]
-    _check_operand("weight", weight, (channels, width), FLOAT_DTYPES, device, "x")
+    check_tensor("weight", weight, (channels, width), FLOAT_DTYPES, device, where="x")
     if bias is not None:
-        _check_operand("bias", bias, (channels,), FLOAT_DTYPES, device, "x")
+        check_tensor("bias", bias, (channels,), FLOAT_DTYPES, device, where="x")
     _check_activation(activation, ("silu", None))
     if cu_seqlens is None:
         num_seqs = x.shape[0] if x.dim() == 3 else 1
@@ -563,7 +556,7 @@ def _validate_conv(x, weight, bias, conv_states, slots, has_initial_state, cu_se
                 x.shape[0] > 0):
             fail("cu_seqlens", f"a 1-D tensor [N+1] of offsets from 0 to T={x.shape[0]} (two entries at least, [0] "
                  "for no tokens)", _describe(cu_seqlens))
-        _check_operand("cu_seqlens", cu_seqlens, cu_seqlens.shape, INDEX_DTYPES, device, "x")
+        check_tensor("cu_seqlens", cu_seqlens, cu_seqlens.shape, INDEX_DTYPES, device, where="x")
         check_contiguous("cu_seqlens", cu_seqlens)
         num_seqs = cu_seqlens.numel() - 1
     if conv_states is None:
@@ -575,14 +568,14 @@ def _validate_conv(x, weight, bias, conv_states, slots, has_initial_state, cu_se
                 or not width - 1 <= conv_states.shape[2] <= MAX_CONV_STATE):
             fail("conv_states", f"a 3-D tensor [P, C, S] = [P, {channels}, S] with W-1 = {width - 1} <= S <= "
                  f"{MAX_CONV_STATE} (the last S inputs of each row's sequence)", _describe(conv_states))
-        _check_operand("conv_states", conv_states, (conv_states.shape[0], channels, conv_states.shape[2]),
-                       (x.dtype, torch.float32), device, "x")
+        check_tensor("conv_states", conv_states, (conv_states.shape[0], channels, conv_states.shape[2]),
+                       (x.dtype, torch.float32), device, where="x")
         if slots is None and conv_states.shape[0] != num_seqs:
             fail("conv_states", f"of {num_seqs} rows (one per sequence) when slots is None", list(conv_states.shape))
         if slots is not None:
-            _check_operand("slots", slots, (num_seqs,), INDEX_DTYPES, device, "x")
+            check_tensor("slots", slots, (num_seqs,), INDEX_DTYPES, device, where="x")
         if has_initial_state is not None:
-            _check_operand("has_initial_state", has_initial_state, (num_seqs,), (torch.bool,), device, "x")
+            check_tensor("has_initial_state", has_initial_state, (num_seqs,), (torch.bool,), device, where="x")
     return tuple(byte_extent(t) for t in (x, weight, bias, conv_states))
 
 
@@ -736,8 +729,8 @@ def _validate_norm(x, gate, weight, eps, activation):
         fail("x", f"a tensor [..., D] with D in [1, {MAX_NORM_DIM}]", _describe(x))
     device = x.device
     check_tensor("x", x, x.shape, FLOAT_DTYPES, device)
-    _check_operand("gate", gate, x.shape, FLOAT_DTYPES, device, "x")
-    _check_operand("weight", weight, x.shape[-1:], FLOAT_DTYPES, device, "x")
+    check_tensor("gate", gate, x.shape, FLOAT_DTYPES, device, where="x")
+    check_tensor("weight", weight, x.shape[-1:], FLOAT_DTYPES, device, where="x")
     _check_eps(eps, positive=False)
     _check_activation(activation, ("sigmoid", "silu"))
     return [number for level in _row_levels(x, gate) for number in level]
