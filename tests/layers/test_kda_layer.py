@@ -408,6 +408,36 @@ def test_decode_of_several_tokens_compiles_as_one_graph():
     assert torch.equal(caches[0].recurrent, caches[1].recurrent) and torch.equal(caches[0].conv, caches[1].conv)
 
 
+def test_a_compiled_layer_keeps_its_graphs_over_new_batches():
+    """A serving engine's batches change size every step: compiled with ``fullgraph=True``, the layer's prefill
+    over packed batches of 1 to 8 sequences and its decode over 1 to 8 sequences take a few graphs each (the
+    kernels' plans are chosen inside their ops, from the sizes they run on), not one per batch size up to torch's
+    limit of 8, and every output and pool equals the eager layer's."""
+    import itertools
+
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    graphs = []
+    layer = make_layer(-5.0).eval()
+    compiled = torch.compile(layer, backend=lambda graph, example_inputs: graphs.append(graph) or graph,
+                             fullgraph=True)
+    with torch.no_grad():
+        for count in range(1, 9):
+            lengths = [33 + 5 * count + j for j in range(count)]
+            cu_seqlens = torch.tensor([0, *itertools.accumulate(lengths)])
+            caches = [cache_for(layer), cache_for(layer)]
+            x = hidden(sum(lengths), seed=count)
+            outs = [run(x, cache, slots=cache.allocate(count), cu_seqlens=cu_seqlens)
+                    for run, cache in zip((compiled, layer), caches)]
+            steps = [run(hidden(count, 1, seed=count), cache, slots=torch.arange(count), decode=True)
+                     for run, cache in zip((compiled, layer), caches)]
+            assert torch.equal(outs[0], outs[1]) and torch.equal(steps[0], steps[1])
+            assert torch.equal(caches[0].recurrent, caches[1].recurrent) and torch.equal(caches[0].conv,
+                                                                                         caches[1].conv)
+    assert len(graphs) <= 6
+
+
 def test_a_conv_checkpoint_past_its_sequence_is_nan():
     """An offset past its sequence has no state: the conv checkpoint is NaN there, as the recurrent one is (it
     read the next sequence's inputs before), and the other sequence's checkpoint is finite. Offsets as a column
