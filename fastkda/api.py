@@ -20,8 +20,9 @@ from . import checks as value_checks
 from .errors import KINDS, counters
 from .ops.decode_step import fused_decode_step
 from .plan import (CHUNK, DOT_PRECISION, DecodePlan, PrefillPlan, choose_decode_plan, choose_decode_step_plan,
-                   choose_open_entry_plan, choose_plan, decode_plan_in_op, decode_plan_of, has_warpgroup_mma,
-                   plan_in_op, prefill_plan_of, requested_open_entry_segments, requested_v_slices, sm_count)
+                   choose_open_entry_plan, choose_plan, decode_plan_request, has_warpgroup_mma, is_plan_request,
+                   prefill_plan_request, requested_decode_plan, requested_open_entry_segments,
+                   requested_prefill_plan, requested_v_slices, sm_count)
 from .reference import (_as, causal_conv1d_reference, compose_segment_maps, gated_rmsnorm_reference, kda_chunked,
                         kda_decode_reference, open_segment_maps, run_from_segment_maps)
 from .validation import (FLOAT_DTYPES, INDEX_DTYPES, STATE_DTYPES, _describe, addressable_inputs, as_float,
@@ -86,17 +87,22 @@ def _prefill_impl(
 ) -> None:
     """One opaque op for torch.compile and CUDA graphs: Triton on CUDA, the chunked PyTorch path on CPU, both
     as the plan carried in ``launch_numbers`` says (:meth:`fastkda.plan.PrefillPlan.launch_numbers`), or, under
-    torch.compile, as the automatic plan of the sizes it runs on (:func:`fastkda.plan.plan_in_op`). With
+    torch.compile, as the automatic plan of the sizes it runs on (:func:`fastkda.plan.prefill_plan_request`;
+    ``dot_precision`` then unread). With
     ``take_views`` (under torch.compile) it gets the caller's q, k, v, g, beta and takes their kernel views here,
     where the tensors are real: a view restrided outside the op (``as_strided`` of a view of an intermediate
     buffer, such as the conv's output split three ways) was laid out anew by inductor, and the decode step read the
     wrong channels on the H200. Eagerly it gets the views its caller validated."""
     if take_views:
         q, k, v, g, beta = addressable_inputs(q, k, v, g, beta)
-    batch, length, heads, key_dim = q.shape
-    plan = prefill_plan_of(launch_numbers, dot_precision, batch if cu_seqlens is None else cu_seqlens.shape[0] - 1,
-                           heads, length, key_dim, v.shape[-1], _sms_of(q), varlen=cu_seqlens is not None,
-                           lower_bound_gate=lower_bound is not None, warpgroup_mma=_warpgroup_mma_of(q))
+    if is_plan_request(launch_numbers):  # under torch.compile: the plan of the sizes this call runs on
+        batch, length, heads, key_dim = q.shape
+        plan = requested_prefill_plan(
+            launch_numbers, batch if cu_seqlens is None else cu_seqlens.shape[0] - 1, heads, length, key_dim,
+            v.shape[-1], _sms_of(q), varlen=cu_seqlens is not None, lower_bound_gate=lower_bound is not None,
+            warpgroup_mma=_warpgroup_mma_of(q))
+    else:
+        plan = PrefillPlan.from_launch_numbers(launch_numbers, dot_precision)
     if checks or not q.is_cuda:  # index values: always on the CPU (free there), on the GPU in checked mode
         if checks:
             value_checks.outside_capture(q)
@@ -217,15 +223,15 @@ def kda_prefill(
     facts = (num_seqs, heads, length, key_dim, value_dim)
     varlen, lower_bound_gate = cu_seqlens is not None, lower_bound is not None
     if plan is None and compiling:  # the op chooses it from the sizes it runs on: the graph guards on none
-        launch_numbers, dot_precision = plan_in_op(v_slices, sequence_parallel, max_seqlen), DOT_PRECISION
-    elif plan is None:
-        plan = choose_plan(*facts, _sms_of(q), varlen=varlen, lower_bound_gate=lower_bound_gate, v_slices=v_slices,
-                           sequence_parallel=sequence_parallel, max_seqlen=max_seqlen,
-                           warpgroup_mma=_warpgroup_mma_of(q))
+        launch_numbers, dot_precision = prefill_plan_request(v_slices, sequence_parallel, max_seqlen), DOT_PRECISION
     else:
-        _check_plan_fits(plan, facts, varlen, lower_bound_gate, v_slices, sequence_parallel, max_seqlen)
-        _check_plan_runs_here(plan, q)
-    if plan is not None:
+        if plan is None:
+            plan = choose_plan(*facts, _sms_of(q), varlen=varlen, lower_bound_gate=lower_bound_gate,
+                               v_slices=v_slices, sequence_parallel=sequence_parallel, max_seqlen=max_seqlen,
+                               warpgroup_mma=_warpgroup_mma_of(q))
+        else:
+            _check_plan_fits(plan, facts, varlen, lower_bound_gate, v_slices, sequence_parallel, max_seqlen)
+            _check_plan_runs_here(plan, q)
         launch_numbers, dot_precision = plan.launch_numbers(), plan.dot_precision
     errors = _error_counters(errors, q)
     if out is None:
@@ -389,7 +395,7 @@ def _decode_impl(
 ) -> None:
     """One opaque op: the Triton kernel on CUDA as the plan carried in ``launch_numbers`` says
     (:meth:`fastkda.plan.DecodePlan.launch_numbers`; under torch.compile the automatic plan of the sizes it runs on,
-    :func:`fastkda.plan.decode_plan_in_op`), the token-by-token PyTorch path on CPU; ``take_views`` as
+    :func:`fastkda.plan.decode_plan_request`), the token-by-token PyTorch path on CPU; ``take_views`` as
     :func:`_prefill_impl` takes it."""
     if take_views:
         q, k, v, g, beta = addressable_inputs(q, k, v, g, beta)
@@ -400,8 +406,11 @@ def _decode_impl(
     if q.is_cuda:
         from .ops.decode import recurrent_kda_decode
 
-        num_seqs, tokens, heads, _ = q.shape
-        plan = decode_plan_of(launch_numbers, num_seqs, heads, v.shape[-1], _sms_of(q), tokens)
+        if is_plan_request(launch_numbers):  # under torch.compile: the plan of the sizes this call runs on
+            num_seqs, tokens, heads, _ = q.shape
+            plan = requested_decode_plan(launch_numbers, num_seqs, heads, v.shape[-1], _sms_of(q), tokens)
+        else:
+            plan = DecodePlan.from_launch_numbers(launch_numbers)
         recurrent_kda_decode(q, k, v, g, beta, state_pool, slots, plan=plan, **kw, out=out, errors=errors)
         return
     out.copy_(_decode_on_cpu(q, k, v, g, beta, state_pool, slots, **kw))
@@ -507,7 +516,7 @@ def kda_decode(
             return out.copy_(o)
         return _as(o, v.dtype)  # a same-dtype .to would still dispatch an op
     if plan is None and compiling:  # the op chooses it from the sizes it runs on: the graph guards on none
-        launch_numbers = decode_plan_in_op(v_slices)
+        launch_numbers = decode_plan_request(v_slices)
     else:
         launch_numbers = _decode_plan(plan, v_slices, num_seqs, heads, v.shape[-1], tokens, q).launch_numbers()
     errors = _error_counters(errors, q)

@@ -3,8 +3,10 @@
 A plan is a pure function of host-known facts (sequences, heads, tokens, dimensions, gate mode and the GPU's SM
 count), so a CUDA graph replays the plan it was captured with and no launch synchronises with the device. The API
 makes one plan per call and hands it to the kernels whole (through the custom ops as a tuple of integers,
-:meth:`PrefillPlan.launch_numbers`); nothing below the API decides a launch number again. Sweeps and variants
-change a plan (:meth:`PrefillPlan.replace`) or the facts it is made from, never module state.
+:meth:`PrefillPlan.launch_numbers`); nothing below the API decides a launch number again, except that under
+torch.compile the custom op asks this module for the automatic plan of the sizes it runs on
+(:func:`prefill_plan_request`). Sweeps and variants change a plan (:meth:`PrefillPlan.replace`) or the facts it is
+made from, never module state.
 
 Prefill (:class:`PrefillPlan`) runs three kernels (``fastkda/ops/prefill/``): a token-parallel preparation of
 each chunk (``prepare``), the in-chunk inverse (``solve``), and the serial recurrence over chunks, one program per
@@ -68,7 +70,8 @@ LAUNCH_GAP_US = 2.5
 TRANSITION_WIDTHS = (64,)  # the sweep's winner everywhere (128 columns: 1-6% slower)
 RERUN_SLICE_CHOICES = (1, 2)  # slices of the rerun the auto plan weighs (64 columns and up)
 DOT_PRECISION = "tf32"  # the kernels' fp32 products in every automatic plan
-PLAN_IN_OP = -1  # the first launch number of a plan the custom op chooses itself (no plan's first number is < 0)
+PLAN_REQUEST = -1  # the first of the launch numbers that ask a custom op to choose the automatic plan itself (a
+# plan's own first number, its seq_len or num_seqs, is never negative)
 
 
 def warpgroup_shared_bytes(width: int, key_dim: int, stages: int, chunk: int = 32, v_bytes: int = 4) -> int:
@@ -365,7 +368,7 @@ class PrefillPlan:
         return _launch_numbers(self)
 
     @staticmethod
-    def from_launch_numbers(numbers, dot_precision="tf32") -> "PrefillPlan":
+    def from_launch_numbers(numbers, dot_precision=DOT_PRECISION) -> "PrefillPlan":
         """The plan :meth:`launch_numbers` gave (the reason is not carried)."""
         return _plan_from_numbers(tuple(numbers), dot_precision)
 
@@ -650,34 +653,49 @@ def choose_plan(num_seqs: int, heads: int, seq_len: int, key_dim: int, value_dim
 
 
 def _checked_max_seqlen(max_seqlen) -> int:
-    """The ``max_seqlen`` hint as the plan reads it (0: none), after checking it."""
-    if max_seqlen is not None:
-        _check(isinstance(max_seqlen, int) and not isinstance(max_seqlen, bool) and max_seqlen >= 0,
-               f"max_seqlen must be None or an integer >= 0, got {max_seqlen!r}")
+    """The ``max_seqlen`` hint as the plan reads it (0: none), after checking it. The message is formatted only
+    for a bad value: under torch.compile a hint that changes between calls is a symbolic int, which a trace cannot
+    format."""
+    if max_seqlen is not None and not (isinstance(max_seqlen, int) and not isinstance(max_seqlen, bool)
+                                       and max_seqlen >= 0):
+        _check(False, f"max_seqlen must be None or an integer >= 0, got {max_seqlen!r}")
     return max_seqlen or 0
 
 
-def plan_in_op(v_slices="auto", sequence_parallel="auto", max_seqlen=None) -> tuple:
-    """Launch numbers that ask a prefill's custom op to choose the automatic plan itself, from the sizes it runs
-    on (:func:`prefill_plan_of`), with the caller's choices, checked and read now (``$FASTKDA_V_SLICES`` and
+def _request_number(choice) -> int:
+    """A caller's choice among a plan request's numbers: ``"auto"`` as -1, ``False`` as 0, an int as itself."""
+    return -1 if isinstance(choice, str) else int(choice)
+
+
+def _requested_choice(number):
+    """The choice :func:`_request_number` wrote: -1 as ``"auto"``, 0 as ``False``, an int as itself."""
+    return "auto" if number < 0 else number or False
+
+
+def is_plan_request(numbers) -> bool:
+    """Whether a custom op's launch numbers ask it to choose the automatic plan itself
+    (:func:`prefill_plan_request`, :func:`decode_plan_request`) rather than carry a plan."""
+    return numbers[0] == PLAN_REQUEST
+
+
+def prefill_plan_request(v_slices="auto", sequence_parallel="auto", max_seqlen=None) -> tuple:
+    """Launch numbers that ask a prefill's custom op to choose the automatic plan itself, from the sizes it runs on
+    (:func:`requested_prefill_plan`), with the caller's choices, checked and read now (``$FASTKDA_V_SLICES`` and
     ``$FASTKDA_SEQUENCE_PARALLEL`` included, as an eager call reads them). For torch.compile: a plan chosen while
     tracing is a constant of the graph, so the graph would guard on every size the choice read, recompiling for
     each new batch or length until torch's limit of recompiles (where ``fullgraph=True`` fails)."""
-    v_choice, sp_choice = requested_v_slices(v_slices), requested_sequence_parallel(sequence_parallel)
-    return (PLAN_IN_OP, 0 if v_choice == "auto" else v_choice, -1 if sp_choice == "auto" else int(sp_choice),
-            _checked_max_seqlen(max_seqlen))
+    return (PLAN_REQUEST, _request_number(requested_v_slices(v_slices)),
+            _request_number(requested_sequence_parallel(sequence_parallel)), _checked_max_seqlen(max_seqlen))
 
 
-def prefill_plan_of(numbers, dot_precision, num_seqs, heads, seq_len, key_dim, value_dim, sms, *, varlen,
-                    lower_bound_gate, warpgroup_mma) -> PrefillPlan:
-    """The plan a prefill's custom op runs: the one its launch numbers carry (:meth:`PrefillPlan.launch_numbers`),
-    or for :func:`plan_in_op`'s numbers the automatic plan of these facts, which an eager call would have chosen."""
-    if numbers[0] != PLAN_IN_OP:
-        return PrefillPlan.from_launch_numbers(numbers, dot_precision)
+def requested_prefill_plan(numbers, num_seqs, heads, seq_len, key_dim, value_dim, sms, *, varlen, lower_bound_gate,
+                           warpgroup_mma) -> PrefillPlan:
+    """The automatic plan of these facts with the choices of :func:`prefill_plan_request`'s ``numbers``: the plan
+    an eager call of these sizes chooses (the same cached function, the same arguments)."""
+    _check(len(numbers) == 4 and is_plan_request(numbers), f"expected a prefill plan request, got {numbers!r}")
     _, v_choice, sp_choice, max_seqlen = numbers
     return _choose_plan(num_seqs, heads, seq_len, key_dim, value_dim, sms, bool(varlen), bool(lower_bound_gate),
-                        v_choice or "auto", "auto" if sp_choice < 0 else sp_choice or False, max_seqlen,
-                        bool(warpgroup_mma))
+                        _requested_choice(v_choice), _requested_choice(sp_choice), max_seqlen, bool(warpgroup_mma))
 
 
 @functools.lru_cache(maxsize=4096, typed=True)  # an eager call's host time counts: a repeated shape reuses its plan
@@ -914,19 +932,17 @@ def choose_decode_plan(num_seqs: int, heads: int, value_dim: int, sms: int, v_sl
     return _choose_decode_plan(num_seqs, heads, value_dim, sms, requested_v_slices(v_slices), tokens)
 
 
-def decode_plan_in_op(v_slices="auto") -> tuple:
+def decode_plan_request(v_slices="auto") -> tuple:
     """Launch numbers that ask the decode op to choose the automatic plan itself from the sizes it runs on
-    (:func:`decode_plan_of`), with the caller's ``v_slices`` checked and read now: :func:`plan_in_op`'s reason."""
-    choice = requested_v_slices(v_slices)
-    return (PLAN_IN_OP, 0 if choice == "auto" else choice)
+    (:func:`requested_decode_plan`), with the caller's ``v_slices`` checked and read now: for
+    :func:`prefill_plan_request`'s reason."""
+    return (PLAN_REQUEST, _request_number(requested_v_slices(v_slices)))
 
 
-def decode_plan_of(numbers, num_seqs: int, heads: int, value_dim: int, sms: int, tokens: int) -> "DecodePlan":
-    """The plan the decode op runs: the one its launch numbers carry (:meth:`DecodePlan.launch_numbers`), or for
-    :func:`decode_plan_in_op`'s numbers the automatic plan of these facts."""
-    if numbers[0] != PLAN_IN_OP:
-        return DecodePlan.from_launch_numbers(numbers)
-    return _choose_decode_plan(num_seqs, heads, value_dim, sms, numbers[1] or "auto", tokens)
+def requested_decode_plan(numbers, num_seqs: int, heads: int, value_dim: int, sms: int, tokens: int) -> "DecodePlan":
+    """The automatic decode plan of these facts with the choice of :func:`decode_plan_request`'s ``numbers``."""
+    _check(len(numbers) == 2 and is_plan_request(numbers), f"expected a decode plan request, got {numbers!r}")
+    return _choose_decode_plan(num_seqs, heads, value_dim, sms, _requested_choice(numbers[1]), tokens)
 
 
 LONE_DECODE_WARPS = 8  # warps of a one-token 16-column decode program on a grid of fewer programs than SMs

@@ -32,12 +32,12 @@ def check_tensor(name, x, shape, dtypes, device, where="q"):
     (None: a device of its own, such as the CPU for a host copy)."""
     if not isinstance(x, torch.Tensor):
         fail(name, "a torch.Tensor", type(x).__name__)
+    if x.device != device:  # first: a tensor on the wrong device is the mistake its shape or dtype may follow from
+        fail(name, f"on {device}" + (f" (where {where} is)" if where else ""), x.device)
     if x.shape != shape:
         fail(name, f"of shape {list(shape)}", list(x.shape))
     if x.dtype not in dtypes:
         fail(name, f"of dtype {' or '.join(str(d) for d in dtypes)}", x.dtype)
-    if x.device != device:
-        fail(name, f"on {device}" + (f" (where {where} is)" if where else ""), x.device)
 
 
 def check_contiguous(name, x):

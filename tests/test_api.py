@@ -270,7 +270,7 @@ class CompileCounter:
 def test_compiled_prefill_keeps_one_graph_over_new_lengths_and_batches(varlen):
     """A plan chosen while tracing would be a constant of the graph, which then guards on every size it was made
     from: a recompile per new length or batch, and ``fullgraph`` fails at torch's limit of 8. The op chooses it
-    from the sizes it runs on (:func:`fastkda.plan.plan_in_op`): eleven shapes take three graphs at most (the
+    from the sizes it runs on (:func:`fastkda.plan.prefill_plan_request`): eleven shapes take three graphs at most (the
     first, one with dynamic sizes, and one where torch specialises a size of 1), each call the eager bits."""
     import torch._dynamo
 
@@ -287,6 +287,40 @@ def test_compiled_prefill_keeps_one_graph_over_new_lengths_and_batches(varlen):
         eager_o, eager_s = fastkda.kda_prefill(*args, **kw)
         assert torch.equal(o, eager_o) and torch.equal(s, eager_s)
     assert counter.graphs <= 3
+
+
+@pytest.mark.parametrize("gate, options", [
+    ("lower_bound", dict()), ("precomputed", dict(sequence_parallel=64)),
+    ("lower_bound", dict(sequence_parallel=False)), ("precomputed", dict(hint=True)),
+    ("lower_bound", dict(hint=True, sequence_parallel=32))])
+def test_a_compiled_prefill_s_op_builds_the_eager_plan(gate, options, monkeypatch):
+    """The plan the op builds under torch.compile, recorded, is the one an eager call of the same sizes and choices
+    makes (on the CPU the bits cannot tell: most of a plan's numbers do not change them): varlen batches of a
+    changing count and length, both gates, forced or no segments, and a ``max_seqlen`` hint that changes with each
+    call (a symbolic int in the trace, which must not be formatted there)."""
+    import torch._dynamo
+
+    from fastkda import api
+
+    torch._dynamo.reset()
+    built = []
+    choose = api.requested_prefill_plan
+    monkeypatch.setattr(api, "requested_prefill_plan", lambda *a, **kw: built.append(choose(*a, **kw)) or built[-1])
+    hint = options.get("hint")
+    choices = {k: v for k, v in options.items() if k != "hint"}
+    counter = CompileCounter()
+    compiled = torch.compile(lambda *a, **kw: fastkda.kda_prefill(*a, **kw)[0], backend=counter, fullgraph=True)
+    for count, length in enumerate((40, 72, 100, 160, 200)):
+        lengths = [length] * (count % 3 + 1)
+        inp = make_inputs(lengths, seed=50 + count, gate=gate)
+        args = [inp[x] for x in ("q", "k", "v", "g", "beta")]
+        kw = dict(A_log=inp["A_log"], dt_bias=inp["dt_bias"], lower_bound=inp["lower_bound"],
+                  cu_seqlens=inp["cu_seqlens"], max_seqlen=length if hint else None, **choices)
+        assert torch.equal(compiled(*args, **kw), fastkda.kda_prefill(*args, **kw)[0])
+        want = fastkda.choose_plan(len(lengths), 2, sum(lengths), 64, 64, 1, lower_bound_gate=gate == "lower_bound",
+                                   max_seqlen=kw["max_seqlen"], **choices)
+        assert built[-1] == want and built[-1].reason == want.reason
+    assert len(built) == 5 and counter.graphs <= 3
 
 
 def test_compiled_decode_keeps_one_graph_over_new_batches():

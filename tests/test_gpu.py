@@ -337,10 +337,11 @@ def test_bench_kernel_breakdown_times_each_kernel():
 
 
 def test_compiled_prefill_and_decode_choose_each_shape_s_plan():
-    """Under torch.compile the ops choose their plans from the sizes they run on (:func:`fastkda.plan.plan_in_op`):
-    over lengths whose eager plans differ (one sequence of 12 heads: serial at 256 tokens, in segments from 8192;
-    V-slices by the sequences) and over batches whose decode plans differ (warps by the programs), a few graphs
-    at most, each call the eager call's bits."""
+    """Under torch.compile the ops choose their plans from the sizes they run on
+    (:func:`fastkda.plan.prefill_plan_request`): over lengths whose eager plans differ (one sequence of 12 heads:
+    serial at 256 tokens, in segments from 8192; V-slices by the sequences) and over batches and token counts
+    whose decode plans differ (warps by the programs and the tokens), a few graphs at most, each call the eager
+    call's bits."""
     import torch._dynamo
 
     torch._dynamo.reset()
@@ -362,8 +363,9 @@ def test_compiled_prefill_and_decode_choose_each_shape_s_plan():
     assert len(plans) > 2 and len(graphs) <= 3
     graphs.clear()
     decode = torch.compile(lambda *a, **kw: fastkda.kda_decode(*a, **kw), backend=counted, fullgraph=True)
-    for num_seqs in (1, 2, 16, 40):  # 96 programs each alone on an SM, then a full grid
-        inp = make_inputs([1] * num_seqs, heads=12, key_dim=128, varlen=False, seed=num_seqs, device="cuda")
+    for num_seqs, tokens in ((1, 1), (2, 1), (16, 1), (40, 1), (3, 2)):  # 96 programs alone on their SMs (8
+        # warps), a full grid (1), several tokens (2)
+        inp = make_inputs([tokens] * num_seqs, heads=12, key_dim=128, varlen=False, seed=num_seqs, device="cuda")
         args = [inp[x] for x in ("q", "k", "v", "g", "beta")]
         gate = dict(A_log=inp["A_log"], dt_bias=inp["dt_bias"], lower_bound=inp["lower_bound"])
         pools = [torch.randn(num_seqs, 12, 128, 128, device="cuda", generator=torch.Generator("cuda").manual_seed(3))

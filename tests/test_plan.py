@@ -5,8 +5,8 @@ import dataclasses
 import pytest
 
 from fastkda.plan import (V_SLICE_CHOICES, DecodePlan, PrefillPlan, choose_decode_plan, choose_decode_step_plan,
-                          choose_plan, conv_update_launch, decode_plan_in_op, decode_plan_of, parse_v_slices,
-                          phase_us, plan_in_op, prefill_plan_of, requested_v_slices)
+                          choose_plan, conv_update_launch, decode_plan_request, parse_v_slices, phase_us,
+                          prefill_plan_request, requested_decode_plan, requested_prefill_plan, requested_v_slices)
 
 
 def plan(num_seqs, heads, value_dim=128, sms=132, **kw):
@@ -268,44 +268,56 @@ def test_decode_plan_uses_narrow_slices_and_honours_overrides(monkeypatch):
     (dict(max_seqlen=4096), {}), (dict(), {"FASTKDA_V_SLICES": "1"}), (dict(), {"FASTKDA_SEQUENCE_PARALLEL": "off"}),
     (dict(), {"FASTKDA_SEQUENCE_PARALLEL": "512"})])
 def test_a_plan_chosen_in_the_op_is_the_eager_call_s(choices, env, monkeypatch):
-    """Under torch.compile the op chooses the plan from the sizes it runs on (:func:`plan_in_op`): for every
-    choice of the caller's, and the environment read when the call was traced, the plan an eager call of those
-    sizes chooses, with the same bits' numbers (its launch numbers and dot precision)."""
+    """Under torch.compile the op chooses the plan from the sizes it runs on (:func:`prefill_plan_request`): for
+    every choice of the caller's, and the environment read when the call was traced, the plan an eager call of
+    those sizes chooses. The facts differ in what the choices change (segments, slices, the hint's rows), and the
+    choices change the plans (checked: not every choice gives the automatic plan)."""
+    facts = [((1, 12, 16384, 128, 128), True, True, True), ((4, 12, 16384, 128, 128), True, True, False),
+             ((4, 12, 4096, 128, 128), False, True, False), ((2, 96, 16384, 64, 64), True, False, True),
+             ((3, 2, 0, 64, 64), True, True, False)]
+
+    def eager_plans(**chosen):
+        return [choose_plan(*f, 132, varlen=varlen, lower_bound_gate=gate, warpgroup_mma=mma, **chosen)
+                for f, varlen, gate, mma in facts]
+    automatic = eager_plans()
     for name, value in env.items():
         monkeypatch.setenv(name, value)
-    numbers = plan_in_op(**choices)
+    numbers, eager = prefill_plan_request(**choices), eager_plans(**choices)
     monkeypatch.delenv("FASTKDA_V_SLICES", raising=False)  # read when traced, not when run
     monkeypatch.delenv("FASTKDA_SEQUENCE_PARALLEL", raising=False)
-    for facts, varlen, gate, mma in [((1, 12, 16384, 128, 128), True, True, True),
-                                     ((4, 12, 4096, 128, 128), False, True, False),
-                                     ((2, 96, 16384, 64, 64), True, False, True),
-                                     ((3, 2, 0, 64, 64), True, True, False)]:
-        for name, value in env.items():
-            monkeypatch.setenv(name, value)
-        eager = choose_plan(*facts, 132, varlen=varlen, lower_bound_gate=gate, warpgroup_mma=mma, **choices)
-        monkeypatch.delenv("FASTKDA_V_SLICES", raising=False)
-        monkeypatch.delenv("FASTKDA_SEQUENCE_PARALLEL", raising=False)
-        in_op = prefill_plan_of(numbers, "tf32", *facts, 132, varlen=varlen, lower_bound_gate=gate,
-                                warpgroup_mma=mma)
-        assert in_op == eager and in_op.launch_numbers() == eager.launch_numbers()
-        assert in_op.dot_precision == eager.dot_precision and in_op.reason == eager.reason
-    carried = eager.replace(dot_precision="ieee", horner_inverse=False)  # the facts below are not read
-    assert prefill_plan_of(carried.launch_numbers(), "ieee", 9, 9, 9, 64, 64, 9, varlen=False,
-                           lower_bound_gate=False, warpgroup_mma=False) == carried
+    in_op = [requested_prefill_plan(numbers, *f, 132, varlen=varlen, lower_bound_gate=gate, warpgroup_mma=mma)
+             for f, varlen, gate, mma in facts]
+    assert in_op == eager and [p.reason for p in in_op] == [p.reason for p in eager]
+    assert (eager != automatic) == bool(choices or env)
+
+
+def test_a_plan_request_is_told_from_a_plan():
+    """A request's numbers and a plan's cannot be mistaken for each other (a plan's first number is never
+    negative), and a request of the wrong kind is refused by name."""
+    plan = choose_plan(2, 12, 2048, 128, 128, 132)
+    with pytest.raises(ValueError, match="expected a prefill plan request"):
+        requested_prefill_plan(plan.launch_numbers(), 2, 12, 2048, 128, 128, 132, varlen=True, lower_bound_gate=True,
+                               warpgroup_mma=False)
+    with pytest.raises(ValueError, match="expected a decode plan request"):
+        requested_decode_plan(prefill_plan_request(), 2, 12, 128, 132, 1)
+    with pytest.raises(ValueError, match="max_seqlen must be None or an integer"):
+        prefill_plan_request(max_seqlen=-1)
 
 
 def test_a_decode_plan_chosen_in_the_op_is_the_eager_call_s(monkeypatch):
-    """Decode's likewise (:func:`decode_plan_in_op`), ``$FASTKDA_V_SLICES`` read when traced."""
+    """Decode's likewise (:func:`decode_plan_request`), ``$FASTKDA_V_SLICES`` read when traced; the facts take
+    different warps (one token on few programs, on many, several tokens)."""
+    facts = ((1, 1), (32, 1), (8, 3))
     for choice, env in (("auto", None), (2, None), ("auto", "4")):
         if env:
             monkeypatch.setenv("FASTKDA_V_SLICES", env)
-        numbers = decode_plan_in_op(choice)
-        eager = [choose_decode_plan(n, 12, 128, 132, choice, tokens=t) for n, t in ((1, 1), (32, 1), (8, 3))]
+        numbers = decode_plan_request(choice)
+        eager = [choose_decode_plan(n, 12, 128, 132, choice, tokens=t) for n, t in facts]
         monkeypatch.delenv("FASTKDA_V_SLICES", raising=False)
-        assert [decode_plan_of(numbers, n, 12, 128, 132, t) for n, t in ((1, 1), (32, 1), (8, 3))] == eager
-    assert decode_plan_of(eager[0].launch_numbers(), 99, 1, 64, 1, 7) == eager[0]
+        assert [requested_decode_plan(numbers, n, 12, 128, 132, t) for n, t in facts] == eager
+        assert len({p.warps for p in eager}) > 1 or choice != "auto" or env
     with pytest.raises(ValueError, match="v_slices"):
-        decode_plan_in_op(3)
+        decode_plan_request(3)
 
 
 def test_decode_step_fuses_only_where_it_is_latency_bound():

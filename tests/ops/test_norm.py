@@ -92,6 +92,7 @@ def test_api_runs_the_reference_on_the_cpu():
     (dict(x=torch.randn(1, 16385), gate=torch.randn(1, 16385)), "D in"),
     (dict(gate=torch.randn(4, 7)), "gate"),
     (dict(gate=torch.randn(4, 8).to("meta")), "where x is"),
+    (dict(gate=torch.randn(4, 7).to("meta")), "gate must be on cpu"),  # the device first, not the shape after it
     (dict(weight=torch.randn(7)), "weight"),
     (dict(weight=torch.randn(8).long()), "weight"),
     (dict(eps=-1.0), "eps"),
