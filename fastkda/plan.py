@@ -100,8 +100,11 @@ def _counted(count: int, noun: str) -> str:
 
 
 def _check(condition, message):
+    """Raise ``ValueError`` with ``message`` unless ``condition``; a message that takes formatting comes as a
+    function, called only for a failed check (a plan is checked on every new shape, and formatting its ~70
+    messages was most of a small plan's host time)."""
     if not condition:
-        raise ValueError(f"fastkda plan: {message}")
+        raise ValueError(f"fastkda plan: {message() if callable(message) else message}")
 
 
 def _check_field_types(plan):
@@ -112,9 +115,9 @@ def _check_field_types(plan):
         value = getattr(plan, field.name)
         if field.type == "int":
             _check(isinstance(value, int) and not isinstance(value, bool),
-                   f"{field.name} must be an int, got {value!r}")
+                   lambda: f"{field.name} must be an int, got {value!r}")
         elif field.type == "bool":
-            _check(isinstance(value, bool), f"{field.name} must be a bool, got {value!r}")
+            _check(isinstance(value, bool), lambda: f"{field.name} must be a bool, got {value!r}")
 
 
 def _replaced(plan, changes):
@@ -206,64 +209,66 @@ class PrefillPlan:
         _check_field_types(self)
         for name in ("seq_len", "num_seqs", "heads", "sms"):
             least = 0 if name in ("seq_len", "num_seqs") else 1
-            _check(getattr(self, name) >= least, f"{name} must be >= {least}, got {getattr(self, name)}")
+            _check(getattr(self, name) >= least, lambda: f"{name} must be >= {least}, got {getattr(self, name)}")
         for name in ("key_dim", "value_dim"):
-            _check(getattr(self, name) in SUPPORTED_DIMS, f"{name} must be one of {SUPPORTED_DIMS}, got "
-                                                          f"{getattr(self, name)}")
+            _check(getattr(self, name) in SUPPORTED_DIMS, lambda: (f"{name} must be one of {SUPPORTED_DIMS}, got "
+                                                                   f"{getattr(self, name)}"))
         _check(self.block == 16 and self.chunk == 2 * self.block,
-               f"the kernels take chunks of two 16-token blocks, got chunk={self.chunk}, block={self.block}")
+               lambda: f"the kernels take chunks of two 16-token blocks, got chunk={self.chunk}, block={self.block}")
         # a divisor of the chunk: checkpoints and segments fall on chunk multiples, which the CPU path keeps only at
         # its own chunks' ends, and its cumulative decays are taken over one chunk (a long one loses them)
         _check(self.cpu_chunk >= 1 and self.chunk % self.cpu_chunk == 0,
-               f"cpu_chunk must divide the chunk ({self.chunk}), got {self.cpu_chunk}")
+               lambda: f"cpu_chunk must divide the chunk ({self.chunk}), got {self.cpu_chunk}")
         width = self.value_dim // max(self.v_slices, 1)
         _check(self.v_slices >= 1 and self.value_dim % self.v_slices == 0 and width >= MIN_SLICE_WIDTH
                and width & (width - 1) == 0,
-               f"v_slices={self.v_slices} must cut V={self.value_dim} into power-of-two slices of at least "
-               f"{MIN_SLICE_WIDTH} columns")
+               lambda: (f"v_slices={self.v_slices} must cut V={self.value_dim} into power-of-two slices of at least "
+                        f"{MIN_SLICE_WIDTH} columns"))
         for name in ("recurrence_warps", "prepare_warps", "solve_warps"):
-            _check(getattr(self, name) in WARP_CHOICES, f"{name} must be one of {WARP_CHOICES}, got "
-                                                        f"{getattr(self, name)}")
+            _check(getattr(self, name) in WARP_CHOICES, lambda: (f"{name} must be one of {WARP_CHOICES}, got "
+                                                                 f"{getattr(self, name)}"))
         _check(self.prepare_registers == 0 or 24 <= self.prepare_registers <= 255,
-               f"prepare_registers must be 0 (the compiler's choice) or 24..255, got {self.prepare_registers}")
+               lambda: f"prepare_registers must be 0 (the compiler's choice) or 24..255, got {self.prepare_registers}")
         for name in ("recurrence_stages", "prepare_stages", "solve_stages", "transition_stages"):
-            _check(getattr(self, name) >= 1, f"{name} must be >= 1, got {getattr(self, name)}")
+            _check(getattr(self, name) >= 1, lambda: f"{name} must be >= 1, got {getattr(self, name)}")
         _check(self.prepare_channels in (16, 32, 64, 128) and self.key_dim % self.prepare_channels == 0,
-               f"prepare_channels must be 16, 32, 64 or 128 and divide K={self.key_dim}, got {self.prepare_channels}")
+               lambda: (f"prepare_channels must be 16, 32, 64 or 128 and divide K={self.key_dim}, got "
+                        f"{self.prepare_channels}"))
         _check(not self.lower_bound_gate or self.prepare_channels == self.key_dim,
-               f"under the lower-bound gate the first kernel takes every key channel in one step "
-               f"(prepare_channels={self.key_dim}), got prepare_channels={self.prepare_channels}")
+               lambda: (f"under the lower-bound gate the first kernel takes every key channel in one step "
+                        f"(prepare_channels={self.key_dim}), got prepare_channels={self.prepare_channels}"))
         _check(self.prepare_token_run >= 1 and self.chunk % self.prepare_token_run == 0,
-               f"prepare_token_run must divide the chunk ({self.chunk}), got {self.prepare_token_run}")
-        _check(self.segment_chunks >= 0, f"segment_chunks must be >= 0, got {self.segment_chunks}")
+               lambda: f"prepare_token_run must divide the chunk ({self.chunk}), got {self.prepare_token_run}")
+        _check(self.segment_chunks >= 0, lambda: f"segment_chunks must be >= 0, got {self.segment_chunks}")
         if self.segment_chunks:
             narrow = min(self.key_dim, self.value_dim)
             _check(self.transition_width in (16, 32, 64, 128) and self.transition_width <= narrow,
-                   f"transition_width must be 16, 32, 64 or 128 and at most min(K, V)={narrow}, got "
-                   f"{self.transition_width}")
-            _check(self.scan_warps in WARP_CHOICES, f"scan_warps must be one of {WARP_CHOICES}, got "
-                                                    f"{self.scan_warps}")
-            _check(self.scan_stages >= 1, f"scan_stages must be >= 1, got {self.scan_stages}")
-        _check(self.dot_precision in ("tf32", "ieee"), f"dot_precision must be 'tf32' or 'ieee', got "
-                                                       f"{self.dot_precision!r}")
+                   lambda: (f"transition_width must be 16, 32, 64 or 128 and at most min(K, V)={narrow}, got "
+                            f"{self.transition_width}"))
+            _check(self.scan_warps in WARP_CHOICES, lambda: (f"scan_warps must be one of {WARP_CHOICES}, got "
+                                                             f"{self.scan_warps}"))
+            _check(self.scan_stages >= 1, lambda: f"scan_stages must be >= 1, got {self.scan_stages}")
+        _check(self.dot_precision in ("tf32", "ieee"), lambda: (f"dot_precision must be 'tf32' or 'ieee', got "
+                                                                f"{self.dot_precision!r}"))
         if self.warpgroup_recurrence:
             _check(self.slice_width in WARPGROUP_SLICE_WIDTHS and self.state_rows_v
                    and self.recurrence_warps == self.slice_width // 16 and self.recurrence_stages >= 4
                    and warpgroup_shared_bytes(self.slice_width, self.key_dim, self.recurrence_stages, self.chunk)
                    <= SHARED_MEMORY_PER_PROGRAM,
-                   f"warpgroup_recurrence runs slices of {WARPGROUP_SLICE_WIDTHS} columns, held transposed on a "
-                   f"warp per 16 columns, with at least 4 stages and at most what fits {SHARED_MEMORY_PER_PROGRAM} "
-                   f"bytes of shared memory with an fp32 v; got slice_width={self.slice_width}, state_rows_v="
-                   f"{self.state_rows_v}, recurrence_warps={self.recurrence_warps}, recurrence_stages="
-                   f"{self.recurrence_stages}")
+                   lambda: (f"warpgroup_recurrence runs slices of {WARPGROUP_SLICE_WIDTHS} columns, held transposed "
+                            f"on a warp per 16 columns, with at least 4 stages and at most what fits "
+                            f"{SHARED_MEMORY_PER_PROGRAM} bytes of shared memory with an fp32 v; got slice_width="
+                            f"{self.slice_width}, state_rows_v="
+                            f"{self.state_rows_v}, recurrence_warps={self.recurrence_warps}, recurrence_stages="
+                            f"{self.recurrence_stages}"))
         _check(self.seq_len != 1 or not (self.warpgroup_recurrence or self.warpgroup_transition),
                "warpgroup_recurrence and warpgroup_transition need seq_len > 1 (Triton 3.6 fails to compile the "
                "Gluon kernels for rows of one token); got seq_len=1")
         _check(not self.longest_first or self.varlen,
                "longest_first orders the recurrence of a varlen batch (varlen=True), got varlen=False")
         _check(not self.horner_inverse or self.dot_precision == "tf32",
-               f"horner_inverse takes fp16 operands in place of tf32 ones (dot_precision='tf32'), got "
-               f"dot_precision={self.dot_precision!r}: replace horner_inverse=False with it")
+               lambda: (f"horner_inverse takes fp16 operands in place of tf32 ones (dot_precision='tf32'), got "
+                        f"dot_precision={self.dot_precision!r}: replace horner_inverse=False with it"))
         _check(not (self.equal_rows and self.varlen),
                "equal_rows runs a varlen call as rows (varlen=False), got varlen=True")
         if self.warpgroup_transition:
@@ -271,10 +276,11 @@ class PrefillPlan:
                    and self.transition_stages >= 4
                    and warpgroup_shared_bytes(self.transition_width, self.key_dim, self.transition_stages, self.chunk)
                    <= SHARED_MEMORY_PER_PROGRAM,
-                   f"warpgroup_transition runs the segments' transitions (segment_chunks > 0) in slices of "
-                   f"{WARPGROUP_SLICE_WIDTHS} columns, with at least 4 stages and at most what fits "
-                   f"{SHARED_MEMORY_PER_PROGRAM} bytes of shared memory; got segment_chunks={self.segment_chunks}, "
-                   f"transition_width={self.transition_width}, transition_stages={self.transition_stages}")
+                   lambda: (f"warpgroup_transition runs the segments' transitions (segment_chunks > 0) in slices of "
+                            f"{WARPGROUP_SLICE_WIDTHS} columns, with at least 4 stages and at most what fits "
+                            f"{SHARED_MEMORY_PER_PROGRAM} bytes of shared memory; got segment_chunks="
+                            f"{self.segment_chunks}, "
+                            f"transition_width={self.transition_width}, transition_stages={self.transition_stages}"))
 
     @property
     def batch(self) -> int:
@@ -422,7 +428,8 @@ def _launch_numbers(plan):
 
 @functools.lru_cache(maxsize=4096)  # the custom op rebuilds the plan on every call: an eager call's host time counts
 def _plan_from_numbers(numbers, dot_precision):
-    _check(len(numbers) == len(_NUMBER_FIELDS), f"expected {len(_NUMBER_FIELDS)} launch numbers, got {len(numbers)}")
+    _check(len(numbers) == len(_NUMBER_FIELDS),
+           lambda: f"expected {len(_NUMBER_FIELDS)} launch numbers, got {len(numbers)}")
     values = {name: bool(n) if name in _BOOL_FIELDS else int(n) for name, n in zip(_NUMBER_FIELDS, numbers)}
     return PrefillPlan(**values, dot_precision=dot_precision)
 
@@ -658,7 +665,7 @@ def _checked_max_seqlen(max_seqlen) -> int:
     format."""
     if max_seqlen is not None and not (isinstance(max_seqlen, int) and not isinstance(max_seqlen, bool)
                                        and max_seqlen >= 0):
-        _check(False, f"max_seqlen must be None or an integer >= 0, got {max_seqlen!r}")
+        _check(False, lambda: f"max_seqlen must be None or an integer >= 0, got {max_seqlen!r}")
     return max_seqlen or 0
 
 
@@ -692,7 +699,7 @@ def requested_prefill_plan(numbers, num_seqs, heads, seq_len, key_dim, value_dim
                            warpgroup_mma) -> PrefillPlan:
     """The automatic plan of these facts with the choices of :func:`prefill_plan_request`'s ``numbers``: the plan
     an eager call of these sizes chooses (the same cached function, the same arguments)."""
-    _check(len(numbers) == 4 and is_plan_request(numbers), f"expected a prefill plan request, got {numbers!r}")
+    _check(len(numbers) == 4 and is_plan_request(numbers), lambda: f"expected a prefill plan request, got {numbers!r}")
     _, v_choice, sp_choice, max_seqlen = numbers
     return _choose_plan(num_seqs, heads, seq_len, key_dim, value_dim, sms, bool(varlen), bool(lower_bound_gate),
                         _requested_choice(v_choice), _requested_choice(sp_choice), max_seqlen, bool(warpgroup_mma))
@@ -702,11 +709,12 @@ def requested_prefill_plan(numbers, num_seqs, heads, seq_len, key_dim, value_dim
 def _choose_plan(num_seqs, heads, seq_len, key_dim, value_dim, sms, varlen, lower_bound_gate, choice,
                  sp_choice="auto", max_seqlen=0, warpgroup_mma=False):
     for name, value in (("num_seqs", num_seqs), ("heads", heads), ("seq_len", seq_len), ("sms", sms)):
-        _check(isinstance(value, int) and not isinstance(value, bool), f"{name} must be an integer, got {value!r}")
+        _check(isinstance(value, int) and not isinstance(value, bool),
+               lambda: f"{name} must be an integer, got {value!r}")
         least = 1 if name in ("heads", "sms") else 0  # the facts' ranges, before the step model reads them
-        _check(value >= least, f"{name} must be >= {least}, got {value}")
+        _check(value >= least, lambda: f"{name} must be >= {least}, got {value}")
     for name, value in (("key_dim", key_dim), ("value_dim", value_dim)):
-        _check(value in SUPPORTED_DIMS, f"{name} must be one of {SUPPORTED_DIMS}, got {value}")
+        _check(value in SUPPORTED_DIMS, lambda: f"{name} must be one of {SUPPORTED_DIMS}, got {value}")
     if varlen and seq_len and (num_seqs == 1 or max_seqlen and num_seqs * max_seqlen == seq_len):
         # every sequence has one length (one sequence: all T tokens, as valid offsets say; several: the hint's
         # length): as rows, the preparation's slots need no lookup in cu_seqlens and no empty slots, and the first
@@ -723,7 +731,7 @@ def _choose_plan(num_seqs, heads, seq_len, key_dim, value_dim, sms, varlen, lowe
     if choice != "auto":
         slices = choice
         _check(value_dim // slices >= MIN_SLICE_WIDTH,
-               f"v_slices={choice} leaves slices narrower than {MIN_SLICE_WIDTH} columns of V={value_dim}")
+               lambda: f"v_slices={choice} leaves slices narrower than {MIN_SLICE_WIDTH} columns of V={value_dim}")
         reason = f"v_slices={choice} requested"
     else:
         splits = [s for s in V_SLICE_CHOICES if s > 1 and value_dim // s >= NARROW_SLICE_WIDTH]
@@ -751,8 +759,8 @@ def _choose_plan(num_seqs, heads, seq_len, key_dim, value_dim, sms, varlen, lowe
     if segmentation:
         programs = num_seqs + slot_count(seq_len, num_seqs, CHUNK * segmentation[0], varlen)
         if programs > MAX_GRID_Z:  # the segmented kernels' grid would not launch
-            _check(sp_choice == "auto", f"sequence_parallel={sp_choice} needs {programs} programs on the grid's "
-                                        f"third axis, more than CUDA's {MAX_GRID_Z}")
+            _check(sp_choice == "auto", lambda: (f"sequence_parallel={sp_choice} needs {programs} programs on the "
+                                                 f"grid's third axis, more than CUDA's {MAX_GRID_Z}"))
             segmentation = None
             serial_reason = f"the serial recurrence (segments would need over {MAX_GRID_Z} grid rows)"
     if segmentation:
@@ -840,7 +848,7 @@ def choose_open_entry_plan(num_seqs: int, heads: int, seq_len: int, key_dim: int
     shapes the kernels do not take."""
     _check_counts(num_seqs=(num_seqs, 1), heads=(heads, 1), seq_len=(seq_len, 1), sms=(sms, 1))
     _check(key_dim in SUPPORTED_DIMS and value_dim in SUPPORTED_DIMS,
-           f"K and V must be in {SUPPORTED_DIMS}, got K={key_dim}, V={value_dim}")
+           lambda: f"K and V must be in {SUPPORTED_DIMS}, got K={key_dim}, V={value_dim}")
     choice = requested_open_entry_segments(sequence_parallel)
     return _choose_open_entry_plan(num_seqs, heads, seq_len, key_dim, value_dim, sms, bool(lower_bound_gate),
                                    choice, bool(warpgroup_mma))
@@ -856,8 +864,8 @@ def _choose_open_entry_plan(num_seqs, heads, seq_len, key_dim, value_dim, sms, l
         lengths = sorted({-(-chunks // segments) for segments in range(1, MAX_SEGMENTS + 1)})  # chunks a segment
         fitting = [n for n in lengths if num_seqs + slot_count(seq_len, num_seqs, CHUNK * n, False)
                    <= MAX_GRID_Z]
-        _check(bool(fitting), f"{num_seqs} rows of {seq_len} tokens need more than CUDA's {MAX_GRID_Z} grid rows "
-                              f"even in one segment each: split the batch")
+        _check(bool(fitting), lambda: (f"{num_seqs} rows of {seq_len} tokens need more than CUDA's {MAX_GRID_Z} grid "
+                                       f"rows even in one segment each: split the batch"))
         predicted, segment_chunks, v_slices = min(
             (segmented_us(num_seqs, chunks, segment_chunks, heads, key_dim, value_dim, width, s, sms,
                           open_entry=True), segment_chunks, s)
@@ -887,14 +895,15 @@ class DecodePlan:
 
     def __post_init__(self):
         _check_field_types(self)
-        _check(self.num_seqs >= 0 and self.heads >= 1, f"decode needs num_seqs >= 0 and heads >= 1, got "
-                                                       f"{self.num_seqs} and {self.heads}")
-        _check(self.value_dim in SUPPORTED_DIMS, f"value_dim must be one of {SUPPORTED_DIMS}, got {self.value_dim}")
+        _check(self.num_seqs >= 0 and self.heads >= 1, lambda: (f"decode needs num_seqs >= 0 and heads >= 1, got "
+                                                                f"{self.num_seqs} and {self.heads}"))
+        _check(self.value_dim in SUPPORTED_DIMS,
+               lambda: f"value_dim must be one of {SUPPORTED_DIMS}, got {self.value_dim}")
         width = self.value_dim // max(self.v_slices, 1)
         _check(self.v_slices >= 1 and self.value_dim % self.v_slices == 0 and width >= MIN_SLICE_WIDTH,
-               f"v_slices={self.v_slices} leaves decode slices narrower than {MIN_SLICE_WIDTH} columns of "
-               f"V={self.value_dim}")
-        _check(self.warps in WARP_CHOICES, f"decode warps must be one of {WARP_CHOICES}, got {self.warps}")
+               lambda: (f"v_slices={self.v_slices} leaves decode slices narrower than {MIN_SLICE_WIDTH} columns of "
+                        f"V={self.value_dim}"))
+        _check(self.warps in WARP_CHOICES, lambda: f"decode warps must be one of {WARP_CHOICES}, got {self.warps}")
 
     @property
     def slice_width(self) -> int:
@@ -941,7 +950,7 @@ def decode_plan_request(v_slices="auto") -> tuple:
 
 def requested_decode_plan(numbers, num_seqs: int, heads: int, value_dim: int, sms: int, tokens: int) -> "DecodePlan":
     """The automatic decode plan of these facts with the choice of :func:`decode_plan_request`'s ``numbers``."""
-    _check(len(numbers) == 2 and is_plan_request(numbers), f"expected a decode plan request, got {numbers!r}")
+    _check(len(numbers) == 2 and is_plan_request(numbers), lambda: f"expected a decode plan request, got {numbers!r}")
     return _choose_decode_plan(num_seqs, heads, value_dim, sms, _requested_choice(numbers[1]), tokens)
 
 
@@ -963,13 +972,13 @@ def _check_counts(**counts):
     """Each ``name=(value, least)``: an int (not a bool) of at least ``least``, else a ``ValueError`` naming it."""
     for name, (value, least) in counts.items():
         _check(isinstance(value, int) and not isinstance(value, bool) and value >= least,
-               f"{name} must be an integer >= {least}, got {value!r}")
+               lambda: f"{name} must be an integer >= {least}, got {value!r}")
 
 
 @functools.lru_cache(maxsize=4096, typed=True)  # typed: a cached 1 must not pass True or 1.0 (checked here)
 def _choose_decode_plan(num_seqs, heads, value_dim, sms, choice, tokens):
     _check_counts(num_seqs=(num_seqs, 0), heads=(heads, 1), sms=(sms, 1), tokens=(tokens, 1))
-    _check(value_dim in SUPPORTED_DIMS, f"V must be in {SUPPORTED_DIMS}, got {value_dim}")
+    _check(value_dim in SUPPORTED_DIMS, lambda: f"V must be in {SUPPORTED_DIMS}, got {value_dim}")
     if choice == "auto":
         slices = max(value_dim // DECODE_SLICE_WIDTH, 1)
         reason = f"{slices} slices of {DECODE_SLICE_WIDTH} columns: decode is bound by the state's bytes"
@@ -1016,7 +1025,7 @@ def choose_decode_step_plan(num_seqs: int, heads: int, value_dim: int, sms: int)
     heads, V = 128, on two head counts each); V = 64 takes the same rule unmeasured. Raises ``ValueError`` for
     counts that are not positive ints and for V outside :data:`SUPPORTED_DIMS`."""
     _check_counts(num_seqs=(num_seqs, 0), heads=(heads, 1), sms=(sms, 1))
-    _check(value_dim in SUPPORTED_DIMS, f"V must be in {SUPPORTED_DIMS}, got {value_dim}")
+    _check(value_dim in SUPPORTED_DIMS, lambda: f"V must be in {SUPPORTED_DIMS}, got {value_dim}")
     total = num_seqs * heads
     if total > 4 * sms:
         return None
