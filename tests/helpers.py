@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+import fastkda
 import interpreter
 
 LOWER_BOUND = -5.0
@@ -116,3 +117,25 @@ def solve_lower(plan, inp, entries, beta, emulate):
     eye = torch.eye(C, dtype=torch.float64, device=S.device)
     beta_columns = beta.double().view(chunks, C, heads).permute(0, 2, 1)[:, :, None, :]
     return rows.permute(0, 2, 1, 3), torch.linalg.inv(eye + S.double()) * beta_columns
+
+
+class CompileCounter:
+    """A torch.compile backend that counts the graphs it is given and runs them as traced."""
+
+    def __init__(self):
+        self.graphs = 0
+
+    def __call__(self, graph, example_inputs):
+        self.graphs += 1
+        return graph
+
+
+def check_compiled_prefill(compiled, inp):
+    """``compiled`` (a compiled ``fastkda.kda_prefill``) on ``inp``, with its gate, initial state and offsets and a
+    final state, gives the eager call's bits; returns nothing."""
+    args = [inp[x] for x in ("q", "k", "v", "g", "beta")]
+    kw = dict(A_log=inp["A_log"], dt_bias=inp["dt_bias"], lower_bound=inp["lower_bound"],
+              initial_state=inp["initial_state"], cu_seqlens=inp["cu_seqlens"], output_final_state=True)
+    o, s = compiled(*args, **kw)
+    eager_o, eager_s = fastkda.kda_prefill(*args, **kw)
+    assert torch.equal(o, eager_o) and torch.equal(s, eager_s)

@@ -8,7 +8,7 @@ from fastkda.compat import fla, flash_kda
 from fastkda.errors import counters
 from fastkda.reference import kda_reference
 from fastkda.validation import addressable
-from helpers import make_inputs, rel_err
+from helpers import CompileCounter, check_compiled_prefill, make_inputs, rel_err
 
 
 def call(inp, **overrides):
@@ -255,17 +255,6 @@ def test_prefill_compiles_with_dynamic_shapes(sequence_parallel):
         assert torch.equal(compiled(*args), fastkda.kda_prefill(*args, **kw)[0])
 
 
-class CompileCounter:
-    """A torch.compile backend that counts the graphs it is given and runs them as traced."""
-
-    def __init__(self):
-        self.graphs = 0
-
-    def __call__(self, graph, example_inputs):
-        self.graphs += 1
-        return graph
-
-
 @pytest.mark.parametrize("varlen", [False, True])
 def test_compiled_prefill_keeps_one_graph_over_new_lengths_and_batches(varlen):
     """A plan chosen while tracing would be a constant of the graph, which then guards on every size it was made
@@ -279,13 +268,7 @@ def test_compiled_prefill_keeps_one_graph_over_new_lengths_and_batches(varlen):
     compiled = torch.compile(lambda *a, **kw: fastkda.kda_prefill(*a, **kw), backend=counter, fullgraph=True)
     for count, length in enumerate(range(40, 40 + 11 * 60, 60)):
         lengths = [length // 2, 0, length][:count % 3 + 1] if varlen else [length] * (count % 3 + 1)
-        inp = make_inputs(lengths, seed=22 + count, varlen=varlen)
-        args = [inp[x] for x in ("q", "k", "v", "g", "beta")]
-        kw = dict(A_log=inp["A_log"], dt_bias=inp["dt_bias"], lower_bound=inp["lower_bound"],
-                  initial_state=inp["initial_state"], cu_seqlens=inp["cu_seqlens"], output_final_state=True)
-        o, s = compiled(*args, **kw)
-        eager_o, eager_s = fastkda.kda_prefill(*args, **kw)
-        assert torch.equal(o, eager_o) and torch.equal(s, eager_s)
+        check_compiled_prefill(compiled, make_inputs(lengths, seed=22 + count, varlen=varlen))
     assert counter.graphs <= 3
 
 

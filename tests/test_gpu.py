@@ -10,7 +10,8 @@ import torch
 import fastkda
 from fastkda.bench.timing import capture_graph
 from fastkda.reference import kda_reference
-from helpers import make_inputs, plan_for, rel_err, replay_with, run_prefill, solve_lower
+from helpers import (CompileCounter, check_compiled_prefill, make_inputs, plan_for, rel_err, replay_with, run_prefill,
+                     solve_lower)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -345,24 +346,17 @@ def test_compiled_prefill_and_decode_choose_each_shape_s_plan():
     import torch._dynamo
 
     torch._dynamo.reset()
-    graphs = []
-    counted = lambda graph, example_inputs: graphs.append(graph) or graph  # noqa: E731
-    prefill = torch.compile(lambda *a, **kw: fastkda.kda_prefill(*a, **kw), backend=counted, fullgraph=True)
+    counter = CompileCounter()
+    prefill = torch.compile(lambda *a, **kw: fastkda.kda_prefill(*a, **kw), backend=counter, fullgraph=True)
     plans = set()
     for lengths in ([256], [8192], [1024, 3000], [9000], [64] * 11, [16384, 1]):
-        inp = make_inputs(lengths, heads=12, key_dim=128, seed=sum(lengths), device="cuda")
-        args = [inp[x] for x in ("q", "k", "v", "g", "beta")]
-        kw = dict(A_log=inp["A_log"], dt_bias=inp["dt_bias"], lower_bound=inp["lower_bound"],
-                  initial_state=inp["initial_state"], cu_seqlens=inp["cu_seqlens"], output_final_state=True)
-        o, s = prefill(*args, **kw)
-        eager_o, eager_s = fastkda.kda_prefill(*args, **kw)
-        assert torch.equal(o, eager_o) and torch.equal(s, eager_s)
+        check_compiled_prefill(prefill, make_inputs(lengths, heads=12, key_dim=128, seed=sum(lengths), device="cuda"))
         plan = fastkda.choose_plan(len(lengths), 12, sum(lengths), 128, 128, torch.cuda.get_device_properties(0)
                                    .multi_processor_count, warpgroup_mma=torch.cuda.get_device_capability()[0] == 9)
         plans.add((plan.segment_chunks, plan.v_slices))
-    assert len(plans) > 2 and len(graphs) <= 3
-    graphs.clear()
-    decode = torch.compile(lambda *a, **kw: fastkda.kda_decode(*a, **kw), backend=counted, fullgraph=True)
+    assert len(plans) > 2 and counter.graphs <= 3
+    counter = CompileCounter()
+    decode = torch.compile(lambda *a, **kw: fastkda.kda_decode(*a, **kw), backend=counter, fullgraph=True)
     for num_seqs, tokens in ((1, 1), (2, 1), (16, 1), (40, 1), (3, 2)):  # 96 programs alone on their SMs (8
         # warps), a full grid (1), several tokens (2)
         inp = make_inputs([tokens] * num_seqs, heads=12, key_dim=128, varlen=False, seed=num_seqs, device="cuda")
@@ -373,4 +367,4 @@ def test_compiled_prefill_and_decode_choose_each_shape_s_plan():
         slots = torch.arange(num_seqs, dtype=torch.int32, device="cuda").flip(0)
         assert torch.equal(decode(*args, pools[0], slots, **gate), fastkda.kda_decode(*args, pools[1], slots, **gate))
         assert torch.equal(pools[0], pools[1])
-    assert len(graphs) <= 3
+    assert counter.graphs <= 3
