@@ -28,11 +28,9 @@ def requested(checks) -> bool:
     (a safety switch must not turn itself off over a spelling)."""
     if checks is None:
         setting = os.environ.get(ENV_CHECKS, "")
-        switch = ENV_SWITCH.get(setting)  # the common spellings exactly, before normalising
+        switch = ENV_SWITCH.get(setting.strip().lower())
         if switch is None:
-            switch = ENV_SWITCH.get(setting.strip().lower())
-            if switch is None:
-                fail(ENV_CHECKS, f"one of {', '.join(repr(s) for s in ENV_SWITCH if s)} (or unset)", repr(setting))
+            fail(ENV_CHECKS, f"one of {', '.join(repr(s) for s in ENV_SWITCH if s)} (or unset)", repr(setting))
         return switch
     if not isinstance(checks, bool):
         fail("checks", "True, False or None (then $FASTKDA_CHECKS decides)", repr(checks))

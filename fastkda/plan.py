@@ -660,12 +660,11 @@ def choose_plan(num_seqs: int, heads: int, seq_len: int, key_dim: int, value_dim
 
 
 def _checked_max_seqlen(max_seqlen) -> int:
-    """The ``max_seqlen`` hint as the plan reads it (0: none), after checking it. The message is formatted only
-    for a bad value: under torch.compile a hint that changes between calls is a symbolic int, which a trace cannot
-    format."""
-    if max_seqlen is not None and not (isinstance(max_seqlen, int) and not isinstance(max_seqlen, bool)
-                                       and max_seqlen >= 0):
-        _check(False, lambda: f"max_seqlen must be None or an integer >= 0, got {max_seqlen!r}")
+    """The ``max_seqlen`` hint as the plan reads it (0: none), after checking it (the message is formatted only for
+    a bad value: under torch.compile a hint that changes between calls is a symbolic int, which a trace cannot
+    format)."""
+    _check(max_seqlen is None or isinstance(max_seqlen, int) and not isinstance(max_seqlen, bool) and max_seqlen >= 0,
+           lambda: f"max_seqlen must be None or an integer >= 0, got {max_seqlen!r}")
     return max_seqlen or 0
 
 
@@ -708,11 +707,8 @@ def requested_prefill_plan(numbers, num_seqs, heads, seq_len, key_dim, value_dim
 @functools.lru_cache(maxsize=4096, typed=True)  # an eager call's host time counts: a repeated shape reuses its plan
 def _choose_plan(num_seqs, heads, seq_len, key_dim, value_dim, sms, varlen, lower_bound_gate, choice,
                  sp_choice="auto", max_seqlen=0, warpgroup_mma=False):
-    for name, value in (("num_seqs", num_seqs), ("heads", heads), ("seq_len", seq_len), ("sms", sms)):
-        _check(isinstance(value, int) and not isinstance(value, bool),
-               lambda: f"{name} must be an integer, got {value!r}")
-        least = 1 if name in ("heads", "sms") else 0  # the facts' ranges, before the step model reads them
-        _check(value >= least, lambda: f"{name} must be >= {least}, got {value}")
+    # the facts' types and ranges, before the step model reads them
+    _check_counts(num_seqs=(num_seqs, 0), heads=(heads, 1), seq_len=(seq_len, 0), sms=(sms, 1))
     for name, value in (("key_dim", key_dim), ("value_dim", value_dim)):
         _check(value in SUPPORTED_DIMS, lambda: f"{name} must be one of {SUPPORTED_DIMS}, got {value}")
     if varlen and seq_len and (num_seqs == 1 or max_seqlen and num_seqs * max_seqlen == seq_len):
