@@ -56,9 +56,10 @@ def _opaque_when_compiling(op, impl):
 
 def _error_counters(errors, q):
     """The counters the kernels add to: the caller's ``errors`` (int32, one per kind of :mod:`fastkda.errors`, on
-    q's device) or the device's."""
+    q's device) or the device's; None on the CPU, and while torch.compile traces, where the op looks the device's
+    up when it runs (their first allocation checks for a CUDA-graph capture, which a trace cannot hold)."""
     if errors is None:
-        return counters(q.device) if q.is_cuda else None
+        return counters(q.device) if q.is_cuda and not torch.compiler.is_compiling() else None
     check_tensor("errors", errors, (len(KINDS),), (torch.int32,), q.device)
     return errors
 
@@ -411,7 +412,8 @@ def _decode_impl(
             plan = requested_decode_plan(launch_numbers, num_seqs, heads, v.shape[-1], _sms_of(q), tokens)
         else:
             plan = DecodePlan.from_launch_numbers(launch_numbers)
-        recurrent_kda_decode(q, k, v, g, beta, state_pool, slots, plan=plan, **kw, out=out, errors=errors)
+        recurrent_kda_decode(q, k, v, g, beta, state_pool, slots, plan=plan, **kw, out=out,
+                             errors=counters(q.device) if errors is None else errors)
         return
     out.copy_(_decode_on_cpu(q, k, v, g, beta, state_pool, slots, **kw))
 
