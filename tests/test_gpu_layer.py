@@ -209,3 +209,48 @@ def test_compiled_step_on_the_gpu_equals_eager(num_seqs):
     else:
         assert rel_err(got, want) < 1e-2 and rel_err(compiled_pools[1], eager_pools[1]) < 1e-2
         assert torch.equal(compiled_pools[0], eager_pools[0])
+
+
+def test_a_layer_compiled_by_inductor_serves_new_batches_on_the_gpu():
+    """An engine compiles the layer with inductor before any eager fastkda call, then serves packed prefills and
+    decode steps of changing batch sizes: ``fullgraph=True`` traces (the error counters are looked up when the ops
+    run, not allocated in the trace), a few graphs serve every size, and outputs and pools stay within bf16's
+    rounding of the eager layer's (inductor fuses the projections' elementwise work its own way; eager fuses the
+    decode step)."""
+    import itertools
+    from unittest import mock
+
+    import torch._dynamo
+    from torch._inductor.compile_fx import compile_fx
+
+    torch._dynamo.reset()
+    graphs = []
+
+    def counting_inductor(graph, example_inputs):
+        graphs.append(graph)
+        return compile_fx(graph, example_inputs)
+
+    torch.manual_seed(0)
+    layer = KimiDeltaAttention(256, 2, 128, lower_bound=-5.0, device="cuda", dtype=torch.bfloat16).eval()
+    with torch.no_grad():
+        layer.forget_gate.A_log.uniform_(-1, 1)
+        layer.forget_gate.dt_bias.uniform_(-1, 1)
+    compiled = torch.compile(layer, backend=counting_inductor, fullgraph=True)
+    with torch.no_grad(), mock.patch.dict(fastkda.errors._COUNTERS, clear=True):
+        for count in (1, 3, 4):
+            lengths = [97 + 31 * count + 7 * j for j in range(count)]
+            cu_seqlens = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32, device="cuda")
+            caches = [KDACache(8, 1, 2, 128, layer.conv_channels, layer.conv_kernel, device="cuda") for _ in range(2)]
+            slots = [cache.allocate(count) for cache in caches]
+            x = randn(sum(lengths), 256, seed=count)
+            outs = [run(x, cache, slots=s, cu_seqlens=cu_seqlens)
+                    for run, cache, s in zip((compiled, layer), caches, slots)]
+            for t in range(2):
+                step = randn(count, 1, 256, seed=10 * count + t)
+                outs += [run(step, cache, slots=s, decode=True)
+                         for run, cache, s in zip((compiled, layer), caches, slots)]
+            for got, want in zip(outs[::2], outs[1::2]):
+                assert got.isfinite().all() and rel_err(got, want) < 1e-2
+            assert rel_err(caches[0].recurrent, caches[1].recurrent) < 1e-2
+            assert rel_err(caches[0].conv.float(), caches[1].conv.float()) < 1e-2
+    assert len(graphs) <= 6
