@@ -54,12 +54,25 @@ def _opaque_when_compiling(op, impl):
     return op if torch.compiler.is_compiling() else impl
 
 
+@torch.compiler.assume_constant_result
+def _counters_made(device) -> bool:
+    """The device's error counters made while torch.compile traces, outside the graph, where the op finds them when
+    it runs: made by the op's first run instead, under inductor's CUDA graphs ("reduce-overhead") they would come
+    from a graph's private memory pool, whose blocks later graphs reuse, and a trace cannot run their allocation's
+    capture check."""
+    counters(device)
+    return True
+
+
 def _error_counters(errors, q):
     """The counters the kernels add to: the caller's ``errors`` (int32, one per kind of :mod:`fastkda.errors`, on
-    q's device) or the device's; None on the CPU, and while torch.compile traces, where the op looks the device's
-    up when it runs (their first allocation checks for a CUDA-graph capture, which a trace cannot hold)."""
+    q's device) or the device's; None on the CPU, and while torch.compile traces (the op looks the device's up when
+    it runs; :func:`_counters_made`)."""
     if errors is None:
-        return counters(q.device) if q.is_cuda and not torch.compiler.is_compiling() else None
+        if q.is_cuda and torch.compiler.is_compiling():
+            _counters_made(q.device)
+            return None
+        return counters(q.device) if q.is_cuda else None
     check_tensor("errors", errors, (len(KINDS),), (torch.int32,), q.device)
     return errors
 
@@ -500,7 +513,7 @@ def kda_decode(
         q, k, v, g, beta = addressable_inputs(q, k, v, g, beta)
     extents = remembered(validate_decode, q, k, v, g, beta, state_pool, slots, A_log, dt_bias, lower_bound, scale,
                          num_accepted_tokens, out)
-    if out is not None:
+    if out is not None and not compiling:  # eagerly: torch.compile traces without addresses
         check_disjoint("out", out, extents[6], zip(("q", "k", "v", "g", "beta", "state_pool"),
                                                    (q, k, v, g, beta, state_pool), extents))
     num_seqs, tokens, heads, _ = q.shape

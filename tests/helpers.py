@@ -130,6 +130,15 @@ class CompileCounter:
         return graph
 
 
+def in_default_pool(tensor):
+    """Whether a CUDA tensor's memory lies in a segment of the caching allocator's default pool (not a CUDA graph's
+    private pool, whose blocks later captures reuse)."""
+    for segment in torch.cuda.memory_snapshot():
+        if segment["address"] <= tensor.data_ptr() < segment["address"] + segment["total_size"]:
+            return tuple(segment["segment_pool_id"]) == (0, 0)
+    raise AssertionError("the tensor lies in no segment of the caching allocator")
+
+
 def check_compiled_prefill(compiled, inp):
     """``compiled`` (a compiled ``fastkda.kda_prefill``) on ``inp``, with its gate, initial state and offsets and a
     final state, gives the eager call's bits; returns nothing."""

@@ -142,6 +142,26 @@ def test_decode_under_torch_compile_is_one_op():
     assert torch.equal(pools[0], pools[1])
 
 
+def test_decode_into_a_given_out_compiles():
+    """``out=`` under ``torch.compile(fullgraph=True)``: its overlap check reads addresses, which a trace has not,
+    so it runs eagerly only (as prefill's does); the compiled call fills ``out`` as the eager one does."""
+    from torch import _dynamo
+
+    _dynamo.reset()
+    inp = make_inputs([1] * 3, heads=2, varlen=False, seed=27)
+    slots = torch.tensor([0, 2, 1], dtype=torch.int32)
+    pools = [torch.randn(3, 2, 64, 64, generator=torch.Generator().manual_seed(2)) for _ in range(2)]
+    outs = [torch.full_like(inp["v"], float("nan")) for _ in range(2)]
+    gate = dict(A_log=inp["A_log"], dt_bias=inp["dt_bias"], lower_bound=inp["lower_bound"])
+
+    def step(pool, out):
+        fastkda.kda_decode(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], pool, slots, **gate, out=out)
+
+    torch.compile(step, backend="eager", fullgraph=True)(pools[0], outs[0])
+    step(pools[1], outs[1])
+    assert outs[0].isfinite().all() and torch.equal(outs[0], outs[1]) and torch.equal(pools[0], pools[1])
+
+
 def test_cpu_path_updates_consecutive_slots_in_place(monkeypatch):
     """Slots first, first + 1, ... take the CPU path's in-place view (through kda_decode: no gather from the pool,
     no scatter back): same results as the float64 walk, other rows untouched."""

@@ -11,8 +11,8 @@ import torch
 import fastkda
 from fastkda.bench.timing import capture_graph
 from fastkda.reference import kda_reference
-from helpers import (CompileCounter, check_compiled_prefill, make_inputs, plan_for, rel_err, replay_with, run_prefill,
-                     solve_lower)
+from helpers import (CompileCounter, check_compiled_prefill, in_default_pool, make_inputs, plan_for, rel_err,
+                     replay_with, run_prefill, solve_lower)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -374,3 +374,40 @@ def test_compiled_prefill_and_decode_choose_each_shape_s_plan():
         assert torch.equal(compiled, fastkda.kda_decode(*args, pools[1], slots, **gate))
         assert torch.equal(pools[0], pools[1])
     assert counter.graphs <= 3
+
+
+@pytest.mark.parametrize("op", ["prefill", "decode"])
+def test_reduce_overhead_compile_as_the_first_call_keeps_the_counters_out_of_its_graphs(op):
+    """``torch.compile(mode="reduce-overhead")`` (inductor's CUDA graphs) as a process's first fastkda call: its
+    first run is a warm-up whose allocations go to the graphs' private pool, whose blocks later graphs reuse, so the
+    device's error counters are made while the call is traced, in the default pool; replays give the eager bits."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    if op == "prefill":
+        inp = make_inputs([300, 77], heads=4, key_dim=128, seed=5, device="cuda")
+        args = [inp[x] for x in ("q", "k", "v", "g", "beta")]
+        kw = dict(A_log=inp["A_log"], dt_bias=inp["dt_bias"], lower_bound=inp["lower_bound"],
+                  cu_seqlens=inp["cu_seqlens"])
+
+        def call():
+            return fastkda.kda_prefill(*args, **kw)[0] * 2
+    else:
+        inp = make_inputs([1] * 3, heads=4, key_dim=128, varlen=False, seed=6, device="cuda")
+        args = [inp[x] for x in ("q", "k", "v", "g", "beta")]
+        pool = torch.zeros(3, 4, 128, 128, device="cuda")
+        torch._dynamo.mark_static_address(pool)  # a pool the graphs update in place (inductor skips them otherwise)
+        slots = torch.arange(3, dtype=torch.int32, device="cuda")
+        kw = dict(A_log=inp["A_log"], dt_bias=inp["dt_bias"], lower_bound=inp["lower_bound"])
+
+        def call():
+            pool.zero_()
+            return fastkda.kda_decode(*args, pool, slots, **kw) * 2
+    compiled = torch.compile(call, mode="reduce-overhead", fullgraph=True)
+    torch._dynamo.utils.counters.clear()
+    with mock.patch.dict(fastkda.errors._COUNTERS, clear=True):
+        results = [compiled().clone() for _ in range(3)]  # warm-up, record, replay
+        assert not torch._dynamo.utils.counters["inductor"]["cudagraph_skips"]  # the graphs ran, warm-up first
+        assert in_default_pool(fastkda.errors._COUNTERS[torch.device("cuda", torch.cuda.current_device())])
+    want = call()
+    assert all(torch.equal(r, want) for r in results)

@@ -10,7 +10,7 @@ from fastkda.bench.timing import capture_graph
 from fastkda.cache import KDACache
 from fastkda.layers import KimiDeltaAttention
 from fastkda.plan import choose_decode_step_plan, sm_count
-from helpers import rel_err
+from helpers import in_default_pool, rel_err
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -254,3 +254,29 @@ def test_a_layer_compiled_by_inductor_serves_new_batches_on_the_gpu():
             assert rel_err(caches[0].recurrent, caches[1].recurrent) < 1e-2
             assert rel_err(caches[0].conv.float(), caches[1].conv.float()) < 1e-2
     assert len(graphs) <= 6
+
+
+def test_a_captured_step_keeps_no_buffer_of_the_graph_s_pool():
+    """A decode step captured in a CUDA graph over a batch padded past the cache's slots needs more join tickets
+    than the cache keeps: the ones made during capture come from the graph's private memory pool, whose blocks
+    other graphs reuse, so they stay the graph's (zeroed by each replay), and the cache keeps its own; replays give
+    the eager step's output."""
+    torch.manual_seed(0)
+    layer = KimiDeltaAttention(256, 2, 128, lower_bound=-5.0, fused_decode=True, device="cuda", dtype=torch.bfloat16)
+    slots = torch.tensor([0, 1, -1, -1], dtype=torch.int32, device="cuda")  # two null rows: 8 tickets, 4 kept
+    x = randn(4, 1, 256)
+
+    def fresh_cache():
+        return KDACache(2, 1, 2, 128, layer.conv_channels, layer.conv_kernel, device="cuda")
+
+    with torch.no_grad():
+        want = layer(x, fresh_cache(), slots=slots, decode=True)  # also compiles the kernels before the capture
+        cache = fresh_cache()
+        kept = cache.step_tickets(1)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            got = layer(x, cache, slots=slots, decode=True)
+    assert cache.step_tickets(1).data_ptr() == kept.data_ptr() and in_default_pool(cache.step_tickets(1))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(got, want)

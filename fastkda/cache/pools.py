@@ -115,9 +115,14 @@ class KDACache:
 
     def step_tickets(self, count):
         """``count`` int32 zeros for :func:`fastkda.kda_decode_step`, which leaves them as zeros: one buffer for
-        every layer and step (grown when a batch needs more)."""
+        every layer and step, grown when a batch needs more, except while a CUDA graph is captured: a buffer made
+        then belongs to the graph's private memory pool, whose blocks other graphs reuse, so it is the graph's own
+        (its zeros written by each replay) and not kept."""
         if self._tickets.numel() < count:
-            self._tickets = torch.zeros(count, dtype=torch.int32, device=self._tickets.device)
+            device = self._tickets.device
+            if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+                return torch.zeros(count, dtype=torch.int32, device=device)
+            self._tickets = torch.zeros(count, dtype=torch.int32, device=device)
         return self._tickets[:count]
 
     def layer(self, index):

@@ -132,7 +132,8 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
                           allow_neg_eigval=allow_neg_eigval)
     h0 = _other_layout(initial_state, state_v_first)
     _check_offset_pair(cu_seqlens, cu_seqlens_cpu, q)
-    if max_seqlen is None and cu_seqlens_cpu is not None and cu_seqlens_cpu.numel() > 1:
+    if (max_seqlen is None and cu_seqlens_cpu is not None and cu_seqlens_cpu.numel() > 1
+            and not torch.compiler.is_compiling()):  # a hint from values: a trace reads none (the op plans by them)
         offsets = cu_seqlens_cpu.tolist()
         max_seqlen = max(b - a for a, b in zip(offsets, offsets[1:]))
     if not return_intermediate_states:

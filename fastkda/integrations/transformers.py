@@ -51,8 +51,9 @@ def _v_first(state):
 def _sequence_slots(batch, device):
     """Pool rows ``0 .. B−1`` (int32), the slots of transformers' per-sequence states: made once per batch size and
     device (fastkda only reads them, and an eager decode step's host time is what it launches), except while a CUDA
-    graph is captured, where a new tensor belongs to the graph's private memory pool and must not outlive it."""
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+    graph is captured, where a new tensor belongs to the graph's private memory pool and must not outlive it, and
+    while torch.compile traces, where the graph makes its own (and the capture check cannot be traced)."""
+    if torch.compiler.is_compiling() or (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
         return torch.arange(batch, dtype=torch.int32, device=device)
     return _kept_sequence_slots(batch, device)
 
@@ -98,7 +99,8 @@ def recurrent_kimi_delta_attention(q, k, v, *, g, beta, initial_state=None, outp
     pool = _v_first(initial_state)
     if pool.dtype != torch.float32:
         pool = pool.float()
-    elif pool.data_ptr() == initial_state.data_ptr():  # a K-first view of V-first memory: the caller's own tensor
+    elif initial_state.transpose(-1, -2).is_contiguous():  # a K-first view of V-first memory: _v_first gave the
+        # caller's own tensor (asked by layout, not address, which torch.compile cannot trace)
         pool = pool.clone()
     o = kda_decode(q, k, v, g, beta, pool, _sequence_slots(q.shape[0], q.device), use_qk_l2norm=use_qk_l2norm_in_kernel,
                    use_beta_sigmoid=False)

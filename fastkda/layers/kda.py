@@ -263,7 +263,8 @@ class KimiDeltaAttention(nn.Module):
             o = kda_decode_step(mixed[:, 0], _live_rows(conv_pool), weight, g[:, 0], beta[:, 0], output_gate[:, 0],
                                 self.o_norm.weight, _live_rows(state_pool), slots, **gate,
                                 eps=self.o_norm.variance_epsilon,
-                                tickets=cache.step_tickets(slots.shape[0] * self.num_heads))
+                                tickets=None if torch.compiler.is_compiling()  # compiled: three ops, no join
+                                else cache.step_tickets(slots.shape[0] * self.num_heads))
             return self.o_proj(o.flatten(-2))[:, None]
         _check_before_the_pools(cache, conv_pool, slots, mixed=mixed, g=g, beta=beta, **gate)  # the step checks its own
         self._check_decode_call(mixed, g, beta, gate, _live_rows(state_pool), slots, num_accepted_tokens)

@@ -303,6 +303,19 @@ def test_cu_seqlens_cpu_gives_the_plan_its_longest_length(monkeypatch):
     assert torch.equal(o, want)
 
 
+def test_cu_seqlens_cpu_compiles():
+    """Under ``torch.compile(fullgraph=True)`` the host copy's values are not read for a hint (a trace has none;
+    the op plans from the offsets it runs on): the compiled call gives the eager bits."""
+    from torch import _dynamo
+
+    _dynamo.reset()
+    inp = make_inputs([40, 24, 56], seed=72)
+    args = [inp[x] for x in ("q", "k", "v", "g", "beta")]
+    kw = dict(lower_bound_gate(inp), cu_seqlens=inp["cu_seqlens"], cu_seqlens_cpu=inp["cu_seqlens"].cpu())
+    compiled = torch.compile(lambda *a: fla.chunk_kda(*a, **kw)[0], backend="eager", fullgraph=True)
+    assert torch.equal(compiled(*args), fla.chunk_kda(*args, **kw)[0])
+
+
 @pytest.mark.parametrize("intermediate", [False, True])
 @pytest.mark.parametrize("cu_float,host,what", [
     (True, None, "cu_seqlens must be of dtype"),

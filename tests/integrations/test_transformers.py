@@ -171,6 +171,13 @@ def test_decode_step_leaves_the_given_state_as_it_was():
     o_copy, final_copy = fastkda_transformers.recurrent_kimi_delta_attention(q, k, v, initial_state=k_first, **step)
     assert torch.equal(cached, v_first.transpose(-1, -2)) and torch.equal(k_first, v_first.transpose(-1, -2))
     assert torch.equal(o, o_copy) and torch.equal(final, final_copy) and not torch.equal(final, cached)
+    from torch import _dynamo
+
+    _dynamo.reset()  # compiled (fullgraph), the same: the copy decided by layout, the slots made in the graph
+    compiled = torch.compile(fastkda_transformers.recurrent_kimi_delta_attention, backend="eager", fullgraph=True)
+    o_compiled, final_compiled = compiled(q, k, v, initial_state=cached, **step)
+    assert torch.equal(cached, v_first.transpose(-1, -2))
+    assert torch.equal(o_compiled, o) and torch.equal(final_compiled, final)
 
 
 @pytest.mark.parametrize("kind", MODEL_KINDS)
