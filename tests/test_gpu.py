@@ -411,3 +411,31 @@ def test_reduce_overhead_compile_as_the_first_call_keeps_the_counters_out_of_its
         assert in_default_pool(fastkda.errors._COUNTERS[torch.device("cuda", torch.cuda.current_device())])
     want = call()
     assert all(torch.equal(r, want) for r in results)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_calls_on_a_gpu_other_than_the_current_one_run_there():
+    """A model split over GPUs in one process calls fastkda with tensors on a GPU that is not the current device:
+    prefill (in segments too), decode and the decode step on cuda:1 while cuda:0 is current give what the same
+    calls give with cuda:1 current, and leave the current device as it was."""
+    inp = make_inputs([3000, 700], heads=12, key_dim=128, seed=9, device="cuda:1")
+    args = [inp[x] for x in ("q", "k", "v", "g", "beta")]
+    kw = dict(A_log=inp["A_log"], dt_bias=inp["dt_bias"], lower_bound=inp["lower_bound"],
+              initial_state=inp["initial_state"], cu_seqlens=inp["cu_seqlens"], output_final_state=True)
+    step = make_inputs([1] * 4, heads=12, key_dim=128, varlen=False, seed=10, device="cuda:1")
+    step_args = [step[x] for x in ("q", "k", "v", "g", "beta")]
+    gate = dict(A_log=step["A_log"], dt_bias=step["dt_bias"], lower_bound=step["lower_bound"])
+    slots = torch.arange(4, dtype=torch.int32, device="cuda:1")
+
+    def calls():
+        pool = 0.1 * torch.ones(4, 12, 128, 128, device="cuda:1")
+        return (*fastkda.kda_prefill(*args, **kw), *fastkda.kda_prefill(*args, **kw, sequence_parallel=8),
+                fastkda.kda_decode(*step_args, pool, slots, **gate), pool)
+
+    with torch.cuda.device(0):
+        got = calls()
+        torch.cuda.synchronize(1)
+        assert torch.cuda.current_device() == 0
+    with torch.cuda.device(1):
+        want = calls()
+    assert all(torch.equal(a, b) for a, b in zip(got, want))

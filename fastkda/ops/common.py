@@ -102,11 +102,22 @@ def launch(kernel, grid, *args, **meta):
     any order) and launch options. Triton binds and specialises every argument of every call in Python, tens of µs
     of host time per launch (docs/perf-notes.md, "Eager host path"); after the first call of a
     specialisation this launches its compiled kernel directly. Under the interpreter, with a Triton launch hook
-    set (profilers) or another Triton than 3.6, it is Triton's own path."""
-    if _INTERPRETING or not _DIRECT_LAUNCH or _launch_hooked():
+    set (profilers) or another Triton than 3.6, it is Triton's own path.
+
+    It launches on the GPU of the first argument (every kernel's first argument is a tensor of the call), on that
+    GPU's current stream, as PyTorch runs an operator: Triton launches on the current device, and a model split
+    over GPUs in one process (transformers' ``device_map="auto"``) calls layers whose tensors are on another."""
+    if _INTERPRETING:
         kernel[grid](*args, **meta)
         return
     device = torch.cuda.current_device()
+    if args[0].get_device() not in (device, -1):  # (-1: a CPU stand-in, in tests)
+        with torch.cuda.device(args[0].device):
+            launch(kernel, grid, *args, **meta)
+        return
+    if not _DIRECT_LAUNCH or _launch_hooked():
+        kernel[grid](*args, **meta)
+        return
     key = (kernel, device, _specialisation(args), tuple(meta.items()))
     entry = _COMPILED.get(key)
     if entry is None:

@@ -87,3 +87,40 @@ def test_direct_path_launches_the_first_calls_binary_with_every_parameter_in_ord
     common.launch(kernel, (3, 2, 1), x[1:], 100, 0.5, FLAG=True, BLOCK=16, num_warps=4)
     assert [entry[0] for entry in launched] == ["triton", "direct", "triton"]
     assert launched[1][1] == (3, 2, 1, 1234, "function", "metadata", None, None, None, x, 116, 0.25, 16, True)
+
+
+def test_a_call_on_another_gpu_launches_there(monkeypatch):
+    """Triton launches on the current device: a call whose tensors are on another GPU (a model split over GPUs in
+    one process) is launched inside ``torch.cuda.device`` of its first argument's GPU; one on the current GPU is
+    launched as it is."""
+    import contextlib
+
+    from fastkda.ops import common
+
+    current, switched, launched = [0], [], []
+
+    class OnGpu:  # stands for a CUDA tensor
+        def __init__(self, index):
+            self.index, self.device = index, f"cuda:{index}"
+
+        def get_device(self):
+            return self.index
+
+    @contextlib.contextmanager
+    def on_device(device):
+        switched.append(device)
+        before, current[0] = current[0], int(device.split(":")[1])
+        yield
+        current[0] = before
+
+    class Kernel:
+        def __getitem__(self, grid):
+            return lambda *args, **meta: launched.append(current[0])
+
+    monkeypatch.setattr(common, "_INTERPRETING", False)
+    monkeypatch.setattr(common, "_DIRECT_LAUNCH", False)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: current[0])
+    monkeypatch.setattr(torch.cuda, "device", on_device)
+    common.launch(Kernel(), (1, 1, 1), OnGpu(1), 5, BLOCK=16)
+    common.launch(Kernel(), (1, 1, 1), OnGpu(0), 5, BLOCK=16)
+    assert switched == ["cuda:1"] and launched == [1, 0] and current == [0]
