@@ -58,9 +58,12 @@ def _opaque_when_compiling(op, impl):
 def _counters_made(device) -> bool:
     """The device's error counters made while torch.compile traces, outside the graph, where the op finds them when
     it runs: made by the op's first run instead, under inductor's CUDA graphs ("reduce-overhead") they would come
-    from a graph's private memory pool, whose blocks later graphs reuse, and a trace cannot run their allocation's
-    capture check."""
-    counters(device)
+    from a graph's private memory pool, whose blocks later graphs reuse. The decorator makes dynamo call this
+    function while tracing rather than trace it (a trace cannot run the allocation's capture check); the True it
+    returns is the constant it records, unused. Not while exporting: there tensors are fake, and a fake one would
+    stay in the counters' table for later eager calls."""
+    if not torch.compiler.is_exporting():
+        counters(device)
     return True
 
 

@@ -416,8 +416,8 @@ def test_reduce_overhead_compile_as_the_first_call_keeps_the_counters_out_of_its
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
 def test_calls_on_a_gpu_other_than_the_current_one_run_there():
     """A model split over GPUs in one process calls fastkda with tensors on a GPU that is not the current device:
-    prefill (in segments too), decode and the decode step on cuda:1 while cuda:0 is current give what the same
-    calls give with cuda:1 current, and leave the current device as it was."""
+    prefill (in segments too), decode, the conv, the gated norm and the fused decode step on cuda:1 while cuda:0 is
+    current give what the same calls give with cuda:1 current, and leave the current device as it was."""
     inp = make_inputs([3000, 700], heads=12, key_dim=128, seed=9, device="cuda:1")
     args = [inp[x] for x in ("q", "k", "v", "g", "beta")]
     kw = dict(A_log=inp["A_log"], dt_bias=inp["dt_bias"], lower_bound=inp["lower_bound"],
@@ -427,10 +427,21 @@ def test_calls_on_a_gpu_other_than_the_current_one_run_there():
     gate = dict(A_log=step["A_log"], dt_bias=step["dt_bias"], lower_bound=step["lower_bound"])
     slots = torch.arange(4, dtype=torch.int32, device="cuda:1")
 
+    channels = 3 * 12 * 128
+    mixed, weight = (torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to("cuda:1", torch.bfloat16)
+                     for shape, seed in (((4, channels), 11), ((channels, 4), 12)))
+    output_gate = torch.randn(4, 12, 128, generator=torch.Generator().manual_seed(13)).to("cuda:1", torch.bfloat16)
+    norm_weight = torch.ones(128, device="cuda:1")
+
     def calls():
-        pool = 0.1 * torch.ones(4, 12, 128, 128, device="cuda:1")
-        return (*fastkda.kda_prefill(*args, **kw), *fastkda.kda_prefill(*args, **kw, sequence_parallel=8),
-                fastkda.kda_decode(*step_args, pool, slots, **gate), pool)
+        pool, step_pool = (0.1 * torch.ones(4, 12, 128, 128, device="cuda:1") for _ in range(2))
+        conv_pool = torch.ones(4, channels, 3, device="cuda:1", dtype=torch.bfloat16)
+        conv = fastkda.causal_conv1d(inp["q"][0].flatten(-2).repeat(1, 3), weight, cu_seqlens=inp["cu_seqlens"])
+        return (*fastkda.kda_prefill(*args, **kw), *fastkda.kda_prefill(*args, **kw, sequence_parallel=256),
+                fastkda.kda_decode(*step_args, pool, slots, **gate), pool, conv,
+                fastkda.gated_rmsnorm(step["v"], step["q"], norm_weight),
+                fastkda.kda_decode_step(mixed, conv_pool, weight, step["g"][:, 0], step["beta"][:, 0], output_gate,
+                                        norm_weight, step_pool, slots, **gate), step_pool, conv_pool)
 
     with torch.cuda.device(0):
         got = calls()

@@ -109,7 +109,8 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
     ``cp_context`` (multi-device context parallelism) is refused.
     ``sequence_parallel`` and ``max_seqlen`` as in :func:`fastkda.kda_prefill`; without ``max_seqlen``,
     ``cu_seqlens_cpu`` (FLA's host copy of the offsets) gives it, so that the plan knows the longest sequence as
-    FLA's own chunk indices do. ``disable_recompute``,
+    FLA's own chunk indices do (except under torch.compile, which traces no values: pass ``max_seqlen`` there, or
+    the plan is made from the batch's size and token count alone). ``disable_recompute``,
     ``use_graph``, ``max_num_seqs`` and other training-only arguments are ignored: fastkda's prefill takes any
     ``cu_seqlens`` (also zero-length tail sequences) inside CUDA-graph capture anyway."""
     state_v_first = _renamed_layout(state_v_first, kwargs)
@@ -133,7 +134,7 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
     h0 = _other_layout(initial_state, state_v_first)
     _check_offset_pair(cu_seqlens, cu_seqlens_cpu, q)
     if (max_seqlen is None and cu_seqlens_cpu is not None and cu_seqlens_cpu.numel() > 1
-            and not torch.compiler.is_compiling()):  # a hint from values: a trace reads none (the op plans by them)
+            and not torch.compiler.is_compiling()):  # a hint from values, which a trace does not read
         offsets = cu_seqlens_cpu.tolist()
         max_seqlen = max(b - a for a, b in zip(offsets, offsets[1:]))
     if not return_intermediate_states:

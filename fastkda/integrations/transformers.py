@@ -96,11 +96,13 @@ def recurrent_kimi_delta_attention(q, k, v, *, g, beta, initial_state=None, outp
         return chunk_kimi_delta_attention(q, k, v, g=g, beta=beta, initial_state=initial_state,
                                           output_final_state=output_final_state,
                                           use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
-    pool = _v_first(initial_state)
+    v_first = initial_state.transpose(-1, -2)
+    pool = v_first.contiguous()
     if pool.dtype != torch.float32:
         pool = pool.float()
-    elif initial_state.transpose(-1, -2).is_contiguous():  # a K-first view of V-first memory: _v_first gave the
-        # caller's own tensor (asked by layout, not address, which torch.compile cannot trace)
+    elif v_first.is_contiguous():
+        # a K-first view of V-first memory: contiguous() gave the caller's own tensor (asked by layout, not by
+        # address, which torch.compile cannot trace)
         pool = pool.clone()
     o = kda_decode(q, k, v, g, beta, pool, _sequence_slots(q.shape[0], q.device), use_qk_l2norm=use_qk_l2norm_in_kernel,
                    use_beta_sigmoid=False)

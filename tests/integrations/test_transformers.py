@@ -175,7 +175,9 @@ def test_decode_step_leaves_the_given_state_as_it_was():
 
     _dynamo.reset()  # compiled (fullgraph), the same: the copy decided by layout, the slots made in the graph
     compiled = torch.compile(fastkda_transformers.recurrent_kimi_delta_attention, backend="eager", fullgraph=True)
-    o_compiled, final_compiled = compiled(q, k, v, initial_state=cached, **step)
+    with warnings.catch_warnings():  # dynamo traces a cached function only with a warning: an error here
+        warnings.simplefilter("error")
+        o_compiled, final_compiled = compiled(q, k, v, initial_state=cached, **step)
     assert torch.equal(cached, v_first.transpose(-1, -2))
     assert torch.equal(o_compiled, o) and torch.equal(final_compiled, final)
 

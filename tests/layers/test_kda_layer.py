@@ -408,6 +408,22 @@ def test_decode_of_several_tokens_compiles_as_one_graph():
     assert torch.equal(caches[0].recurrent, caches[1].recurrent) and torch.equal(caches[0].conv, caches[1].conv)
 
 
+def test_a_compiled_step_keeps_the_cache_s_tickets():
+    """Compiled, the one-token step runs as three ops (no join), so the layer asks the cache for no tickets: a
+    batch padded past the cache's slots leaves the cache's buffer as it was (made in a graph, it would belong to
+    the graph), and the step equals the eager one."""
+    layer = make_layer(-5.0).eval()
+    caches = [cache_for(layer, slots=2), cache_for(layer, slots=2)]
+    kept = caches[0].step_tickets(1).data_ptr()
+    slots = torch.tensor([0, 1, -1, -1], dtype=torch.int32)  # two padding rows: more tickets than the cache keeps
+    x = hidden(4, 1, seed=6)
+    compiled = torch.compile(layer, backend="eager", fullgraph=True)
+    with torch.no_grad():
+        outs = [run(x, cache, slots=slots, decode=True) for run, cache in zip((compiled, layer), caches)]
+    assert caches[0].step_tickets(1).data_ptr() == kept
+    assert torch.equal(outs[0], outs[1]) and torch.equal(caches[0].recurrent, caches[1].recurrent)
+
+
 def test_a_compiled_layer_keeps_its_graphs_over_new_batches():
     """A serving engine's batches change size every step: compiled with ``fullgraph=True``, the layer's prefill
     over packed batches of 1 to 8 sequences and its decode over 1 to 8 sequences take a few graphs each (the
