@@ -61,8 +61,9 @@ def _counters_made(device) -> bool:
     from a graph's private memory pool, whose blocks later graphs reuse. The decorator makes dynamo call this
     function while tracing rather than trace it (a trace cannot run the allocation's capture check); the True it
     returns is the constant it records, unused. Not while exporting: there tensors are fake, and a fake one would
-    stay in the counters' table for later eager calls."""
-    if not torch.compiler.is_exporting():
+    stay in the counters' table for later eager calls (``is_exporting`` is torch 2.6's; before it, export is not
+    told apart)."""
+    if not getattr(torch.compiler, "is_exporting", lambda: False)():
         counters(device)
     return True
 
