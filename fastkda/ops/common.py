@@ -111,16 +111,11 @@ def launch(kernel, grid, *args, **meta):
         kernel[grid](*args, **meta)
         return
     device = torch.cuda.current_device()
-    if args[0].get_device() == device:
-        _launch_on_current_device(kernel, grid, device, args, meta)
+    if args[0].get_device() != device:  # the rare case: one level down, its GPU is the current one (no call more
+        # on the common path, whose host time an eager call pays per launch)
+        with torch.cuda.device(args[0].device):
+            launch(kernel, grid, *args, **meta)
         return
-    with torch.cuda.device(args[0].device):
-        _launch_on_current_device(kernel, grid, args[0].get_device(), args, meta)
-
-
-def _launch_on_current_device(kernel, grid, device, args, meta):
-    """:func:`launch` on ``device``, the current one: Triton's own path with a launch hook set or another Triton
-    than 3.6, else the compiled kernel of the arguments' specialisation (Triton's path the first time)."""
     if not _DIRECT_LAUNCH or _launch_hooked():
         kernel[grid](*args, **meta)
         return
