@@ -429,8 +429,7 @@ def _decode_impl(
             plan = requested_decode_plan(launch_numbers, num_seqs, heads, v.shape[-1], _sms_of(q), tokens)
         else:
             plan = DecodePlan.from_launch_numbers(launch_numbers)
-        recurrent_kda_decode(q, k, v, g, beta, state_pool, slots, plan=plan, **kw, out=out,
-                             errors=counters(q.device) if errors is None else errors)
+        recurrent_kda_decode(q, k, v, g, beta, state_pool, slots, plan=plan, **kw, out=out, errors=errors)
         return
     out.copy_(_decode_on_cpu(q, k, v, g, beta, state_pool, slots, **kw))
 

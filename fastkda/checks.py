@@ -13,7 +13,7 @@ import os
 
 import torch
 
-from .validation import fail
+from .validation import capturing, fail
 
 ENV_CHECKS = "FASTKDA_CHECKS"
 
@@ -40,7 +40,7 @@ def requested(checks) -> bool:
 def outside_capture(anchor):
     """Checked mode reads device memory: refused by name while ``anchor``'s CUDA stream is being captured into a
     graph (the read would end the capture with CUDA's own error)."""
-    if anchor.is_cuda and torch.cuda.is_current_stream_capturing():
+    if capturing(anchor.device):
         fail("checks", "off inside CUDA-graph capture (checked mode reads device memory)", True)
 
 

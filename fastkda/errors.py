@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import torch
 
+from .validation import capturing
+
 KINDS = ("slot", "accepted", "cu_seqlens")
 _COUNTERS: dict = {}  # torch.device -> int32 tensor [len(KINDS)]
 
@@ -58,7 +60,7 @@ def counters(device=None) -> torch.Tensor:
     device = _device(device)
     found = _COUNTERS.get(device)
     if found is None:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():  # zeroing would be recorded, and
+        if capturing(device):  # zeroing would be recorded, and
             # redone on every replay
             raise ValueError("fastkda: errors must be passed (an int32 tensor of 3 zeros) to a call captured in a "
                              "CUDA graph before any fastkda call ran on its device, got None")

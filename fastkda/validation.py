@@ -19,6 +19,12 @@ MIN_LOWER_BOUND = -5.0  # exp(-G) over a 16-token block stays below e^80 (fp32/b
 INT32_LIMIT = 2 ** 31  # the kernels form some offsets in 32 bits (fastkda/ops/)
 
 
+def capturing(device) -> bool:
+    """Whether the current CUDA stream is being captured into a graph, for work on ``device`` (never on the CPU):
+    a tensor made then belongs to the graph's private memory pool, and a read of device memory ends the capture."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
 def fail(name, expected, got):
     raise ValueError(f"fastkda: {name} must be {expected}, got {got}")
 

@@ -16,6 +16,8 @@ import numbers
 
 import torch
 
+from ..validation import capturing
+
 NULL_SLOT = -1
 
 
@@ -120,7 +122,7 @@ class KDACache:
         (its zeros written by each replay) and not kept."""
         if self._tickets.numel() < count:
             device = self._tickets.device
-            if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            if capturing(device):
                 return torch.zeros(count, dtype=torch.int32, device=device)
             self._tickets = torch.zeros(count, dtype=torch.int32, device=device)
         return self._tickets[:count]

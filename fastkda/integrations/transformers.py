@@ -34,7 +34,7 @@ import torch
 from ..api import causal_conv1d, causal_conv1d_update, gated_rmsnorm, kda_decode, kda_prefill
 from ..plan import SUPPORTED_DIMS
 from ..reference import kda_chunked
-from ..validation import FLOAT_DTYPES
+from ..validation import FLOAT_DTYPES, capturing
 
 MODELS = {  # modeling module -> its gated norm class
     "transformers.models.kimi_linear.modeling_kimi_linear": "KimiLinearRMSNormGated",
@@ -53,7 +53,7 @@ def _sequence_slots(batch, device):
     device (fastkda only reads them, and an eager decode step's host time is what it launches), except while a CUDA
     graph is captured, where a new tensor belongs to the graph's private memory pool and must not outlive it, and
     while torch.compile traces, where the graph makes its own (and the capture check cannot be traced)."""
-    if torch.compiler.is_compiling() or (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+    if torch.compiler.is_compiling() or capturing(device):
         return torch.arange(batch, dtype=torch.int32, device=device)
     return _kept_sequence_slots(batch, device)
 

@@ -13,6 +13,7 @@ is counted in :mod:`fastkda.errors`. A precomputed gate above 0 (outside the con
 import triton
 import triton.language as tl
 
+from ..errors import counters
 from .common import interpreting, launch, load_f32, store_as
 
 
@@ -150,11 +151,13 @@ def decode_kernel(
 def recurrent_kda_decode(q, k, v, g, beta, state_pool, slots, *, plan, A_log, dt_bias, lower_bound, scale,
                          num_accepted_tokens, use_qk_l2norm, use_beta_sigmoid, out, errors):
     """Launch the decode kernel on validated inputs as the :class:`fastkda.plan.DecodePlan` says; ``out [N, T, H,
-    V]`` contiguous, written in place, the pool updated in place, bad indices counted in ``errors``
-    (:func:`fastkda.errors.counters`)."""
+    V]`` contiguous, written in place, the pool updated in place, bad indices counted in ``errors`` (None: the
+    device's :func:`fastkda.errors.counters`, as the prefill's kernels take them)."""
     num_seqs, tokens, heads, key_dim = q.shape
     if num_seqs == 0 or tokens == 0:
         return
+    if errors is None:
+        errors = counters(q.device)
     lower_bound_gate = lower_bound is not None
     per_token = slots.dim() == 2
     absent = slots  # stands for absent optional tensors; never dereferenced
