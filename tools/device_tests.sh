@@ -121,8 +121,11 @@ step checkpoint-cost "${CKPT_S:-0}" python3 tools/sweeps/checkpoint_cost.py
 # transformers' tiny models three ways (its eight cases took more than 170 s on an H100: MODELS_ARGS="--cases 1x64
 # 1x2048" for fewer, and "--profile" for where a generated token's host time goes); it writes its files after each
 # case, so a limit that ends it keeps the cases it finished
+# (today's committed models file travels along as the bench's does, and the cases this call measures replace theirs)
+models_file="${today%.json}-models.json"
+[ -f "$models_file" ] && [ ! -f "$OUT/results/$(basename "$models_file")" ] && cp "$models_file" "$OUT/results/"
 # shellcheck disable=SC2086
-step models "${MODELS_S:-0}" python3 -m fastkda.bench.models --out "$OUT/results" ${MODELS_ARGS:-}
+step models "${MODELS_S:-0}" python3 -m fastkda.bench.models --append --out "$OUT/results" ${MODELS_ARGS:-}
 NCU_KERNEL=${NCU_KERNEL:-prepare} NCU_WORKLOAD=${NCU_WORKLOAD:-H96_B1_T8192}  # the kernel's Triton name less _kernel
 [ "$NCU_KERNEL" = scan ] && ncu_name=segment_scan || ncu_name=$NCU_KERNEL
 # a decode workload (decode_*) runs the decode step, its memory floor and the fused step (NCU_KERNEL=decode,

@@ -31,10 +31,13 @@ import torch
 from ..integrations import transformers as fastkda_transformers
 from ..integrations.tiny_models import MODEL_KINDS, tiny_model
 from .arguments import batch_by_length, checked_device, positive_int
-from .report import git_commit, run_id
+from .report import git_commit, merge_rows, run_id
 from .timing import synced_median_ms
 
 CASES = [(1, 64), (2, 64), (1, 2048), (2, 2048)]  # (batch, prompt length)
+CASE_FIELDS = ("model", "batch", "length")  # what --append replaces as a whole: one case, every path
+ROW_FIELDS = CASE_FIELDS + ("path", "forward_ms", "per_token_ms", "commit", "device", "dtype", "date")  # what
+# markdown reads of every row (the paired differences and the repeats are newer: shown where a row has them)
 NEW_TOKENS = 48  # generated tokens timed per case (past the first): enough for a median that host stalls miss
 KDA_FUNCTIONS = ("chunk_kimi_delta_attention", "recurrent_kimi_delta_attention", "causal_conv1d_fn",
                  "causal_conv1d_update")
@@ -195,6 +198,8 @@ def main(argv=None):
     parser.add_argument("--repeats", type=positive_int, default=5)
     parser.add_argument("--cases", nargs="+", type=batch_by_length, default=list(CASES), metavar="BxT")
     parser.add_argument("--out", default="fastkda-results")
+    parser.add_argument("--append", action="store_true",
+                        help="keep the cases of today's models file in OUT that this run does not measure")
     parser.add_argument("--profile", action="store_true",
                         help="also profile a generation per path and case (host operators and Python functions), "
                              "written to OUT/<date>-<device>-models-profile.txt")
@@ -205,10 +210,15 @@ def main(argv=None):
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     stem = out / f"{date.today().isoformat()}-{device_name(device).replace(' ', '_')}-models"
+    try:
+        earlier = earlier_rows(stem.with_suffix(".json")) if args.append else []
+    except ValueError as exc:  # an unreadable file: --append would lose its rows
+        parser.error(f"--append: {exc}")
 
     def write():  # after every case, so that a run cut short by a time limit keeps the cases it finished
-        stem.with_suffix(".json").write_text(json.dumps(dict(rows=rows), indent=1))
-        stem.with_suffix(".md").write_text(markdown(rows))
+        kept = merge_rows(earlier, rows, CASE_FIELDS)  # a case's rows all from one run: its paired differences
+        stem.with_suffix(".json").write_text(json.dumps(dict(rows=kept), indent=1))
+        stem.with_suffix(".md").write_text(markdown(kept))
         if profiles:
             Path(f"{stem}-profile.txt").write_text(f"# commit {commit}, run {run}\n\n" + "\n".join(profiles))
     for kind in MODEL_KINDS:
@@ -221,7 +231,7 @@ def main(argv=None):
         for batch, length in cases:
             for row in measure_case(kind, paths, model, module, bound, batch, length, device, args.repeats):
                 row.update(commit=commit, run=run, device=device_name(device), dtype=str(dtype).replace("torch.", ""),
-                           date=date.today().isoformat())
+                           date=date.today().isoformat(), repeats=args.repeats)
                 rows.append(row)
                 print(f"[models] {kind:12s} {row['path']:8s} B{batch} T{length:<5d} forward {row['forward_ms']:8.2f} "
                       f"ms  per token {row['per_token_ms']:7.2f} ms  (beyond fastkda: forward "
@@ -237,13 +247,28 @@ def main(argv=None):
     print(f"[models] wrote {stem}.json")
 
 
+def earlier_rows(path):
+    """The rows of a models file written earlier (``--append``), none if there is no such file; ``ValueError``
+    naming the file where it is not one."""
+    if not path.exists():
+        return []
+    try:
+        found = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:  # ValueError: not JSON or not UTF-8 text
+        raise ValueError(f"cannot read {path}: {getattr(exc, 'strerror', None) or exc}") from None
+    rows = found.get("rows") if isinstance(found, dict) else None
+    if not isinstance(rows, list) or not all(isinstance(r, dict) and all(f in r for f in ROW_FIELDS) for r in rows):
+        raise ValueError(f"{path} is not a models results file (a JSON object with \"rows\" of {', '.join(ROW_FIELDS)})")
+    return rows
+
+
 def markdown(rows):
     """One table: forward and per-token ms per (model, case), a column per path."""
     paths = [p for p in ("fastkda", "fla", "pytorch") if any(r["path"] == p for r in rows)]
     others = paths[1:]
     head = (["model", "B", "T"] + [f"{p} forward ms" for p in paths] + [f"{p} ms/token" for p in paths]
             + [f"{p} − fastkda forward ms" for p in others] + [f"{p} − fastkda ms/token" for p in others]
-            + ["commit"])
+            + ["repeats", "commit"])
     lines = [f"# Tiny transformers models with KDA layers, {rows[0]['device']}, {rows[0]['date']}, {rows[0]['dtype']}",
              "", "Eager, median of repeats in which the paths take turns; generation: greedy with the model's cache, "
              "time per token past the first (the median interval between consecutive tokens' logits, without the "
@@ -260,7 +285,8 @@ def markdown(rows):
         cells += [f"{by_path[p]['per_token_ms']:.2f}" if p in by_path else "" for p in paths]
         for key in ("forward_beyond_fastkda_ms", "per_token_beyond_fastkda_ms"):
             cells += [f"{by_path[p][key]:+.3f}" if p in by_path and key in by_path[p] else "" for p in others]
-        cells.append(next(iter(by_path.values()))["commit"])
+        first = next(iter(by_path.values()))
+        cells += [str(first.get("repeats", "")), first["commit"]]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 

@@ -47,3 +47,27 @@ def test_profile_writes_each_path_s_operators_and_functions(tmp_path):
             assert f"## {kind} {path} B1 T8: {models.PROFILED_TOKENS} generated tokens" in text
     assert "fastkda/integrations/transformers.py" in text  # cProfile saw fastkda's functions
     assert "aten::" in text  # the profiler's operators
+
+
+def test_append_keeps_the_cases_this_run_does_not_measure_and_replaces_the_ones_it_does(tmp_path):
+    models.main(["--device", "cpu", "--cases", "1x8", "1x4", "--repeats", "1", "--out", str(tmp_path)])
+    [results] = tmp_path.glob("*-models.json")
+    first = json.loads(results.read_text())["rows"]
+    models.main(["--device", "cpu", "--cases", "1x4", "--repeats", "2", "--out", str(tmp_path), "--append"])
+    rows = json.loads(results.read_text())["rows"]
+    assert sorted(map(json.dumps, (r for r in rows if r["length"] == 8))) == sorted(
+        map(json.dumps, (r for r in first if r["length"] == 8)))  # the case not measured again: as it was
+    again = [r for r in rows if r["length"] == 4]
+    assert len(again) == len(first) // 2 and all(r["repeats"] == 2 for r in again)  # every path of the case, new
+    table = (tmp_path / results.name.replace(".json", ".md")).read_text()
+    assert "| kimi_linear | 1 | 8 |" in table and "| kimi_linear | 1 | 4 |" in table
+    models.main(["--device", "cpu", "--cases", "1x4", "--repeats", "1", "--out", str(tmp_path)])  # no --append
+    assert {r["length"] for r in json.loads(results.read_text())["rows"]} == {4}
+
+
+def test_append_refuses_a_file_that_is_not_a_models_file_before_measuring(tmp_path, argparse_error):
+    name = f"{models.date.today().isoformat()}-{models.device_name(torch.device('cpu')).replace(' ', '_')}-models.json"
+    (tmp_path / name).write_text('{"rows": [{"model": "kimi_linear"}]}')
+    err = argparse_error(models.main, ["--device", "cpu", "--cases", "1x4", "--out", str(tmp_path), "--append"])
+    assert "--append:" in err and "not a models results file" in err
+    assert (tmp_path / name).read_text() == '{"rows": [{"model": "kimi_linear"}]}'
