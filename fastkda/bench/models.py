@@ -258,7 +258,8 @@ def earlier_rows(path):
         raise ValueError(f"cannot read {path}: {getattr(exc, 'strerror', None) or exc}") from None
     rows = found.get("rows") if isinstance(found, dict) else None
     if not isinstance(rows, list) or not all(isinstance(r, dict) and all(f in r for f in ROW_FIELDS) for r in rows):
-        raise ValueError(f"{path} is not a models results file (a JSON object with \"rows\" of {', '.join(ROW_FIELDS)})")
+        raise ValueError(f"{path} is not a models results file (a JSON object with \"rows\" of "
+                         f"{', '.join(ROW_FIELDS)})")
     return rows
 
 

@@ -64,17 +64,12 @@ def token_coefficients(q_t, k_t, g_t, b_t, a_scale, bias, lower_bound, scale, LO
 @triton.jit
 def state_update(S, q_s, k_t, v_t, decay, b_t):
     """One token of spec §1 on a ``[BV, K]`` fp32 state slice from :func:`token_coefficients`' values and the
-    slice's ``v [BV]``: returns the new slice and the slice's output ``[BV]``.
-
-    The state is held as ``[BV, K]`` (memory order, K reductions inside a warp). Both of the token's reductions
-    over K read the state as it arrives: ``(diag(decay)·S)ᵀk = Sᵀ(decay ⊙ k)`` for the update and, since the new
-    state is ``diag(decay)·S + k·uᵀ``, the output ``Sᵀ(decay ⊙ q) + u·(q·k)``, where ``q·k`` needs no state. So
-    the two reductions run side by side, and the output waits on neither the update nor a second reduction after
-    it (the chain that a one-token step is made of). The new state's expression is the one it always was: its
-    bits do not depend on how the output is formed."""
+    slice's ``v [BV]``: returns the new slice and the slice's output ``[BV]``."""
+    # the state is held as [BV, K] (memory order, K reductions inside a warp);
+    # (diag(decay)·S)ᵀk = Sᵀ(decay ⊙ k): one pass over S for the product, one for the update
     u = b_t * (v_t - tl.sum(S * (decay * k_t)[None, :], axis=1))
-    o = tl.sum(S * (decay * q_s)[None, :], axis=1) + u * tl.sum(q_s * k_t)
-    return S * decay[None, :] + u[:, None] * k_t[None, :], o
+    S = S * decay[None, :] + u[:, None] * k_t[None, :]
+    return S, tl.sum(S * q_s[None, :], axis=1)
 
 
 @triton.jit
