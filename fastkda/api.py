@@ -23,8 +23,8 @@ from .plan import (CHUNK, DOT_PRECISION, DecodePlan, PrefillPlan, choose_decode_
                    choose_open_entry_plan, choose_plan, decode_plan_request, has_warpgroup_mma, is_plan_request,
                    prefill_plan_request, requested_decode_plan, requested_open_entry_segments,
                    requested_prefill_plan, requested_v_slices, sm_count)
-from .reference import (_as, causal_conv1d_reference, compose_segment_maps, gated_rmsnorm_reference, kda_chunked,
-                        kda_decode_reference, open_segment_maps, run_from_segment_maps)
+from .reference import (_as, autocast_off, causal_conv1d_reference, compose_segment_maps, gated_rmsnorm_reference,
+                        kda_chunked, kda_decode_reference, open_segment_maps, run_from_segment_maps)
 from .validation import (FLOAT_DTYPES, INDEX_DTYPES, STATE_DTYPES, _describe, addressable_inputs, as_float,
                          byte_extent, check_contiguous, check_disjoint, check_tensor, fail, remembered,
                          scalar_defaults, validate_decode, validate_prefill)
@@ -83,7 +83,9 @@ def _error_counters(errors, q):
 
 def _cpu_path(run, name, shape):
     """Run the CPU path, turning an allocation that cannot succeed into a ``ValueError`` naming the input. It runs
-    without autograd, as the GPU's custom ops do (fastkda is inference-only: outputs never require grad)."""
+    without autograd, as the GPU's custom ops do (fastkda is inference-only: outputs never require grad), and
+    without autocast (:func:`fastkda.reference.autocast_off`)."""
+    run = autocast_off(run)
     try:
         if not torch.is_grad_enabled():  # generation and inference already run without autograd
             return run()
@@ -234,7 +236,9 @@ def kda_prefill(
         others = list(zip(("q", "k", "v", "g", "beta", "initial_state", "final_state", "out"),
                           (q, k, v, g, beta, initial_state, final_state, out), extents))
         check_disjoint("out", out, extents[7], others[:7])
-        check_disjoint("final_state", final_state, extents[6], others[:5])
+        in_place = final_state is not None and initial_state is not None and (
+            final_state.data_ptr(), final_state.dtype) == (initial_state.data_ptr(), initial_state.dtype)
+        check_disjoint("final_state", final_state, extents[6], others[:5] if in_place else others[:6])
         check_disjoint("checkpoint_states", checkpoint_states, extents[8], others)
     batch, length, heads, key_dim = q.shape
     value_dim = v.shape[-1]
@@ -445,7 +449,8 @@ def _check_decode_values(q, k, v, g, beta, state_pool, slots, A_log, dt_bias, lo
     if checks:
         if lower_bound is None:
             value_checks.precomputed_gate_values(g)
-        value_checks.finite(q=q, k=k, v=v, g=g, beta=beta, A_log=A_log, dt_bias=dt_bias)
+        value_checks.finite(q=q, k=k, v=v, g=g, beta=beta, A_log=A_log, dt_bias=dt_bias,
+                            state_pool=state_pool[value_checks.read_rows(slots, num_accepted_tokens)])
 
 
 def _decode_on_cpu(q, k, v, g, beta, state_pool, slots, **options):
@@ -516,9 +521,11 @@ def kda_decode(
         q, k, v, g, beta = addressable_inputs(q, k, v, g, beta)
     extents = remembered(validate_decode, q, k, v, g, beta, state_pool, slots, A_log, dt_bias, lower_bound, scale,
                          num_accepted_tokens, out)
-    if out is not None and not compiling:  # eagerly: torch.compile traces without addresses
-        check_disjoint("out", out, extents[6], zip(("q", "k", "v", "g", "beta", "state_pool"),
-                                                   (q, k, v, g, beta, state_pool), extents))
+    if not compiling:  # eagerly: torch.compile traces without addresses
+        named = list(zip(("q", "k", "v", "g", "beta", "state_pool"), (q, k, v, g, beta, state_pool), extents))
+        check_disjoint("state_pool", state_pool, extents[5], named[:5])  # written in place, as it is read
+        if out is not None:
+            check_disjoint("out", out, extents[6], named)
     num_seqs, tokens, heads, _ = q.shape
     if cpu_eager:  # the CPU path's result is the output: no plan, no op, no buffer to copy it into
         _check_cpu_decode_plan(plan, v_slices, num_seqs, heads, v.shape[-1], tokens, q)
@@ -815,8 +822,9 @@ def gated_rmsnorm(x, gate, weight, eps=1e-6, *, activation="sigmoid"):
 
 def _token_heads(mixed, heads, key_dim, value_dim):
     """q, k, v ``[N, 1, H, D]`` views of a token's q | k | v channels ``[N, H·(2K + V)]``."""
-    return (part.view(mixed.shape[0], 1, heads, -1)
-            for part in mixed.split([heads * key_dim, heads * key_dim, heads * value_dim], dim=1))
+    return (part.view(mixed.shape[0], 1, heads, dim)
+            for part, dim in zip(mixed.split([heads * key_dim, heads * key_dim, heads * value_dim], dim=1),
+                                 (key_dim, key_dim, value_dim)))
 
 
 def _validate_decode_step(mixed, conv_states, conv_weight, g, beta, output_gate, norm_weight, state_pool, slots,
@@ -915,9 +923,10 @@ def kda_decode_step(mixed, conv_states, conv_weight, g, beta, output_gate, norm_
         value_checks.decode_indices(slots, None, state_pool.shape[0], 1)
         if lower_bound is None:
             value_checks.precomputed_gate_values(g)
-        value_checks.finite(mixed=mixed, conv_states=conv_states[slots[slots >= 0].long()], conv_weight=conv_weight,
-                            g=g, beta=beta, output_gate=output_gate, norm_weight=norm_weight, A_log=A_log,
-                            dt_bias=dt_bias)
+        rows = value_checks.read_rows(slots)
+        value_checks.finite(mixed=mixed, conv_states=conv_states[rows], conv_weight=conv_weight, g=g, beta=beta,
+                            output_gate=output_gate, norm_weight=norm_weight, A_log=A_log, dt_bias=dt_bias,
+                            state_pool=state_pool[rows])
     if plan is None:
         requested_v_slices()  # $FASTKDA_V_SLICES, which kda_decode reads, checked before the conv moves its pool
         if not on_gpu and not compiling:

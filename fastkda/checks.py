@@ -112,6 +112,16 @@ def decode_indices(slots, num_accepted_tokens, pool_size, tokens):
                      f"slot {slot} in sequences {owner[slot]} and {n}")
 
 
+def read_rows(slots, num_accepted_tokens=None):
+    """The pool rows a decode call reads, for slots that passed :func:`decode_indices`: each live sequence's read
+    slot (``[N, T]`` slots: its last accepted token's, else its first), none for a padding row."""
+    if slots.dim() == 2:
+        picked = (num_accepted_tokens.long() - 1 if num_accepted_tokens is not None
+                  else torch.zeros(slots.shape[0], dtype=torch.long, device=slots.device))
+        slots = slots.gather(1, picked[:, None].to(slots.device))[:, 0]
+    return slots[slots >= 0].long()
+
+
 def precomputed_gate_values(g):
     """A precomputed gate is a log-decay: at most 0 (the kernels take a larger value as 0)."""
     largest = g.max().item() if g.numel() else 0.0

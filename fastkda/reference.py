@@ -6,18 +6,32 @@ Both take the operator's raw inputs (bf16 or any float dtype) and compute in ``d
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
 
 from .checks import cu_seqlens_values
-from .validation import INDEX_DTYPES, _describe, fail
+from .validation import INDEX_DTYPES, _describe, check_checkpoints_paired, fail
 
 CPU_CHUNK = 16  # chunk length of the CPU path (spec §2)
 # Chunked paths clamp a precomputed log-decay here: exp(-30) keeps 1e-13 of the state (below fp32
 # resolution), and the floor bounds the in-chunk cumulative decay, so its fp32 ulp stays small. Like the GPU
 # kernels, the CPU paths also take a precomputed value above 0 (outside the contract) as 0.
 LOG_DECAY_FLOOR = -30.0
+
+
+def autocast_off(function):
+    """``function`` run with autocast off (CPU and CUDA): the reference and the CPU path compute in the dtypes they
+    are given or name (fp32, float64), and inside a caller's ``torch.autocast`` region (a model run under autocast)
+    their products would run in bf16, and their in-place updates of fp32 tensors from those products fail."""
+    @functools.wraps(function)
+    def run(*args, **kwargs):
+        if not (torch.is_autocast_enabled("cpu") or torch.is_autocast_enabled("cuda")):  # the common case
+            return function(*args, **kwargs)
+        with torch.autocast("cpu", enabled=False), torch.autocast("cuda", enabled=False):
+            return function(*args, **kwargs)
+    return run
 
 
 def log_decay(g, A_log=None, dt_bias=None, lower_bound=None, dtype=torch.float32):
@@ -114,6 +128,7 @@ def _zero_outputs(q, v, bounds, initial_state, dtype):
     return out, states
 
 
+@autocast_off
 def kda_reference(
     q, k, v, g, beta, *, A_log=None, dt_bias=None, lower_bound=None, scale=None, initial_state=None,
     cu_seqlens=None, use_qk_l2norm=True, use_beta_sigmoid=True, dtype=torch.float64,
@@ -384,6 +399,7 @@ def kda_segmented_span(q, k, v, g, beta, S, out, start, end, segment_tokens, *, 
         kda_chunked_span(q, k, v, g, beta, S, out, first, last, **prep, checkpoints=mine)
 
 
+@autocast_off
 def kda_chunked(
     q, k, v, g, beta, *, A_log=None, dt_bias=None, lower_bound=None, scale=None, initial_state=None,
     cu_seqlens=None, use_qk_l2norm=True, use_beta_sigmoid=True, dtype=torch.float32, chunk=CPU_CHUNK,
@@ -397,6 +413,7 @@ def kda_chunked(
     memory is bounded (``CPU_BLOCK_PAIRS``), whatever the length. ``segment_tokens`` (a multiple of ``chunk``;
     0: off) runs sequences longer than that in the sequence-parallel form (:func:`kda_segmented_span`)."""
     check_reference_inputs(q, k, v, g, beta, A_log, dt_bias, lower_bound, initial_state, cu_seqlens)
+    check_checkpoints_paired(checkpoint_offsets, checkpoint_states)
     bounds = sequence_bounds(q.shape[0], q.shape[1], cu_seqlens)
     out, final = _zero_outputs(q, v, bounds, initial_state, dtype)
     # no sequence (an empty batch) has no checkpoint: reshape cannot infer the row length of zero rows
@@ -458,6 +475,7 @@ def _decode_inputs(q, k, v, g, beta, *, A_log, dt_bias, lower_bound, scale, use_
     return kq, rows(a, 1, key_dim).exp_(), rows(beta, 1), beta_v, kdotq
 
 
+@autocast_off
 def kda_decode_reference(
     q, k, v, g, beta, state_pool, slots, *, A_log=None, dt_bias=None, lower_bound=None, scale=None,
     num_accepted_tokens=None, use_qk_l2norm=True, use_beta_sigmoid=True, dtype=torch.float32,
@@ -532,6 +550,7 @@ def kda_decode_reference(
     return out if all_live else torch.where(live.view(-1, 1, 1, 1), out, 0)
 
 
+@autocast_off
 def causal_conv1d_reference(x, weight, bias=None, *, conv_states=None, slots=None, has_initial_state=None,
                             cu_seqlens=None, activation="silu", dtype=torch.float32):
     """Depthwise causal conv of the KDA layer (spec §9 step 2) in ``dtype``; the truth for the conv kernel and its
@@ -600,6 +619,7 @@ def _conv_sequences(tokens, pool_rows, reads, *, weight, bias, conv_states, acti
     return out
 
 
+@autocast_off
 def gated_rmsnorm_reference(x, gate, weight, eps=1e-6, *, activation="sigmoid", dtype=torch.float32):
     """The KDA layer's output norm (spec §9 step 6) over the last dimension, in ``dtype``:
     ``x·rsqrt(mean(x²) + eps)·weight ⊙ act(gate)``, act being sigmoid or SiLU."""

@@ -25,6 +25,14 @@ def capturing(device) -> bool:
     return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
+def check_checkpoints_paired(checkpoint_offsets, checkpoint_states):
+    """Prefix-cache checkpoints take both tensors or neither."""
+    if (checkpoint_offsets is None) != (checkpoint_states is None):
+        fail("checkpoint_offsets and checkpoint_states", "given together",
+             f"checkpoint_offsets={'set' if checkpoint_offsets is not None else None}, "
+             f"checkpoint_states={'set' if checkpoint_states is not None else None}")
+
+
 def fail(name, expected, got):
     raise ValueError(f"fastkda: {name} must be {expected}, got {got}")
 
@@ -283,10 +291,7 @@ def validate_prefill(q, k, v, g, beta, A_log, dt_bias, lower_bound, scale, initi
             check_contiguous(name, state)
     check_out(out, v)
     check_prefill_index_ranges(batch * length, num_seqs, heads, key_dim, value_dim, chunk)
-    if (checkpoint_offsets is None) != (checkpoint_states is None):
-        fail("checkpoint_offsets and checkpoint_states", "given together",
-             f"checkpoint_offsets={'set' if checkpoint_offsets is not None else None}, "
-             f"checkpoint_states={'set' if checkpoint_states is not None else None}")
+    check_checkpoints_paired(checkpoint_offsets, checkpoint_states)
     if checkpoint_offsets is not None:
         if not isinstance(checkpoint_offsets, torch.Tensor) or tuple(checkpoint_offsets.shape) not in (
                 (num_seqs,), (num_seqs, 1), (num_seqs, 2)):

@@ -520,3 +520,32 @@ def test_a_gluon_plan_is_refused_on_a_gpu_without_warpgroup_mma(monkeypatch):
     api._check_plan_runs_here(plan.replace(warpgroup_recurrence=False, recurrence_stages=3), on_gpu)
     monkeypatch.setattr(api, "has_warpgroup_mma", lambda index: True)
     api._check_plan_runs_here(plan, on_gpu)
+
+
+def test_cpu_paths_inside_autocast_compute_as_outside():
+    """A caller's ``torch.autocast`` region (a model run under autocast) leaves the CPU paths and the references
+    computing in their own dtypes: the same results as outside it, where autocast's bf16 products broke the CPU
+    prefill's fp32 updates."""
+    inp = make_inputs([40, 9])
+    lengths = inp.pop("cu_seqlens")
+    heads, key_dim = inp["q"].shape[2], inp["q"].shape[3]
+    pool = torch.randn(3, heads, key_dim, key_dim)
+    mixed = torch.randn(2, 12)
+    calls = {
+        "kda_prefill": lambda: fastkda.kda_prefill(**inp, cu_seqlens=lengths, output_final_state=True),
+        "kda_chunked": lambda: fastkda.kda_chunked(**inp, cu_seqlens=lengths),
+        "kda_reference": lambda: kda_reference(**make_inputs([5, 4], seed=1)),
+        "kda_decode": lambda: fastkda.kda_decode(
+            *(inp[n][:, :2].transpose(0, 1) for n in ("q", "k", "v", "g", "beta")), pool.clone(),
+            torch.tensor([0, 2], dtype=torch.int32), A_log=inp["A_log"], dt_bias=inp["dt_bias"],
+            lower_bound=inp["lower_bound"]),
+        "causal_conv1d": lambda: fastkda.causal_conv1d(mixed[None], torch.randn(12, 4, generator=torch.Generator()
+                                                                                .manual_seed(1))),
+        "gated_rmsnorm": lambda: fastkda.gated_rmsnorm(mixed, mixed.flip(0), torch.ones(12)),
+    }
+    for name, call in calls.items():
+        want = call()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            got = call()
+        got, want = (got, want) if isinstance(got, tuple) else ((got,), (want,))
+        assert all(torch.equal(a, b) for a, b in zip(got, want)), name

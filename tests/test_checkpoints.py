@@ -112,8 +112,9 @@ def test_bad_checkpoint_arguments():
     with pytest.raises(ValueError, match="checkpoint_states"):
         fastkda.kda_prefill(*args, **kw, checkpoint_offsets=torch.tensor([64], dtype=torch.int32),
                             checkpoint_states=states.bfloat16())
-    with pytest.raises(ValueError, match="given together"):
-        fastkda.kda_prefill(*args, **kw, checkpoint_offsets=torch.tensor([64], dtype=torch.int32))
+    for run in (fastkda.kda_prefill, fastkda.kda_chunked):  # the CPU path's own function too
+        with pytest.raises(ValueError, match="given together"):
+            run(*args, **kw, checkpoint_offsets=torch.tensor([64], dtype=torch.int32))
 
 
 def test_checkpoints_under_torch_compile():

@@ -184,6 +184,35 @@ def test_checkpoint_states_sharing_memory_with_another_tensor_is_refused(other):
     assert torch.equal(buffer, before)
 
 
+@pytest.mark.parametrize("shift", [1, -1], ids=["final after initial", "final before initial"])
+def test_a_final_state_partly_over_the_initial_state_is_refused(shift):
+    """The final state may be the initial state itself (next test), not a tensor that overlaps it elsewhere: one
+    program's final rows would land on another's initial rows before they are read."""
+    inp = make_inputs([10, 20], seed=46)
+    state = inp["initial_state"]
+    row = state[0].numel()
+    buffer = torch.zeros(state.numel() + row)
+    initial_at, final_at = (0, row) if shift > 0 else (row, 0)
+    inp["initial_state"] = buffer[initial_at:initial_at + state.numel()].view(state.shape).copy_(state)
+    final = buffer[final_at:final_at + state.numel()].view(state.shape)
+    before = buffer.clone()
+    with pytest.raises(ValueError, match="final_state must be a buffer that shares no memory with initial_state"):
+        prefill(inp, None, final)
+    assert torch.equal(buffer, before)
+
+
+def test_a_decode_input_over_the_state_pool_is_refused():
+    """The pool is written in place as it is read: an input viewing part of it would be read after another
+    sequence's update had overwritten it."""
+    inp, pool, slots = decode_case()
+    pool = pool.bfloat16().normal_()
+    inp["v"] = pool[5, :, :3].permute(1, 0, 2).unsqueeze(1)  # [N=3, T=1, H=2, V=64] inside the pool's last row
+    before = pool.clone()
+    with pytest.raises(ValueError, match="state_pool must be a buffer that shares no memory with v"):
+        decode(inp, pool, slots, None)
+    assert torch.equal(pool, before)
+
+
 def test_final_state_may_be_the_initial_state():
     """In place: each program reads its slice of the initial state before it writes the final one."""
     inp = make_inputs([10, 20], seed=46)
@@ -239,6 +268,22 @@ def test_checked_mode_raises_for_values(how, what, edit, name, monkeypatch):
         prefill(inp, out, None, **kw)
     assert (out == SENTINEL).all()
     prefill(inp, out, None, checks=False)  # without checks the call goes through
+
+
+@pytest.mark.parametrize("per_token", [False, True], ids=["[N] slots", "[N, T] slots, accepted counts"])
+def test_checked_mode_refuses_a_non_finite_state_the_decode_reads(per_token):
+    """A NaN in a state row that a sequence reads is refused, as the prefill refuses a non-finite initial state;
+    a NaN in a row no sequence reads (unused, or a per-token write slot) is not the call's."""
+    inp, pool, slots = decode_case(tokens=2 if per_token else 1, per_token=per_token)
+    pool.normal_()
+    accepted = dict(num_accepted_tokens=torch.tensor([2, 1, 2], dtype=torch.int32)) if per_token else {}
+    pool[4, 0, 0, 0] = float("nan")  # [N] slots: a row no slot names; [N, T]: sequence 2's first write slot
+    decode(inp, pool.clone(), slots, None, checks=True, **accepted)
+    pool[2 if per_token else 1, 1, 3, 5] = float("nan")  # sequence 1's read slot: slots[1, 0] or slots[1]
+    before, out = pool.clone(), torch.full_like(inp["v"], SENTINEL)
+    with pytest.raises(ValueError, match="^fastkda: state_pool must be finite"):
+        decode(inp, pool, slots, out, checks=True, **accepted)
+    assert torch.equal(pool.nan_to_num(), before.nan_to_num()) and (out == SENTINEL).all()
 
 
 def test_checked_mode_covers_decode():

@@ -31,7 +31,7 @@ import warnings
 
 import torch
 
-from ..api import causal_conv1d, causal_conv1d_update, gated_rmsnorm, kda_decode, kda_prefill
+from ..api import CONV_WIDTHS, causal_conv1d, causal_conv1d_update, gated_rmsnorm, kda_decode, kda_prefill
 from ..plan import SUPPORTED_DIMS
 from ..reference import kda_chunked
 from ..validation import FLOAT_DTYPES, capturing
@@ -67,11 +67,12 @@ def _fp32_on_gpu(q):
     return q.dtype == torch.float32 and q.is_cuda
 
 
-def chunk_kimi_delta_attention(q, k, v, *, g, beta, initial_state=None, output_final_state=False,
+def chunk_kimi_delta_attention(q, k, v, g, beta, chunk_size=64, initial_state=None, output_final_state=False,
                                use_qk_l2norm_in_kernel=False, cu_seqlens=None, **unused):
     """transformers' prefill KDA call on :func:`fastkda.kda_prefill` (fp32 on a GPU: :func:`fastkda.kda_chunked`,
-    the module docstring): q, k, v ``[B, T, H, D]`` (views), g the log-decay, β after its sigmoid, states
-    ``[B, H, K, V]``. Returns ``(o, final state [B, H, K, V] fp32 or None)``."""
+    the module docstring), with its function's parameters in its order: q, k, v ``[B, T, H, D]`` (views), g the
+    log-decay, β after its sigmoid, states ``[B, H, K, V]``; ``chunk_size`` is unread (fastkda's plan chooses its
+    chunks, with the same results). Returns ``(o, final state [B, H, K, V] fp32 or None)``."""
     options = dict(initial_state=_v_first(initial_state), cu_seqlens=cu_seqlens,
                    use_qk_l2norm=use_qk_l2norm_in_kernel, use_beta_sigmoid=False)
     if _fp32_on_gpu(q):
@@ -82,7 +83,7 @@ def chunk_kimi_delta_attention(q, k, v, *, g, beta, initial_state=None, output_f
     return o, None if final is None else final.transpose(-1, -2)
 
 
-def recurrent_kimi_delta_attention(q, k, v, *, g, beta, initial_state=None, output_final_state=False,
+def recurrent_kimi_delta_attention(q, k, v, g, beta, initial_state=None, output_final_state=False,
                                    use_qk_l2norm_in_kernel=False, **unused):
     """transformers' decode KDA call (one token per sequence from its state) on :func:`fastkda.kda_decode`, the
     states as a pool of one row per sequence; arguments and result as :func:`chunk_kimi_delta_attention`.
@@ -109,10 +110,23 @@ def recurrent_kimi_delta_attention(q, k, v, *, g, beta, initial_state=None, outp
     return o, pool.transpose(-1, -2) if output_final_state else None
 
 
-def causal_conv1d_fn(x, weight, bias=None, activation=None, **unused):
+SILU_NAMES = ("silu", "swish")  # transformers' names (``ACT2FN``) of x·σ(x), the conv's and the norm's
+
+
+def _fastkda_activation(activation):
+    """fastkda's name of an activation transformers names: ``"swish"`` is SiLU."""
+    return "silu" if activation in SILU_NAMES else activation
+
+
+def causal_conv1d_fn(x, weight, bias=None, activation=None, cu_seqlens=None, **unused):
     """transformers' prefill conv: x ``[B, C, T]``, weight ``[C, W]``; returns ``[B, C, T]`` (a view of a
-    token-major output, so the q/k/v split after it needs no copy)."""
-    return causal_conv1d(x.transpose(1, 2), weight, bias, activation=activation).transpose(1, 2)
+    token-major output, so the q/k/v split after it needs no copy). Packed sequences (``cu_seqlens``, which the
+    model's forward passes on, B = 1) each start from zeros, as they do in the KDA call after it."""
+    tokens = x.transpose(1, 2)
+    if cu_seqlens is not None:  # fastkda's packed tokens are [T, C] (B > 1 stays, and is refused there)
+        return causal_conv1d(tokens.squeeze(0), weight, bias, cu_seqlens=cu_seqlens,
+                             activation=_fastkda_activation(activation)).T.unsqueeze(0)
+    return causal_conv1d(tokens, weight, bias, activation=_fastkda_activation(activation)).transpose(1, 2)
 
 
 def causal_conv1d_update_fn(x, conv_state, weight, bias=None, activation=None, **unused):
@@ -120,7 +134,7 @@ def causal_conv1d_update_fn(x, conv_state, weight, bias=None, activation=None, *
     oldest first; transformers keeps S = W) updated in place, every column shifted by the new tokens, as fastkda's
     update does it; returns ``[B, C, T]``."""
     out = causal_conv1d_update(x.transpose(1, 2), conv_state, weight, bias,
-                               slots=_sequence_slots(x.shape[0], x.device), activation=activation)
+                               slots=_sequence_slots(x.shape[0], x.device), activation=_fastkda_activation(activation))
     return out.transpose(1, 2)
 
 
@@ -144,6 +158,35 @@ def _unsupported_dtype(*args, **kwargs):
     if first is not None and first.dtype not in FLOAT_DTYPES:
         return f"{first.dtype} inputs (fastkda takes bf16, fp16 and fp32)"
     return None
+
+
+def _unsupported_conv_weights(weight, activation):
+    """Why fastkda's conv cannot take this kernel or activation (None where it can)."""
+    if activation is not None and activation not in SILU_NAMES:
+        return f"the conv's activation {activation!r} (fastkda's conv applies SiLU or none)"
+    if weight.shape[-1] not in CONV_WIDTHS:
+        return f"a conv kernel size of {weight.shape[-1]} (fastkda's conv takes {CONV_WIDTHS[0]} to {CONV_WIDTHS[-1]})"
+    return None
+
+
+def _unsupported_conv(x, weight, bias=None, activation=None, seq_idx=None, **kwargs):
+    """Why fastkda's prefill conv cannot run this call (None where it can): its kernel, activation or dtype, or
+    packed sequences marked by ``seq_idx`` (fastkda's conv keeps them apart by ``cu_seqlens``)."""
+    if seq_idx is not None:
+        return "packed sequences marked by seq_idx (fastkda's conv takes cu_seqlens)"
+    return _unsupported_conv_weights(weight, activation) or _unsupported_dtype(x)
+
+
+def _unsupported_conv_update(x, conv_state, weight, bias=None, activation=None, **kwargs):
+    """Why fastkda's conv update cannot run this call (None where it can): its kernel, activation or dtype."""
+    return _unsupported_conv_weights(weight, activation) or _unsupported_dtype(x)
+
+
+def _unsupported_norm(norm, hidden_states, gate=None):
+    """Why fastkda's gated norm cannot run this call (None where it can): its gate's activation or the dtype."""
+    if gate is not None and norm.activation not in ("sigmoid", *SILU_NAMES):
+        return f"the gate's activation {norm.activation!r} (fastkda's gated norm applies sigmoid or SiLU)"
+    return _unsupported_dtype(hidden_states)
 
 
 def _unsupported_kda(q, k, v, *args, **kwargs):
@@ -181,14 +224,15 @@ def gated_norm_forward(self, hidden_states, gate=None):
     own)."""
     if gate is None:
         return _replaced[(type(self).__module__, type(self).__name__ + ".forward")](self, hidden_states)
-    return gated_rmsnorm(hidden_states, gate, self.weight, self.variance_epsilon, activation=self.activation)
+    return gated_rmsnorm(hidden_states, gate, self.weight, self.variance_epsilon,
+                         activation=_fastkda_activation(self.activation))
 
 
-REPLACEMENTS = {
-    "chunk_kimi_delta_attention": chunk_kimi_delta_attention,
-    "recurrent_kimi_delta_attention": recurrent_kimi_delta_attention,
-    "causal_conv1d_fn": causal_conv1d_fn,
-    "causal_conv1d_update": causal_conv1d_update_fn,
+REPLACEMENTS = {  # transformers' module function -> fastkda's, and why fastkda cannot run a call (None: it can)
+    "chunk_kimi_delta_attention": (chunk_kimi_delta_attention, _unsupported_kda),
+    "recurrent_kimi_delta_attention": (recurrent_kimi_delta_attention, _unsupported_kda),
+    "causal_conv1d_fn": (causal_conv1d_fn, _unsupported_conv),
+    "causal_conv1d_update": (causal_conv1d_update_fn, _unsupported_conv_update),
 }
 
 
@@ -204,13 +248,12 @@ def enable():
         if (name, norm + ".forward") in _replaced:  # enabled already
             patched.append(name)
             continue
-        for attribute, replacement in REPLACEMENTS.items():
+        for attribute, (replacement, reason) in REPLACEMENTS.items():
             original = _replaced[(name, attribute)] = getattr(module, attribute)
-            reason = _unsupported_kda if attribute.endswith("kimi_delta_attention") else _unsupported_dtype
             setattr(module, attribute, _inference_or_original(replacement, original, attribute, reason))
         norm_class = getattr(module, norm)
         original = _replaced[(name, norm + ".forward")] = norm_class.forward
-        norm_class.forward = _inference_or_original(gated_norm_forward, original, norm + ".forward", _unsupported_dtype)
+        norm_class.forward = _inference_or_original(gated_norm_forward, original, norm + ".forward", _unsupported_norm)
         patched.append(name)
     return patched
 

@@ -201,3 +201,98 @@ def test_crop_after_drafts_gives_the_recomputed_logits(routed, kind, keep, draft
         logits = model(nxt, past_key_values=cache, use_cache=True).logits
         whole = model(torch.cat([ids, new[:, :2], nxt], 1)).logits[:, -1:]
     assert rel_err(logits, whole) < 1e-5
+
+
+@pytest.mark.parametrize("kind", MODEL_KINDS)
+def test_a_model_run_under_autocast_runs_fastkda(routed, kind, monkeypatch):
+    """A model run inside ``torch.autocast`` (bf16 on the CPU) runs fastkda's functions, whose CPU path computes
+    in fp32 whatever autocast does around it, and its logits stay as close to the fp32 ones as transformers' own
+    path under autocast keeps them."""
+    model = tiny_model(kind, moe=False)
+    ids = torch.randint(3, 128, (2, 64), generator=torch.Generator().manual_seed(5))
+    calls = []
+    prefill = fastkda_transformers.kda_prefill
+    monkeypatch.setattr(fastkda_transformers, "kda_prefill", lambda *a, **kw: calls.append(1) or prefill(*a, **kw))
+    with torch.no_grad():
+        exact = model(ids).logits
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            theirs = rel_err(model(ids).logits, exact)
+            routed.enable()
+            ours = rel_err(model(ids).logits, exact)
+    assert calls and ours <= theirs * 1.05, (ours, theirs)
+
+
+def _set_conv(model, activation=None, width=None):
+    """Every KDA layer's conv given another activation (transformers reads ``config.hidden_act``) or kernel size."""
+    for module in model.modules():
+        conv = getattr(module, "conv1d", None)
+        if isinstance(conv, torch.nn.Conv1d):
+            if activation is not None:
+                module.activation = activation
+            if width is not None:
+                module.conv1d = torch.nn.Conv1d(conv.in_channels, conv.out_channels, width, groups=conv.groups,
+                                                padding=width - 1, bias=conv.bias is not None)
+
+
+@pytest.mark.parametrize("activation, width, reason", [("swish", None, None),
+                                                       ("gelu", None, "the conv's activation 'gelu'"),
+                                                       (None, 9, "a conv kernel size of 9")])
+def test_a_conv_fastkda_does_not_take_runs_transformers_conv(routed, activation, width, reason, monkeypatch):
+    """transformers' name "swish" for SiLU runs fastkda's conv; an activation or a kernel size fastkda's conv does
+    not take runs transformers' own conv, with a warning naming why, and the model generates what it generates
+    without fastkda."""
+    model = tiny_model("kimi_linear", moe=False)
+    _set_conv(model, activation, width)
+    ids = torch.randint(3, 128, (2, 20), generator=torch.Generator().manual_seed(6))
+    calls = []
+    conv = fastkda_transformers.causal_conv1d
+    monkeypatch.setattr(fastkda_transformers, "causal_conv1d", lambda *a, **kw: calls.append(1) or conv(*a, **kw))
+    with torch.no_grad():
+        want = model.generate(ids, max_new_tokens=4, do_sample=False, eos_token_id=None)
+        routed.enable()
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            got = model.generate(ids, max_new_tokens=4, do_sample=False, eos_token_id=None)
+    fastkda_warnings = [str(w.message) for w in seen if "fastkda" in str(w.message)]
+    assert torch.equal(got, want)
+    if reason is None:
+        assert calls and not fastkda_warnings
+    else:
+        assert not calls and fastkda_warnings and all(reason in w for w in fastkda_warnings), fastkda_warnings
+
+
+def test_packed_sequences_keep_apart_in_the_conv(routed):
+    """The model's forward passes packed sequences' ``cu_seqlens`` to the conv as to the KDA call: each sequence's
+    conv starts from zeros, as it does run alone; ``seq_idx`` (which fastkda's conv does not take) runs
+    transformers' conv, with a warning."""
+    import transformers.models.kimi_linear.modeling_kimi_linear as modeling
+
+    gen = torch.Generator().manual_seed(7)
+    x, weight = torch.randn(1, 12, 40, generator=gen), torch.randn(12, 4, generator=gen)
+    cu_seqlens = torch.tensor([0, 17, 17, 40], dtype=torch.int32)
+    alone = [fastkda_transformers.causal_conv1d_fn(x[..., a:b], weight, None, "silu")
+             for a, b in zip(cu_seqlens[:-1].tolist(), cu_seqlens[1:].tolist()) if b > a]
+    routed.enable()
+    with torch.no_grad():
+        packed = modeling.causal_conv1d_fn(x, weight, None, activation="silu", cu_seqlens=cu_seqlens)
+        assert torch.equal(packed, torch.cat(alone, -1))
+        with pytest.warns(UserWarning, match="seq_idx"), pytest.raises(ValueError, match="packed sequences"):
+            modeling.causal_conv1d_fn(x, weight, None, activation="silu", seq_idx=torch.zeros(1, 40, dtype=torch.int32))
+
+
+def test_kda_functions_take_transformers_positional_arguments():
+    """transformers' KDA functions take g and β (and the prefill's chunk size, the decode's state and flag) by
+    position: fastkda's take them in the same places."""
+    gen = torch.Generator().manual_seed(8)
+    q, k, v = (torch.randn(2, 5, 2, 64, generator=gen) for _ in range(3))
+    g, beta = -torch.rand(2, 5, 2, 64, generator=gen), torch.rand(2, 5, 2, generator=gen)
+    state = torch.randn(2, 2, 64, 64, generator=gen)
+    by_name = fastkda_transformers.chunk_kimi_delta_attention(q, k, v, g=g, beta=beta, initial_state=state,
+                                                             output_final_state=True)
+    by_place = fastkda_transformers.chunk_kimi_delta_attention(q, k, v, g, beta, 64, state, True)
+    assert all(torch.equal(a, b) for a, b in zip(by_name, by_place))
+    one = (q[:, :1], k[:, :1], v[:, :1], g[:, :1], beta[:, :1])
+    by_name = fastkda_transformers.recurrent_kimi_delta_attention(*one[:3], g=one[3], beta=one[4],
+                                                                 initial_state=state, output_final_state=True)
+    by_place = fastkda_transformers.recurrent_kimi_delta_attention(*one, state, True)
+    assert all(torch.equal(a, b) for a, b in zip(by_name, by_place))

@@ -162,26 +162,27 @@ def test_bad_values_are_refused_before_a_pool_moves():
                                 tickets=torch.zeros(1, dtype=torch.int32).expand(2 * HEADS))
 
 
-@pytest.mark.parametrize("bad", ["mixed", "conv_states", "A_log", "g_positive"])
+@pytest.mark.parametrize("bad", ["mixed", "conv_states", "state_pool", "A_log", "g_positive"])
 def test_checked_mode_refuses_bad_values_before_a_pool_moves(bad, monkeypatch):
-    """Under $FASTKDA_CHECKS the step checks what it reads (a live slot's conv row too, not another's) before the
-    conv writes its pool: a NaN in the projections, a live conv row or the gate's parameters, and a positive
-    precomputed gate."""
+    """Under $FASTKDA_CHECKS the step checks what it reads (a live slot's conv and state rows too, not another's)
+    before the conv writes its pool: a NaN in the projections, a live conv or state row or the gate's parameters,
+    and a positive precomputed gate."""
     monkeypatch.setenv("FASTKDA_CHECKS", "1")
     inp = step_inputs(2, 3, seed=9, lower_bound=None if bad == "g_positive" else -5.0)
-    inp["conv_states"][1, 0, 0] = float("nan")  # slot 1 is not in this call: its row is not read, not checked
+    inp["conv_states"][1, 0, 0] = float("nan")  # slot 1 is not in this call: its rows are not read, not checked
+    inp["state_pool"][1, 0, 0, 0] = float("nan")
     slots = torch.tensor([0, 2], dtype=torch.int32)
     if bad == "g_positive":
         inp["g"] = inp["g"].abs()
-    elif bad == "conv_states":
-        inp["conv_states"][2, 5, 1] = float("nan")
+    elif bad in ("conv_states", "state_pool"):
+        inp[bad][2].view(-1)[7] = float("nan")
     else:
         inp[bad].view(-1)[0] = float("nan")
     before = inp["conv_states"].clone(), inp["state_pool"].clone()
     with pytest.raises(ValueError, match="g" if bad == "g_positive" else bad):
         fastkda.kda_decode_step(**inp, slots=slots)
-    torch.testing.assert_close(inp["conv_states"], before[0], rtol=0, atol=0, equal_nan=True)  # not one bit moved
-    assert torch.equal(inp["state_pool"], before[1])
+    for pool, was in zip((inp["conv_states"], inp["state_pool"]), before):  # not one bit moved
+        torch.testing.assert_close(pool, was, rtol=0, atol=0, equal_nan=True)
 
 
 def test_torch_compile_traces_the_step_as_its_three_ops():
@@ -195,3 +196,11 @@ def test_torch_compile_traces_the_step_as_its_three_ops():
     assert torch.equal(compiled["conv_states"], eager["conv_states"])
     assert torch.equal(compiled["state_pool"], eager["state_pool"])
     assert not torch.equal(eager["state_pool"], inp["state_pool"])  # the step moved the pools
+
+
+def test_an_empty_batch_returns_an_empty_output_and_touches_no_pool():
+    """No sequence: an empty ``[0, H, V]`` output, as the three ops give it, both pools as they were."""
+    inp = step_inputs(0, 3)
+    out, conv_states, state_pool = cpu_step(inp, torch.zeros(0, dtype=torch.int32))
+    assert out.shape == (0, HEADS, DIM)
+    assert torch.equal(conv_states, inp["conv_states"]) and torch.equal(state_pool, inp["state_pool"])
