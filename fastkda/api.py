@@ -877,7 +877,8 @@ def kda_decode_step(mixed, conv_states, conv_weight, g, beta, output_gate, norm_
     ``[N, H, V]`` in mixed's dtype (before ``o_proj``). On the GPU one kernel (``fastkda/ops/decode_step.py``:
     slices of a head joined by tickets, or one program a head) where the step is latency-bound, else the three
     launches :func:`causal_conv1d_update`, :func:`kda_decode` and
-    :func:`gated_rmsnorm` (:func:`fastkda.plan.choose_decode_step_plan` decides); on the CPU those three. The fused
+    :func:`gated_rmsnorm` (:func:`fastkda.plan.choose_decode_step_plan` decides); on the CPU, and in checked mode,
+    those three (a refusal of the conv's output puts the conv rows back). The fused
     kernel keeps the conv's output in fp32 where the three round it to mixed's dtype: outputs agree to bf16's
     rounding, not bit for bit.
 
@@ -912,18 +913,21 @@ def kda_decode_step(mixed, conv_states, conv_weight, g, beta, output_gate, norm_
     if plan is not None:
         plan = _decode_plan(plan, "auto", num_seqs, heads, value_dim, 1, mixed)
     on_gpu = mixed.device.type == "cuda"
-    if on_gpu and not compiling:
+    checked = not compiling and value_checks.requested(None)
+    if on_gpu and not compiling and not checked:
         plan = plan or choose_decode_step_plan(num_seqs, heads, value_dim, _sms_of(mixed))
-    else:  # the CPU, and torch.compile's traces (the three ops are opaque to it; the fused kernel is not)
+    else:  # the CPU, torch.compile's traces (the three ops are opaque to it; the fused kernel is not) and checked
+        # mode (the three ops check the conv's output, which the fused kernel keeps in registers)
         plan = None
-    if not compiling and value_checks.requested(None):
+    rows = None
+    if checked:
         # checked mode: every value the step reads, before either pool moves (kda_decode's own checks would see q,
         # k and v only after the conv had written its pool)
         value_checks.outside_capture(mixed)
         value_checks.decode_indices(slots, None, state_pool.shape[0], 1)
         if lower_bound is None:
             value_checks.precomputed_gate_values(g)
-        rows = value_checks.read_rows(slots)
+        rows = value_checks.read_rows(slots)  # the rows both pools read, and the conv writes
         value_checks.finite(mixed=mixed, conv_states=conv_states[rows], conv_weight=conv_weight, g=g, beta=beta,
                             output_gate=output_gate, norm_weight=norm_weight, A_log=A_log, dt_bias=dt_bias,
                             state_pool=state_pool[rows])
@@ -933,11 +937,17 @@ def kda_decode_step(mixed, conv_states, conv_weight, g, beta, output_gate, norm_
             # the slots' values first: the conv would otherwise have moved its pool before the decode refused them
             # (a trace reads no values: there the decode's op refuses them, after the conv's)
             value_checks.decode_indices(slots, None, state_pool.shape[0], 1)
+        kept = None if rows is None else conv_states[rows]  # checked mode: a refusal puts the conv rows back
         conv = causal_conv1d_update(mixed, conv_states, conv_weight, slots=slots)
         q, k, v = _token_heads(conv, heads, key_dim, value_dim)
-        o = kda_decode(q, k, v, g[:, None], beta[:, None], state_pool, slots, A_log=A_log, dt_bias=dt_bias,
-                       lower_bound=lower_bound, scale=scale, use_qk_l2norm=use_qk_l2norm,
-                       use_beta_sigmoid=use_beta_sigmoid)
+        try:  # (finite inputs can overflow in the conv: its output is checked by kda_decode, after the conv wrote)
+            o = kda_decode(q, k, v, g[:, None], beta[:, None], state_pool, slots, A_log=A_log, dt_bias=dt_bias,
+                           lower_bound=lower_bound, scale=scale, use_qk_l2norm=use_qk_l2norm,
+                           use_beta_sigmoid=use_beta_sigmoid)
+        except ValueError:
+            if kept is not None:
+                conv_states.index_copy_(0, rows, kept)
+            raise
         return gated_rmsnorm(o[:, 0], output_gate, norm_weight, eps)
     if tickets is None and plan.v_slices > 1:  # one program a head needs no join
         tickets = torch.zeros(num_seqs * heads, dtype=torch.int32, device=mixed.device)

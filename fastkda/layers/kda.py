@@ -10,6 +10,9 @@ A call is a prefill (any number of tokens per sequence, packed with ``cu_seqlens
 every sequence starts from zeros and nothing is kept.
 """
 
+import sys
+import warnings
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -20,6 +23,12 @@ from ..checks import decode_indices
 from ..plan import requested_v_slices
 from ..validation import (INDEX_DTYPES, addressable_inputs, check_offsets, check_tensor, remembered, scalar_defaults,
                           validate_decode)
+
+INFERENCE_ONLY = ("KimiDeltaAttention is inference-only, but autograd records this call: grad mode is on and a "
+                  "parameter or the input requires grad (as in training, and in a plain layer(x) call: eval() does "
+                  "not turn gradients off). fastkda's kernels carry no gradient, so backward() reaches o_proj's "
+                  "weight alone, none of the layer's other parameters and not its input; run inference under "
+                  "torch.no_grad() or torch.inference_mode()")
 
 
 class ForgetGate(nn.Module):
@@ -74,10 +83,17 @@ class KimiDeltaAttention(nn.Module):
             None for Kimi-Linear's softplus gate.
         norm_eps: the gated norm's epsilon (``rms_norm_eps``).
         layer_idx: which layer of a :class:`fastkda.cache.KDACache` this one uses.
-        fused_decode: run one-token decode steps through :func:`fastkda.kda_decode_step` (on the GPU one kernel
-            where the step is latency-bound, its three launches elsewhere, as its plan decides) instead of the conv
-            update, KDA decode and gated norm always one by one. The same math; the CPU path is the same either
-            way.
+        fused_decode: run one-token decode steps of ``[N]`` slots (no accepted counts) through
+            :func:`fastkda.kda_decode_step` (on the GPU one kernel where the step is latency-bound, its three
+            launches elsewhere, as its plan decides) instead of the conv update, KDA decode and gated norm always
+            one by one. The same math and the same argument errors; the CPU path is the same either way.
+
+    The layer is inference-only, as fastkda is: its kernels carry no gradient. Where autograd records a call (grad
+    mode on and a parameter or the input requiring grad: training, and also a plain ``layer(x)`` in eval mode, since
+    ``eval()`` does not turn gradients off) it warns (``UserWarning``) that ``backward()`` would reach ``o_proj``
+    alone, and runs: its output is right, and an error would refuse every such inference call, where
+    ``torch.no_grad()`` or ``torch.inference_mode()`` is what the warning asks for. A call inside torch.compile is
+    not warned (a warning is not traceable: a ``fullgraph`` compile would fail on it).
     """
 
     def __init__(self, hidden_size, num_heads, head_dim, *, conv_kernel=4, lower_bound=None, norm_eps=1e-5,
@@ -173,6 +189,9 @@ class KimiDeltaAttention(nn.Module):
                 :meth:`fastkda.cache.KDACache.restore` (NaN for an offset past its sequence, which has no such
                 state).
         """
+        if torch.is_grad_enabled() and not torch.compiler.is_compiling() and (
+                hidden_states.requires_grad or any(p.requires_grad for p in self.parameters())):
+            _warn_at_the_caller(INFERENCE_ONLY)
         if decode:
             if cache is None or slots is None:
                 raise ValueError("KimiDeltaAttention: decode=True needs a cache and slots")
@@ -191,7 +210,8 @@ class KimiDeltaAttention(nn.Module):
         _check_sequence_arguments(x, cu_seqlens, slots, has_initial_state, checkpoint_offsets)
         mixed, g, gate, beta, output_gate = self._projections(x)
         state_pool, conv_pool = cache.layer(self.layer_idx) if cache else (None, None)  # with the scratch row
-        _check_before_the_pools(cache, conv_pool, slots, mixed=mixed, g=g, beta=beta, **gate)
+        _check_before_the_pools(cache, conv_pool, slots, mixed=mixed, g=g, beta=beta, conv_weight=self.conv1d.weight,
+                                conv_bias=self.conv1d.bias, **gate)
         weight = self.conv1d.weight.squeeze(1)
         tokens = mixed[0] if packed else mixed  # the conv's own layouts: [T, C] packed, [B, T, C]
         conv_checkpoint = None
@@ -259,21 +279,36 @@ class KimiDeltaAttention(nn.Module):
         mixed, g, gate, beta, output_gate = self._projections(hidden_states)
         state_pool, conv_pool = cache.layer(self.layer_idx)
         weight = self.conv1d.weight.squeeze(1)
-        if self.fused_decode and slots.dim() == 1 and hidden_states.shape[1] == 1 and self.conv1d.bias is None:
+        # the fused step takes exactly a one-token step of [N] slots: any other call (accepted counts, [N, T] slots,
+        # slots that are no [N] tensor) runs the path below, whose checks name what is wrong in it, as with
+        # fused_decode=False
+        if (self.fused_decode and num_accepted_tokens is None and isinstance(slots, torch.Tensor)
+                and slots.shape == mixed.shape[:1] and mixed.shape[1] == 1 and self.conv1d.bias is None):
             o = kda_decode_step(mixed[:, 0], _live_rows(conv_pool), weight, g[:, 0], beta[:, 0], output_gate[:, 0],
                                 self.o_norm.weight, _live_rows(state_pool), slots, **gate,
                                 eps=self.o_norm.variance_epsilon,
                                 tickets=None if torch.compiler.is_compiling()  # compiled: three ops, no join
                                 else cache.step_tickets(slots.shape[0] * self.num_heads))
             return self.o_proj(o.flatten(-2))[:, None]
-        _check_before_the_pools(cache, conv_pool, slots, mixed=mixed, g=g, beta=beta, **gate)  # the step checks its own
         self._check_decode_call(mixed, g, beta, gate, _live_rows(state_pool), slots, num_accepted_tokens)
-        if slots.dim() == 1:
-            mixed_conv = causal_conv1d_update(mixed, _live_rows(conv_pool), weight, self.conv1d.bias, slots=slots)
-        else:
-            mixed_conv = self._speculative_conv(mixed, conv_pool, weight, slots, num_accepted_tokens, cache)
-        q, k, v = self._split_heads(mixed_conv)
-        o = kda_decode(q, k, v, g, beta, _live_rows(state_pool), slots, **gate, num_accepted_tokens=num_accepted_tokens)
+        checked = _check_before_the_pools(cache, conv_pool, slots, mixed=mixed, g=g, beta=beta,
+                                          conv_weight=self.conv1d.weight, conv_bias=self.conv1d.bias, **gate)
+        if checked:  # kda_decode's checks of q, k and v (finite) see the conv's output only after the conv has
+            # moved its pool rows (finite inputs can overflow in it): the rows it may write are kept for a refusal
+            written = _rows(slots.reshape(-1), cache, None)[1]
+            conv_before = conv_pool[written]
+        try:
+            if slots.dim() == 1:
+                mixed_conv = causal_conv1d_update(mixed, _live_rows(conv_pool), weight, self.conv1d.bias, slots=slots)
+            else:
+                mixed_conv = self._speculative_conv(mixed, conv_pool, weight, slots, num_accepted_tokens, cache)
+            q, k, v = self._split_heads(mixed_conv)
+            o = kda_decode(q, k, v, g, beta, _live_rows(state_pool), slots, **gate,
+                           num_accepted_tokens=num_accepted_tokens)
+        except Exception:
+            if checked:
+                conv_pool.index_copy_(0, written, conv_before)
+            raise
         return self.o_proj(self.o_norm(o, output_gate).flatten(-2))
 
     def _check_decode_call(self, mixed, g, beta, gate, state_pool, slots, num_accepted_tokens):
@@ -330,16 +365,30 @@ def _check_sequence_arguments(x, cu_seqlens, slots, has_initial_state, checkpoin
 
 
 def _check_before_the_pools(cache, conv_pool, slots, **tensors):
-    """Checked mode (``$FASTKDA_CHECKS``): the projections, the gate's parameters and the conv rows of the call's
-    live slots finite before the conv writes its pool, since the kernels' own checks see q, k and v only after
-    it (on the GPU this reads device memory: not inside graph capture)."""
+    """Checked mode (``$FASTKDA_CHECKS``): the projections, the conv's and the gate's parameters and the conv rows of
+    the call's live slots finite before the conv writes its pool, since the kernels' own checks see q, k and v only
+    after it (on the GPU this reads device memory: not inside graph capture). Returns whether it checked: checked
+    mode, outside a torch.compile trace (which reads no values)."""
     if not checks.requested(None) or torch.compiler.is_compiling():
-        return
+        return False
     checks.outside_capture(tensors["mixed"])
     if cache is not None:
         flat = slots.reshape(-1).long()
         tensors["conv_states"] = conv_pool[flat[(flat >= 0) & (flat < cache.num_slots)]]
     checks.finite(**{name: x for name, x in tensors.items() if isinstance(x, torch.Tensor)})
+    return True
+
+
+_MODULE_CALL_FILE = nn.Module.__call__.__code__.co_filename  # torch's Module.__call__ and the frames it calls through
+
+
+def _warn_at_the_caller(message):
+    """``warnings.warn(message)`` attributed to the line that called the layer, past torch's ``Module.__call__``
+    frames: the line shown is the caller's, and Python's default filter shows the warning once per such line."""
+    level, frame = 3, sys._getframe(2)  # 1: this function, 2: forward, 3: forward's caller
+    while frame is not None and frame.f_code.co_filename == _MODULE_CALL_FILE:
+        level, frame = level + 1, frame.f_back
+    warnings.warn(message, UserWarning, stacklevel=level)
 
 
 def _rows(slots, cache, has_initial_state):

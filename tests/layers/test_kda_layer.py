@@ -1,6 +1,8 @@
 """fastkda.layers.KimiDeltaAttention on the CPU path: against transformers' own layers on the same weights, and
 its cache semantics (decode continuing a prefill, packed batches, speculative steps, checkpoints, null slots)."""
 
+import warnings
+
 import numpy as np
 import pytest
 import torch
@@ -193,11 +195,11 @@ def test_bf16_state_pool():
 
 def test_errors_name_the_argument():
     layer = make_layer()
-    with pytest.raises(ValueError, match="decode=True needs a cache"):
+    with torch.no_grad(), pytest.raises(ValueError, match="decode=True needs a cache"):
         layer(hidden(1, 1), decode=True)
-    with pytest.raises(ValueError, match="cache and slots"):
+    with torch.no_grad(), pytest.raises(ValueError, match="cache and slots"):
         layer(hidden(1, 4), cache_for(layer))
-    with pytest.raises(ValueError, match="cu_seqlens takes packed"):
+    with torch.no_grad(), pytest.raises(ValueError, match="cu_seqlens takes packed"):
         layer(hidden(1, 4), cu_seqlens=torch.tensor([0, 4], dtype=torch.int32))
 
 
@@ -522,12 +524,95 @@ def test_the_pools_keep_no_autograd_history_outside_no_grad():
     layer = make_layer(-5.0)
     cache = cache_for(layer)
     slots = cache.allocate(2)
-    _, (recurrent, conv) = layer(hidden(2, 40), cache, slots=slots, checkpoint_offsets=torch.tensor([32, 32]))
+    with pytest.warns(UserWarning, match="inference-only"):
+        _, (recurrent, conv) = layer(hidden(2, 40), cache, slots=slots, checkpoint_offsets=torch.tensor([32, 32]))
     assert not conv.requires_grad
     cache.restore(cache.allocate(1), recurrent[:1], conv[:1] * layer.conv1d.weight.sum())  # a history on purpose
     drafts = cache.allocate(4).tolist()
-    layer(hidden(2, 3), cache, slots=torch.tensor([[0, *drafts[:2]], [1, *drafts[2:]]], dtype=torch.int32),
-          decode=True)
+    with pytest.warns(UserWarning, match="inference-only"):
+        layer(hidden(2, 3), cache, slots=torch.tensor([[0, *drafts[:2]], [1, *drafts[2:]]], dtype=torch.int32),
+              decode=True)
     assert not cache.recurrent.requires_grad and not cache.conv.requires_grad
     cache.release(drafts)
     cache.allocate(4)  # zeroes their rows in place
+
+
+def test_a_call_autograd_records_warns_that_the_layer_is_inference_only():
+    """fastkda's kernels carry no gradient: with grad mode on and parameters requiring grad, backward() reached
+    o_proj alone, silently. Such a call (prefill or decode; the input requiring grad too) warns, naming
+    torch.no_grad(), at the line that called the layer, and gives the no_grad call's output; under no_grad or
+    inference_mode, or with nothing requiring grad, autograd records nothing and nothing is said."""
+    layer = make_layer(-5.0)
+    x = hidden(2, 40)
+    with torch.no_grad():
+        want = layer(x)
+    with pytest.warns(UserWarning, match=r"inference-only.*o_proj.*torch\.no_grad\(\)") as record:
+        got = layer(x)
+    assert torch.equal(got, want)
+    assert record[0].filename == __file__  # the caller's line, not torch's Module.__call__
+    cache = cache_for(layer)
+    with pytest.warns(UserWarning, match="inference-only"):
+        layer(hidden(2, 1), cache, slots=cache.allocate(2), decode=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with torch.no_grad():
+            layer(x)
+        with torch.inference_mode():
+            layer(x)
+        layer.requires_grad_(False)
+        layer(x)
+    with pytest.warns(UserWarning, match="inference-only"):
+        layer(x.clone().requires_grad_())
+
+
+@pytest.mark.parametrize("bad", [
+    dict(slots=torch.tensor([0, 1], dtype=torch.int32), num_accepted_tokens=torch.tensor([5, 0], dtype=torch.int32)),
+    dict(slots=torch.tensor([0, 1], dtype=torch.int32), num_accepted_tokens=torch.tensor([1, 1], dtype=torch.int32)),
+    dict(slots=[0, 1]),
+    dict(slots=torch.tensor([0, 1, 2], dtype=torch.int32)),
+], ids=["accepted out of range with [N] slots", "accepted with [N] slots", "list slots", "N+1 slots"])
+def test_fused_decode_refuses_a_step_as_the_unfused_path_does(bad):
+    """A one-token step with ``fused_decode=True`` went to kda_decode_step past the layer's own checks: accepted
+    counts with ``[N]`` slots were ignored, list slots an AttributeError, ``N + 1`` slots named as the fused step
+    takes them. Both settings give the same named ValueError, both pools kept."""
+    messages = []
+    for fused in (False, True):
+        layer = make_layer(-5.0)
+        layer.fused_decode = fused
+        cache = cache_for(layer)
+        cache.allocate(3)
+        cache.conv.normal_(generator=torch.Generator().manual_seed(2))
+        before = cache.recurrent.clone(), cache.conv.clone()
+        with torch.no_grad(), pytest.raises(ValueError, match="slots must be") as error:
+            layer(hidden(2, 1), cache, decode=True, **bad)
+        assert torch.equal(cache.recurrent, before[0]) and torch.equal(cache.conv, before[1])
+        messages.append(str(error.value))
+    assert messages[0] == messages[1]
+
+
+@pytest.mark.parametrize("bad", ["nan", "overflow"], ids=["NaN conv weight", "conv output overflows"])
+@pytest.mark.parametrize("speculative", [False, True], ids=["one token", "speculative"])
+def test_checked_mode_refuses_a_decode_step_whose_conv_is_not_finite_with_both_pools_kept(bad, speculative,
+                                                                                           monkeypatch):
+    """Under $FASTKDA_CHECKS the unfused step's kda_decode refused a non-finite q, k or v only after the conv had
+    moved its pool, leaving the conv pool a step ahead of the recurrent one. A NaN conv weight is now named before
+    the pools; a conv output that overflows to inf from finite inputs is refused with the conv rows put back."""
+    monkeypatch.setenv("FASTKDA_CHECKS", "1")
+    layer = make_layer(-5.0)
+    layer.fused_decode = False
+    cache = cache_for(layer)
+    cache.allocate(6)
+    cache.recurrent.normal_(generator=torch.Generator().manual_seed(1))
+    cache.conv.normal_(generator=torch.Generator().manual_seed(2))
+    slots = torch.tensor([[0, 2, 3], [1, 4, 5]] if speculative else [0, 1], dtype=torch.int32)
+    accepted = torch.tensor([1, 1], dtype=torch.int32) if speculative else None
+    before = cache.recurrent.clone(), cache.conv.clone()
+    with torch.no_grad():
+        if bad == "nan":
+            layer.conv1d.weight.view(-1)[0] = float("nan")
+        else:  # finite weights whose products with the step's finite inputs pass fp32's largest value
+            layer.conv1d.weight.fill_(3e38)
+        with pytest.raises(ValueError, match="conv_weight must be finite" if bad == "nan" else "q must be finite"):
+            layer(hidden(2, 3 if speculative else 1, seed=3), cache, slots=slots, decode=True,
+                  num_accepted_tokens=accepted)
+    assert torch.equal(cache.recurrent, before[0]) and torch.equal(cache.conv, before[1])

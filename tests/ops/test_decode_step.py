@@ -185,6 +185,19 @@ def test_checked_mode_refuses_bad_values_before_a_pool_moves(bad, monkeypatch):
         torch.testing.assert_close(pool, was, rtol=0, atol=0, equal_nan=True)
 
 
+def test_checked_mode_refusing_the_conv_s_output_puts_the_conv_rows_back(monkeypatch):
+    """Finite inputs whose conv overflows: the decode refuses the conv's output (q), which the conv has already
+    written to its pool; the step puts those rows back, so neither pool has moved."""
+    monkeypatch.setenv("FASTKDA_CHECKS", "1")
+    inp = step_inputs(2, 3, seed=10)
+    inp["mixed"][1, 3] = 3e38
+    inp["conv_weight"][3] = 10.0
+    before = inp["conv_states"].clone(), inp["state_pool"].clone()
+    with pytest.raises(ValueError, match="q must be finite"):
+        fastkda.kda_decode_step(**inp, slots=torch.tensor([0, 2], dtype=torch.int32))
+    assert torch.equal(inp["conv_states"], before[0]) and torch.equal(inp["state_pool"], before[1])
+
+
 def test_torch_compile_traces_the_step_as_its_three_ops():
     """``fullgraph=True`` (the layer's default decode under torch.compile): the eager output and both pools."""
     inp = step_inputs(2, 3, seed=9)
