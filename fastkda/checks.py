@@ -44,15 +44,17 @@ def outside_capture(anchor):
         fail("checks", "off inside CUDA-graph capture (checked mode reads device memory)", True)
 
 
-def cu_seqlens_values(cu_seqlens, length, row_length=None):
-    """Offsets nondecreasing from 0 to T; with ``row_length``, every sequence that many tokens long, as a plan
+def cu_seqlens_values(cu_seqlens, length, row_length=None, padded=False):
+    """Offsets nondecreasing from 0 to T (``padded``: to at most T, the tokens past the last offset padding that
+    no sequence owns); with ``row_length``, every sequence that many tokens long, as a plan
     that runs the sequences as rows of that length needs (:attr:`fastkda.plan.PrefillPlan.equal_rows`: a
     ``max_seqlen`` hint with N·max_seqlen = T). Offsets from 0 to T that give another length give some sequence
     more, which is named (the hint is below the longest length). One read of the offsets for both checks."""
     offsets = cu_seqlens.tolist()
-    if offsets[0] != 0 or offsets[-1] != length or any(b < a for a, b in zip(offsets, offsets[1:])):
+    ends_right = offsets[-1] <= length if padded else offsets[-1] == length
+    if offsets[0] != 0 or not ends_right or any(b < a for a, b in zip(offsets, offsets[1:])):
         shown = offsets if len(offsets) <= 16 else offsets[:8] + ["..."] + offsets[-8:]
-        fail("cu_seqlens", f"nondecreasing from 0 to T={length}", shown)
+        fail("cu_seqlens", f"nondecreasing from 0 to {'at most ' if padded else ''}T={length}", shown)
     if row_length is None:
         return
     lengths = [b - a for a, b in zip(offsets, offsets[1:])]

@@ -25,6 +25,13 @@ def capturing(device) -> bool:
     return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
+def autograd_records(tensors) -> bool:
+    """Whether autograd records a call that reads ``tensors`` (an iterable, read only in grad mode): grad mode on
+    and one of them requiring grad. fastkda is inference-only, its outputs carry no gradient: such a call is
+    warned (or routed to a path that has one) rather than left to train everything but its KDA layers silently."""
+    return torch.is_grad_enabled() and any(isinstance(x, torch.Tensor) and x.requires_grad for x in tensors)
+
+
 def check_checkpoints_paired(checkpoint_offsets, checkpoint_states):
     """Prefix-cache checkpoints take both tensors or neither."""
     if (checkpoint_offsets is None) != (checkpoint_states is None):

@@ -161,6 +161,21 @@ def test_flash_kda_adapter_matches_native():
                       final_state=final.bfloat16(), cu_seqlens=inp["cu_seqlens"])
 
 
+@pytest.mark.parametrize("bound", [0.0, 0], ids=["float", "int"])
+def test_flash_kda_adapter_takes_a_lower_bound_of_zero(bound):
+    """FlashKDA documents λ in [-5, 0]: at 0 no token decays the state (a = 0·σ(...)), whatever A_log, dt_bias and
+    g say; fastkda's fused gate takes λ < 0, so the adapter runs the precomputed log-decay 0 (the float64 truth's
+    result)."""
+    inp = make_inputs([12, 50], key_dim=64, seed=17)
+    out, final = torch.empty_like(inp["v"]), torch.empty_like(inp["initial_state"])
+    flash_kda.fwd(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], 64 ** -0.5, out, inp["A_log"],
+                  inp["dt_bias"], bound, initial_state=inp["initial_state"], final_state=final,
+                  cu_seqlens=inp["cu_seqlens"])
+    want_o, want_s = kda_reference(inp["q"], inp["k"], inp["v"], torch.zeros_like(inp["g"]), inp["beta"],
+                                   initial_state=inp["initial_state"], cu_seqlens=inp["cu_seqlens"])
+    assert rel_err(out, want_o) < 4e-3 and rel_err(final, want_s) < 1e-5
+
+
 @pytest.mark.parametrize("name", ["initial_state", "final_state"])
 def test_flash_kda_adapter_refuses_a_state_that_is_not_a_tensor(name):
     """A state that is not a tensor, beside one that is, is a ``ValueError`` naming it (not an AttributeError from

@@ -4,7 +4,9 @@
 States keep FLA's layout: K-first ``[N, HV, K, V]`` unless ``state_v_first`` (fastkda's own layout, which then
 needs no transposed copy). Grouped value heads (GVA: v, g and beta with HV heads, q and k with H, HV % H == 0)
 give value head i the q/k head ``i // (HV // H)``, as FLA's kernels index them. Each argument that changes
-results is honoured or refused with a ``ValueError`` naming it; training-only ones are ignored.
+results is honoured or refused with a ``ValueError`` naming it; training-only ones are ignored. fastkda is
+inference-only: FLA's :func:`chunk_kda` trains (it has a backward), this one warns where autograd records the call
+(its outputs carry no gradient).
 """
 
 import warnings
@@ -14,8 +16,13 @@ import torch.nn.functional as F
 
 from .. import checks
 from ..api import kda_decode, kda_prefill
-from ..validation import INDEX_DTYPES, MIN_LOWER_BOUND, _describe, as_float, check_offsets, check_tensor, fail
+from ..validation import (INDEX_DTYPES, MIN_LOWER_BOUND, _describe, as_float, autograd_records, check_offsets,
+                          check_tensor, fail)
 
+TRAINING_WARNING = ("fastkda.compat.fla.chunk_kda is inference-only, but autograd records this call (grad mode is "
+                    "on and an input requires grad): its outputs carry no gradient, so backward() reaches none of "
+                    "its inputs, where FLA's chunk_kda would; run inference under torch.no_grad() or "
+                    "torch.inference_mode(), and train with FLA's")
 CHUNK_SIZES = (32, 64)  # FLA's KDA chunk sizes: they set the spacing of return_intermediate_states only
 NAMES = ("q", "k", "v", "g", "beta")
 
@@ -114,6 +121,8 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
     ``use_graph``, ``max_num_seqs`` and other training-only arguments are ignored: fastkda's prefill takes any
     ``cu_seqlens`` (also zero-length tail sequences) inside CUDA-graph capture anyway."""
     state_v_first = _renamed_layout(state_v_first, kwargs)
+    if autograd_records((q, k, v, g, beta, A_log, dt_bias, initial_state)) and not torch.compiler.is_compiling():
+        warnings.warn(TRAINING_WARNING, UserWarning, stacklevel=2)
     if cp_context is not None:
         fail("cp_context", "None (context parallelism across devices is not supported)", type(cp_context).__name__)
     if chunk_size not in CHUNK_SIZES:
@@ -360,7 +369,7 @@ def _decode_pool(tensors, kw, pool, indices, num_accepted_tokens, cu_seqlens, ou
     # read on the CPU, and for the accepted counts (a GPU step without them launches nothing more)
     lengths = cu_seqlens.diff() if not cu_seqlens.is_cuda or num_accepted_tokens is not None else None
     if not cu_seqlens.is_cuda:  # free on the CPU; on the GPU the tokens past S of a sequence stay zero
-        checks.cu_seqlens_values(cu_seqlens, total)
+        checks.cu_seqlens_values(cu_seqlens, total, padded=True)  # tokens past the last sequence: zero, as FLA
         longest = int(lengths.max())
         if longest > columns:
             fail("cu_seqlens", f"sequences of at most {columns} tokens (one column of ssm_state_indices each)",
@@ -388,5 +397,6 @@ def _decode_pool(tensors, kw, pool, indices, num_accepted_tokens, cu_seqlens, ou
     # `out` is written only now, after every check has passed: a refused call leaves it as it was
     o = torch.empty_like(v) if out is None else out
     landing = torch.zeros(total + 1, *o.shape[2:], dtype=o.dtype, device=o.device)  # row `total`: padding's
-    landing.index_copy_(0, torch.where(inside, token, total).reshape(-1), decoded.reshape(-1, *o.shape[2:]))
+    landing.index_copy_(0, torch.where(inside, token, total).reshape(-1),
+                        decoded.reshape(-1, *o.shape[2:]).to(o.dtype))  # cast as FLA's kernel stores
     return o.copy_(landing[:total].view(o.shape))

@@ -27,6 +27,7 @@ call takes that path anyway.
 
 import functools
 import importlib
+import itertools
 import warnings
 
 import torch
@@ -34,7 +35,7 @@ import torch
 from ..api import CONV_WIDTHS, causal_conv1d, causal_conv1d_update, gated_rmsnorm, kda_decode, kda_prefill
 from ..plan import SUPPORTED_DIMS
 from ..reference import kda_chunked
-from ..validation import FLOAT_DTYPES, capturing
+from ..validation import FLOAT_DTYPES, autograd_records, capturing
 
 MODELS = {  # modeling module -> its gated norm class
     "transformers.models.kimi_linear.modeling_kimi_linear": "KimiLinearRMSNormGated",
@@ -139,16 +140,13 @@ def causal_conv1d_update_fn(x, conv_state, weight, bias=None, activation=None, *
 
 
 def _needs_gradient(args, kwargs):
-    """Whether autograd records this call: grad mode on and a tensor argument, or a module argument's own
-    parameter (the norm's weight), requiring grad."""
+    """Whether autograd records this call (:func:`fastkda.validation.autograd_records`) on its tensor arguments
+    or a module argument's own parameters (the norm's weight)."""
     if not torch.is_grad_enabled():  # generate(), no_grad and inference_mode: the common case, decided at once
         return False
-    for given in (*args, *kwargs.values()):
-        if isinstance(given, torch.Tensor) and given.requires_grad:
-            return True
-        if isinstance(given, torch.nn.Module) and any(p.requires_grad for p in given.parameters(recurse=False)):
-            return True
-    return False
+    given = (*args, *kwargs.values())
+    return autograd_records(itertools.chain(given, *(x.parameters(recurse=False) for x in given
+                                                     if isinstance(x, torch.nn.Module))))
 
 
 def _unsupported_dtype(*args, **kwargs):

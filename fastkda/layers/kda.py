@@ -10,6 +10,7 @@ A call is a prefill (any number of tokens per sequence, packed with ``cu_seqlens
 every sequence starts from zeros and nothing is kept.
 """
 
+import itertools
 import sys
 import warnings
 
@@ -21,8 +22,8 @@ from ..api import causal_conv1d, causal_conv1d_update, gated_rmsnorm, kda_decode
 from .. import checks
 from ..checks import decode_indices
 from ..plan import requested_v_slices
-from ..validation import (INDEX_DTYPES, addressable_inputs, check_offsets, check_tensor, remembered, scalar_defaults,
-                          validate_decode)
+from ..validation import (INDEX_DTYPES, addressable_inputs, autograd_records, check_offsets, check_tensor, remembered,
+                          scalar_defaults, validate_decode)
 
 INFERENCE_ONLY = ("KimiDeltaAttention is inference-only, but autograd records this call: grad mode is on and a "
                   "parameter or the input requires grad (as in training, and in a plain layer(x) call: eval() does "
@@ -189,8 +190,8 @@ class KimiDeltaAttention(nn.Module):
                 :meth:`fastkda.cache.KDACache.restore` (NaN for an offset past its sequence, which has no such
                 state).
         """
-        if torch.is_grad_enabled() and not torch.compiler.is_compiling() and (
-                hidden_states.requires_grad or any(p.requires_grad for p in self.parameters())):
+        if autograd_records(itertools.chain((hidden_states,), self.parameters())) and not (
+                torch.compiler.is_compiling()):
             _warn_at_the_caller(INFERENCE_ONLY)
         if decode:
             if cache is None or slots is None:

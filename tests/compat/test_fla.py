@@ -1,6 +1,8 @@
 """FLA's KDA entry points on fastkda (:mod:`fastkda.compat.fla`, fla-core 0.6.0 semantics) against the float64
 token-by-token reference, on the CPU path."""
 
+import warnings
+
 import numpy as np
 import pytest
 import torch
@@ -204,6 +206,23 @@ def test_fused_recurrent_fwd_decodes_over_a_pool(state_v_first):
     assert torch.equal(after[untouched], pool[untouched])
 
 
+def test_fused_recurrent_fwd_pool_pads_tokens_past_the_last_sequence_and_casts_into_out():
+    """CUDA-graph padding: token rows past ``cu_seqlens[-1]`` belong to no sequence and come back zero, on the CPU
+    as on the GPU (FLA's output starts as zeros); an ``out`` of another dtype than v's takes the output cast, as
+    FLA's kernel stores it, and the pool moves once."""
+    inp, pool = pool_inputs(4, 1, seed=54)
+    slots = torch.tensor([5, 0, 2], dtype=torch.int32)
+    short = torch.tensor([0, 1, 2, 3], dtype=torch.int32)  # the fourth token row is padding
+    args = [inp[x] for x in ("q", "k", "v", "g", "beta")]
+    want = fla.fused_recurrent_kda_fwd(*(x[:, :3] for x in args), **lower_bound_gate(inp), initial_state=pool.clone(),
+                                       cu_seqlens=short, ssm_state_indices=slots, state_v_first=True)
+    states, out = pool.clone(), torch.full(inp["v"].shape, 7.0)
+    o, _ = fla.fused_recurrent_kda_fwd(*args, **lower_bound_gate(inp), initial_state=states, cu_seqlens=short,
+                                       ssm_state_indices=slots, state_v_first=True, out=out)
+    assert o is out and torch.equal(out[:, :3], want[0].float()) and bool((out[:, 3] == 0).all())
+    assert torch.equal(states, want[1])
+
+
 @pytest.mark.parametrize("slots, what", [([5, 9, 2, 7], "slots"), ([5, 0, 2], "ssm_state_indices")])
 def test_fused_recurrent_fwd_refused_pool_call_leaves_out_and_pool_alone(slots, what):
     """A slot past the pool, or a row count that is not the sequences', is refused before ``out`` or the pool is
@@ -351,3 +370,21 @@ def test_fused_recurrent_fwd_refuses_more_accepted_tokens_than_a_sequence_has():
                                        cu_seqlens=cu, ssm_state_indices=slots, num_accepted_tokens=torch.tensor([3, 1]))
     ref_o, _ = truth(inp, **rows, initial_state=pool[torch.tensor([2, 3])], cu_seqlens=cu)
     assert rel_err(o, ref_o) < OUT_ERR
+
+
+def test_chunk_kda_warns_where_autograd_records_the_call():
+    """FLA's chunk_kda trains; fastkda's carries no gradient: with grad mode on and an input requiring grad it
+    warns (a training script would otherwise train everything but its KDA layers), and computes the same output;
+    under no_grad, or with nothing requiring grad, it is silent."""
+    inp = make_inputs([40], seed=55)
+    args = [inp[x] for x in ("q", "k", "v", "g", "beta")]
+    want, _ = fla.chunk_kda(*args, **lower_bound_gate(inp))
+    trained = dict(lower_bound_gate(inp), A_log=torch.nn.Parameter(inp["A_log"].clone()))
+    with pytest.warns(UserWarning, match="inference-only"):
+        got, _ = fla.chunk_kda(*args, **trained)
+    assert torch.equal(got, want) and not got.requires_grad
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with torch.no_grad():
+            fla.chunk_kda(*args, **trained)
+        fla.chunk_kda(*args, **lower_bound_gate(inp))
