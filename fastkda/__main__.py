@@ -4,13 +4,15 @@ and the time (GPU: 12 heads, one 8192-token sequence; CPU: 4 heads, two sequence
 (``--entry-later``: of a prefill whose entry state comes later, a context-parallel rank's part)."""
 
 import argparse
+import os
 import sys
 import time
 
 import torch
 
 from .api import kda_prefill
-from .plan import CHUNK, SUPPORTED_DIMS, choose_open_entry_plan, choose_plan, has_warpgroup_mma, sm_count
+from .plan import (CHUNK, SUPPORTED_DIMS, choose_open_entry_plan, choose_plan, has_warpgroup_mma,
+                   parse_sequence_parallel, parse_v_slices, sm_count)
 from .reference import kda_reference
 from .validation import check_prefill_index_ranges
 
@@ -93,6 +95,9 @@ def plan_command(args):
         check_prefill_index_ranges(args.seqs * args.tokens, args.seqs, args.heads, args.key_dim, args.value_dim,
                                    CHUNK)
         varlen = args.layout == "varlen"
+        if not varlen and args.max_seqlen is not None:  # kda_prefill reads the hint with cu_seqlens only
+            raise ValueError(f"--max-seqlen applies to --layout varlen (fixed rows have their length), got "
+                             f"{args.max_seqlen}")
         if args.entry_later:  # fixed-length rows, always segmented
             for option, value, unset in (("--v-slices", args.v_slices, "auto"),
                                          ("--max-seqlen", args.max_seqlen, None)):
@@ -130,9 +135,11 @@ def main(argv=None):
                    help="varlen: one row with cu_seqlens; fixed: one row per sequence")
     p.add_argument("--gate", choices=("lower-bound", "precomputed"), default="lower-bound")
     p.add_argument("--sms", type=int, help="SM count (default: this GPU's)")
-    p.add_argument("--v-slices", default="auto", help="auto (default) or 1, 2, 4")
-    p.add_argument("--sequence-parallel", default="auto",
-                   help="auto (default), off, or tokens per segment (a multiple of 32)")
+    p.add_argument("--v-slices", default="auto", type=cli_choice(parse_v_slices, "auto, 1, 2 or 4"),
+                   help="auto (default) or 1, 2, 4")
+    segments = f"off, or tokens per segment (a multiple of {CHUNK})"
+    p.add_argument("--sequence-parallel", default="auto", type=cli_choice(parse_sequence_parallel, f"auto, {segments}"),
+                   help=f"auto (default), {segments}")
     p.add_argument("--max-seqlen", type=int, help="varlen: the longest sequence's length, if known (a hint)")
     p.add_argument("--warpgroup-mma", action=argparse.BooleanOptionalAction, default=None,
                    help="whether the GPU runs Hopper's warpgroup MMA (sm_90, as an H200), which the Gluon "
@@ -141,7 +148,22 @@ def main(argv=None):
                    help="the plan of a prefill whose entry state comes later (fastkda.kda_prefill_open: a context-"
                         "parallel rank's part, one row per sequence)")
     args = parser.parse_args(argv)
-    return demo(args) if args.command == "demo" else plan_command(args)
+    try:
+        return demo(args) if args.command == "demo" else plan_command(args)
+    except BrokenPipeError:  # the reader stopped early (`... | head`): the rest of the output is not wanted
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so that the exit's flush does not raise
+        return 1
+
+
+def cli_choice(parse, expected):
+    """An argparse type from one of the plan's parsers: the value it parses to, or argparse's error in the command
+    line's own words (``off``, not the API's ``False``)."""
+    def parsed(text):
+        try:
+            return parse(text, "")
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}") from None
+    return parsed
 
 
 if __name__ == "__main__":

@@ -31,14 +31,29 @@ def test_plan_command_prints_the_whole_plan():
     for words in ("sequence parallelism: segments of", "predicted", "transitions over V+K=256 columns",
                   "programs per segment"):
         assert words in done.stdout, words
-    done = fastkda("plan", "--heads", "12", "--seqs", "1", "--tokens", "8192", "--sms", "132",
-                   "--sequence-parallel", "48")
-    assert done.returncode == 2 and "sequence_parallel" in done.stderr
+    for wrong in ("48", "foo", "none"):  # in the command line's words ("off"), not the API's (False)
+        done = fastkda("plan", "--heads", "12", "--seqs", "1", "--tokens", "8192", "--sms", "132",
+                       "--sequence-parallel", wrong)
+        assert done.returncode == 2 and "argument --sequence-parallel: expected auto, off" in done.stderr, wrong
+
+
+def test_plan_command_refuses_a_length_hint_for_fixed_rows():
+    done = fastkda("plan", "--heads", "12", "--seqs", "2", "--tokens", "64", "--sms", "132", "--layout", "fixed",
+                   "--max-seqlen", "64")
+    assert done.returncode == 2 and "--max-seqlen applies to --layout varlen" in done.stderr and not done.stdout
+
+
+def test_plan_command_stops_quietly_when_its_reader_does():
+    """``python -m fastkda plan ... | head -1``: no traceback when the pipe closes before the plan is printed."""
+    done = subprocess.run(f"{sys.executable} -m fastkda plan --heads 12 --seqs 1 --tokens 8192 --sms 132 | head -c 5",
+                          shell=True, capture_output=True, text=True, timeout=60)
+    assert done.stdout == "shape" and "Traceback" not in done.stderr, done.stderr
 
 
 @pytest.mark.parametrize("args, word", [
-    (["--v-slices", "3"], "v_slices"), (["--heads", "0"], "--heads"), (["--seqs", "0"], "--seqs"),
-    (["--tokens", "0"], "--tokens"), (["--value-dim", "96"], "value-dim"), (["--sms", "0"], "sms must be")])
+    (["--v-slices", "3"], "--v-slices: expected auto, 1, 2 or 4"), (["--heads", "0"], "--heads"),
+    (["--seqs", "0"], "--seqs"), (["--tokens", "0"], "--tokens"), (["--value-dim", "96"], "value-dim"),
+    (["--sms", "0"], "sms must be")])
 def test_plan_command_rejects_what_the_api_rejects(args, word):
     options = {"--heads": "12", "--seqs": "1", "--tokens": "8", "--sms": "132", args[0]: args[1]}
     done = fastkda("plan", *[x for pair in options.items() for x in pair])
@@ -67,7 +82,7 @@ def test_plan_command_takes_the_gpus_warpgroup_mma():
         assert default.returncode == 0 and "Gluon" not in default.stdout, default.stderr
 
 
-@pytest.mark.parametrize("option", [["--v-slices", "3"], ["--max-seqlen", "-5"]])
+@pytest.mark.parametrize("option", [["--v-slices", "2"], ["--max-seqlen", "-5"]])
 def test_plan_command_refuses_what_an_open_entry_plan_does_not_take(option):
     done = fastkda("plan", "--heads", "12", "--seqs", "1", "--tokens", "8192", "--sms", "132", "--entry-later",
                    *option)
