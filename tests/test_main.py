@@ -44,10 +44,11 @@ def test_plan_command_refuses_a_length_hint_for_fixed_rows():
 
 
 def test_plan_command_stops_quietly_when_its_reader_does():
-    """``python -m fastkda plan ... | head -1``: no traceback when the pipe closes before the plan is printed."""
-    done = subprocess.run(f"{sys.executable} -m fastkda plan --heads 12 --seqs 1 --tokens 8192 --sms 132 | head -c 5",
+    """``python -m fastkda plan ... | head -1``: no traceback when the pipe closes before the plan is printed (a
+    reader that reads nothing and exits at once, so that the pipe is closed by then)."""
+    done = subprocess.run(f"{sys.executable} -m fastkda plan --heads 12 --seqs 1 --tokens 8192 --sms 132 | true",
                           shell=True, capture_output=True, text=True, timeout=60)
-    assert done.stdout == "shape" and "Traceback" not in done.stderr, done.stderr
+    assert done.stderr == "", done.stderr
 
 
 @pytest.mark.parametrize("args, word", [

@@ -16,7 +16,9 @@ import numbers
 
 import torch
 
-from ..validation import capturing
+from ..api import CONV_WIDTHS
+from ..plan import SUPPORTED_DIMS
+from ..validation import FLOAT_DTYPES, STATE_DTYPES, capturing
 
 NULL_SLOT = -1
 
@@ -30,13 +32,22 @@ def _is_integer_tensor(tensor):
     return not (tensor.dtype.is_floating_point or tensor.dtype.is_complex or tensor.dtype == torch.bool)
 
 
+def _host_slot(slot):
+    """``slot`` as a host int, or None where it is none: a host int, or a 0-d integer tensor (what iterating over
+    an :meth:`KDACache.allocate` result gives, so that a list of those releases as the tensor does)."""
+    if isinstance(slot, torch.Tensor) and slot.dim() == 0 and _is_integer_tensor(slot):
+        return int(slot.item())
+    return int(slot) if _is_host_int(slot) else None
+
+
 def conv_state_pool(*rows, channels, kernel, dtype, device=None):
     """Zeros of shape ``[*rows, C, W−1]`` whose memory is ``[*rows, W−1, C]``: each of a row's W−1 columns is its
     channels back to back (the layout vLLM keeps too), so the conv's decode step reads and writes whole columns
     with vector accesses (docs/perf-notes.md, 12 heads and 256 sequences: 10.3 against 12.4 us with a bf16 pool,
     13.5 against 15.1 with fp32)."""
-    if kernel < 2:
-        raise ValueError(f"conv_state_pool: kernel must be >= 2, got {kernel}")
+    if kernel not in CONV_WIDTHS:
+        raise ValueError(f"conv_state_pool: kernel must be in [{CONV_WIDTHS[0]}, {CONV_WIDTHS[-1]}] (the kernel sizes "
+                         f"the conv takes), got {kernel}")
     return torch.zeros(*rows, kernel - 1, channels, dtype=dtype, device=device).transpose(-1, -2)
 
 
@@ -46,10 +57,13 @@ class KDACache:
     Args:
         num_slots: rows per pool (requests alive at once).
         num_layers: KDA layers sharing the cache (a layer addresses its own pools by index).
-        heads, head_dim: the layer's local heads H and K = V.
-        conv_channels, conv_kernel: the conv's channels (``3·H·D`` for q, k, v) and kernel size W.
+        heads, head_dim: the layer's local heads H and K = V (64 or 128, what the kernels take).
+        conv_channels, conv_kernel: the conv's channels (``3·H·D`` for q, k, v) and kernel size W (2 to 8).
         state_dtype: fp32 (default) or bf16 recurrent states; conv_dtype: fp32 (default: exact, and small
-            beside the recurrent states) or the activations' dtype.
+            beside the recurrent states) or the activations' dtype (bf16 or fp16).
+
+    Sizes and dtypes the kernels do not take are refused here, by name, rather than at a layer's first call; a
+    layer refuses a cache whose heads, head_dim, conv_channels or conv_kernel are not its own.
     """
 
     def __init__(self, num_slots, num_layers, heads, head_dim, conv_channels, conv_kernel, *,
@@ -59,10 +73,16 @@ class KDACache:
         for name, size in sizes.items():
             if not _is_host_int(size) or size < 1:
                 raise ValueError(f"KDACache: {name} must be an int >= 1, got {size!r}")
-        if state_dtype not in (torch.float32, torch.bfloat16):
-            raise ValueError(f"KDACache: state_dtype must be torch.float32 or torch.bfloat16, got {state_dtype}")
-        if conv_kernel < 2:
-            raise ValueError(f"KDACache: conv_kernel must be >= 2, got {conv_kernel}")
+        if head_dim not in SUPPORTED_DIMS:
+            raise ValueError(f"KDACache: head_dim must be one of {SUPPORTED_DIMS} (what the kernels take), got "
+                             f"{head_dim}")
+        if conv_kernel not in CONV_WIDTHS:
+            raise ValueError(f"KDACache: conv_kernel must be in [{CONV_WIDTHS[0]}, {CONV_WIDTHS[-1]}] (the kernel "
+                             f"sizes the conv takes), got {conv_kernel}")
+        for name, dtype, allowed in (("state_dtype", state_dtype, STATE_DTYPES), ("conv_dtype", conv_dtype,
+                                                                                   FLOAT_DTYPES)):
+            if dtype not in allowed:
+                raise ValueError(f"KDACache: {name} must be one of {', '.join(map(str, allowed))}, got {dtype}")
         rows = num_slots + 1  # the last is the scratch row
         self.recurrent = torch.zeros(num_layers, rows, heads, head_dim, head_dim, dtype=state_dtype, device=device)
         self.conv = conv_state_pool(num_layers, rows, channels=conv_channels, kernel=conv_kernel, dtype=conv_dtype,
@@ -81,6 +101,23 @@ class KDACache:
         return self.recurrent.shape[1] - 1
 
     @property
+    def heads(self):
+        return self.recurrent.shape[2]
+
+    @property
+    def head_dim(self):
+        return self.recurrent.shape[3]
+
+    @property
+    def conv_channels(self):
+        return self.conv.shape[2]
+
+    @property
+    def conv_kernel(self):
+        """The conv's kernel size W (a conv pool row holds W−1 columns)."""
+        return self.conv.shape[3] + 1
+
+    @property
     def free_slots(self):
         return len(self._free)
 
@@ -97,23 +134,32 @@ class KDACache:
         return slots
 
     def release(self, slots):
-        """Give slots back (a host int, an iterable of them, or an integer tensor of any shape, e.g. speculative
-        decoding's ``[N, S]``; null slots are ignored). Releasing a free slot, or anything but integers, raises
-        before any slot is freed."""
-        if isinstance(slots, torch.Tensor):
+        """Give slots back (a host int, an iterable of them or of 0-d integer tensors, or an integer tensor of any
+        shape, e.g. speculative decoding's ``[N, S]``; null slots are ignored). Releasing a free slot, or anything
+        but integers, raises ``ValueError`` before any slot is freed."""
+        if isinstance(slots, torch.Tensor) and slots.dim() > 0:
             if not _is_integer_tensor(slots):
                 raise ValueError(f"KDACache.release: slots must be integers, got a {slots.dtype} tensor")
-            slots = slots.reshape(-1).tolist()
-        slots = [slots] if _is_host_int(slots) else list(slots)
-        for slot in slots:
-            if not _is_host_int(slot):
-                raise ValueError(f"KDACache.release: slots must be integers, got {slot!r}")
-        values = [int(slot) for slot in slots if slot >= 0]
-        free = set(self._free)
-        for i, slot in enumerate(values):  # every slot checked before any is freed
-            if slot >= self.num_slots or slot in free or slot in values[:i]:
+            values = slots.reshape(-1).tolist()
+        elif _host_slot(slots) is not None:
+            values = [_host_slot(slots)]
+        else:
+            try:
+                given = list(slots)
+            except TypeError:  # no int and no iterable (a float, None, a 0-d float tensor)
+                raise ValueError(f"KDACache.release: slots must be integers (an int, an iterable of them or an "
+                                 f"integer tensor), got {slots!r}") from None
+            values = [_host_slot(slot) for slot in given]
+            for slot, value in zip(given, values):
+                if value is None:
+                    raise ValueError(f"KDACache.release: slots must be integers, got {slot!r}")
+        live = [slot for slot in values if slot >= 0]
+        free, seen = set(self._free), set()
+        for slot in live:  # every slot checked before any is freed
+            if slot >= self.num_slots or slot in free or slot in seen:
                 raise ValueError(f"KDACache.release: slot {slot} is not allocated")
-        self._free.extend(values)
+            seen.add(slot)
+        self._free.extend(live)
 
     def step_tickets(self, count):
         """``count`` int32 zeros for :func:`fastkda.kda_decode_step`, which leaves them as zeros: one buffer for

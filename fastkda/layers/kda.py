@@ -19,9 +19,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..api import causal_conv1d, causal_conv1d_update, gated_rmsnorm, kda_decode, kda_decode_step, kda_prefill
+from ..cache import NULL_SLOT
 from .. import checks
 from ..checks import decode_indices
-from ..plan import requested_v_slices
+from ..plan import CHUNK, requested_v_slices
 from ..validation import (INDEX_DTYPES, addressable_inputs, autograd_records, check_offsets, check_tensor, remembered,
                           scalar_defaults, validate_decode)
 
@@ -189,7 +190,24 @@ class KimiDeltaAttention(nn.Module):
                 V, K] fp32, conv [N, C, W−1]))``, the states after that many tokens, for
                 :meth:`fastkda.cache.KDACache.restore` (NaN for an offset past its sequence, which has no such
                 state).
+            num_accepted_tokens: decode with ``[N, T]`` slots, as above.
+
+        An argument of the other mode (``cu_seqlens``, ``has_initial_state``, ``max_seqlen`` or
+        ``checkpoint_offsets`` with ``decode=True``; ``num_accepted_tokens`` in a prefill) is refused, as is a cache
+        whose heads, head_dim, conv channels or conv kernel are not the layer's: ``ValueError`` naming it, before
+        anything is written.
         """
+        if decode:
+            other_mode = dict(cu_seqlens=cu_seqlens, has_initial_state=has_initial_state, max_seqlen=max_seqlen,
+                              checkpoint_offsets=checkpoint_offsets)
+        else:
+            other_mode = dict(num_accepted_tokens=num_accepted_tokens)
+        for name, given in other_mode.items():
+            if given is not None:  # ignored, it would run another call than the one asked for
+                raise ValueError(f"KimiDeltaAttention: {name} does not apply to "
+                                 f"{'a decode step (decode=True)' if decode else 'a prefill (decode=False)'}")
+        if cache is not None:
+            self._check_cache(cache)
         if autograd_records(itertools.chain((hidden_states,), self.parameters())) and not (
                 torch.compiler.is_compiling()):
             _warn_at_the_caller(INFERENCE_ONLY)
@@ -217,6 +235,7 @@ class KimiDeltaAttention(nn.Module):
         tokens = mixed[0] if packed else mixed  # the conv's own layouts: [T, C] packed, [B, T, C]
         conv_checkpoint = None
         if checkpoint_offsets is not None:  # before the conv, which overwrites the pool rows
+            checkpoint_offsets = _offsets_for_prefill(checkpoint_offsets, cu_seqlens)
             conv_checkpoint = self._conv_checkpoint(tokens, cache, slots, has_initial_state, cu_seqlens,
                                                     checkpoint_offsets)
         read, write, states, conv_before = None, None, None, None
@@ -232,8 +251,6 @@ class KimiDeltaAttention(nn.Module):
             num = slots.shape[0]
             checkpoint_states = torch.full((num, 2, self.num_heads, self.head_dim, self.head_dim), float("nan"),
                                            device=x.device)  # an offset past its sequence leaves NaN
-            if not checkpoint_offsets.is_floating_point():  # kda_prefill takes them in cu_seqlens' dtype
-                checkpoint_offsets = checkpoint_offsets.to(cu_seqlens.dtype if cu_seqlens is not None else torch.int32)
         try:
             o, _ = kda_prefill(q, k, v, g, beta, **gate, initial_state=states, final_state=states,
                                cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, checkpoint_offsets=checkpoint_offsets,
@@ -251,6 +268,17 @@ class KimiDeltaAttention(nn.Module):
         if checkpoint_offsets is None:
             return out
         return out, (checkpoint_states[:, 0], conv_checkpoint)
+
+    def _check_cache(self, cache):
+        """The cache's pools sized for this layer: one built for another layer would fail only in some modes, and
+        there inside a kernel or an index_copy_ (or, with a wider conv row, not at all in a prefill)."""
+        ours = dict(heads=self.num_heads, head_dim=self.head_dim, conv_channels=self.conv_channels,
+                    conv_kernel=self.conv_kernel)
+        differ = [f"{name} {getattr(cache, name)} (the layer's {size})" for name, size in ours.items()
+                  if getattr(cache, name) != size]
+        if differ:
+            raise ValueError(f"KimiDeltaAttention: cache must be built for this layer's sizes, got a cache of "
+                             f"{', '.join(differ)}")
 
     def _conv_checkpoint(self, mixed, cache, slots, has_initial_state, cu_seqlens, offsets):
         """The conv state ``[N, C, W−1]`` after ``offsets[n]`` tokens of each sequence: the W−1 inputs before that
@@ -329,11 +357,15 @@ class KimiDeltaAttention(nn.Module):
 
     def _speculative_conv(self, mixed, conv_pool, weight, slots, num_accepted_tokens, cache):
         """The conv of T draft tokens per sequence from the state at its accepted token, the state after each
-        token t written to ``slots[n, t]`` (as :func:`fastkda.kda_decode` keeps the recurrent states)."""
-        if num_accepted_tokens is None:
-            first = slots[:, 0]
-        else:
-            first = slots.gather(1, (num_accepted_tokens.long() - 1).clamp(0, slots.shape[1] - 1)[:, None])[:, 0]
+        token t written to ``slots[n, t]`` (as :func:`fastkda.kda_decode` keeps the recurrent states). An accepted
+        count outside [1, T] (which the CPU refuses before this) makes its sequence a padding row, as kda_decode makes
+        it on the GPU: it reads a zero state and its writes go to the scratch row (device-side, no host sync)."""
+        first = slots[:, 0]
+        if num_accepted_tokens is not None:
+            accepted = num_accepted_tokens.long()
+            counted = (accepted >= 1) & (accepted <= slots.shape[1])
+            at_accepted = slots.gather(1, (accepted - 1).clamp(0, slots.shape[1] - 1)[:, None])[:, 0]
+            first = torch.where(counted, at_accepted, NULL_SLOT)
         read, row = _rows(first, cache, None)
         start = torch.where(read[:, None, None], conv_pool[row], 0)  # [N, C, W−1]
         window = torch.cat([start, mixed.transpose(1, 2).to(start.dtype)], dim=2)  # [N, C, W−1+T]
@@ -363,6 +395,16 @@ def _check_sequence_arguments(x, cu_seqlens, slots, has_initial_state, checkpoin
                                 ("has_initial_state", has_initial_state, (torch.bool,))):
         if given is not None:
             check_tensor(name, given, (num_seqs,), dtypes, x.device, "hidden_states")
+
+
+def _offsets_for_prefill(checkpoint_offsets, cu_seqlens):
+    """Checkpoint offsets in the dtype :func:`fastkda.kda_prefill` takes them (cu_seqlens', int32 without), cast
+    before the conv checkpoint reads them, so that both checkpoints see the same offsets. Saturated to that dtype's
+    largest multiple of the chunk, not wrapped: an offset past it stays past its sequence (NaN in both checkpoints,
+    where a wrapped one would name an earlier token for the recurrent state alone)."""
+    dtype = cu_seqlens.dtype if cu_seqlens is not None else torch.int32
+    limits = torch.iinfo(dtype)
+    return checkpoint_offsets.long().clamp(limits.min, limits.max - CHUNK + 1).to(dtype)
 
 
 def _check_before_the_pools(cache, conv_pool, slots, **tensors):

@@ -1,6 +1,7 @@
 """fastkda.layers.KimiDeltaAttention on the CPU path: against transformers' own layers on the same weights, and
 its cache semantics (decode continuing a prefill, packed batches, speculative steps, checkpoints, null slots)."""
 
+import time
 import warnings
 
 import numpy as np
@@ -616,3 +617,130 @@ def test_checked_mode_refuses_a_decode_step_whose_conv_is_not_finite_with_both_p
             layer(hidden(2, 3 if speculative else 1, seed=3), cache, slots=slots, decode=True,
                   num_accepted_tokens=accepted)
     assert torch.equal(cache.recurrent, before[0]) and torch.equal(cache.conv, before[1])
+
+
+@pytest.mark.parametrize("decode, bad", [
+    (True, dict(has_initial_state=torch.tensor([False, False]))),
+    (True, dict(checkpoint_offsets=torch.tensor([0, 0]))),
+    (True, dict(cu_seqlens=torch.tensor([0, 1, 2], dtype=torch.int32))),
+    (True, dict(max_seqlen=1)),
+    (False, dict(num_accepted_tokens=torch.tensor([1, 1], dtype=torch.int32))),
+], ids=["decode has_initial_state", "decode checkpoint_offsets", "decode cu_seqlens", "decode max_seqlen",
+        "prefill num_accepted_tokens"])
+def test_an_argument_of_the_other_mode_is_refused_with_both_pools_kept(decode, bad):
+    """Arguments that one mode does not take were dropped without a word (a decode step with
+    ``has_initial_state=False`` still read its slots' states; with ``checkpoint_offsets`` it returned no
+    checkpoint): a ValueError names the argument, both pools kept."""
+    layer = make_layer(-5.0)
+    cache = cache_for(layer)
+    slots = cache.allocate(2)
+    cache.recurrent.normal_(generator=torch.Generator().manual_seed(1))
+    cache.conv.normal_(generator=torch.Generator().manual_seed(2))
+    before = cache.recurrent.clone(), cache.conv.clone()
+    name = next(iter(bad))
+    with torch.no_grad(), pytest.raises(ValueError, match=f"{name} does not apply to a "
+                                                          f"{'decode step' if decode else 'prefill'}"):
+        layer(hidden(2, 1), cache, slots=slots, decode=decode, **bad)
+    assert torch.equal(cache.recurrent, before[0]) and torch.equal(cache.conv, before[1])
+
+
+def test_the_speculative_conv_makes_an_accepted_count_outside_its_tokens_a_padding_row():
+    """On the GPU kda_decode makes a sequence whose accepted count is outside [1, T] a padding row (the CPU refuses
+    it before the conv); the layer's speculative conv, which runs there too, clamped the count, read a live slot and
+    wrote the sequence's conv rows. Called directly, as the GPU path reaches it: those rows keep every bit, and a
+    sequence with a count in range still writes its own."""
+    layer = make_layer(-5.0)
+    cache = cache_for(layer, slots=6)
+    cache.allocate(6)
+    cache.conv.normal_(generator=torch.Generator().manual_seed(2))
+    before = cache.conv.clone()
+    slots = torch.tensor([[0, 1], [2, 3], [4, 5]], dtype=torch.int32)
+    accepted = torch.tensor([0, 3, 1], dtype=torch.int32)  # T = 2: below and above [1, T], then in range
+    with torch.no_grad():
+        mixed = layer._projections(hidden(3, 2))[0]
+        layer._speculative_conv(mixed, cache.layer(0)[1], layer.conv1d.weight.squeeze(1), slots, accepted, cache)
+    assert torch.equal(cache.conv[:, :4], before[:, :4])
+    assert not torch.equal(cache.conv[:, 4:6], before[:, 4:6])
+
+
+@pytest.mark.parametrize("sizes", [dict(conv_kernel=3), dict(conv_kernel=5), dict(head_dim=128), dict(heads=3),
+                                   dict(conv_channels=3 * HEADS * DIM + 3)],
+                         ids=["narrower conv", "wider conv", "head_dim", "heads", "conv_channels"])
+@pytest.mark.parametrize("mode", ["prefill", "checkpoint", "decode", "fused decode", "speculative"])
+def test_a_cache_built_for_another_layer_is_refused_with_both_pools_kept(sizes, mode):
+    """A cache of another conv width worked for a prefill and failed in fused or speculative decode and checkpoints
+    with a shape error from inside the layer: every mode now names the cache, both pools kept."""
+    layer = make_layer(-5.0)
+    layer.fused_decode = mode == "fused decode"
+    built = dict(heads=HEADS, head_dim=DIM, conv_channels=layer.conv_channels, conv_kernel=layer.conv_kernel, **sizes)
+    cache = KDACache(8, 1, built["heads"], built["head_dim"], built["conv_channels"], built["conv_kernel"])
+    slots = cache.allocate(4)
+    cache.conv.normal_(generator=torch.Generator().manual_seed(2))
+    before = cache.recurrent.clone(), cache.conv.clone()
+    call = {"prefill": dict(slots=slots[:2]),
+            "checkpoint": dict(slots=slots[:2], checkpoint_offsets=torch.tensor([0, 0])),
+            "decode": dict(slots=slots[:2], decode=True),
+            "fused decode": dict(slots=slots[:2], decode=True),
+            "speculative": dict(slots=slots.view(2, 2), decode=True,
+                                num_accepted_tokens=torch.tensor([1, 1], dtype=torch.int32))}[mode]
+    name = next(iter(sizes))
+    with torch.no_grad(), pytest.raises(ValueError, match=f"cache must be built for this layer's sizes, got a cache "
+                                                          f"of {name} {sizes[name]}"):
+        layer(hidden(2, 2 if mode == "speculative" else 1), cache, **call)
+    assert torch.equal(cache.recurrent, before[0]) and torch.equal(cache.conv, before[1])
+
+
+@pytest.mark.parametrize("bad, message", [
+    (dict(conv_kernel=9), r"conv_kernel must be in \[2, 8\]"), (dict(conv_kernel=1), r"conv_kernel must be in \[2, 8\]"),
+    (dict(head_dim=96), r"head_dim must be one of \(64, 128\)"),
+    (dict(conv_dtype=torch.int32), "conv_dtype must be one of"), (dict(state_dtype=torch.float16), "state_dtype")],
+    ids=["conv_kernel 9", "conv_kernel 1", "head_dim 96", "int32 conv", "fp16 states"])
+def test_the_cache_refuses_sizes_and_dtypes_the_kernels_do_not_take(bad, message):
+    """Caught when the cache is built, by name, rather than at a layer's first call."""
+    sizes = dict(num_slots=2, num_layers=1, heads=2, head_dim=64, conv_channels=384, conv_kernel=4)
+    sizes.update({name: value for name, value in bad.items() if name in sizes})
+    dtypes = {name: value for name, value in bad.items() if name not in sizes}
+    with pytest.raises(ValueError, match=message):
+        KDACache(*sizes.values(), **dtypes)
+
+
+def test_release_takes_many_slots_in_linear_time():
+    """Each slot was checked against every slot before it: 40 000 slots took seconds; with a set, milliseconds."""
+    cache = KDACache(40_000, 1, 1, 64, 192, 4, device="meta")  # no memory: release works on the host
+    slots = cache.allocate(40_000)
+    start = time.perf_counter()
+    cache.release(slots)
+    assert time.perf_counter() - start < 1.0
+    assert cache.free_slots == 40_000
+
+
+@pytest.mark.parametrize("bad", [2.0, None, np.float64(1.0), torch.tensor(1.0), [torch.tensor(0.0)]],
+                         ids=["float", "None", "numpy float", "0-d float tensor", "list of float tensors"])
+def test_release_names_slots_that_are_not_integers(bad):
+    """A float, None or a numpy float were a TypeError ('float' object is not iterable) rather than the
+    documented ValueError; nothing is freed."""
+    cache = KDACache(4, 1, 2, 64, 384, 4)
+    cache.allocate(2)
+    with pytest.raises(ValueError, match="slots must be integers"):
+        cache.release(bad)
+    assert cache.free_slots == 2
+
+
+def test_release_takes_a_list_of_the_slots_allocate_gives():
+    """Iterating over an allocate() result gives 0-d int32 tensors: a list of them releases as the tensor does
+    (one of them alone already did)."""
+    cache = KDACache(4, 1, 2, 64, 384, 4)
+    cache.release(list(cache.allocate(3)))
+    assert cache.free_slots == 4
+
+
+def test_checkpoint_offsets_past_int32_give_no_state_in_either_checkpoint():
+    """kda_prefill takes offsets as int32 (cu_seqlens' dtype): 2**32 + 32 wrapped to 32 for the recurrent
+    checkpoint while the conv checkpoint read it as past its sequence (NaN). Both now read it as past it."""
+    layer = make_layer(-5.0)
+    cache = cache_for(layer)
+    with torch.no_grad():
+        _, (recurrent, conv) = layer(hidden(2, 40), cache, slots=cache.allocate(2),
+                                     checkpoint_offsets=torch.tensor([32, 2**32 + 32]))
+    assert bool(recurrent[0].isfinite().all()) and bool(conv[0].isfinite().all())
+    assert bool(recurrent[1].isnan().all()) and bool(conv[1].isnan().all())
