@@ -672,7 +672,8 @@ def test_a_cache_built_for_another_layer_is_refused_with_both_pools_kept(sizes, 
     with a shape error from inside the layer: every mode now names the cache, both pools kept."""
     layer = make_layer(-5.0)
     layer.fused_decode = mode == "fused decode"
-    built = dict(heads=HEADS, head_dim=DIM, conv_channels=layer.conv_channels, conv_kernel=layer.conv_kernel, **sizes)
+    built = {**dict(heads=HEADS, head_dim=DIM, conv_channels=layer.conv_channels, conv_kernel=layer.conv_kernel),
+             **sizes}
     cache = KDACache(8, 1, built["heads"], built["head_dim"], built["conv_channels"], built["conv_kernel"])
     slots = cache.allocate(4)
     cache.conv.normal_(generator=torch.Generator().manual_seed(2))
@@ -691,7 +692,8 @@ def test_a_cache_built_for_another_layer_is_refused_with_both_pools_kept(sizes, 
 
 
 @pytest.mark.parametrize("bad, message", [
-    (dict(conv_kernel=9), r"conv_kernel must be in \[2, 8\]"), (dict(conv_kernel=1), r"conv_kernel must be in \[2, 8\]"),
+    (dict(conv_kernel=9), r"conv_kernel must be in \[2, 8\]"),
+    (dict(conv_kernel=1), r"conv_kernel must be in \[2, 8\]"),
     (dict(head_dim=96), r"head_dim must be one of \(64, 128\)"),
     (dict(conv_dtype=torch.int32), "conv_dtype must be one of"), (dict(state_dtype=torch.float16), "state_dtype")],
     ids=["conv_kernel 9", "conv_kernel 1", "head_dim 96", "int32 conv", "fp16 states"])
