@@ -366,7 +366,8 @@ def kda_prefill_open(q, k, v, g, beta, *, A_log=None, dt_bias=None, lower_bound=
     segment): each segment's transition is formed here once, from a zero state and identity columns, composed
     into ``exit_map``, and reused by ``finish``, which composes every segment's entry from the given state and
     reruns the segments from there; the two halves cost about one sequence-parallel :func:`kda_prefill` of the
-    same tokens. Eager only (no custom op: it does not go through torch.compile)."""
+    same tokens. Eager only (no custom op: it does not go through torch.compile). The inputs are borrowed, not
+    copied: ``finish`` reads them again, so they must stay as they are until the last ``finish``."""
     scale, lower_bound = scalar_defaults(q, scale, lower_bound)
     q, k, v, g, beta = addressable_inputs(q, k, v, g, beta)
     remembered(validate_prefill, q, k, v, g, beta, A_log, dt_bias, lower_bound, scale, None, None, None, None, None,

@@ -58,7 +58,7 @@ def check_tensor(name, x, shape, dtypes, device, where="q"):
     if x.shape != shape:
         fail(name, f"of shape {list(shape)}", list(x.shape))
     if x.dtype not in dtypes:
-        fail(name, f"of dtype {' or '.join(str(d) for d in dtypes)}", x.dtype)
+        fail(name, f"of dtype {' or '.join(str(d) for d in dict.fromkeys(dtypes))}", x.dtype)  # each named once
 
 
 def check_contiguous(name, x):

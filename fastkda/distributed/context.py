@@ -21,6 +21,7 @@ connection closes; on gloo they then raise an error naming the exchange (NCCL's 
 import torch
 import torch.distributed as dist
 
+from .. import checks
 from ..api import kda_prefill_open
 from ..validation import STATE_DTYPES, check_contiguous, check_tensor
 
@@ -30,6 +31,9 @@ def segment_transition(q, k, v, g, beta, **prefill_kw):
     states): the state after them is ``X·𝒜ᵀ + ℬᵀ`` for an entry state ``X [H, V, K]``. q, k, g ``[1, T, H, K]``,
     v ``[1, T, H, V]``, beta ``[1, T, H]``; ``prefill_kw``: the gate's and flags' keywords of
     :func:`fastkda.kda_prefill_open`, whose ``exit_map`` this is."""
+    if not isinstance(q, torch.Tensor) or q.dim() != 4 or q.shape[0] != 1:  # one map: one sequence's
+        raise ValueError(f"segment_transition: q must be [1, T, H, K] (one sequence's tokens), got "
+                         f"{tuple(q.shape) if isinstance(q, torch.Tensor) else type(q).__name__}")
     exit_map = kda_prefill_open(q, k, v, g, beta, **prefill_kw).exit_map[0]
     value_dim = v.shape[-1]
     return exit_map[:, value_dim:].contiguous(), exit_map[:, :value_dim].contiguous()
@@ -81,6 +85,8 @@ def context_parallel_prefill(q, k, v, g, beta, *, group=None, initial_state=None
         if rank == 0 and initial_state is not None:  # checked here, so that a bad one fails every rank at once
             check_tensor("initial_state", initial_state, (1, heads, value_dim, key_dim), STATE_DTYPES, device)
             check_contiguous("initial_state", initial_state)
+            if checks.requested(prefill_kw.get("checks")):  # by its own name, before the exchange carries it
+                checks.finite(initial_state=initial_state)
         opened = kda_prefill_open(q, k, v, g, beta, **prefill_kw)
         exit_map = opened.exit_map[0]
         transition, offset = exit_map[:, value_dim:], exit_map[:, :value_dim]

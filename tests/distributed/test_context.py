@@ -122,21 +122,38 @@ def test_a_parts_transition_maps_its_entry_state_to_its_exit(key_dim, value_dim)
     assert rel_err(torch.baddbmm(offset, initial[0], transition), want[0]) < 1e-5
 
 
-def _bad_initial_main(rank, world, port):
+def _bad_initial_main(rank, world, port, how):
     from fastkda.distributed import context_parallel_prefill
 
     _init(rank, world, port, 60)
     try:
         inputs, gate, initial = _sequence(64, -5.0)
         part = slice(32 * rank, 32 * (rank + 1))
+        if how == "fp16":
+            initial, checked = initial.half(), {}
+        else:  # a NaN, which only checked mode looks for
+            initial, checked = initial.clone(), dict(checks=True)
+            initial.view(-1)[5] = float("nan")
         with pytest.raises((ValueError, RuntimeError)) as caught:
-            context_parallel_prefill(*(x[:, part] for x in inputs), initial_state=initial.half(), **gate)
+            context_parallel_prefill(*(x[:, part] for x in inputs), initial_state=initial, **gate, **checked)
         assert ("initial_state" in str(caught.value)) == (rank == 0), str(caught.value)
+        assert "entry_state" not in str(caught.value), str(caught.value)  # no name the caller did not pass
     finally:
         dist.destroy_process_group()
 
 
-def test_a_bad_initial_state_fails_every_rank():
-    """Rank 0's initial state is checked before the exchange: a bad one fails rank 0 with its own error and the
-    others with one naming rank 0, none returning a result from a wrong entry."""
-    mp.spawn(_bad_initial_main, args=(2, free_port()), nprocs=2, join=True)
+@pytest.mark.parametrize("how", ["fp16", "NaN under checks"])
+def test_a_bad_initial_state_fails_every_rank(how):
+    """Rank 0's initial state is checked before the exchange: a bad one (a dtype, or in checked mode a NaN) fails
+    rank 0 with its own error naming it and the others with one naming rank 0, none returning a result from a
+    wrong entry."""
+    mp.spawn(_bad_initial_main, args=(2, free_port(), how), nprocs=2, join=True)
+
+
+def test_a_transition_is_one_sequence_s():
+    """segment_transition maps one sequence's tokens: a batch of several (or none) is refused by name, not reduced
+    to its first row's map."""
+    inputs, gate, _ = _sequence(40, -5.0)
+    for rows in (2, 0):
+        with pytest.raises(ValueError, match=r"q must be \[1, T, H, K\]"):
+            segment_transition(*(x.expand(rows, *x.shape[1:]) for x in inputs), **gate)
