@@ -18,7 +18,6 @@ import torch
 
 from . import checks as value_checks
 from .errors import KINDS, counters
-from .ops.decode_step import fused_decode_step
 from .plan import (CHUNK, DOT_PRECISION, DecodePlan, PrefillPlan, choose_decode_plan, choose_decode_step_plan,
                    choose_open_entry_plan, choose_plan, decode_plan_request, has_warpgroup_mma, is_plan_request,
                    prefill_plan_request, requested_decode_plan, requested_open_entry_segments,
@@ -953,6 +952,8 @@ def kda_decode_step(mixed, conv_states, conv_weight, g, beta, output_gate, norm_
     if tickets is None and plan.v_slices > 1:  # one program a head needs no join
         tickets = torch.zeros(num_seqs * heads, dtype=torch.int32, device=mixed.device)
     out = torch.empty(num_seqs, heads, value_dim, dtype=mixed.dtype, device=mixed.device)
+    from .ops.decode_step import fused_decode_step  # Triton is only needed on the GPU
+
     fused_decode_step(mixed, conv_states, conv_weight, g, beta, output_gate, norm_weight, state_pool, slots,
                       plan=plan, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, scale=scale, eps=float(eps),
                       use_qk_l2norm=use_qk_l2norm, use_beta_sigmoid=use_beta_sigmoid, tickets=tickets, out=out,

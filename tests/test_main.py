@@ -107,3 +107,26 @@ def test_plan_command_refuses_shapes_past_the_kernels_32_bit_offsets(heads, seqs
     done = fastkda("plan", "--heads", str(heads), "--seqs", str(seqs), "--tokens", str(tokens), "--sms", "132",
                    *(["--entry-later"] if layout == "entry-later" else ["--layout", layout]))
     assert done.returncode == 2 and done.stderr == f"error: {api.value}\n" and not done.stdout, done.stdout
+
+
+def test_the_cpu_path_needs_no_triton():
+    """A CPU-only torch comes without triton (the README's CPU install): the package, its CPU paths, the layer and
+    the plan command import and run with triton unimportable."""
+    script = """
+import sys
+sys.modules["triton"] = None  # any `import triton` now raises ImportError
+import torch
+import fastkda
+from fastkda.cache import KDACache
+from fastkda.layers import KimiDeltaAttention
+from fastkda.compat import fla, flash_kda
+import fastkda.__main__
+layer = KimiDeltaAttention(64, 2, 64, lower_bound=-5.0)
+cache = KDACache(2, 1, 2, 64, layer.conv_channels, layer.conv_kernel)
+slots = cache.allocate(2)
+with torch.no_grad():
+    layer(torch.randn(2, 40, 64), cache, slots=slots)
+    print(layer(torch.randn(2, 1, 64), cache, slots=slots, decode=True).shape)
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and "torch.Size([2, 1, 64])" in done.stdout, done.stderr

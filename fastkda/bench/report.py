@@ -316,10 +316,16 @@ def write_results(rows, out_dir, errors, run, copy_gbps=None, earlier=None, kern
     implementation, mode) this run measured replaces its earlier row, a workload's breakdown its whole earlier one,
     the others are kept);
     returns the markdown."""
+    import importlib.metadata
+
     import torch
-    import triton
 
     from .runners import peer_versions
+
+    try:  # a CPU-only torch comes without triton (the bench's own runs are on GPUs, whose torch brings it)
+        triton_version = importlib.metadata.version("triton")
+    except importlib.metadata.PackageNotFoundError:
+        triton_version = None
 
     earlier = earlier or dict(rows=[], kernels=[])
     commit = git_commit()
@@ -336,7 +342,7 @@ def write_results(rows, out_dir, errors, run, copy_gbps=None, earlier=None, kern
     rows = merge_rows(earlier["rows"], rows)
     kernels = merge_rows(earlier["kernels"], kernels, KERNEL_FIELDS)
     props = torch.cuda.get_device_properties(0)
-    meta = dict(gpu=props.name, sms=props.multi_processor_count, torch=torch.__version__, triton=triton.__version__,
+    meta = dict(gpu=props.name, sms=props.multi_processor_count, torch=torch.__version__, triton=triton_version,
                 commit=commit, commits=sorted({r.get("commit", commit) for r in rows}), run=run,
                 runs=list(run_numbers(rows, kernels)), date=datetime.date.today().isoformat(), peers=peer_versions(),
                 copy_gbps=copy_gbps, matmul_tflops=matmul)
