@@ -26,7 +26,7 @@ from .reference import (_as, autocast_off, causal_conv1d_reference, compose_segm
                         kda_chunked, kda_decode_reference, open_segment_maps, run_from_segment_maps)
 from .validation import (FLOAT_DTYPES, INDEX_DTYPES, STATE_DTYPES, _describe, addressable_inputs, as_float,
                          byte_extent, check_contiguous, check_disjoint, check_tensor, fail, remembered,
-                         scalar_defaults, validate_decode, validate_prefill)
+                         restored_on_refusal, scalar_defaults, validate_decode, validate_prefill)
 
 
 def _device_index(q):
@@ -927,7 +927,7 @@ def kda_decode_step(mixed, conv_states, conv_weight, g, beta, output_gate, norm_
         value_checks.decode_indices(slots, None, state_pool.shape[0], 1)
         if lower_bound is None:
             value_checks.precomputed_gate_values(g)
-        rows = value_checks.read_rows(slots)  # the rows both pools read, and the conv writes
+        rows = value_checks.read_rows(slots)  # the rows both pools read and the conv writes, kept for a refusal
         value_checks.finite(mixed=mixed, conv_states=conv_states[rows], conv_weight=conv_weight, g=g, beta=beta,
                             output_gate=output_gate, norm_weight=norm_weight, A_log=A_log, dt_bias=dt_bias,
                             state_pool=state_pool[rows])
@@ -937,17 +937,13 @@ def kda_decode_step(mixed, conv_states, conv_weight, g, beta, output_gate, norm_
             # the slots' values first: the conv would otherwise have moved its pool before the decode refused them
             # (a trace reads no values: there the decode's op refuses them, after the conv's)
             value_checks.decode_indices(slots, None, state_pool.shape[0], 1)
-        kept = None if rows is None else conv_states[rows]  # checked mode: a refusal puts the conv rows back
-        conv = causal_conv1d_update(mixed, conv_states, conv_weight, slots=slots)
-        q, k, v = _token_heads(conv, heads, key_dim, value_dim)
-        try:  # (finite inputs can overflow in the conv: its output is checked by kda_decode, after the conv wrote)
+        # checked mode: finite inputs can overflow in the conv, whose output kda_decode checks after the conv wrote
+        with restored_on_refusal(conv_states, rows):
+            conv = causal_conv1d_update(mixed, conv_states, conv_weight, slots=slots)
+            q, k, v = _token_heads(conv, heads, key_dim, value_dim)
             o = kda_decode(q, k, v, g[:, None], beta[:, None], state_pool, slots, A_log=A_log, dt_bias=dt_bias,
                            lower_bound=lower_bound, scale=scale, use_qk_l2norm=use_qk_l2norm,
                            use_beta_sigmoid=use_beta_sigmoid)
-        except ValueError:
-            if kept is not None:
-                conv_states.index_copy_(0, rows, kept)
-            raise
         return gated_rmsnorm(o[:, 0], output_gate, norm_weight, eps)
     if tickets is None and plan.v_slices > 1:  # one program a head needs no join
         tickets = torch.zeros(num_seqs * heads, dtype=torch.int32, device=mixed.device)

@@ -4,6 +4,7 @@ came, before anything is written. Values inside tensors are :mod:`fastkda.checks
 
 from __future__ import annotations
 
+import contextlib
 import math
 import numbers
 
@@ -30,6 +31,20 @@ def autograd_records(tensors) -> bool:
     and one of them requiring grad. fastkda is inference-only, its outputs carry no gradient: such a call is
     warned (or routed to a path that has one) rather than left to train everything but its KDA layers silently."""
     return torch.is_grad_enabled() and any(isinstance(x, torch.Tensor) and x.requires_grad for x in tensors)
+
+
+@contextlib.contextmanager
+def restored_on_refusal(pool, rows):
+    """``pool``'s rows ``rows`` (an index tensor; None: nothing kept) as they are on entry, put back if the block
+    raises: where a step writes a pool before a later check can refuse the call (the conv's rows before the KDA
+    op's checks), the refused call still leaves the pool as it was."""
+    kept = None if rows is None else pool[rows]
+    try:
+        yield
+    except Exception:
+        if kept is not None:
+            pool.index_copy_(0, rows, kept)
+        raise
 
 
 def check_checkpoints_paired(checkpoint_offsets, checkpoint_states):

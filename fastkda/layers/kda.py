@@ -24,7 +24,7 @@ from .. import checks
 from ..checks import decode_indices
 from ..plan import CHUNK, requested_v_slices
 from ..validation import (INDEX_DTYPES, addressable_inputs, autograd_records, check_offsets, check_tensor, remembered,
-                          scalar_defaults, validate_decode)
+                          restored_on_refusal, scalar_defaults, validate_decode)
 
 INFERENCE_ONLY = ("KimiDeltaAttention is inference-only, but autograd records this call: grad mode is on and a "
                   "parameter or the input requires grad (as in training, and in a plain layer(x) call: eval() does "
@@ -238,29 +238,26 @@ class KimiDeltaAttention(nn.Module):
             checkpoint_offsets = _offsets_for_prefill(checkpoint_offsets, cu_seqlens)
             conv_checkpoint = self._conv_checkpoint(tokens, cache, slots, has_initial_state, cu_seqlens,
                                                     checkpoint_offsets)
-        read, write, states, conv_before = None, None, None, None
+        read, write, states = None, None, None
         if cache is not None:
             read, write = _rows(slots, cache, has_initial_state)
             states = torch.where(read[:, None, None, None], state_pool[write], 0).to(state_pool.dtype)
-            conv_before = conv_pool[write]  # the rows the conv rewrites (padding: the scratch row), for a refusal
-        mixed_conv = causal_conv1d(tokens, weight, self.conv1d.bias, conv_states=_live_rows(conv_pool), slots=slots,
-                                   has_initial_state=has_initial_state, cu_seqlens=cu_seqlens).view(mixed.shape)
-        q, k, v = self._split_heads(mixed_conv)
         checkpoint_states = None
         if checkpoint_offsets is not None:
             num = slots.shape[0]
             checkpoint_states = torch.full((num, 2, self.num_heads, self.head_dim, self.head_dim), float("nan"),
                                            device=x.device)  # an offset past its sequence leaves NaN
-        try:
+        # kda_prefill checks its own arguments (max_seqlen, checkpoint_offsets, the pool's shape, and on the CPU
+        # their values) only once the conv has moved its pool: the rows the conv rewrites (padding: the scratch
+        # row) are put back when it refuses
+        with restored_on_refusal(conv_pool, write):
+            mixed_conv = causal_conv1d(tokens, weight, self.conv1d.bias, conv_states=_live_rows(conv_pool),
+                                       slots=slots, has_initial_state=has_initial_state,
+                                       cu_seqlens=cu_seqlens).view(mixed.shape)
+            q, k, v = self._split_heads(mixed_conv)
             o, _ = kda_prefill(q, k, v, g, beta, **gate, initial_state=states, final_state=states,
                                cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, checkpoint_offsets=checkpoint_offsets,
                                checkpoint_states=checkpoint_states)
-        except Exception:
-            # kda_prefill checks its own arguments (max_seqlen, checkpoint_offsets, the pool's shape, and on the
-            # CPU their values) only once the conv has moved its pool: a refused call leaves the pool as it was
-            if conv_before is not None:
-                conv_pool.index_copy_(0, write, conv_before)
-            raise
         if cache is not None:
             state_pool.index_copy_(0, write, states)
         out = self.o_proj(self.o_norm(o, output_gate).flatten(-2))
@@ -322,11 +319,9 @@ class KimiDeltaAttention(nn.Module):
         self._check_decode_call(mixed, g, beta, gate, _live_rows(state_pool), slots, num_accepted_tokens)
         checked = _check_before_the_pools(cache, conv_pool, slots, mixed=mixed, g=g, beta=beta,
                                           conv_weight=self.conv1d.weight, conv_bias=self.conv1d.bias, **gate)
-        if checked:  # kda_decode's checks of q, k and v (finite) see the conv's output only after the conv has
-            # moved its pool rows (finite inputs can overflow in it): the rows it may write are kept for a refusal
-            written = _rows(slots.reshape(-1), cache, None)[1]
-            conv_before = conv_pool[written]
-        try:
+        # kda_decode's checks of q, k and v (finite) see the conv's output only after the conv has moved its pool
+        # rows (finite inputs can overflow in it): in checked mode the rows it may write are put back on a refusal
+        with restored_on_refusal(conv_pool, _rows(slots.reshape(-1), cache, None)[1] if checked else None):
             if slots.dim() == 1:
                 mixed_conv = causal_conv1d_update(mixed, _live_rows(conv_pool), weight, self.conv1d.bias, slots=slots)
             else:
@@ -334,10 +329,6 @@ class KimiDeltaAttention(nn.Module):
             q, k, v = self._split_heads(mixed_conv)
             o = kda_decode(q, k, v, g, beta, _live_rows(state_pool), slots, **gate,
                            num_accepted_tokens=num_accepted_tokens)
-        except Exception:
-            if checked:
-                conv_pool.index_copy_(0, written, conv_before)
-            raise
         return self.o_proj(self.o_norm(o, output_gate).flatten(-2))
 
     def _check_decode_call(self, mixed, g, beta, gate, state_pool, slots, num_accepted_tokens):
