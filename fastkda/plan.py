@@ -167,6 +167,9 @@ class PrefillPlan:
     the call's (chunk, head) pairs are at most :data:`HORNER_PROGRAMS_PER_SM` an SM (the ``replace`` to "ieee"
     products must clear it too). ``inverse_in_prepare``: the first kernel does the solve kernel's work on its own
     chunk after storing β·L, and the solve kernel is not launched (the same bits: the same code on the same values).
+    ``early_chunks_last`` (rows only): both preparation kernels run on one grid axis from the sequences' last chunks
+    back to their first, heads innermost (:attr:`prepare_grid`), so that the chunks the serial recurrence reads first
+    are the last ones written and still in L2 when it starts (the same bits: only the programs' order changes).
     ``dot_precision``: the kernels' fp32 products ("tf32" or "ieee")."""
 
     seq_len: int
@@ -202,6 +205,7 @@ class PrefillPlan:
     equal_rows: bool = False
     horner_inverse: bool = False
     inverse_in_prepare: bool = False
+    early_chunks_last: bool = False
     dot_precision: str = DOT_PRECISION
     reason: str = dataclasses.field(default="", compare=False)
 
@@ -271,6 +275,8 @@ class PrefillPlan:
                         f"dot_precision={self.dot_precision!r}: replace horner_inverse=False with it"))
         _check(not (self.equal_rows and self.varlen),
                "equal_rows runs a varlen call as rows (varlen=False), got varlen=True")
+        _check(not (self.early_chunks_last and self.varlen),
+               "early_chunks_last finds a program's chunk from the rows (varlen=False), got varlen=True")
         if self.warpgroup_transition:
             _check(self.segment_chunks > 0 and self.transition_width in WARPGROUP_SLICE_WIDTHS
                    and self.transition_stages >= 4
@@ -306,7 +312,10 @@ class PrefillPlan:
 
     @property
     def prepare_grid(self) -> tuple:
-        """Grid of both preparation kernels: one program per (chunk slot, head)."""
+        """Grid of both preparation kernels: one program per (chunk slot, head); under ``early_chunks_last`` on one
+        axis, in the order :func:`fastkda.ops.prefill.layout.preparation_program` reads it."""
+        if self.early_chunks_last:
+            return (self.chunk_slots * self.heads, 1, 1)
         return (self.chunk_slots, self.heads, 1)
 
     @property
@@ -395,7 +404,8 @@ class PrefillPlan:
             + (f", at most {self.prepare_registers} registers a thread" if self.prepare_registers else "") + "; "
             + ("the first kernel then inverts its chunk" if self.inverse_in_prepare
                else f"solve kernel on {_counted(self.solve_warps, 'warp')}, {self.solve_stages} stages")
-            + ": T·diag(β)" + (", diagonal blocks by Horner's rule in fp16 operands" if self.horner_inverse else ""),
+            + ": T·diag(β)" + (", diagonal blocks by Horner's rule in fp16 operands" if self.horner_inverse else "")
+            + ("; both from the last chunks back to the first, heads innermost" if self.early_chunks_last else ""),
             f"recurrence: v_slices={self.v_slices} (V cut into {self.v_slices} slice(s) of {self.slice_width} "
             f"columns): {self.programs} programs "
             + ("per segment of each sequence" if self.segment_chunks else f"on {self.sms} SMs")
@@ -805,6 +815,11 @@ def _choose_plan(num_seqs, heads, seq_len, key_dim, value_dim, sms, varlen, lowe
     if inverse_in_prepare:
         reason += (f"; the first kernel inverts its own chunk ({prepare_programs} programs in one wave of "
                    f"{PREPARE_PROGRAMS_PER_SM} an SM)")
+    # the serial recurrence reads every row's chunk 0 first: prepared last, the workspace it starts on is still in L2
+    # (docs/perf-notes.md, "Session 48"); rows only, where a program's slot follows from its index
+    early_chunks_last = not varlen and not segment_chunks
+    if early_chunks_last:
+        reason += "; the preparation from the last chunks back, so that the recurrence starts on chunks still in L2"
     return PrefillPlan(
         seq_len=seq_len, num_seqs=num_seqs, varlen=varlen, heads=heads, key_dim=key_dim, value_dim=value_dim,
         lower_bound_gate=lower_bound_gate, sms=sms, chunk=CHUNK, block=BLOCK, cpu_chunk=CPU_CHUNK,
@@ -816,6 +831,7 @@ def _choose_plan(num_seqs, heads, seq_len, key_dim, value_dim, sms, varlen, lowe
         prepare_token_run=prepare_token_run(CHUNK, key_dim, prepare_warps),
         prepare_registers=prepare_registers(lower_bound_gate, prepare_warps), solve_warps=SOLVE_WARPS,
         solve_stages=3, horner_inverse=horner_inverse, inverse_in_prepare=inverse_in_prepare,
+        early_chunks_last=early_chunks_last,
         segment_chunks=segment_chunks, transition_width=transition_width, scan_warps=8 if key_dim >= 128 else 4,
         reason=reason)
 

@@ -108,6 +108,45 @@ def test_inverse_in_prepare_gives_the_solve_kernels_bits(gate):
     assert all(torch.equal(x, y) for x, y in zip(got, base))
 
 
+@pytest.mark.parametrize("gate", ["lower_bound", "precomputed"])
+def test_early_chunks_last_writes_the_slot_orders_workspace(gate):
+    """The plan's ``early_chunks_last`` (the preparation from the rows' last chunks back, heads innermost) writes
+    every bit of the workspace that the slot order writes, over a NaN-poisoned one (a slot no program took would
+    keep its NaN; one taken twice would leave another slot's NaN), in rows with a partial last chunk, with the
+    solve kernel and with the inverse in the first kernel; the whole call, serial and in segments, and a varlen
+    batch run as rows give the slot order's outputs and final states."""
+    from fastkda.ops.prefill import prepare, solve
+    from fastkda.ops.prefill.layout import Workspace
+
+    inp = make_inputs([70, 70, 70], heads=3, key_dim=64, varlen=False, gate=gate, seed=31)
+    assert plan_for(inp, 2).early_chunks_last  # the automatic plan's choice for serial rows
+    gate_args = (inp["A_log"], inp["dt_bias"], inp["lower_bound"], 0.125, True, True)
+    for folded in (False, True):
+        written = []
+        for early in (False, True):
+            plan = plan_for(inp, 2, early_chunks_last=early, inverse_in_prepare=folded)
+            assert plan.prepare_grid == ((27, 1, 1) if early else (9, 3, 1))
+            ws = Workspace.allocate(plan, inp["v"], None)
+            ws.fp32.fill_(float("nan"))
+            ws.bf16.fill_(float("nan"))
+            prepare.launch_prepare(plan, ws, inp["q"], inp["k"], inp["g"], inp["beta"], *gate_args, None, True)
+            if not folded:
+                solve.launch_solve(plan, ws, inp["beta"], True, None, True)
+            written.append((ws.bf16.view(torch.int16), ws.fp32.view(torch.int32)))
+        (base_bf16, base_fp32), (bf16, fp32) = written
+        assert torch.equal(bf16, base_bf16) and torch.equal(fp32, base_fp32), folded
+    serial = {}
+    for segments in (False, 64):
+        base_o, base_s = run_triton(inp, 2, sequence_parallel=segments, early_chunks_last=False)
+        out, final = run_triton(inp, 2, sequence_parallel=segments, early_chunks_last=True)
+        assert torch.equal(out, base_o) and torch.equal(final, base_s), segments
+        serial = serial or dict(out=base_o, final=base_s)
+    packed = make_inputs([70, 70, 70], heads=3, key_dim=64, gate=gate, seed=31)
+    assert plan_for(packed, 2, max_seqlen=70).early_chunks_last and not plan_for(packed, 2).early_chunks_last
+    out, final = run_triton(packed, 2, max_seqlen=70)
+    assert torch.equal(out.view_as(serial["out"]), serial["out"]) and torch.equal(final, serial["final"])
+
+
 def test_longest_first_takes_the_sequences_longest_first_with_the_same_bits():
     """``longest_first``: the solve kernel writes the sequences sorted by length, longest first, ties in index
     order, and the recurrence's programs taking them in that order give the same outputs and final states (and

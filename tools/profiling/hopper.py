@@ -89,10 +89,10 @@ def prefill_launches(plan, checkpoints=0, l2norm=True, beta_sigmoid=True):
         cu_seqlens=I32 if plan.varlen or plan.equal_rows else F32, errors=I32 if plan.equal_rows else F32,
         order_at=at.order, order_count=plan.recurrence_grid[2], segment_chunks=plan.segment_chunks,
         LONGEST_FIRST=plan.longest_first, SEGMENTED=plan.sequence_parallel, EQUAL_ROWS=plan.equal_rows,
-        HORNER=plan.horner_inverse)
+        HORNER=plan.horner_inverse, EARLY_CHUNKS_LAST=plan.early_chunks_last)
     # the first kernel takes the inverse's own arguments only where it inverts, else launch_prepare's stand-ins
     unread = dict(cu_seqlens=cu, errors=F32, order_at=0, order_count=0, segment_chunks=0,
-                  **prepare.UNREAD_INVERSE_CONSTANTS)
+                  **prepare.UNREAD_INVERSE_CONSTANTS, EARLY_CHUNKS_LAST=plan.early_chunks_last)
     prepare_args = dict(
         shared, **beta, **precision, **(inverse if plan.inverse_in_prepare else unread), q=BF16, k=BF16,
         g=BF16 if gate else F32, A_log=F32, dt_bias=F32,

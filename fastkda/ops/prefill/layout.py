@@ -128,6 +128,20 @@ def chunk_of_slot(slot, cu_seqlens, seq_len, num_seqs, C: tl.constexpr, IS_VARLE
 
 
 @triton.jit
+def preparation_program(seq_len, num_seqs, H, C: tl.constexpr, EARLY_CHUNKS_LAST: tl.constexpr):
+    """The (chunk slot, head) of this program of a preparation kernel (the plan's ``prepare_grid``): the grid's
+    first two axes; under ``EARLY_CHUNKS_LAST`` (rows: the plan's ``early_chunks_last``) one axis taken from the
+    rows' last chunks back to their first, every row's chunk at a time, heads innermost, so that every row's first
+    chunks are the last ones written."""
+    if EARLY_CHUNKS_LAST:
+        program = tl.program_id(0)
+        row_slots = tl.cdiv(seq_len, C)
+        rest = program // H
+        return (rest % num_seqs) * row_slots + row_slots - 1 - rest // num_seqs, program % H
+    return tl.program_id(0), tl.program_id(1)
+
+
+@triton.jit
 def clamped_spans(cu_seqlens, m, inside, seq_len):
     """First token and length of sequences ``m`` (a vector; ``inside`` masks it) as :func:`sequence_span` clamps
     their spans."""

@@ -32,7 +32,7 @@ import triton.language as tl
 from ..common import bf16_operand, fast_exp2, launch
 from ..tiles import load_rows, store_lower, store_rows
 from .inputs import beta_rows, log2_decay_block, row_scales
-from .layout import chunk_of_slot
+from .layout import chunk_of_slot, preparation_program
 from .solve import inverse_arguments, invert_chunk, offsets_argument
 
 # the inverse's constexprs where the first kernel does not invert (INVERT=False reads none of them)
@@ -184,17 +184,18 @@ def prepare_kernel(
     IS_VARLEN: tl.constexpr, LOWER_BOUND_GATE: tl.constexpr, L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr,
     RUN: tl.constexpr, DOT_PRECISION: tl.constexpr, EMULATE: tl.constexpr, INVERT: tl.constexpr,
     LONGEST_FIRST: tl.constexpr, SEGMENTED: tl.constexpr, EQUAL_ROWS: tl.constexpr, HORNER: tl.constexpr,
+    EARLY_CHUNKS_LAST: tl.constexpr,
 ):
-    """One (chunk slot, head): norms, gate, cumulative decays, qg, kg, kd, the chunk decay, M and β·L (module
-    docstring): under the lower-bound gate :func:`midpoint_products`, over all K channels at once; under a
-    precomputed gate ``BK`` channels at a time, M and L accumulated as ``C / BC`` ``[C, BC]`` column blocks.
+    """One (chunk slot, head) (:func:`fastkda.ops.prefill.layout.preparation_program`): norms, gate, cumulative
+    decays, qg, kg, kd, the chunk decay, M and β·L (module docstring): under the lower-bound gate
+    :func:`midpoint_products`, over all K channels at once; under a precomputed gate ``BK`` channels at a time, M
+    and L accumulated as ``C / BC`` ``[C, BC]`` column blocks.
     Under ``INVERT`` (the plan's ``inverse_in_prepare``) it then does the solve kernel's work on its own chunk
     (:func:`fastkda.ops.prefill.solve.invert_chunk`, whose other arguments it passes through): β·L, just stored,
     is read back behind a barrier, so that no launch and no trip through DRAM lies between the two."""
     NB: tl.constexpr = C // BC
     tl.static_assert(NB == 2)
-    slot = tl.program_id(0)
-    h = tl.program_id(1)
+    slot, h = preparation_program(seq_len, num_seqs, H, C, EARLY_CHUNKS_LAST)
     chunk_start, eos = chunk_of_slot(slot, cu_seqlens, seq_len, num_seqs, C, IS_VARLEN)
     if LOWER_BOUND_GATE:  # row i holds token r[i]: each thread's rows are RUN consecutive tokens
         r = (tl.arange(0, C) % (C // RUN)) * RUN + tl.arange(0, C) // (C // RUN)
@@ -289,6 +290,6 @@ def launch_prepare(plan, ws, q, k, g, beta, A_log, dt_bias, lower_bound, scale, 
         K=plan.key_dim, C=plan.chunk, BC=plan.block, BK=plan.prepare_channels, IS_VARLEN=plan.varlen,
         LOWER_BOUND_GATE=plan.lower_bound_gate, L2NORM=use_qk_l2norm, BETA_SIGMOID=use_beta_sigmoid,
         RUN=plan.prepare_token_run, DOT_PRECISION=plan.dot_precision, EMULATE=emulate,
-        INVERT=plan.inverse_in_prepare, **inverse_constants,
+        INVERT=plan.inverse_in_prepare, **inverse_constants, EARLY_CHUNKS_LAST=plan.early_chunks_last,
         num_warps=plan.prepare_warps, num_stages=plan.prepare_stages, maxnreg=plan.prepare_registers or None,
     )

@@ -25,7 +25,7 @@ import triton.language as tl
 from ..common import launch
 from ..tiles import load_lower, store_lower
 from .inputs import beta_rows
-from .layout import chunk_of_slot, write_longest_first
+from .layout import chunk_of_slot, preparation_program, write_longest_first
 
 
 @triton.jit
@@ -135,10 +135,11 @@ def solve_kernel(
     beta, cu_seqlens, errors, ws_fp32, scratch_at, order_at, order_count, segment_chunks, stride_beta_tok,
     stride_beta_head, seq_len, num_seqs, H, C: tl.constexpr, BC: tl.constexpr, IS_VARLEN: tl.constexpr,
     BETA_SIGMOID: tl.constexpr, DOT_PRECISION: tl.constexpr, EMULATE: tl.constexpr, LONGEST_FIRST: tl.constexpr,
-    SEGMENTED: tl.constexpr, EQUAL_ROWS: tl.constexpr, HORNER: tl.constexpr,
+    SEGMENTED: tl.constexpr, EQUAL_ROWS: tl.constexpr, HORNER: tl.constexpr, EARLY_CHUNKS_LAST: tl.constexpr,
 ):
-    """One (chunk slot, head): :func:`invert_chunk`."""
-    invert_chunk(tl.program_id(0), tl.program_id(1), beta, cu_seqlens, errors, ws_fp32, scratch_at, order_at,
+    """One (chunk slot, head) (:func:`fastkda.ops.prefill.layout.preparation_program`): :func:`invert_chunk`."""
+    slot, h = preparation_program(seq_len, num_seqs, H, C, EARLY_CHUNKS_LAST)
+    invert_chunk(slot, h, beta, cu_seqlens, errors, ws_fp32, scratch_at, order_at,
                  order_count, segment_chunks, stride_beta_tok, stride_beta_head, seq_len, num_seqs, H, C, BC,
                  IS_VARLEN, BETA_SIGMOID, DOT_PRECISION, EMULATE, LONGEST_FIRST, SEGMENTED, EQUAL_ROWS, HORNER)
 
@@ -170,6 +171,6 @@ def launch_solve(plan, ws, beta, use_beta_sigmoid, errors, emulate):
         beta, offsets_argument(plan, ws), errors_or_absent, ws.fp32, ws.layout.scratch, order_at, order_count,
         segment_chunks, beta.stride(1), beta.stride(2), plan.seq_len, plan.num_seqs, plan.heads,
         C=plan.chunk, BC=plan.block, IS_VARLEN=plan.varlen, BETA_SIGMOID=use_beta_sigmoid,
-        DOT_PRECISION=plan.dot_precision, EMULATE=emulate, **constants,
+        DOT_PRECISION=plan.dot_precision, EMULATE=emulate, **constants, EARLY_CHUNKS_LAST=plan.early_chunks_last,
         num_warps=plan.solve_warps, num_stages=plan.solve_stages,
     )
