@@ -170,9 +170,6 @@ class PrefillPlan:
     ``early_chunks_last`` (rows only): both preparation kernels run on one grid axis from the sequences' last chunks
     back to their first, heads innermost (:attr:`prepare_grid`), so that the chunks the serial recurrence reads first
     are the last ones written and still in L2 when it starts (the same bits: only the programs' order changes).
-    ``evict_inputs``: the first kernel reads q, k and g for the last time with L2's evict-first hint
-    (:attr:`input_eviction`), so that the workspace it writes for the recurrence stays in L2 longer (the same bits;
-    the Gluon recurrence's copies of v would want it too, but triton 3.6 drops the hint from ``cp.async``).
     ``dot_precision``: the kernels' fp32 products ("tf32" or "ieee")."""
 
     seq_len: int
@@ -209,7 +206,6 @@ class PrefillPlan:
     horner_inverse: bool = False
     inverse_in_prepare: bool = False
     early_chunks_last: bool = False
-    evict_inputs: bool = False
     dot_precision: str = DOT_PRECISION
     reason: str = dataclasses.field(default="", compare=False)
 
@@ -323,12 +319,6 @@ class PrefillPlan:
         return (self.chunk_slots, self.heads, 1)
 
     @property
-    def input_eviction(self) -> str:
-        """The eviction policy of the first kernel's reads of q, k and g (``evict_inputs``): Triton's
-        ``"evict_first"`` (L2's evict-first cache hint), or ``""`` (the default)."""
-        return "evict_first" if self.evict_inputs else ""
-
-    @property
     def sequence_parallel(self) -> bool:
         """Whether sequences are cut into segments (``segment_chunks``)."""
         return self.segment_chunks > 0
@@ -415,8 +405,7 @@ class PrefillPlan:
             + ("the first kernel then inverts its chunk" if self.inverse_in_prepare
                else f"solve kernel on {_counted(self.solve_warps, 'warp')}, {self.solve_stages} stages")
             + ": T·diag(β)" + (", diagonal blocks by Horner's rule in fp16 operands" if self.horner_inverse else "")
-            + ("; both from the last chunks back to the first, heads innermost" if self.early_chunks_last else "")
-            + ("; q, k and g read with L2's evict-first hint" if self.evict_inputs else ""),
+            + ("; both from the last chunks back to the first, heads innermost" if self.early_chunks_last else ""),
             f"recurrence: v_slices={self.v_slices} (V cut into {self.v_slices} slice(s) of {self.slice_width} "
             f"columns): {self.programs} programs "
             + ("per segment of each sequence" if self.segment_chunks else f"on {self.sms} SMs")
@@ -831,9 +820,6 @@ def _choose_plan(num_seqs, heads, seq_len, key_dim, value_dim, sms, varlen, lowe
     early_chunks_last = not varlen and not segment_chunks
     if early_chunks_last:
         reason += "; the preparation from the last chunks back, so that the recurrence starts on chunks still in L2"
-    # the inputs, read once, leave L2 first, the workspace the recurrence reads stays (docs/perf-notes.md,
-    # "Session 48")
-    reason += "; q, k and g evicted from L2 first"
     return PrefillPlan(
         seq_len=seq_len, num_seqs=num_seqs, varlen=varlen, heads=heads, key_dim=key_dim, value_dim=value_dim,
         lower_bound_gate=lower_bound_gate, sms=sms, chunk=CHUNK, block=BLOCK, cpu_chunk=CPU_CHUNK,
@@ -845,7 +831,7 @@ def _choose_plan(num_seqs, heads, seq_len, key_dim, value_dim, sms, varlen, lowe
         prepare_token_run=prepare_token_run(CHUNK, key_dim, prepare_warps),
         prepare_registers=prepare_registers(lower_bound_gate, prepare_warps), solve_warps=SOLVE_WARPS,
         solve_stages=3, horner_inverse=horner_inverse, inverse_in_prepare=inverse_in_prepare,
-        early_chunks_last=early_chunks_last, evict_inputs=True,
+        early_chunks_last=early_chunks_last,
         segment_chunks=segment_chunks, transition_width=transition_width, scan_warps=8 if key_dim >= 128 else 4,
         reason=reason)
 

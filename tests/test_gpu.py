@@ -188,18 +188,17 @@ def test_inverse_in_prepare_same_bits_as_the_solve_kernel_and_replays(lengths, h
 
 @pytest.mark.parametrize("gate", ["lower_bound", "precomputed"])
 @pytest.mark.parametrize("lengths, hint", [([1000] * 5, None), ([1000] * 5, 1000), ([1024], None)])
-def test_early_chunks_last_and_evict_inputs_same_bits_and_replays(lengths, hint, gate):
-    """The automatic plan's ``early_chunks_last`` (the preparation from the rows' last chunks back) and
-    ``evict_inputs`` (q, k and g read with L2's evict-first hint), on rows with a partial last chunk, a varlen batch
-    run as rows and one sequence (the inverse in the first kernel): the bits of the slot order without the hint,
-    against float64 within the bar; a graph captured once, replayed on fresh inputs, equals an eager call on
-    them."""
+def test_early_chunks_last_same_bits_as_the_slot_order_and_replays(lengths, hint, gate):
+    """The automatic plan's ``early_chunks_last`` (the preparation from the rows' last chunks back), on rows with a
+    partial last chunk, a varlen batch run as rows and one sequence (the inverse in the first kernel): the slot
+    order's bits, against float64 within the bar; a graph captured once, replayed on fresh inputs, equals an eager
+    call on them."""
     varlen = hint is not None or len(lengths) == 1
     inp = make_inputs(lengths, heads=12, key_dim=128, varlen=varlen, gate=gate, device="cuda", seed=25)
     plan = plan_for(inp, max_seqlen=hint)
-    assert plan.early_chunks_last and plan.evict_inputs and not plan.varlen
+    assert plan.early_chunks_last and not plan.varlen
     fresh = make_inputs(lengths, heads=12, key_dim=128, varlen=varlen, gate=gate, device="cuda", seed=26)
-    assert_same_bits_and_replays(inp, plan, plan.replace(early_chunks_last=False, evict_inputs=False), fresh)
+    assert_same_bits_and_replays(inp, plan, plan.replace(early_chunks_last=False), fresh)
     out, final, _ = run_prefill(inp, torch.float32, torch.float32, plan=plan)
     ref_o, ref_s = reference(inp, inp["initial_state"])
     assert rel_err(out, ref_o) < OUT_BOUND and rel_err(final, ref_s) < STATE_BOUND

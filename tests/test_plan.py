@@ -198,16 +198,13 @@ def test_early_chunks_last_for_the_serial_recurrence_of_rows():
                            ((1, 12, 1024), {}), ((8, 96, 8192), dict(max_seqlen=1024))):
         plan = choose_plan(*facts, 128, 128, 132, **changes)
         assert plan.early_chunks_last and not plan.segment_chunks, facts
-        assert plan.evict_inputs and plan.input_eviction == "evict_first", facts
         assert plan.prepare_grid == (plan.chunk_slots * plan.heads, 1, 1), facts
         assert "from the last chunks back to the first" in plan.describe(), facts
     for facts, changes in (((6, 96, 8192), dict(max_seqlen=3063)), ((1, 12, 65536), {}),
                            ((2, 12, 8192), dict(varlen=False))):
         plan = choose_plan(*facts, 128, 128, 132, **changes)
         assert not plan.early_chunks_last and plan.prepare_grid == (plan.chunk_slots, plan.heads, 1), facts
-        assert plan.evict_inputs, facts  # whatever the order
         assert "from the last chunks back" not in plan.describe(), facts
-    assert choose_plan(5, 12, 1024, 128, 128, 132).replace(evict_inputs=False).input_eviction == ""
     assert choose_plan(2, 12, 8192, 128, 128, 132, varlen=False).segment_chunks
     with pytest.raises(ValueError, match="early_chunks_last finds a program's chunk from the rows"):
         choose_plan(6, 96, 8192, 128, 128, 132, max_seqlen=3063).replace(early_chunks_last=True)

@@ -14,11 +14,9 @@ from .common import store_as
 
 
 @triton.jit
-def load_rows(ptr, rows, ok, cols, stride, EVICTION: tl.constexpr = ""):
-    """``[R, D]`` tile: whole rows (every column of ``cols`` exists), rows where ``ok`` is False read as 0;
-    ``EVICTION``: the load's eviction policy (``"evict_first"`` for data read for the last time)."""
-    return tl.load(ptr + rows[:, None] * stride + cols[None, :], mask=ok[:, None], other=0.0,
-                   eviction_policy=EVICTION)
+def load_rows(ptr, rows, ok, cols, stride):
+    """``[R, D]`` tile: whole rows (every column of ``cols`` exists), rows where ``ok`` is False read as 0."""
+    return tl.load(ptr + rows[:, None] * stride + cols[None, :], mask=ok[:, None], other=0.0)
 
 
 @triton.jit

@@ -169,33 +169,3 @@ def test_the_gluon_recurrence_compiles_without_spill_or_serialised_products():
     assert {line[2] for line in lines} == {"warpgroup_recurrence_kernel", "warpgroup_transition_kernel"}
     for workload, name, kernel, serialised, no_spill, wgmma in lines:
         assert serialised == "False" and no_spill == "True" and int(wgmma) >= 14, (workload, name)
-
-
-# The plan's evict_inputs as the launches compile it (H12 N5 T1024: rows, the Gluon recurrence): the first kernel's
-# reads of q, k and g carry L2's evict-first policy, and no other access of it or of the recurrence does.
-EVICTION = r"""
-import argparse, sys
-sys.path.insert(0, ".")
-from tools.profiling import hopper
-for setting in ("evict_inputs=1", "evict_inputs=0"):
-    parser = argparse.ArgumentParser()
-    hopper.add_plan_arguments(parser)
-    plan, decode = hopper.plans_from_arguments(parser.parse_args(["--workload", "H12_N5_T1024", "--set", setting]))
-    for name, (fn, kernel_args, warps, stages, maxnreg) in hopper.launches(plan, decode,
-                                                                           ("prepare", "recurrence")).items():
-        ptx = hopper.compile_for_hopper(fn, kernel_args, warps, stages, maxnreg).asm["ptx"]
-        hinted = [line for line in ptx.splitlines() if "L2::cache_hint" in line]
-        print(setting, name, plan.warpgroup_recurrence, len(hinted),
-              sum("ld.global" in line for line in hinted))
-"""
-
-
-def test_evict_inputs_hints_the_inputs_last_reads_and_nothing_else():
-    lines = [line.split() for line in run_tool(code=EVICTION).splitlines()]
-    assert [line[:3] for line in lines] == [["evict_inputs=1", "prepare", "True"],
-                                            ["evict_inputs=1", "recurrence", "True"],
-                                            ["evict_inputs=0", "prepare", "True"],
-                                            ["evict_inputs=0", "recurrence", "True"]]
-    prepare_hinted, prepare_reads = lines[0][3:]
-    assert int(prepare_hinted) > 0 and prepare_reads == prepare_hinted  # global loads only, no store
-    assert [line[3:] for line in (lines[1], *lines[2:])] == [["0", "0"]] * 3

@@ -99,7 +99,7 @@ def prefill_launches(plan, checkpoints=0, l2norm=True, beta_sigmoid=True):
         qg_at=at.qg, kg_at=at.kg, A_at=at.A, scratch_at=at.scratch, stride_q=H * K, stride_k=H * K, stride_g=H * K,
         num_seqs=plan.num_seqs, lower_bound=LOWER_BOUND if gate else 0.0, scale=K ** -0.5, H=H, K=K, BC=plan.block,
         BK=plan.prepare_channels, LOWER_BOUND_GATE=gate, L2NORM=l2norm, RUN=plan.prepare_token_run,
-        INVERT=plan.inverse_in_prepare, INPUT_EVICTION=plan.input_eviction)
+        INVERT=plan.inverse_in_prepare)
     solve_args = dict(
         {name: value for name, value in shared.items() if name != "ws_bf16"}, **beta, **precision, **inverse,
         scratch_at=at.scratch, num_seqs=plan.num_seqs, H=H, BC=plan.block)

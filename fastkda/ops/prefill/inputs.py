@@ -23,12 +23,10 @@ def beta_rows(beta_c, rows, valid, stride_tok, BETA_SIGMOID: tl.constexpr):
 
 @triton.jit
 def log2_decay_block(g_c, rows, valid, stride_g, h, kk, A_log, dt_bias, lower_bound,
-                     K: tl.constexpr, LOWER_BOUND_GATE: tl.constexpr, EMULATE: tl.constexpr,
-                     EVICTION: tl.constexpr = ""):
+                     K: tl.constexpr, LOWER_BOUND_GATE: tl.constexpr, EMULATE: tl.constexpr):
     """Log-decay of one ``[C, BK]`` block of key channels **in base 2** (``a·log2(e)``, so every decay factor
-    is one ``ex2``), zero outside the ``valid`` rows (``g_c`` points at the chunk's first token and head; g read
-    with the eviction policy ``EVICTION``)."""
-    gv = load_rows(g_c, rows, valid, kk, stride_g, EVICTION).to(tl.float32)
+    is one ``ex2``), zero outside the ``valid`` rows (``g_c`` points at the chunk's first token and head)."""
+    gv = load_rows(g_c, rows, valid, kk, stride_g).to(tl.float32)
     if LOWER_BOUND_GATE:  # λ·σ(e^A_log·(g + b)) = λ / (1 + 2^(-e^A_log·log2(e)·(g + b)))
         tl.debug_barrier()  # every load of g issued before bias's layout conversion waits for bias
         slope = tl.exp(tl.load(A_log + h).to(tl.float32)) * LOG2E

@@ -132,16 +132,14 @@ def sum_over_rows(x):
 @triton.jit
 def midpoint_products(q_b, k_b, g_c, r, valid, stride_g, h, kk, A_log, dt_bias, lower_bound, bv, qg_c, kd_c, kg_c,
                       A_c, L_c, decay_c, H, K: tl.constexpr, C: tl.constexpr, RUN: tl.constexpr,
-                      DOT_PRECISION: tl.constexpr, EMULATE: tl.constexpr, IS_VARLEN: tl.constexpr,
-                      INPUT_EVICTION: tl.constexpr):
+                      DOT_PRECISION: tl.constexpr, EMULATE: tl.constexpr, IS_VARLEN: tl.constexpr):
     """The first kernel's work under the lower-bound gate (module docstring), from a chunk's normalised ``[C, K]``
     q and k rows (row i holding token ``r[i]``): M = lower_incl((q̂·2^(G - G_last/2))·(k̂·2^(G_last/2 - G))ᵀ), β·L
     likewise, and qg, kd, kg as the same factors times per-channel decays, all K channels at once (channel steps,
-    which hold a fraction of the registers, were slower: docs/perf-notes.md); g read with the eviction policy
-    ``INPUT_EVICTION``."""
+    which hold a fraction of the registers, were slower: docs/perf-notes.md)."""
     RUNS: tl.constexpr = C // RUN
-    a = tl.reshape(log2_decay_block(g_c, r, valid, stride_g, h, kk, A_log, dt_bias, lower_bound, K, True, EMULATE,
-                                    INPUT_EVICTION), (RUN, RUNS, K))  # [j, s]: token s·RUN + j
+    a = tl.reshape(log2_decay_block(g_c, r, valid, stride_g, h, kk, A_log, dt_bias, lower_bound, K, True, EMULATE),
+                   (RUN, RUNS, K))  # [j, s]: token s·RUN + j
     run_total = tl.sum(a, axis=0)  # in-thread
     run_end = tl.cumsum(run_total, axis=0)  # G at each run's last token
     G = tl.reshape(tl.cumsum(a, axis=0) + (run_end - run_total)[None, :, :], (C, K))
@@ -186,7 +184,7 @@ def prepare_kernel(
     IS_VARLEN: tl.constexpr, LOWER_BOUND_GATE: tl.constexpr, L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr,
     RUN: tl.constexpr, DOT_PRECISION: tl.constexpr, EMULATE: tl.constexpr, INVERT: tl.constexpr,
     LONGEST_FIRST: tl.constexpr, SEGMENTED: tl.constexpr, EQUAL_ROWS: tl.constexpr, HORNER: tl.constexpr,
-    EARLY_CHUNKS_LAST: tl.constexpr, INPUT_EVICTION: tl.constexpr,
+    EARLY_CHUNKS_LAST: tl.constexpr,
 ):
     """One (chunk slot, head) (:func:`fastkda.ops.prefill.layout.preparation_program`): norms, gate, cumulative
     decays, qg, kg, kd, the chunk decay, M and β·L (module docstring): under the lower-bound gate
@@ -194,8 +192,7 @@ def prepare_kernel(
     and L accumulated as ``C / BC`` ``[C, BC]`` column blocks.
     Under ``INVERT`` (the plan's ``inverse_in_prepare``) it then does the solve kernel's work on its own chunk
     (:func:`fastkda.ops.prefill.solve.invert_chunk`, whose other arguments it passes through): β·L, just stored,
-    is read back behind a barrier, so that no launch and no trip through DRAM lies between the two. q, k and g
-    are read for the last time with the eviction policy ``INPUT_EVICTION`` (the plan's ``evict_inputs``)."""
+    is read back behind a barrier, so that no launch and no trip through DRAM lies between the two."""
     NB: tl.constexpr = C // BC
     tl.static_assert(NB == 2)
     slot, h = preparation_program(seq_len, num_seqs, H, C, EARLY_CHUNKS_LAST)
@@ -215,12 +212,8 @@ def prepare_kernel(
     kg_c = ws_bf16 + kg_at + row0 * (H * K) + h * K
     decay_c = ws_fp32 + (slot * H + h) * K
     kall = tl.arange(0, K)
-    if LOWER_BOUND_GATE:  # whole rows, for the norms; the only read under this gate
-        q_t = load_rows(q_c, r, valid, kall, stride_q, INPUT_EVICTION).to(tl.float32)
-        k_t = load_rows(k_c, r, valid, kall, stride_k, INPUT_EVICTION).to(tl.float32)
-    else:  # read again by the channel steps below
-        q_t = load_rows(q_c, r, valid, kall, stride_q).to(tl.float32)
-        k_t = load_rows(k_c, r, valid, kall, stride_k).to(tl.float32)
+    q_t = load_rows(q_c, r, valid, kall, stride_q).to(tl.float32)  # whole rows, for the norms
+    k_t = load_rows(k_c, r, valid, kall, stride_k).to(tl.float32)
     qs, ks = row_scales(q_t, k_t, valid, scale, L2NORM)
 
     bv = beta_rows(beta + row0 * stride_beta_tok + h * stride_beta_head, r, valid, stride_beta_tok, BETA_SIGMOID)
@@ -230,17 +223,17 @@ def prepare_kernel(
         tl.static_assert(BK == K)  # one channel step (the plan's rule under this gate)
         midpoint_products(q_t * qs[:, None], k_t * ks[:, None], g_c, r, valid, stride_g, h, kall, A_log, dt_bias,
                           lower_bound, bv, qg_c, kd_c, kg_c, A_c, L_c, decay_c, H, K, C, RUN, DOT_PRECISION,
-                          EMULATE, IS_VARLEN, INPUT_EVICTION)
+                          EMULATE, IS_VARLEN)
     else:
         zero = tl.zeros((C, BC), dtype=tl.float32)
         M0, M1, L0, L1 = zero, zero, zero, zero
         blk = r // BC
         for c in range(K // BK):
             kk = c * BK + tl.arange(0, BK)
-            q_b = load_rows(q_c, r, valid, kk, stride_q, INPUT_EVICTION).to(tl.float32) * qs[:, None]
-            k_b = load_rows(k_c, r, valid, kk, stride_k, INPUT_EVICTION).to(tl.float32) * ks[:, None]
+            q_b = load_rows(q_c, r, valid, kk, stride_q).to(tl.float32) * qs[:, None]
+            k_b = load_rows(k_c, r, valid, kk, stride_k).to(tl.float32) * ks[:, None]
             a3 = tl.reshape(log2_decay_block(g_c, r, valid, stride_g, h, kk, A_log, dt_bias, lower_bound, K,
-                                             False, EMULATE, INPUT_EVICTION), (NB, BC, BK))
+                                             False, EMULATE), (NB, BC, BK))
             cs = tl.reshape(tl.cumsum(a3, axis=1), (C, BK))  # G_i - G_start(blk(i))
             total = tl.sum(a3, axis=1)  # [NB, BK] per-block log-decay
             G_end = tl.cumsum(total, axis=0)
@@ -298,6 +291,5 @@ def launch_prepare(plan, ws, q, k, g, beta, A_log, dt_bias, lower_bound, scale, 
         LOWER_BOUND_GATE=plan.lower_bound_gate, L2NORM=use_qk_l2norm, BETA_SIGMOID=use_beta_sigmoid,
         RUN=plan.prepare_token_run, DOT_PRECISION=plan.dot_precision, EMULATE=emulate,
         INVERT=plan.inverse_in_prepare, **inverse_constants, EARLY_CHUNKS_LAST=plan.early_chunks_last,
-        INPUT_EVICTION=plan.input_eviction,
         num_warps=plan.prepare_warps, num_stages=plan.prepare_stages, maxnreg=plan.prepare_registers or None,
     )
