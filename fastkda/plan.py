@@ -167,9 +167,10 @@ class PrefillPlan:
     the call's (chunk, head) pairs are at most :data:`HORNER_PROGRAMS_PER_SM` an SM (the ``replace`` to "ieee"
     products must clear it too). ``inverse_in_prepare``: the first kernel does the solve kernel's work on its own
     chunk after storing β·L, and the solve kernel is not launched (the same bits: the same code on the same values).
-    ``early_chunks_last`` (rows only): both preparation kernels run on one grid axis from the sequences' last chunks
-    back to their first, heads innermost (:attr:`prepare_grid`), so that the chunks the serial recurrence reads first
-    are the last ones written and still in L2 when it starts (the same bits: only the programs' order changes).
+    ``early_chunks_last``: both preparation kernels run on one grid axis, heads innermost, from the last chunk slots
+    back to the first (:attr:`prepare_grid`; rows a chunk of every row at a time), so that a run of programs reads
+    one chunk's rows of every head (contiguous in memory), and the chunks the serial recurrence of rows reads first
+    are the last ones written, still in L2 when it starts (the same bits: only the programs' order changes).
     ``dot_precision``: the kernels' fp32 products ("tf32" or "ieee")."""
 
     seq_len: int
@@ -275,8 +276,6 @@ class PrefillPlan:
                         f"dot_precision={self.dot_precision!r}: replace horner_inverse=False with it"))
         _check(not (self.equal_rows and self.varlen),
                "equal_rows runs a varlen call as rows (varlen=False), got varlen=True")
-        _check(not (self.early_chunks_last and self.varlen),
-               "early_chunks_last finds a program's chunk from the rows (varlen=False), got varlen=True")
         if self.warpgroup_transition:
             _check(self.segment_chunks > 0 and self.transition_width in WARPGROUP_SLICE_WIDTHS
                    and self.transition_stages >= 4
@@ -815,11 +814,10 @@ def _choose_plan(num_seqs, heads, seq_len, key_dim, value_dim, sms, varlen, lowe
     if inverse_in_prepare:
         reason += (f"; the first kernel inverts its own chunk ({prepare_programs} programs in one wave of "
                    f"{PREPARE_PROGRAMS_PER_SM} an SM)")
-    # the serial recurrence reads every row's chunk 0 first: prepared last, the workspace it starts on is still in L2
-    # (docs/perf-notes.md, "Session 48"); rows only, where a program's slot follows from its index
-    early_chunks_last = not varlen and not segment_chunks
-    if early_chunks_last:
-        reason += "; the preparation from the last chunks back, so that the recurrence starts on chunks still in L2"
+    # a run of programs reads one chunk's rows of every head, and the recurrence of rows starts on the workspace
+    # written last, still in L2 (docs/perf-notes.md, "Session 48": on rows 1.2-2.8% faster on an H100, or within
+    # noise; predicted likewise for varlen batches and segments)
+    reason += "; the preparation from the last chunks back, heads innermost"
     return PrefillPlan(
         seq_len=seq_len, num_seqs=num_seqs, varlen=varlen, heads=heads, key_dim=key_dim, value_dim=value_dim,
         lower_bound_gate=lower_bound_gate, sms=sms, chunk=CHUNK, block=BLOCK, cpu_chunk=CPU_CHUNK,
@@ -831,7 +829,7 @@ def _choose_plan(num_seqs, heads, seq_len, key_dim, value_dim, sms, varlen, lowe
         prepare_token_run=prepare_token_run(CHUNK, key_dim, prepare_warps),
         prepare_registers=prepare_registers(lower_bound_gate, prepare_warps), solve_warps=SOLVE_WARPS,
         solve_stages=3, horner_inverse=horner_inverse, inverse_in_prepare=inverse_in_prepare,
-        early_chunks_last=early_chunks_last,
+        early_chunks_last=True,
         segment_chunks=segment_chunks, transition_width=transition_width, scan_warps=8 if key_dim >= 128 else 4,
         reason=reason)
 

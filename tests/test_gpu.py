@@ -187,16 +187,19 @@ def test_inverse_in_prepare_same_bits_as_the_solve_kernel_and_replays(lengths, h
 
 
 @pytest.mark.parametrize("gate", ["lower_bound", "precomputed"])
-@pytest.mark.parametrize("lengths, hint", [([1000] * 5, None), ([1000] * 5, 1000), ([1024], None)])
-def test_early_chunks_last_same_bits_as_the_slot_order_and_replays(lengths, hint, gate):
-    """The automatic plan's ``early_chunks_last`` (the preparation from the rows' last chunks back), on rows with a
-    partial last chunk, a varlen batch run as rows and one sequence (the inverse in the first kernel): the slot
-    order's bits, against float64 within the bar; a graph captured once, replayed on fresh inputs, equals an eager
-    call on them."""
-    varlen = hint is not None or len(lengths) == 1
+@pytest.mark.parametrize("lengths, varlen, hint, segments", [
+    ([1000] * 5, False, None, False), ([1000] * 5, True, 1000, False), ([1024], True, None, False),
+    ([300, 5, 0, 1200, 64, 1, 700, 30], True, None, False), ([300, 5, 0, 1200, 64, 1, 700, 30], True, None, 256),
+    ([2000] * 2, False, None, 256)])
+def test_early_chunks_last_same_bits_as_the_slot_order_and_replays(lengths, varlen, hint, segments, gate):
+    """The automatic plan's ``early_chunks_last`` (the preparation on one grid axis, heads innermost, from the last
+    chunk slots back), on rows with a partial last chunk, a varlen batch run as rows, one sequence (the inverse in
+    the first kernel), a varlen batch with empty and 1-token sequences (the longest first) and in segments: the
+    slot order's bits, within the bar against float64; a graph captured once, replayed on fresh inputs, equals an
+    eager call on them."""
     inp = make_inputs(lengths, heads=12, key_dim=128, varlen=varlen, gate=gate, device="cuda", seed=25)
-    plan = plan_for(inp, max_seqlen=hint)
-    assert plan.early_chunks_last and not plan.varlen
+    plan = plan_for(inp, max_seqlen=hint, sequence_parallel=segments)
+    assert plan.early_chunks_last and bool(plan.segment_chunks) == bool(segments)
     fresh = make_inputs(lengths, heads=12, key_dim=128, varlen=varlen, gate=gate, device="cuda", seed=26)
     assert_same_bits_and_replays(inp, plan, plan.replace(early_chunks_last=False), fresh)
     out, final, _ = run_prefill(inp, torch.float32, torch.float32, plan=plan)

@@ -69,7 +69,8 @@ def test_grids_and_slots():
     assert fixed.replace(early_chunks_last=False).prepare_grid == (12, 4, 1)
     varlen = choose_plan(3, 4, 100, 64, 64, 132)
     assert varlen.batch == 1 and varlen.chunk_slots == 100 // 32 + 3 + 1
-    assert varlen.prepare_grid == (varlen.chunk_slots, 4, 1)
+    assert varlen.prepare_grid == (varlen.chunk_slots * 4, 1, 1)
+    assert varlen.replace(early_chunks_last=False).prepare_grid == (varlen.chunk_slots, 4, 1)
     assert varlen.recurrence_grid == (varlen.v_slices, 4, 3)
 
 
@@ -189,25 +190,21 @@ def test_longest_first_where_a_varlen_batchs_programs_take_turns():
         choose_plan(8, 96, 1024, 128, 128, 132, varlen=False).replace(longest_first=True)
 
 
-def test_early_chunks_last_for_the_serial_recurrence_of_rows():
-    """The preparation runs from the last chunks back (one grid axis of slots x heads) where the serial recurrence
-    reads rows: fixed-length rows, one sequence and a varlen batch whose ``max_seqlen`` hint makes it rows; not for a
-    varlen batch of other lengths (its slots need ``cu_seqlens``) nor in segments; the describe line says it; a
-    varlen plan asking for it is refused."""
+def test_early_chunks_last_in_every_automatic_plan():
+    """The preparation runs from the last chunk slots back, heads innermost (one grid axis of slots x heads), in
+    every automatic plan: rows, one sequence, a varlen batch run as rows or not (the longest first), in segments;
+    the describe line says it, and a plan without it keeps the two-axis grid."""
     for facts, changes in (((5, 12, 1024), dict(varlen=False)), ((5, 12, 5120), dict(max_seqlen=1024)),
-                           ((1, 12, 1024), {}), ((8, 96, 8192), dict(max_seqlen=1024))):
+                           ((1, 12, 1024), {}), ((6, 96, 8192), dict(max_seqlen=3063)), ((1, 12, 65536), {}),
+                           ((13, 24, 8192), dict(max_seqlen=6144))):
         plan = choose_plan(*facts, 128, 128, 132, **changes)
-        assert plan.early_chunks_last and not plan.segment_chunks, facts
-        assert plan.prepare_grid == (plan.chunk_slots * plan.heads, 1, 1), facts
+        assert plan.early_chunks_last and plan.prepare_grid == (plan.chunk_slots * plan.heads, 1, 1), facts
         assert "from the last chunks back to the first" in plan.describe(), facts
-    for facts, changes in (((6, 96, 8192), dict(max_seqlen=3063)), ((1, 12, 65536), {}),
-                           ((2, 12, 8192), dict(varlen=False))):
-        plan = choose_plan(*facts, 128, 128, 132, **changes)
-        assert not plan.early_chunks_last and plan.prepare_grid == (plan.chunk_slots, plan.heads, 1), facts
-        assert "from the last chunks back" not in plan.describe(), facts
-    assert choose_plan(2, 12, 8192, 128, 128, 132, varlen=False).segment_chunks
-    with pytest.raises(ValueError, match="early_chunks_last finds a program's chunk from the rows"):
-        choose_plan(6, 96, 8192, 128, 128, 132, max_seqlen=3063).replace(early_chunks_last=True)
+        off = plan.replace(early_chunks_last=False)
+        assert off.prepare_grid == (plan.chunk_slots, plan.heads, 1)
+        assert "from the last chunks back to the first" not in off.describe()
+    assert choose_plan(1, 12, 65536, 128, 128, 132).segment_chunks
+    assert choose_plan(6, 96, 8192, 128, 128, 132, max_seqlen=3063).longest_first
 
 
 def test_horner_inverse_where_the_solve_runs_in_about_a_wave_and_only_with_tf32_products():

@@ -110,41 +110,43 @@ def test_inverse_in_prepare_gives_the_solve_kernels_bits(gate):
 
 @pytest.mark.parametrize("gate", ["lower_bound", "precomputed"])
 def test_early_chunks_last_writes_the_slot_orders_workspace(gate):
-    """The plan's ``early_chunks_last`` (the preparation from the rows' last chunks back, heads innermost) writes
-    every bit of the workspace that the slot order writes, over a NaN-poisoned one (a slot no program took would
-    keep its NaN; one taken twice would leave another slot's NaN), in rows with a partial last chunk, with the
-    solve kernel and with the inverse in the first kernel; the whole call, serial and in segments, and a varlen
-    batch run as rows give the slot order's outputs and final states."""
+    """The plan's ``early_chunks_last`` (the preparation on one grid axis, heads innermost, from the last chunk
+    slots back) writes every bit of the workspace that the two-axis slot order writes, over a NaN-poisoned one (a
+    slot no program took would keep its NaN; one taken twice would leave another slot's NaN): rows with a partial
+    last chunk and a varlen batch with empty and 1-token sequences and the longest first (its order section too),
+    with the solve kernel and with the inverse in the first kernel; and the whole call, serial and in segments,
+    gives the slot order's outputs and final states, as does a varlen batch run as rows."""
     from fastkda.ops.prefill import prepare, solve
     from fastkda.ops.prefill.layout import Workspace
 
-    inp = make_inputs([70, 70, 70], heads=3, key_dim=64, varlen=False, gate=gate, seed=31)
-    assert plan_for(inp, 2).early_chunks_last  # the automatic plan's choice for serial rows
-    gate_args = (inp["A_log"], inp["dt_bias"], inp["lower_bound"], 0.125, True, True)
-    for folded in (False, True):
-        written = []
-        for early in (False, True):
-            plan = plan_for(inp, 2, early_chunks_last=early, inverse_in_prepare=folded)
-            assert plan.prepare_grid == ((27, 1, 1) if early else (9, 3, 1))
-            ws = Workspace.allocate(plan, inp["v"], None)
-            ws.fp32.fill_(float("nan"))
-            ws.bf16.fill_(float("nan"))
-            prepare.launch_prepare(plan, ws, inp["q"], inp["k"], inp["g"], inp["beta"], *gate_args, None, True)
-            if not folded:
-                solve.launch_solve(plan, ws, inp["beta"], True, None, True)
-            written.append((ws.bf16.view(torch.int16), ws.fp32.view(torch.int32)))
-        (base_bf16, base_fp32), (bf16, fp32) = written
-        assert torch.equal(bf16, base_bf16) and torch.equal(fp32, base_fp32), folded
-    serial = {}
-    for segments in (False, 64):
-        base_o, base_s = run_triton(inp, 2, sequence_parallel=segments, early_chunks_last=False)
-        out, final = run_triton(inp, 2, sequence_parallel=segments, early_chunks_last=True)
-        assert torch.equal(out, base_o) and torch.equal(final, base_s), segments
-        serial = serial or dict(out=base_o, final=base_s)
+    rows = make_inputs([70, 70, 70], heads=3, key_dim=64, varlen=False, gate=gate, seed=31)
+    batch = make_inputs([0, 70, 1, 45, 33], heads=3, key_dim=64, gate=gate, seed=32)
+    for inp, changes in ((rows, {}), (batch, dict(longest_first=True))):
+        assert plan_for(inp, 2).early_chunks_last  # the automatic plan's choice
+        gate_args = (inp["A_log"], inp["dt_bias"], inp["lower_bound"], 0.125, True, True)
+        for folded in (False, True):
+            written = []
+            for early in (False, True):
+                plan = plan_for(inp, 2, early_chunks_last=early, inverse_in_prepare=folded, **changes)
+                slots = plan.chunk_slots
+                assert plan.prepare_grid == ((slots * 3, 1, 1) if early else (slots, 3, 1))
+                ws = Workspace.allocate(plan, inp["v"], inp["cu_seqlens"])
+                ws.fp32.fill_(float("nan"))
+                ws.bf16.fill_(float("nan"))
+                prepare.launch_prepare(plan, ws, inp["q"], inp["k"], inp["g"], inp["beta"], *gate_args, None, True)
+                if not folded:
+                    solve.launch_solve(plan, ws, inp["beta"], True, None, True)
+                written.append((ws.bf16.view(torch.int16), ws.fp32.view(torch.int32)))
+            (base_bf16, base_fp32), (bf16, fp32) = written
+            assert torch.equal(bf16, base_bf16) and torch.equal(fp32, base_fp32), (changes, folded)
+        for segments in (False, 64):
+            base_o, base_s = run_triton(inp, 2, sequence_parallel=segments, early_chunks_last=False, **changes)
+            out, final = run_triton(inp, 2, sequence_parallel=segments, early_chunks_last=True, **changes)
+            assert torch.equal(out, base_o) and torch.equal(final, base_s), (changes, segments)
+    serial_o, serial_s = run_triton(rows, 2, early_chunks_last=False)
     packed = make_inputs([70, 70, 70], heads=3, key_dim=64, gate=gate, seed=31)
-    assert plan_for(packed, 2, max_seqlen=70).early_chunks_last and not plan_for(packed, 2).early_chunks_last
     out, final = run_triton(packed, 2, max_seqlen=70)
-    assert torch.equal(out.view_as(serial["out"]), serial["out"]) and torch.equal(final, serial["final"])
+    assert torch.equal(out.view_as(serial_o), serial_o) and torch.equal(final, serial_s)
 
 
 def test_longest_first_takes_the_sequences_longest_first_with_the_same_bits():
@@ -161,8 +163,9 @@ def test_longest_first_takes_the_sequences_longest_first_with_the_same_bits():
         out, final = run_triton(inp, 2, longest_first=True)
         assert torch.equal(out, base_o) and torch.equal(final, base_s)
     gate = (inp["A_log"], inp["dt_bias"], inp["lower_bound"], 0.125, True, True)
-    for folded in (False, True):  # the order written by the solve kernel, or by the first kernel that inverts
-        plan = plan_for(inp, 2, longest_first=True, inverse_in_prepare=folded)
+    for folded, early in ((False, False), (True, False), (False, True), (True, True)):  # the order written by the
+        # solve kernel or by the first kernel that inverts, on either grid
+        plan = plan_for(inp, 2, longest_first=True, inverse_in_prepare=folded, early_chunks_last=early)
         for cu, want in ((inp["cu_seqlens"], [6, 1, 4, 3, 0, 5, 2]),
                          (torch.tensor([0, 3, 500, 0, 40, 307, 307, 307], dtype=torch.int32), [1, 4, 3, 0, 2, 5, 6])):
             ws = Workspace.allocate(plan, inp["v"], cu)
@@ -170,7 +173,7 @@ def test_longest_first_takes_the_sequences_longest_first_with_the_same_bits():
             prepare.launch_prepare(plan, ws, inp["q"], inp["k"], inp["g"], inp["beta"], *gate, None, True)
             if not folded:
                 solve.launch_solve(plan, ws, inp["beta"], True, None, True)
-            assert ws.fp32[ws.layout.order:].view(torch.int32).tolist() == want, folded
+            assert ws.fp32[ws.layout.order:].view(torch.int32).tolist() == want, (folded, early)
     bad = inp["cu_seqlens"].clone()
     bad[3] = 10_000  # past T: clamped and counted, the same count in either order
     counts = []
@@ -208,14 +211,15 @@ def test_longest_first_orders_the_segment_programs_with_the_same_bits():
     want = sorted(range(len(rows)), key=lambda z: (-rows[z], z))
     assert rows[want[0]] == segment_chunks and rows[want[-1]] == 0
     gate = (inp["A_log"], inp["dt_bias"], inp["lower_bound"], 0.125, True, True)
-    for folded in (False, True):  # the order written by the solve kernel, or by the first kernel that inverts
-        plan = plan.replace(inverse_in_prepare=folded)
+    for folded, early in ((False, False), (True, False), (False, True), (True, True)):  # the order written by the
+        # solve kernel or by the first kernel that inverts, on either grid
+        plan = plan.replace(inverse_in_prepare=folded, early_chunks_last=early)
         ws = Workspace.allocate(plan, inp["v"], inp["cu_seqlens"])
         ws.fp32.fill_(float("nan"))
         prepare.launch_prepare(plan, ws, inp["q"], inp["k"], inp["g"], inp["beta"], *gate, None, True)
         if not folded:
             solve.launch_solve(plan, ws, inp["beta"], True, None, True)
-        assert ws.fp32[ws.layout.order:].view(torch.int32).tolist() == want, folded
+        assert ws.fp32[ws.layout.order:].view(torch.int32).tolist() == want, (folded, early)
 
 
 @pytest.mark.parametrize("horner", [False, True])

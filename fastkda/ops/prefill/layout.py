@@ -128,17 +128,23 @@ def chunk_of_slot(slot, cu_seqlens, seq_len, num_seqs, C: tl.constexpr, IS_VARLE
 
 
 @triton.jit
-def preparation_program(seq_len, num_seqs, H, C: tl.constexpr, EARLY_CHUNKS_LAST: tl.constexpr):
-    """The (chunk slot, head) of this program of a preparation kernel (the plan's ``prepare_grid``): the grid's
-    first two axes; under ``EARLY_CHUNKS_LAST`` (rows: the plan's ``early_chunks_last``) one axis taken from the
-    rows' last chunks back to their first, every row's chunk at a time, heads innermost, so that every row's first
-    chunks are the last ones written."""
+def preparation_program(seq_len, num_seqs, H, C: tl.constexpr, IS_VARLEN: tl.constexpr,
+                        EARLY_CHUNKS_LAST: tl.constexpr):
+    """The (chunk slot, head) of this program of a preparation kernel (the plan's ``prepare_grid``) and the number
+    of chunk slots: the grid's first two axes; under ``EARLY_CHUNKS_LAST`` (the plan's ``early_chunks_last``) one
+    axis, heads innermost, from the last chunk slots back to the first: rows a chunk of every row at a time (each
+    row's first chunks are the last ones written), a varlen batch slot by slot."""
     if EARLY_CHUNKS_LAST:
         program = tl.program_id(0)
-        row_slots = tl.cdiv(seq_len, C)
+        slots = tl.num_programs(0) // H
         rest = program // H
-        return (rest % num_seqs) * row_slots + row_slots - 1 - rest // num_seqs, program % H
-    return tl.program_id(0), tl.program_id(1)
+        if IS_VARLEN:
+            slot = slots - 1 - rest
+        else:
+            row_slots = tl.cdiv(seq_len, C)
+            slot = (rest % num_seqs) * row_slots + row_slots - 1 - rest // num_seqs
+        return slot, program % H, slots
+    return tl.program_id(0), tl.program_id(1), tl.num_programs(0)
 
 
 @triton.jit

@@ -195,7 +195,7 @@ def prepare_kernel(
     is read back behind a barrier, so that no launch and no trip through DRAM lies between the two."""
     NB: tl.constexpr = C // BC
     tl.static_assert(NB == 2)
-    slot, h = preparation_program(seq_len, num_seqs, H, C, EARLY_CHUNKS_LAST)
+    slot, h, slots = preparation_program(seq_len, num_seqs, H, C, IS_VARLEN, EARLY_CHUNKS_LAST)
     chunk_start, eos = chunk_of_slot(slot, cu_seqlens, seq_len, num_seqs, C, IS_VARLEN)
     if LOWER_BOUND_GATE:  # row i holds token r[i]: each thread's rows are RUN consecutive tokens
         r = (tl.arange(0, C) % (C // RUN)) * RUN + tl.arange(0, C) // (C // RUN)
@@ -262,9 +262,9 @@ def prepare_kernel(
         store_column_block(A_c, L_c, valid, M1, L1, bv, 1, H, C, BC, EMULATE)
     if INVERT:
         tl.debug_barrier()  # every thread's β·L stored before any thread reads the blocks back
-        invert_chunk(slot, h, beta, cu_seqlens, errors, ws_fp32, scratch_at, order_at, order_count, segment_chunks,
-                     stride_beta_tok, stride_beta_head, seq_len, num_seqs, H, C, BC, IS_VARLEN, BETA_SIGMOID,
-                     DOT_PRECISION, EMULATE, LONGEST_FIRST, SEGMENTED, EQUAL_ROWS, HORNER)
+        invert_chunk(slot, h, slots, beta, cu_seqlens, errors, ws_fp32, scratch_at, order_at, order_count,
+                     segment_chunks, stride_beta_tok, stride_beta_head, seq_len, num_seqs, H, C, BC, IS_VARLEN,
+                     BETA_SIGMOID, DOT_PRECISION, EMULATE, LONGEST_FIRST, SEGMENTED, EQUAL_ROWS, HORNER)
 
 
 def launch_prepare(plan, ws, q, k, g, beta, A_log, dt_bias, lower_bound, scale, use_qk_l2norm, use_beta_sigmoid,

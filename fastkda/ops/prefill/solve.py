@@ -83,14 +83,15 @@ def mm(a, b, DOT_PRECISION: tl.constexpr):
 
 @triton.jit
 def invert_chunk(
-    slot, h, beta, cu_seqlens, errors, ws_fp32, scratch_at, order_at, order_count, segment_chunks, stride_beta_tok,
-    stride_beta_head, seq_len, num_seqs, H, C: tl.constexpr, BC: tl.constexpr, IS_VARLEN: tl.constexpr,
+    slot, h, slots, beta, cu_seqlens, errors, ws_fp32, scratch_at, order_at, order_count, segment_chunks,
+    stride_beta_tok, stride_beta_head, seq_len, num_seqs, H, C: tl.constexpr, BC: tl.constexpr, IS_VARLEN: tl.constexpr,
     BETA_SIGMOID: tl.constexpr, DOT_PRECISION: tl.constexpr, EMULATE: tl.constexpr, LONGEST_FIRST: tl.constexpr,
     SEGMENTED: tl.constexpr, EQUAL_ROWS: tl.constexpr, HORNER: tl.constexpr,
 ):
     """Chunk slot ``slot`` of head ``h``: T from the scratch's 16×16 blocks (diagonal ones strictly lower), then
     T·diag(β) over the scratch (module docstring); under ``LONGEST_FIRST`` the chunk slots of head 0 also place the
-    recurrence's program rows ``slot``, ``slot`` + the grid's slots, ... below ``order_count`` in its order. Under
+    recurrence's program rows ``slot``, ``slot + slots``, ... below ``order_count`` in its order (``slots``: the
+    chunk slots, :func:`fastkda.ops.prefill.layout.preparation_program`). Under
     ``EQUAL_ROWS`` (a varlen call run as rows: the plan's ``equal_rows``) each row's first chunk of head 0 counts
     the row's sequence in ``errors`` if its ``cu_seqlens`` entries are not the row's. The body of
     :func:`solve_kernel`, and the tail of the first kernel under the plan's ``inverse_in_prepare``."""
@@ -125,7 +126,7 @@ def invert_chunk(
     store_lower(L_c, rows1, ok1, rows1, BC + cb, H * C, T11 * b1[None, :], EMULATE)
     if LONGEST_FIRST:
         if h == 0:
-            for z in range(slot, order_count, tl.num_programs(0)):
+            for z in range(slot, order_count, slots):
                 write_longest_first(ws_fp32, order_at, cu_seqlens, z, order_count, seq_len, num_seqs,
                                     segment_chunks, C, SEGMENTED)
 
@@ -138,8 +139,8 @@ def solve_kernel(
     SEGMENTED: tl.constexpr, EQUAL_ROWS: tl.constexpr, HORNER: tl.constexpr, EARLY_CHUNKS_LAST: tl.constexpr,
 ):
     """One (chunk slot, head) (:func:`fastkda.ops.prefill.layout.preparation_program`): :func:`invert_chunk`."""
-    slot, h = preparation_program(seq_len, num_seqs, H, C, EARLY_CHUNKS_LAST)
-    invert_chunk(slot, h, beta, cu_seqlens, errors, ws_fp32, scratch_at, order_at,
+    slot, h, slots = preparation_program(seq_len, num_seqs, H, C, IS_VARLEN, EARLY_CHUNKS_LAST)
+    invert_chunk(slot, h, slots, beta, cu_seqlens, errors, ws_fp32, scratch_at, order_at,
                  order_count, segment_chunks, stride_beta_tok, stride_beta_head, seq_len, num_seqs, H, C, BC,
                  IS_VARLEN, BETA_SIGMOID, DOT_PRECISION, EMULATE, LONGEST_FIRST, SEGMENTED, EQUAL_ROWS, HORNER)
 
