@@ -361,7 +361,8 @@ def test_every_launch_number_comes_from_the_plan(monkeypatch):
         assert {key: launched[name][1][key] for key in numbers} == numbers, name
         if name != "recurrence_kernel":  # the recurrence's products all have bf16 operands
             assert launched[name][1]["DOT_PRECISION"] == "ieee", name
-    assert plan.prepare_grid == (plan.chunk_slots, 3, 1) and plan.recurrence_grid == (2, 3, 2)
+    assert plan.prepare_grid == (plan.chunk_slots * 3, 1, 1) and plan.recurrence_grid == (2, 3, 2)
+    assert launched["prepare_kernel"][1]["EARLY_CHUNKS_LAST"] and launched["solve_kernel"][1]["EARLY_CHUNKS_LAST"]
 
 
 def test_the_warpgroup_recurrence_launches_the_plans_numbers(monkeypatch):
