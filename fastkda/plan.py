@@ -169,8 +169,8 @@ class PrefillPlan:
     chunk after storing β·L, and the solve kernel is not launched (the same bits: the same code on the same values).
     ``early_chunks_last``: both preparation kernels run on one grid axis, heads innermost, from the last chunk slots
     back to the first (:attr:`prepare_grid`; rows a chunk of every row at a time), so that a run of programs reads
-    one chunk's rows of every head (contiguous in memory), and the chunks the serial recurrence of rows reads first
-    are the last ones written, still in L2 when it starts (the same bits: only the programs' order changes).
+    one chunk's rows of every head (contiguous in memory); on rows the chunks the serial recurrence reads first are
+    also the last ones written (the same bits: only the programs' order changes).
     ``dot_precision``: the kernels' fp32 products ("tf32" or "ieee")."""
 
     seq_len: int
@@ -814,9 +814,10 @@ def _choose_plan(num_seqs, heads, seq_len, key_dim, value_dim, sms, varlen, lowe
     if inverse_in_prepare:
         reason += (f"; the first kernel inverts its own chunk ({prepare_programs} programs in one wave of "
                    f"{PREPARE_PROGRAMS_PER_SM} an SM)")
-    # a run of programs reads one chunk's rows of every head, and the recurrence of rows starts on the workspace
-    # written last, still in L2 (docs/perf-notes.md, "Session 48": on rows 1.2-2.8% faster on an H100, or within
-    # noise; predicted likewise for varlen batches and segments)
+    # a run of programs reads one chunk's rows of every head (docs/perf-notes.md, "Session 48", on an H100 in
+    # same-run A/Bs: the rows 1.2-2.8% faster but H12 N1 and N4 T1024, within noise; the varlen mixes about 3%, the
+    # segmented rows 1.8-4.5%, H12 N1 and N2 T8192 under 1%; the gain is the first kernel's reads more than the
+    # recurrence's L2 hits)
     reason += "; the preparation from the last chunks back, heads innermost"
     return PrefillPlan(
         seq_len=seq_len, num_seqs=num_seqs, varlen=varlen, heads=heads, key_dim=key_dim, value_dim=value_dim,

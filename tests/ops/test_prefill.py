@@ -113,21 +113,27 @@ def test_early_chunks_last_writes_the_slot_orders_workspace(gate):
     """The plan's ``early_chunks_last`` (the preparation on one grid axis, heads innermost, from the last chunk
     slots back) writes every bit of the workspace that the two-axis slot order writes, over a NaN-poisoned one (a
     slot no program took would keep its NaN; one taken twice would leave another slot's NaN): rows with a partial
-    last chunk and a varlen batch with empty and 1-token sequences and the longest first (its order section too),
-    with the solve kernel and with the inverse in the first kernel; and the whole call, serial and in segments,
-    gives the slot order's outputs and final states, as does a varlen batch run as rows."""
+    last chunk and a varlen batch with empty and 1-token sequences and the longest first (its order section too:
+    in segments it has more rows than there are chunk slots, so each program of head 0 writes several), with the
+    solve kernel and with the inverse in the first kernel; and the whole call, serial and in segments, gives the
+    slot order's outputs and final states, as does a varlen batch run as rows."""
     from fastkda.ops.prefill import prepare, solve
     from fastkda.ops.prefill.layout import Workspace
 
-    rows = make_inputs([70, 70, 70], heads=3, key_dim=64, varlen=False, gate=gate, seed=31)
+    # rows: 2 rows of 4 chunk slots, 3 heads (three different counts, so that no two can stand for each other)
+    rows = make_inputs([100, 100], heads=3, key_dim=64, varlen=False, gate=gate, seed=31)
     batch = make_inputs([0, 70, 1, 45, 33], heads=3, key_dim=64, gate=gate, seed=32)
-    for inp, changes in ((rows, {}), (batch, dict(longest_first=True))):
+    # the batch in segments of two chunks: the longest-first order has more rows than there are chunk slots
+    assert plan_for(batch, 2, sequence_parallel=64).recurrence_grid[2] > plan_for(batch, 2).chunk_slots
+    for inp, segments, changes in ((rows, False, {}), (batch, False, dict(longest_first=True)),
+                                   (batch, 64, dict(longest_first=True))):
         assert plan_for(inp, 2).early_chunks_last  # the automatic plan's choice
         gate_args = (inp["A_log"], inp["dt_bias"], inp["lower_bound"], 0.125, True, True)
         for folded in (False, True):
             written = []
             for early in (False, True):
-                plan = plan_for(inp, 2, early_chunks_last=early, inverse_in_prepare=folded, **changes)
+                plan = plan_for(inp, 2, sequence_parallel=segments, early_chunks_last=early, inverse_in_prepare=folded,
+                                **changes)
                 slots = plan.chunk_slots
                 assert plan.prepare_grid == ((slots * 3, 1, 1) if early else (slots, 3, 1))
                 ws = Workspace.allocate(plan, inp["v"], inp["cu_seqlens"])
@@ -138,14 +144,16 @@ def test_early_chunks_last_writes_the_slot_orders_workspace(gate):
                     solve.launch_solve(plan, ws, inp["beta"], True, None, True)
                 written.append((ws.bf16.view(torch.int16), ws.fp32.view(torch.int32)))
             (base_bf16, base_fp32), (bf16, fp32) = written
-            assert torch.equal(bf16, base_bf16) and torch.equal(fp32, base_fp32), (changes, folded)
-        for segments in (False, 64):
-            base_o, base_s = run_triton(inp, 2, sequence_parallel=segments, early_chunks_last=False, **changes)
-            out, final = run_triton(inp, 2, sequence_parallel=segments, early_chunks_last=True, **changes)
-            assert torch.equal(out, base_o) and torch.equal(final, base_s), (changes, segments)
+            assert torch.equal(bf16, base_bf16) and torch.equal(fp32, base_fp32), (segments, changes, folded)
+        base_o, base_s = run_triton(inp, 2, sequence_parallel=segments, early_chunks_last=False, **changes)
+        out, final = run_triton(inp, 2, sequence_parallel=segments, early_chunks_last=True, **changes)
+        assert torch.equal(out, base_o) and torch.equal(final, base_s), (segments, changes)
+    base_o, base_s = run_triton(rows, 2, sequence_parallel=64, early_chunks_last=False)
+    out, final = run_triton(rows, 2, sequence_parallel=64, early_chunks_last=True)
+    assert torch.equal(out, base_o) and torch.equal(final, base_s)
     serial_o, serial_s = run_triton(rows, 2, early_chunks_last=False)
-    packed = make_inputs([70, 70, 70], heads=3, key_dim=64, gate=gate, seed=31)
-    out, final = run_triton(packed, 2, max_seqlen=70)
+    packed = make_inputs([100, 100], heads=3, key_dim=64, gate=gate, seed=31)
+    out, final = run_triton(packed, 2, max_seqlen=100)
     assert torch.equal(out.view_as(serial_o), serial_o) and torch.equal(final, serial_s)
 
 

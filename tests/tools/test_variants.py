@@ -13,12 +13,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository r
 
 import fastkda.ops.prefill as committed  # noqa: E402
 from tools.variants import prepare_variants, variant_accuracy  # noqa: E402
-from tools.variants.variant import OPS, PREFILL, Variant, prefill_package, variant_package  # noqa: E402
+from tools.variants.variant import (OPS, PREFILL, Variant, plan_the_package_reads, prefill_package,  # noqa: E402
+                                    variant_package)
 
 
 def leftovers():
     """This process's copies still beside the committed package (another xdist worker's may be there meanwhile)."""
-    mine = ("_variant_test", "_variant_unused", "_variant_bad", f"_accuracy_variant_{os.getpid()}_")
+    mine = ("_variant_test", "_variant_unused", "_variant_bad", "_variant_old", f"_accuracy_variant_{os.getpid()}_")
     return [p.name for p in OPS.iterdir() if p.name.startswith(mine)]
 
 
@@ -61,3 +62,20 @@ def test_variant_accuracy_runs_a_source_on_the_interpreter(v_slices):
     assert label == f"source {PREFILL}, solve_stages=2"
     assert 0 < out_err < 4e-3 and 0 < state_err < 3e-3
     assert not leftovers()  # the copy is removed
+
+
+def test_a_package_from_before_the_one_axis_grid_gets_the_two_axis_grid(tmp_path):
+    """A source package whose layout has no ``preparation_program`` (from before ``early_chunks_last``) reads the
+    head from the preparation grid's second axis: it runs with the two-axis grid, and the committed package with the
+    plan as chosen."""
+    from fastkda.plan import choose_plan
+
+    plan = choose_plan(5, 12, 1024, 128, 128, 132)
+    assert plan.early_chunks_last
+    source = tmp_path / "prefill"  # a package whose layout has none of the new mapping
+    source.mkdir()
+    (source / "__init__.py").write_text("")
+    (source / "layout.py").write_text("def chunk_of_slot():\n    pass\n")
+    with prefill_package(source, "_variant_old") as package:
+        assert not plan_the_package_reads(package, plan).early_chunks_last
+    assert plan_the_package_reads(committed, plan) == plan

@@ -73,12 +73,22 @@ def variant_package(variant, name):
             yield module
 
 
+def plan_the_package_reads(package, plan):
+    """``plan`` as ``package`` launches it: a prefill package from before the preparation's one-axis grid (its
+    layout has no ``preparation_program``) reads the head from the grid's second axis, so it gets the two-axis grid
+    (``early_chunks_last`` off; the same bits)."""
+    layout = importlib.import_module(package.__name__ + ".layout")
+    if plan.early_chunks_last and not hasattr(layout, "preparation_program"):
+        return plan.replace(early_chunks_last=False)
+    return plan
+
+
 def variant_runner(package, changes, inp, v_slices="auto"):
     """``run()`` of ``package.chunk_kda_forward`` on the bench's inputs ``inp`` into preallocated buffers, under
-    the plan for ``inp`` (``v_slices`` as ``fastkda.kda_prefill`` takes it) with ``changes``; returns ``(output,
-    final state)``."""
+    the plan for ``inp`` (``v_slices`` as ``fastkda.kda_prefill`` takes it) with ``changes``, as the package
+    launches it (:func:`plan_the_package_reads`); returns ``(output, final state)``."""
     plan = plan_for_inputs(inp, v_slices=v_slices)
-    plan = plan.replace(**changes) if changes else plan
+    plan = plan_the_package_reads(package, plan.replace(**changes) if changes else plan)
     out, final = torch.empty_like(inp["v"]), torch.empty_like(inp["initial_state"])
 
     def run():
