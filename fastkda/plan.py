@@ -171,6 +171,9 @@ class PrefillPlan:
     back to the first (:attr:`prepare_grid`; rows a chunk of every row at a time), so that a run of programs reads
     one chunk's rows of every head (contiguous in memory); on rows the chunks the serial recurrence reads first are
     also the last ones written (the same bits: only the programs' order changes).
+    ``transitions_in_order`` (under ``longest_first`` and sequence parallelism): the transition kernel runs the
+    first :attr:`transition_rows` rows of the recurrence's order, where every segment with a transition ranks (on
+    valid offsets), instead of every row, most of which have none in a batch of many sequences (the same bits).
     ``dot_precision``: the kernels' fp32 products ("tf32" or "ieee")."""
 
     seq_len: int
@@ -207,6 +210,7 @@ class PrefillPlan:
     horner_inverse: bool = False
     inverse_in_prepare: bool = False
     early_chunks_last: bool = False
+    transitions_in_order: bool = False
     dot_precision: str = DOT_PRECISION
     reason: str = dataclasses.field(default="", compare=False)
 
@@ -271,6 +275,10 @@ class PrefillPlan:
                "Gluon kernels for rows of one token); got seq_len=1")
         _check(not self.longest_first or self.varlen,
                "longest_first orders the recurrence of a varlen batch (varlen=True), got varlen=False")
+        _check(not self.transitions_in_order or (self.longest_first and self.segment_chunks > 0),
+               lambda: (f"transitions_in_order takes the transitions' rows from the recurrence's order: it needs "
+                        f"longest_first and segments (segment_chunks > 0), got longest_first={self.longest_first}, "
+                        f"segment_chunks={self.segment_chunks}"))
         _check(not self.horner_inverse or self.dot_precision == "tf32",
                lambda: (f"horner_inverse takes fp16 operands in place of tf32 ones (dot_precision='tf32'), got "
                         f"dot_precision={self.dot_precision!r}: replace horner_inverse=False with it"))
@@ -352,9 +360,19 @@ class PrefillPlan:
         return self.num_seqs + self.segment_slots if self.segment_chunks else 0
 
     @property
+    def transition_rows(self) -> int:
+        """Segment programs the transition kernel runs: every one, or under ``transitions_in_order`` the first
+        ``seq_len // segment_tokens`` (at least one) of the recurrence's order. A segment with a transition (every
+        one but its sequence's last) holds ``segment_tokens`` tokens of its own, so on valid offsets there are no
+        more of them than that, and they rank first (:func:`fastkda.ops.prefill.layout.write_longest_first`)."""
+        if self.transitions_in_order:
+            return min(self.segment_programs, max(self.seq_len // self.segment_tokens, 1))
+        return self.segment_programs
+
+    @property
     def transition_grid(self) -> tuple:
         """Grid of the transition kernel: one program per (slice of the V + K columns, head, segment program)."""
-        return ((self.value_dim + self.key_dim) // max(self.transition_width, 1), self.heads, self.segment_programs)
+        return ((self.value_dim + self.key_dim) // max(self.transition_width, 1), self.heads, self.transition_rows)
 
     @property
     def scan_width(self) -> int:
@@ -420,6 +438,8 @@ class PrefillPlan:
              f"{self.value_dim + self.key_dim} columns in slices of {self.transition_width}, "
              f"{self.transition_stages} stages"
              + (" (the Gluon kernel)" if self.warpgroup_transition else "")
+             + (f", on the order's first {self.transition_rows} of {self.segment_programs} segment programs"
+                if self.transitions_in_order else "")
              + ", a scan over each sequence's segments, then the recurrence over every segment from its entry state"),
             f"why: {self.reason}",
             f"CPU path: chunks of {self.cpu_chunk} tokens",
@@ -794,6 +814,12 @@ def _choose_plan(num_seqs, heads, seq_len, key_dim, value_dim, sms, varlen, lowe
     longest_first = varlen and num_seqs > 1 and slices * heads * rows > sms
     if longest_first:
         reason += "; the recurrence's longest programs first, as more programs than SMs take turns"
+    # the transitions on the order's first rows alone: in a batch of many sequences most segment programs have no
+    # transition, and each would hold a transition slot of an SM while it finds that out (docs/perf-notes.md,
+    # "Session 49")
+    transitions_in_order = longest_first and bool(segment_chunks)
+    if transitions_in_order:
+        reason += "; the transitions on the rows that the order puts first"
     prepare_warps = 4
     # the solve's busy programs, counted from the tokens alone, so that a varlen call run as rows (equal_rows)
     # decides as the varlen plan would: the same bits with or without the max_seqlen hint. Measured in one process
@@ -830,7 +856,7 @@ def _choose_plan(num_seqs, heads, seq_len, key_dim, value_dim, sms, varlen, lowe
         prepare_token_run=prepare_token_run(CHUNK, key_dim, prepare_warps),
         prepare_registers=prepare_registers(lower_bound_gate, prepare_warps), solve_warps=SOLVE_WARPS,
         solve_stages=3, horner_inverse=horner_inverse, inverse_in_prepare=inverse_in_prepare,
-        early_chunks_last=True,
+        early_chunks_last=True, transitions_in_order=transitions_in_order,
         segment_chunks=segment_chunks, transition_width=transition_width, scan_warps=8 if key_dim >= 128 else 4,
         reason=reason)
 

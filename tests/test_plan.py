@@ -207,6 +207,30 @@ def test_early_chunks_last_in_every_automatic_plan():
     assert choose_plan(6, 96, 8192, 128, 128, 132, max_seqlen=3063).longest_first
 
 
+def test_transitions_in_order_where_the_longest_first_order_has_segments():
+    """The transition kernel runs the order's first T // segment_tokens rows wherever a varlen plan in segments
+    takes its rows longest first (the chunked mix: 5 of 32 segment programs at 24 heads); every other plan runs
+    every segment program; the describe line says which, and the field needs the order and segments."""
+    chunked = choose_plan(13, 24, 8192, 128, 128, 132, max_seqlen=6144, warpgroup_mma=True)
+    assert chunked.longest_first and chunked.segment_chunks == 48 and chunked.transitions_in_order
+    assert chunked.transition_rows == 8192 // (32 * 48) == 5 < chunked.segment_programs == 32
+    assert chunked.transition_grid == (4, 24, 5) and chunked.recurrence_grid == (1, 24, 32)
+    assert "on the order's first 5 of 32 segment programs" in chunked.describe()
+    off = chunked.replace(transitions_in_order=False)
+    assert off.transition_grid == (4, 24, 32) and "segment programs" not in off.describe()
+    short = chunked.replace(seq_len=1000, segment_chunks=48)  # no full segment: one row, idle
+    assert short.transition_rows == 1
+    for facts, changes in (((1, 24, 65536), {}), ((2, 12, 65536), dict(max_seqlen=32768)),
+                           ((6, 96, 8192), dict(max_seqlen=3063)), ((13, 24, 8192), {})):
+        plan = choose_plan(*facts, 128, 128, 132, **changes)
+        assert not plan.transitions_in_order and plan.transition_rows == plan.segment_programs, facts
+        assert not (plan.longest_first and plan.segment_chunks), facts
+    for changes in (dict(longest_first=False), dict(segment_chunks=0, transition_width=0,
+                                                    warpgroup_transition=False)):
+        with pytest.raises(ValueError, match="transitions_in_order takes the transitions' rows from the recurrence"):
+            chunked.replace(**changes)
+
+
 def test_horner_inverse_where_the_solve_runs_in_about_a_wave_and_only_with_tf32_products():
     """The solve's Horner form where the call's (chunk, head) pairs are at most HORNER_PROGRAMS_PER_SM an SM (H12
     N5 T1024: 1920 on 132 SMs; the chunked mix: 3072), the series past that (H96 1024x8: 24576; the chunked mix on

@@ -26,6 +26,22 @@ def run_triton(inp, v_slices=1, final_dtype=torch.float32, use_final=True, seque
     return out, final
 
 
+def nan_workspaces(monkeypatch):
+    """Every prefill workspace allocated from now on starts NaN-poisoned, so that a read of a section no kernel
+    wrote shows in the outputs."""
+    from fastkda.ops.prefill import layout
+
+    allocate = layout.Workspace.allocate
+
+    def poisoned(plan, v, cu_seqlens):
+        ws = allocate(plan, v, cu_seqlens)
+        ws.bf16.fill_(float("nan"))
+        ws.fp32.fill_(float("nan"))
+        return ws
+
+    monkeypatch.setattr(layout.Workspace, "allocate", staticmethod(poisoned))
+
+
 def reference(inp):
     return kda_reference(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], A_log=inp["A_log"],
                          dt_bias=inp["dt_bias"], lower_bound=inp["lower_bound"],

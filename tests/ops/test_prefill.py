@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from helpers import make_inputs, needs_interpreter, plan_for, rel_err, solve_lower
-from prefill_kernels import reference, run_open_entry, run_triton
+from prefill_kernels import nan_workspaces, reference, run_open_entry, run_triton
 
 pytestmark = needs_interpreter
 
@@ -178,7 +178,7 @@ def test_longest_first_takes_the_sequences_longest_first_with_the_same_bits():
             prepare.launch_prepare(plan, ws, inp["q"], inp["k"], inp["g"], inp["beta"], *gate, None, True)
             if not folded:
                 solve.launch_solve(plan, ws, inp["beta"], True, None, True)
-            assert ws.fp32[ws.layout.order:].view(torch.int32).tolist() == want, (folded, early)
+            assert_order_and_ranks(ws, want), (folded, early)
     bad = inp["cu_seqlens"].clone()
     bad[3] = 10_000  # past T: clamped and counted, the same count in either order
     counts = []
@@ -189,11 +189,19 @@ def test_longest_first_takes_the_sequences_longest_first_with_the_same_bits():
     assert counts[0] == counts[1] and counts[0][2] >= 1
 
 
+def assert_order_and_ranks(ws, want):
+    """The workspace's ``order`` section holds the rows ``want`` in order, then each row's place in it."""
+    written = ws.fp32[ws.layout.order:].view(torch.int32).tolist()
+    ranks = [want.index(z) for z in range(len(want))]
+    assert written == want + ranks, (written, want + ranks)
+
+
 def test_longest_first_orders_the_segment_programs_with_the_same_bits():
     """Under sequence parallelism the rerun's rows are each sequence's first segment, then one per segment slot
     (idle where the slot holds no later segment): the solve kernel sorts them by their chunks, the most first,
-    ties in grid order (or the first kernel does, where it inverts), and the rerun taking them in that order gives
-    the same bits."""
+    among equal chunks the segments that are not their sequence's last first (those with a transition), ties in
+    grid order (or the first kernel does, where it inverts), and the rerun taking them in that order gives the same
+    bits."""
     from fastkda.ops.prefill import prepare, solve
     from fastkda.ops.prefill.layout import Workspace
 
@@ -207,14 +215,21 @@ def test_longest_first_orders_the_segment_programs_with_the_same_bits():
     firsts = [start // tokens + n for n, start in enumerate(starts)]
     chunks = [-(-length // 32) for length in lengths]
     rows = [min(segment_chunks, c) for c in chunks]
+    not_last = [c > segment_chunks for c in chunks]
     for slot in range(plan.segment_slots):
         n = max(i for i, first in enumerate(firsts) if first <= slot)
         j = slot - firsts[n]
         rows.append(min((j + 1) * segment_chunks, chunks[n]) - j * segment_chunks
                     if j > 0 and j * segment_chunks < chunks[n] else 0)
+        not_last.append(j > 0 and (j + 1) * segment_chunks < chunks[n])
     assert len(rows) == plan.recurrence_grid[2]
-    want = sorted(range(len(rows)), key=lambda z: (-rows[z], z))
+    want = sorted(range(len(rows)), key=lambda z: (-rows[z], not not_last[z], z))
     assert rows[want[0]] == segment_chunks and rows[want[-1]] == 0
+    # a last segment of full length (the 33-token sequence's first, of two chunks) ranks after every segment with a
+    # transition, though earlier in the grid
+    with_transition = [z for z in range(len(rows)) if not_last[z]]
+    assert sorted(want[:len(with_transition)]) == with_transition
+    assert any(rows[z] == segment_chunks and not not_last[z] and z < max(with_transition) for z in range(len(rows)))
     gate = (inp["A_log"], inp["dt_bias"], inp["lower_bound"], 0.125, True, True)
     for folded, early in ((False, False), (True, False), (False, True), (True, True)):  # the order written by the
         # solve kernel or by the first kernel that inverts, on either grid
@@ -224,7 +239,24 @@ def test_longest_first_orders_the_segment_programs_with_the_same_bits():
         prepare.launch_prepare(plan, ws, inp["q"], inp["k"], inp["g"], inp["beta"], *gate, None, True)
         if not folded:
             solve.launch_solve(plan, ws, inp["beta"], True, None, True)
-        assert ws.fp32[ws.layout.order:].view(torch.int32).tolist() == want, (folded, early)
+        assert_order_and_ranks(ws, want), (folded, early)
+
+
+def test_transitions_in_order_run_the_order_s_first_rows_with_the_same_bits(monkeypatch):
+    """The plan's ``transitions_in_order``: the transition kernel runs only the first ``T // segment_tokens`` rows
+    of the recurrence's order (here 6 of 21, in a batch where most segment programs have no transition), and the
+    outputs and final states are the grid order's bits, from workspaces whose unwritten sections are NaN."""
+    nan_workspaces(monkeypatch)
+    lengths, tokens = [3, 70, 0, 33, 200, 1, 130], 64
+    inp = make_inputs(lengths, heads=2, key_dim=64, seed=10)
+    base_o, base_s = run_triton(inp, 2, sequence_parallel=tokens)
+    assert torch.isfinite(base_o).all() and torch.isfinite(base_s).all()
+    plan = plan_for(inp, 2, sequence_parallel=tokens, longest_first=True, transitions_in_order=True)
+    assert plan.transition_grid[2] == sum(lengths) // tokens == 6 < plan.segment_programs == 21
+    for v_slices in (1, 2):
+        out, final = run_triton(inp, v_slices, sequence_parallel=tokens, longest_first=True,
+                                transitions_in_order=True)
+        assert torch.equal(out, base_o) and torch.equal(final, base_s), v_slices
 
 
 @pytest.mark.parametrize("horner", [False, True])

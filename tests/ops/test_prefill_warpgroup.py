@@ -10,7 +10,7 @@ import torch
 
 from gluon_interpreter import interpreted_gluon
 from helpers import make_inputs, needs_interpreter, plan_for
-from prefill_kernels import run_open_entry, run_triton
+from prefill_kernels import nan_workspaces, run_open_entry, run_triton
 
 pytestmark = needs_interpreter
 
@@ -87,6 +87,20 @@ def test_longest_first_same_bits_as_the_triton_kernel(sequence_parallel, request
     got_o, got_s = run_triton(inp, 1, sequence_parallel=sequence_parallel, longest_first=True, **warpgroup())
     assert torch.equal(got_o, out) and torch.equal(got_s, final)
     assert emulation.launches == 1
+
+
+def test_transitions_in_order_same_bits_as_the_triton_kernels(request, monkeypatch):
+    """The plan's ``transitions_in_order``: the Gluon transitions take the order's first rows (4 of 15 here) and,
+    with the Gluon rerun, give the Triton kernels' bits in the grid's order, from NaN-poisoned workspaces."""
+    nan_workspaces(monkeypatch)
+    inp = make_inputs([3, 90, 0, 40, 130], heads=2, key_dim=64, seed=41)
+    out, final = run_triton(inp, 1, sequence_parallel=64)
+    ordered = dict(longest_first=True, transitions_in_order=True, **warpgroup(segmented=True))
+    assert plan_for(inp, 1, sequence_parallel=64, **ordered).transition_grid[2] == 4
+    emulation = request.getfixturevalue("gluon")
+    got_o, got_s = run_triton(inp, 1, sequence_parallel=64, **ordered)
+    assert torch.equal(got_o, out) and torch.equal(got_s, final)
+    assert emulation.launches == 2  # the Gluon transitions and rerun
 
 
 def test_open_entry_same_bits_as_the_triton_kernels(request):

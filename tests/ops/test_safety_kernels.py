@@ -8,6 +8,7 @@ import torch
 
 from fastkda.plan import choose_decode_plan
 from helpers import make_inputs, needs_interpreter, plan_for
+from prefill_kernels import nan_workspaces
 
 pytestmark = needs_interpreter
 SENTINEL = 2.0 ** 100
@@ -70,12 +71,13 @@ def test_accepted_counts_out_of_range_make_null_rows(counts):
     assert errors == [0, len(bad), 0]
 
 
-def prefill_on_offsets(inp, offsets, segments):
-    """The prefill kernels on ``inp`` with ``offsets`` as ``cu_seqlens`` (whatever they hold), into guarded output
-    and final-state buffers whose guards must stay intact: ``(out, final, errors)``."""
+def prefill_on_offsets(inp, offsets, segments, **plan_changes):
+    """The prefill kernels on ``inp`` with ``offsets`` as ``cu_seqlens`` (whatever they hold), under the plan with
+    ``plan_changes``, into guarded output and final-state buffers whose guards must stay intact: ``(out, final,
+    errors)``."""
     from fastkda.ops.prefill import chunk_kda_forward
 
-    plan = plan_for(inp, 1, sequence_parallel=segments)
+    plan = plan_for(inp, 1, sequence_parallel=segments, **plan_changes)
     out, out_whole = guarded(inp["v"].shape, torch.zeros(inp["v"].shape), torch.bfloat16)
     final, final_whole = guarded(inp["initial_state"].shape, torch.full(inp["initial_state"].shape, float("nan")))
     errors = torch.zeros(3, dtype=torch.int32)
@@ -87,14 +89,23 @@ def prefill_on_offsets(inp, offsets, segments):
     return out, final, errors
 
 
+ORDERED = dict(longest_first=True, transitions_in_order=True)
+
+
 @pytest.mark.parametrize("offsets", [[0, 40, 200], [0, 60, 30, 100], [-7, 50, 100], [0, 30, 100, 100, 90],
                                      [0, 100, 0, 0, 100]],
                          ids=["last past T", "decreasing", "negative first", "short of T", "back to 0"])
-@pytest.mark.parametrize("segments", [False, 32], ids=["serial", "segments"])
-def test_malformed_cu_seqlens_stay_inside_the_buffers(offsets, segments):
+@pytest.mark.parametrize("segments, changes", [(False, {}), (32, {}), (32, ORDERED)],
+                         ids=["serial", "segments", "segments, transitions in order"])
+def test_malformed_cu_seqlens_stay_inside_the_buffers(offsets, segments, changes, monkeypatch):
+    """Every output finite, though the workspace starts NaN: "back to 0" spans every token twice, so under the
+    plan's ``transitions_in_order`` more segments need a transition than the kernel runs, and the scan reads those
+    as zero."""
+    nan_workspaces(monkeypatch)
     lengths = [100 // (len(offsets) - 1)] * (len(offsets) - 2)
     lengths.append(100 - sum(lengths))
-    out, final, errors = prefill_on_offsets(make_inputs(lengths, heads=2, key_dim=64, seed=52), offsets, segments)
+    out, final, errors = prefill_on_offsets(make_inputs(lengths, heads=2, key_dim=64, seed=52), offsets, segments,
+                                            **changes)
     assert torch.isfinite(out).all() and torch.isfinite(final).all()
     assert errors[2] >= 1 and errors[:2].tolist() == [0, 0]
 

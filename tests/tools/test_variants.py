@@ -79,3 +79,20 @@ def test_a_package_from_before_the_one_axis_grid_gets_the_two_axis_grid(tmp_path
     with prefill_package(source, "_variant_old") as package:
         assert not plan_the_package_reads(package, plan).early_chunks_last
     assert plan_the_package_reads(committed, plan) == plan
+
+
+def test_a_package_from_before_the_ordered_transitions_runs_every_segment_program(tmp_path):
+    """A source package whose layout has no ``program_keys`` (from before ``transitions_in_order``) runs its
+    transitions on every segment program; the committed package keeps the plan as chosen."""
+    from fastkda.plan import choose_plan
+
+    plan = choose_plan(13, 24, 8192, 128, 128, 132, max_seqlen=6144)
+    assert plan.transitions_in_order
+    source = tmp_path / "prefill"
+    source.mkdir()
+    (source / "__init__.py").write_text("")
+    (source / "layout.py").write_text("def preparation_program():\n    pass\n")
+    with prefill_package(source, "_variant_old") as package:
+        read = plan_the_package_reads(package, plan)
+        assert not read.transitions_in_order and read.early_chunks_last
+    assert plan_the_package_reads(committed, plan) == plan

@@ -126,15 +126,16 @@ def prefill_launches(plan, checkpoints=0, l2norm=True, beta_sigmoid=True):
                                plan.recurrence_warps, plan.recurrence_stages, None)
     if plan.sequence_parallel:
         transition_args = dict(
-            shared, kg_at=at.kg, scratch_at=at.scratch, transitions_at=at.transitions, initial_state=F32,
-            cu_seqlens=cu, num_seqs=plan.num_seqs, v=BF16, stride_v=H * V, H=H, K=K, V=V, BV=plan.transition_width,
-            HAS_INITIAL=True, STATE_ROWS_V=plan.transition_rows_v, segment_chunks=plan.segment_chunks,
-            OPEN_ENTRY=False)
-        scan_args = dict(ws_fp32=F32, transitions_at=at.transitions, entries_at=at.entries, initial_state=F32,
-                         exit_maps=F32, cu_seqlens=cu, errors=I32, seq_len=plan.seq_len,
-                         segment_chunks=plan.segment_chunks, H=H, K=K, V=V, SW=plan.scan_width, C=plan.chunk,
+            shared, kg_at=at.kg, scratch_at=at.scratch, transitions_at=at.transitions, order_at=at.order,
+            initial_state=F32, cu_seqlens=cu, num_seqs=plan.num_seqs, v=BF16, stride_v=H * V, H=H, K=K, V=V,
+            BV=plan.transition_width, HAS_INITIAL=True, STATE_ROWS_V=plan.transition_rows_v,
+            segment_chunks=plan.segment_chunks, OPEN_ENTRY=False, LONGEST_FIRST=plan.transitions_in_order)
+        scan_args = dict(ws_fp32=F32, transitions_at=at.transitions, entries_at=at.entries, order_at=at.order,
+                         initial_state=F32, exit_maps=F32, cu_seqlens=cu, errors=I32, seq_len=plan.seq_len,
+                         segment_chunks=plan.segment_chunks, order_count=plan.segment_programs,
+                         run_rows=plan.transition_rows, H=H, K=K, V=V, SW=plan.scan_width, C=plan.chunk,
                          IS_VARLEN=plan.varlen, HAS_INITIAL=True, DOT_PRECISION=plan.dot_precision, OPEN_ENTRY=False,
-                         COMPOSE=False)
+                         COMPOSE=False, ORDERED=plan.transitions_in_order)
         transition = (recurrence.transition_kernel, transition_args, plan.transition_warps, plan.transition_stages,
                       None)
         if plan.warpgroup_transition:

@@ -76,10 +76,13 @@ def variant_package(variant, name):
 def plan_the_package_reads(package, plan):
     """``plan`` as ``package`` launches it: a prefill package from before the preparation's one-axis grid (its
     layout has no ``preparation_program``) reads the head from the grid's second axis, so it gets the two-axis grid
-    (``early_chunks_last`` off; the same bits)."""
+    (``early_chunks_last`` off); one from before the transitions took their rows from the order (no
+    ``program_keys``) runs them on every segment program (``transitions_in_order`` off). The same bits."""
     layout = importlib.import_module(package.__name__ + ".layout")
     if plan.early_chunks_last and not hasattr(layout, "preparation_program"):
-        return plan.replace(early_chunks_last=False)
+        plan = plan.replace(early_chunks_last=False)
+    if plan.transitions_in_order and not hasattr(layout, "program_keys"):
+        plan = plan.replace(transitions_in_order=False)
     return plan
 
 

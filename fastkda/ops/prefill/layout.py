@@ -30,10 +30,12 @@ and per (chunk slot, head), the fp32 chunk decay ``decay = exp(G_C)`` (K values)
 Under sequence parallelism the fp32 buffer then has two sections per (segment slot, head), rows of K values
 laid out as a state ``[v, k]``: ``transitions`` (V + K rows: the segment's exit state from a zero state, then the
 exit of the K identity columns, i.e. its transition matrix) and ``entries`` (V rows: the segment's entry state).
-Segment slots are laid out as the chunk slots are, with segments in place of chunks. Last, ``order`` (one int32
+Segment slots are laid out as the chunk slots are, with segments in place of chunks. Last, ``order`` (two int32
 per recurrence program row, in fp32 slots): under the plan's ``longest_first``, those rows (sequences, or under
-sequence parallelism segment programs) from the most work down, which the solve kernel writes (the first kernel
-under the plan's ``inverse_in_prepare``; :func:`write_longest_first`) and the recurrence's programs take in turn.
+sequence parallelism segment programs) from the most work down, then each row's rank in that order, which the solve
+kernel writes (the first kernel under the plan's ``inverse_in_prepare``; :func:`write_longest_first`) and the
+recurrence's programs take in turn (under the plan's ``transitions_in_order`` the transition kernel's too, and the
+scan reads the ranks).
 Kernels receive the two buffers and each section's element offset (:class:`Workspace` fields); they address
 rows from their chunk's first token.
 """
@@ -164,13 +166,14 @@ def sequence_order(ws_fp32, order_at):
 
 
 @triton.jit
-def program_lengths(z, inside, cu_seqlens, seq_len, num_seqs, segment_chunks, C: tl.constexpr,
-                    SEGMENTED: tl.constexpr):
-    """The work of recurrence programs ``z`` (a vector; ``inside`` masks it): serial, their sequence's tokens;
-    under ``SEGMENTED``, their segment's chunks (programs 0..N-1 each sequence's first segment, then one per
-    segment slot, 0 for a slot that holds no later segment), as ``recurrence.program_chunks`` finds them, the
-    slot's sequence by a binary search at every N (the order needs the same lengths in every program, not the
-    lookup's exact path)."""
+def program_keys(z, inside, cu_seqlens, seq_len, num_seqs, segment_chunks, C: tl.constexpr,
+                 SEGMENTED: tl.constexpr):
+    """The sort keys of recurrence programs ``z`` (a vector; ``inside`` masks it): twice their work, serial their
+    sequence's tokens; under ``SEGMENTED`` their segment's chunks (programs 0..N-1 each sequence's first segment,
+    then one per segment slot, 0 for a slot that holds no later segment), as ``recurrence.program_chunks`` finds
+    them, the slot's sequence by a binary search at every N (the order needs the same keys in every program, not
+    the lookup's exact path), plus one for a segment that is not its sequence's last: among equal work, the
+    segments with a transition first (:func:`write_longest_first`)."""
     if SEGMENTED:
         first = z < num_seqs
         tokens = C * segment_chunks
@@ -197,26 +200,33 @@ def program_lengths(z, inside, cu_seqlens, seq_len, num_seqs, segment_chunks, C:
         later = tl.where((j > 0) & (j * segment_chunks < chunks),
                          tl.minimum(j * segment_chunks + segment_chunks, chunks) - j * segment_chunks, 0)
         length = tl.where(first, tl.minimum(chunks, segment_chunks), later)
-    return tl.where(inside, length, 0)
+        not_last = tl.where(first, chunks > segment_chunks, (j > 0) & ((j + 1) * segment_chunks < chunks))
+        return tl.where(inside, 2 * length + not_last.to(tl.int32), 0)
+    return tl.where(inside, 2 * length, 0)
 
 
 @triton.jit
 def write_longest_first(ws_fp32, order_at, cu_seqlens, z, count, seq_len, num_seqs, segment_chunks,
                         C: tl.constexpr, SEGMENTED: tl.constexpr):
-    """Place recurrence program ``z`` of ``count`` in the ``order`` section: its rank when the programs are sorted
-    by their work (:func:`program_lengths`), the most first, ties in grid order. Every program ranks by the same
-    lengths, so the ranks of 0..count-1 are a permutation whatever ``cu_seqlens`` holds."""
+    """Place recurrence program ``z`` of ``count`` in the ``order`` section, and its rank after the ``count``
+    places: its rank when the programs are sorted by their work (:func:`program_keys`), the most first, among equal
+    work the segments that are not their sequence's last first, ties in grid order. Every program ranks by the same
+    keys, so the ranks of 0..count-1 are a permutation whatever ``cu_seqlens`` holds. Under sequence parallelism
+    every segment with a transition (every one but its sequence's last) has ``segment_chunks`` chunks, the most a
+    segment has, so those rank first: on valid offsets, where each holds ``C · segment_chunks`` tokens of its own,
+    within the first ``T // (C · segment_chunks)`` places (the plan's ``transition_rows``)."""
     lanes = tl.arange(0, OWNER_LOOKUP_WIDTH)
-    own = tl.sum(tl.where(lanes == 0, program_lengths(z + 0 * lanes, lanes == 0, cu_seqlens, seq_len, num_seqs,
-                                                      segment_chunks, C, SEGMENTED), 0), axis=0)
+    own = tl.sum(tl.where(lanes == 0, program_keys(z + 0 * lanes, lanes == 0, cu_seqlens, seq_len, num_seqs,
+                                                   segment_chunks, C, SEGMENTED), 0), axis=0)
     rank = 0
     for first in range(0, count, OWNER_LOOKUP_WIDTH):
         m = first + lanes
         inside = m < count
-        others = program_lengths(m, inside, cu_seqlens, seq_len, num_seqs, segment_chunks, C, SEGMENTED)
+        others = program_keys(m, inside, cu_seqlens, seq_len, num_seqs, segment_chunks, C, SEGMENTED)
         ahead = inside & ((others > own) | ((others == own) & (m < z)))
         rank += tl.sum(ahead.to(tl.int32), axis=0)
     tl.store(sequence_order(ws_fp32, order_at) + rank, z)
+    tl.store(sequence_order(ws_fp32, order_at) + count + z, rank)
 
 
 @triton.jit
@@ -249,9 +259,9 @@ class WorkspaceLayout:
 
 @functools.lru_cache(maxsize=4096)
 def workspace_layout(rows: int, slots: int, heads: int, key_dim: int, value_dim: int, chunk: int,
-                     segment_slots: int = 0, sequences: int = 0) -> WorkspaceLayout:
+                     segment_slots: int = 0, ordered_rows: int = 0) -> WorkspaceLayout:
     """The layout for ``rows`` (token, head) rows, ``slots`` chunk slots, ``segment_slots`` segment slots and
-    ``sequences`` sequences (``kd`` and ``decay`` at offset 0)."""
+    ``ordered_rows`` recurrence program rows in the ``order`` section (``kd`` and ``decay`` at offset 0)."""
     qg = rows * key_dim
     kg = qg + rows * key_dim
     A = kg + rows * key_dim
@@ -260,11 +270,11 @@ def workspace_layout(rows: int, slots: int, heads: int, key_dim: int, value_dim:
     entries = transitions + segment_slots * heads * (value_dim + key_dim) * key_dim
     order = entries + segment_slots * heads * value_dim * key_dim
     return WorkspaceLayout(qg=qg, kg=kg, A=A, scratch=scratch, transitions=transitions, entries=entries,
-                           order=order, bf16_elements=A + rows * chunk, fp32_elements=order + sequences)
+                           order=order, bf16_elements=A + rows * chunk, fp32_elements=order + 2 * ordered_rows)
 
 
 def plan_layout(plan) -> WorkspaceLayout:
-    """The workspace layout of a prefill plan (its ``order`` section one row per recurrence program row under
+    """The workspace layout of a prefill plan (its ``order`` section two entries per recurrence program row under
     ``longest_first``, else none)."""
     return workspace_layout(plan.batch * plan.seq_len * plan.heads, plan.chunk_slots, plan.heads, plan.key_dim,
                             plan.value_dim, plan.chunk, plan.segment_slots,

@@ -296,19 +296,21 @@ def recurrence_kernel(
 
 @triton.jit
 def transition_kernel(
-    ws_bf16, ws_fp32, kg_at, scratch_at, transitions_at, initial_state, cu_seqlens, seq_len, num_seqs, v,
+    ws_bf16, ws_fp32, kg_at, scratch_at, transitions_at, order_at, initial_state, cu_seqlens, seq_len, num_seqs, v,
     stride_v, segment_chunks, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
     IS_VARLEN: tl.constexpr, HAS_INITIAL: tl.constexpr, STATE_ROWS_V: tl.constexpr, EMULATE: tl.constexpr,
-    OPEN_ENTRY: tl.constexpr,
+    OPEN_ENTRY: tl.constexpr, LONGEST_FIRST: tl.constexpr,
 ):
     """Sequence parallelism's first phase: one (slice of the V + K columns, head, segment slot), every segment but
     its sequence's last, from a zero state (the first segment from the initial state) and identity columns,
     steps without outputs; writes the segment's exit and transition (``scan.py``). ``OPEN_ENTRY`` (the entry state
     comes later: :func:`fastkda.ops.prefill.open_entry_transitions`): every segment from zero and identity
-    columns, the first and the last too."""
-    walk_chunks(ws_bf16, ws_fp32, 0, kg_at, 0, scratch_at, transitions_at, 0, 0, ws_fp32, initial_state, ws_fp32,
-                cu_seqlens, ws_fp32, ws_fp32, ws_fp32, 0, seq_len, num_seqs, 0, 0, v, stride_v, segment_chunks, H, K,
-                V, BV, C, IS_VARLEN, HAS_INITIAL, False, 0, STATE_ROWS_V, EMULATE, True, True, OPEN_ENTRY, False)
+    columns, the first and the last too. ``LONGEST_FIRST`` (the plan's ``transitions_in_order``): program row z
+    takes the row at place z of the recurrence's order, whose first places hold every segment with a transition."""
+    walk_chunks(ws_bf16, ws_fp32, 0, kg_at, 0, scratch_at, transitions_at, 0, order_at, ws_fp32, initial_state,
+                ws_fp32, cu_seqlens, ws_fp32, ws_fp32, ws_fp32, 0, seq_len, num_seqs, 0, 0, v, stride_v,
+                segment_chunks, H, K, V, BV, C, IS_VARLEN, HAS_INITIAL, False, 0, STATE_ROWS_V, EMULATE, True, True,
+                OPEN_ENTRY, LONGEST_FIRST)
 
 
 def recurrence_arguments(plan, ws, out, initial_state, final_state, checkpoint_offsets, checkpoint_states, errors):
@@ -362,13 +364,14 @@ def launch_recurrence(plan, ws, out, initial_state, final_state, checkpoint_offs
 
 def launch_transitions(plan, ws, initial_state, emulate, open_entry=False):
     """Launch :func:`transition_kernel`, or its Gluon form where :func:`warpgroup_runs`, over
-    ``plan.transition_grid`` (sequence parallelism's first phase; with ``open_entry``, every segment's, none from
-    ``initial_state``)."""
-    args = (ws.bf16, ws.fp32, ws.layout.kg, ws.layout.scratch, ws.layout.transitions,
+    ``plan.transition_grid`` (sequence parallelism's first phase, under the plan's ``transitions_in_order`` on the
+    rows the recurrence's order puts first; with ``open_entry``, every segment's, none from ``initial_state``)."""
+    args = (ws.bf16, ws.fp32, ws.layout.kg, ws.layout.scratch, ws.layout.transitions, ws.layout.order,
             initial_state if initial_state is not None else ws.fp32, ws.cu_seqlens if plan.varlen else ws.fp32,
             plan.seq_len, plan.num_seqs, ws.v, ws.v.stride(1), plan.segment_chunks)
     constexprs = dict(H=plan.heads, K=plan.key_dim, V=plan.value_dim, BV=plan.transition_width, C=plan.chunk,
-                      IS_VARLEN=plan.varlen, HAS_INITIAL=initial_state is not None, OPEN_ENTRY=open_entry)
+                      IS_VARLEN=plan.varlen, HAS_INITIAL=initial_state is not None, OPEN_ENTRY=open_entry,
+                      LONGEST_FIRST=plan.transitions_in_order)
     if warpgroup_runs(plan.warpgroup_transition, ws, emulate):
         from .recurrence_warpgroup import warpgroup_transition_kernel
         launch(warpgroup_transition_kernel, plan.transition_grid, *args, **constexprs,

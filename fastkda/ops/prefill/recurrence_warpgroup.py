@@ -293,12 +293,13 @@ def warpgroup_recurrence_kernel(
 
 @gluon.jit
 def warpgroup_transition_kernel(
-    ws_bf16, ws_fp32, kg_at, scratch_at, transitions_at, initial_state, cu_seqlens, seq_len, num_seqs, v,
+    ws_bf16, ws_fp32, kg_at, scratch_at, transitions_at, order_at, initial_state, cu_seqlens, seq_len, num_seqs, v,
     stride_v, segment_chunks, H: gl.constexpr, K: gl.constexpr, V: gl.constexpr, BV: gl.constexpr, C: gl.constexpr,
-    IS_VARLEN: gl.constexpr, HAS_INITIAL: gl.constexpr, OPEN_ENTRY: gl.constexpr, STAGES: gl.constexpr,
+    IS_VARLEN: gl.constexpr, HAS_INITIAL: gl.constexpr, OPEN_ENTRY: gl.constexpr, LONGEST_FIRST: gl.constexpr,
+    STAGES: gl.constexpr,
 ):
     """:func:`fastkda.ops.prefill.recurrence.transition_kernel` (its arguments) on a warpgroup per 64 columns."""
-    warpgroup_walk(ws_bf16, ws_fp32, 0, kg_at, 0, scratch_at, transitions_at, 0, 0, ws_fp32, initial_state,
+    warpgroup_walk(ws_bf16, ws_fp32, 0, kg_at, 0, scratch_at, transitions_at, 0, order_at, ws_fp32, initial_state,
                    ws_fp32, cu_seqlens, ws_fp32, ws_fp32, ws_fp32, 0, seq_len, num_seqs, 0, 0, v, stride_v,
-                   segment_chunks, H, K, V, BV, C, IS_VARLEN, HAS_INITIAL, False, 0, True, True, OPEN_ENTRY, False,
-                   STAGES)
+                   segment_chunks, H, K, V, BV, C, IS_VARLEN, HAS_INITIAL, False, 0, True, True, OPEN_ENTRY,
+                   LONGEST_FIRST, STAGES)

@@ -12,6 +12,10 @@ stays fp32; the products run at the plan's ``dot_precision``. The scan goes in o
 an entry state depends only on the segments before it, in one order, whatever the plan's slices.
 
 It also counts malformed ``cu_seqlens`` (:mod:`fastkda.errors`), once per sequence, as the serial recurrence does.
+Under the plan's ``transitions_in_order`` (``ORDERED``) the transition kernel ran only the first ``run_rows`` rows
+of the recurrence's order, which hold every segment with a transition on valid offsets; on offsets outside the
+contract a segment's row can rank past them, and its transition, never written, is read as zero (the ranks are in
+the order section), so that no entry state is made of unwritten memory.
 
 With ``OPEN_ENTRY`` (a prefill whose entry state comes later, :func:`fastkda.ops.prefill.open_entry_transitions`)
 the transition kernel has left every segment's map, the first's and the last's too, and the scan applies all of
@@ -30,7 +34,7 @@ import triton.language as tl
 
 from ..common import launch
 from ..tiles import tile_offsets
-from .layout import entry_state, first_slot, segment_exit, sequence_span
+from .layout import entry_state, first_slot, segment_exit, sequence_order, sequence_span
 
 
 @triton.jit
@@ -44,12 +48,23 @@ def initial_rows(initial_state, n, h, rows, H: tl.constexpr, V: tl.constexpr, K:
 
 
 @triton.jit
-def segment_scan_kernel(ws_fp32, transitions_at, entries_at, initial_state, exit_maps, cu_seqlens, errors, seq_len,
-                        segment_chunks, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, SW: tl.constexpr,
-                        C: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_INITIAL: tl.constexpr,
-                        DOT_PRECISION: tl.constexpr, OPEN_ENTRY: tl.constexpr, COMPOSE: tl.constexpr):
+def transition_ran(ws_fp32, order_at, order_count, run_rows, row, ORDERED: tl.constexpr):
+    """Whether the transition kernel ran segment program ``row``: always, or under ``ORDERED`` if its rank in the
+    recurrence's order (stored after the ``order_count`` places) is below ``run_rows`` (module docstring)."""
+    if ORDERED:
+        return tl.load(sequence_order(ws_fp32, order_at) + order_count + row) < run_rows
+    return row >= 0  # a tensor, as a load's mask takes it
+
+
+@triton.jit
+def segment_scan_kernel(ws_fp32, transitions_at, entries_at, order_at, initial_state, exit_maps, cu_seqlens, errors,
+                        seq_len, segment_chunks, order_count, run_rows, H: tl.constexpr, K: tl.constexpr,
+                        V: tl.constexpr, SW: tl.constexpr, C: tl.constexpr, IS_VARLEN: tl.constexpr,
+                        HAS_INITIAL: tl.constexpr, DOT_PRECISION: tl.constexpr, OPEN_ENTRY: tl.constexpr,
+                        COMPOSE: tl.constexpr, ORDERED: tl.constexpr):
     """One (row slice, head, sequence): the entry state of each of the sequence's segments after the first; with
-    ``OPEN_ENTRY`` of every segment, or (``COMPOSE``) the sequence's exit map into ``exit_maps [N, H, V + K, K]``."""
+    ``OPEN_ENTRY`` of every segment, or (``COMPOSE``) the sequence's exit map into ``exit_maps [N, H, V + K, K]``.
+    ``ORDERED``: a transition that the transition kernel did not run reads as zero (module docstring)."""
     vs = tl.program_id(0)
     h = tl.program_id(1)
     n = tl.program_id(2)
@@ -77,13 +92,17 @@ def segment_scan_kernel(ws_fp32, transitions_at, entries_at, initial_state, exit
     elif segments > 1:  # the first segment's entry (the rerun of a sequence of one reads the initial state itself)
         S = initial_rows(initial_state, n, h, rows, H, V, K, SW, HAS_INITIAL)
         tl.store(entry_state(ws_fp32, entries_at, first, h, H, V, K) + rows, S)
-        S = tl.load(segment_exit(ws_fp32, transitions_at, first, h, H, V, K) + rows)
+        ran = transition_ran(ws_fp32, order_at, order_count, run_rows, n, ORDERED)  # the first segment's row: n
+        S = tl.load(segment_exit(ws_fp32, transitions_at, first, h, H, V, K) + rows, mask=ran, other=0.0)
+        num_seqs = tl.num_programs(2)
         for j in range(1, segments):  # no branch in the loop, so that Triton prefetches the next transition
             slot = first + j
             tl.store(entry_state(ws_fp32, entries_at, slot, h, H, V, K) + rows, S)
             exits = segment_exit(ws_fp32, transitions_at, slot, h, H, V, K)
+            ran = transition_ran(ws_fp32, order_at, order_count, run_rows, num_seqs + slot, ORDERED)
             # after the last segment's entry this reads its slot's unwritten transition: in the buffer, unused
-            S = tl.dot(S, tl.load(exits + matrix), input_precision=DOT_PRECISION) + tl.load(exits + rows)
+            S = (tl.dot(S, tl.load(exits + matrix, mask=ran, other=0.0), input_precision=DOT_PRECISION)
+                 + tl.load(exits + rows, mask=ran, other=0.0))
     if IS_VARLEN and not COMPOSE:  # fastkda.errors: "cu_seqlens", once per sequence
         tl.atomic_add(errors + 2, 1, mask=(vs == 0) & (h == 0) & ~in_order, sem="relaxed")
 
@@ -98,9 +117,11 @@ def launch_scan(plan, ws, initial_state, errors, open_entry=False, exit_maps=Non
     grid = plan.scan_grid
     if compose:
         grid = ((plan.value_dim + plan.key_dim) // plan.scan_width, *grid[1:])
-    launch(segment_scan_kernel, grid, ws.fp32, layout.transitions, layout.entries,
+    launch(segment_scan_kernel, grid, ws.fp32, layout.transitions, layout.entries, layout.order,
            initial_state if initial_state is not None else ws.fp32, exit_maps if compose else ws.fp32,
-           ws.cu_seqlens if plan.varlen else ws.fp32, errors, plan.seq_len, plan.segment_chunks, H=plan.heads,
-           K=plan.key_dim, V=plan.value_dim, SW=plan.scan_width, C=plan.chunk, IS_VARLEN=plan.varlen,
-           HAS_INITIAL=initial_state is not None, DOT_PRECISION=precision, OPEN_ENTRY=open_entry or compose,
-           COMPOSE=compose, num_warps=plan.scan_warps, num_stages=plan.scan_stages)
+           ws.cu_seqlens if plan.varlen else ws.fp32, errors, plan.seq_len, plan.segment_chunks,
+           plan.segment_programs, plan.transition_rows, H=plan.heads, K=plan.key_dim, V=plan.value_dim,
+           SW=plan.scan_width, C=plan.chunk, IS_VARLEN=plan.varlen, HAS_INITIAL=initial_state is not None,
+           DOT_PRECISION=precision, OPEN_ENTRY=open_entry or compose, COMPOSE=compose,
+           ORDERED=plan.transitions_in_order and not (open_entry or compose), num_warps=plan.scan_warps,
+           num_stages=plan.scan_stages)
