@@ -369,13 +369,15 @@ def launch_transitions(plan, ws, initial_state, emulate, open_entry=False):
     args = (ws.bf16, ws.fp32, ws.layout.kg, ws.layout.scratch, ws.layout.transitions, ws.layout.order,
             initial_state if initial_state is not None else ws.fp32, ws.cu_seqlens if plan.varlen else ws.fp32,
             plan.seq_len, plan.num_seqs, ws.v, ws.v.stride(1), plan.segment_chunks)
+    ordered = plan.transitions_in_order and not open_entry  # open entry maps the last segments too: every row
     constexprs = dict(H=plan.heads, K=plan.key_dim, V=plan.value_dim, BV=plan.transition_width, C=plan.chunk,
                       IS_VARLEN=plan.varlen, HAS_INITIAL=initial_state is not None, OPEN_ENTRY=open_entry,
-                      LONGEST_FIRST=plan.transitions_in_order)
+                      LONGEST_FIRST=ordered)
+    grid = plan.transition_grid if ordered else (*plan.transition_grid[:2], plan.segment_programs)
     if warpgroup_runs(plan.warpgroup_transition, ws, emulate):
         from .recurrence_warpgroup import warpgroup_transition_kernel
-        launch(warpgroup_transition_kernel, plan.transition_grid, *args, **constexprs,
-               STAGES=plan.transition_stages, num_warps=plan.transition_warps)
+        launch(warpgroup_transition_kernel, grid, *args, **constexprs, STAGES=plan.transition_stages,
+               num_warps=plan.transition_warps)
     else:
-        launch(transition_kernel, plan.transition_grid, *args, **constexprs, STATE_ROWS_V=plan.transition_rows_v,
-               EMULATE=emulate, num_warps=plan.transition_warps, num_stages=plan.transition_stages)
+        launch(transition_kernel, grid, *args, **constexprs, STATE_ROWS_V=plan.transition_rows_v, EMULATE=emulate,
+               num_warps=plan.transition_warps, num_stages=plan.transition_stages)

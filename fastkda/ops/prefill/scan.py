@@ -14,8 +14,10 @@ an entry state depends only on the segments before it, in one order, whatever th
 It also counts malformed ``cu_seqlens`` (:mod:`fastkda.errors`), once per sequence, as the serial recurrence does.
 Under the plan's ``transitions_in_order`` (``ORDERED``) the transition kernel ran only the first ``run_rows`` rows
 of the recurrence's order, which hold every segment with a transition on valid offsets; on offsets outside the
-contract a segment's row can rank past them, and its transition, never written, is read as zero (the ranks are in
-the order section), so that no entry state is made of unwritten memory.
+contract (overlapping spans) more segments can need one than that, and a segment whose row ranks past them (the
+ranks are in the order section) is read as zero rather than as a transition never written. That covers what the
+cut adds, not every malformed case: where offsets are out of order, the kernels' slot-to-sequence lookups can
+disagree, so a slot's transition may go unwritten in any grid (the known gap of ``tests/ops/test_safety_kernels.py``).
 
 With ``OPEN_ENTRY`` (a prefill whose entry state comes later, :func:`fastkda.ops.prefill.open_entry_transitions`)
 the transition kernel has left every segment's map, the first's and the last's too, and the scan applies all of
