@@ -115,7 +115,8 @@ def launch_scan(plan, ws, initial_state, errors, open_entry=False, exit_maps=Non
     ``exit_maps [N, H, V + K, K]`` (fp32, contiguous), composing them into it over V + K rows instead."""
     layout = ws.layout
     compose = exit_maps is not None
-    precision = "tf32x3" if open_entry or compose else plan.dot_precision  # the module docstring says why
+    open_form = open_entry or compose  # every segment's map, the last's too: none left out of the transitions
+    precision = "tf32x3" if open_form else plan.dot_precision  # the module docstring says why
     grid = plan.scan_grid
     if compose:
         grid = ((plan.value_dim + plan.key_dim) // plan.scan_width, *grid[1:])
@@ -124,6 +125,6 @@ def launch_scan(plan, ws, initial_state, errors, open_entry=False, exit_maps=Non
            ws.cu_seqlens if plan.varlen else ws.fp32, errors, plan.seq_len, plan.segment_chunks,
            plan.segment_programs, plan.transition_rows, H=plan.heads, K=plan.key_dim, V=plan.value_dim,
            SW=plan.scan_width, C=plan.chunk, IS_VARLEN=plan.varlen, HAS_INITIAL=initial_state is not None,
-           DOT_PRECISION=precision, OPEN_ENTRY=open_entry or compose, COMPOSE=compose,
-           ORDERED=plan.transitions_in_order and not (open_entry or compose), num_warps=plan.scan_warps,
+           DOT_PRECISION=precision, OPEN_ENTRY=open_form, COMPOSE=compose,
+           ORDERED=plan.transitions_in_order and not open_form, num_warps=plan.scan_warps,
            num_stages=plan.scan_stages)
