@@ -50,7 +50,8 @@ SOLVE_WARPS = 1  # the inverse works in 16x16 blocks: one warp holds them, and m
 HORNER_PROGRAMS_PER_SM = 32  # (chunk, head) pairs an SM at most for Horner's rule (horner_inverse): in about one
 # wave of solve programs a program's chain of layout changes is the kernel's time, past that its tensor-core products
 ENV_SEQUENCE_PARALLEL = "FASTKDA_SEQUENCE_PARALLEL"
-SCAN_WIDTH = 16  # state columns per program of the segment scan: fixed, so the scan's bits never depend on the plan
+SCAN_WIDTH = 16  # state columns per program of the segment scan in every automatic plan (scan_width)
+SCAN_WIDTHS = (16, 32, 64)  # the scan's widths a plan may take: rows of its products, 16 at least
 MAX_SEGMENTS = 32  # segments of one sequence at most (each adds a step to the scan, and rounding to the state)
 MIN_SEGMENT_CHUNKS = 4  # chunks per segment at least (shorter ones pay two launches for too little)
 MIN_SP_CHAIN = 128  # chunks the longest possible sequence must have for the auto plan to cut it (measured: at 32
@@ -147,8 +148,9 @@ class PrefillPlan:
     it is changed too); warps and stages of the solve kernel. Sequence parallelism
     (``docs/sequence-parallel.md``): ``segment_chunks`` (0: off) cuts every sequence, from its first token, into
     segments of that many chunks; the transition kernel runs each segment from a zero state over the V value
-    columns and K identity columns in slices of ``transition_width``, the scan (``scan_warps``, ``scan_stages``:
-    the next segment's transition is loaded while the current one is applied) composes them into each segment's
+    columns and K identity columns in slices of ``transition_width``, the scan (``scan_width`` state columns a
+    program, ``scan_warps``, ``scan_stages``: the next segment's transition is loaded while the current one is
+    applied) composes them into each segment's
     entry state, and the recurrence reruns every segment from its entry state in ``v_slices`` slices.
     ``warpgroup_recurrence``: the recurrence of 64- or 128-column slices runs the Gluon kernel
     (``fastkda/ops/prefill/recurrence_warpgroup.py``: the same bits, its layouts and product order set by hand;
@@ -202,6 +204,7 @@ class PrefillPlan:
     transition_width: int = 0
     scan_warps: int = 4
     scan_stages: int = 2
+    scan_width: int = SCAN_WIDTH
     transition_stages: int = 3
     warpgroup_recurrence: bool = False
     warpgroup_transition: bool = False
@@ -257,6 +260,9 @@ class PrefillPlan:
             _check(self.scan_warps in WARP_CHOICES, lambda: (f"scan_warps must be one of {WARP_CHOICES}, got "
                                                              f"{self.scan_warps}"))
             _check(self.scan_stages >= 1, lambda: f"scan_stages must be >= 1, got {self.scan_stages}")
+            _check(self.scan_width in SCAN_WIDTHS and narrow % self.scan_width == 0,
+                   lambda: (f"scan_width must be one of {SCAN_WIDTHS} and divide min(K, V)={narrow}, got "
+                            f"{self.scan_width}"))
         _check(self.dot_precision in ("tf32", "ieee"), lambda: (f"dot_precision must be 'tf32' or 'ieee', got "
                                                                 f"{self.dot_precision!r}"))
         if self.warpgroup_recurrence:
@@ -373,11 +379,6 @@ class PrefillPlan:
     def transition_grid(self) -> tuple:
         """Grid of the transition kernel: one program per (slice of the V + K columns, head, segment program)."""
         return ((self.value_dim + self.key_dim) // max(self.transition_width, 1), self.heads, self.transition_rows)
-
-    @property
-    def scan_width(self) -> int:
-        """State columns per program of the segment scan (:data:`SCAN_WIDTH`, whatever the slices)."""
-        return SCAN_WIDTH
 
     @property
     def scan_grid(self) -> tuple:

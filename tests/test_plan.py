@@ -94,6 +94,19 @@ def test_launch_numbers_round_trip_and_changes_are_validated():
     assert DecodePlan.from_launch_numbers(choose_decode_plan(3, 4, 128, 132).launch_numbers()).v_slices == 8
 
 
+def test_the_scan_width_is_a_launch_number_checked_against_the_state():
+    segmented = plan(1, 12, sequence_parallel=1024)
+    assert segmented.scan_width == 16 and segmented.scan_grid == (8, 12, 1)
+    wider = segmented.replace(scan_width=64)
+    assert wider.scan_grid == (2, 12, 1)
+    assert PrefillPlan.from_launch_numbers(wider.launch_numbers(), wider.dot_precision) == wider
+    narrow = choose_plan(1, 12, 8192, 128, 64, 132, sequence_parallel=1024)
+    for bad in ((segmented, dict(scan_width=8)), (segmented, dict(scan_width=128)), (narrow, dict(scan_width=128)),
+                (segmented, dict(scan_width=48))):
+        with pytest.raises(ValueError, match="fastkda plan: .*scan_width must be one of"):
+            bad[0].replace(**bad[1])
+
+
 def test_the_warpgroup_recurrence_takes_slices_of_64_and_128_columns():
     serial = plan(4, 12).replace(v_slices=2)
     assert serial.slice_width == 64 and not serial.warpgroup_recurrence  # off unless asked for

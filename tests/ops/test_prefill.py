@@ -490,13 +490,13 @@ def test_sequence_parallel_kernels_match_float64(case, segment_chunks):
 
 
 def test_sequence_parallel_bits_across_slices_and_widths():
-    """One segmentation, any V-slices and transition width: the same bits; the first segment's tokens and a
-    sequence of one segment: the serial bits; later segments: their own."""
+    """One segmentation, any V-slices, transition width and scan width: the same bits; the first segment's tokens
+    and a sequence of one segment: the serial bits; later segments: their own."""
     inp = make_inputs([0, 200, 1, 45], heads=1, key_dim=64, value_dim=128, gate="weak", seed=6)
     base_o, base_s = run_triton(inp, 1, sequence_parallel=64)
-    for v_slices, width in ((2, 32), (4, 64), (4, 16)):
-        out, final = run_triton(inp, v_slices, sequence_parallel=64, transition_width=width)
-        assert torch.equal(out, base_o) and torch.equal(final, base_s), (v_slices, width)
+    for v_slices, width, scan_width in ((2, 32, 16), (4, 64, 32), (4, 16, 64)):
+        out, final = run_triton(inp, v_slices, sequence_parallel=64, transition_width=width, scan_width=scan_width)
+        assert torch.equal(out, base_o) and torch.equal(final, base_s), (v_slices, width, scan_width)
     serial_o, serial_s = run_triton(inp, 1)
     assert torch.equal(base_o[:, :64], serial_o[:, :64]) and torch.equal(base_o[:, 200:], serial_o[:, 200:])
     assert torch.equal(base_s[2:], serial_s[2:]) and not torch.equal(base_o[:, 64:200], serial_o[:, 64:200])

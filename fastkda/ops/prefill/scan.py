@@ -6,10 +6,12 @@ segment's exit from the sequence's initial state (its true exit). The first segm
 itself, copied here for a sequence of several segments, so that their rerun never reads ``initial_state`` (which
 may be the final state's buffer, written by the last segment). Segments compose as affine maps, so the entry
 state of segment j + 1 is ``S_{j+1} = 𝒜_j·S_j + ℬ_j``, walked here in segment order: one program per (slice of
-``SCAN_WIDTH`` state columns, head, sequence). In the state's ``[v, k]`` layout the step is
+the plan's ``scan_width`` state columns, head, sequence). In the state's ``[v, k]`` layout the step is
 ``S_{j+1}[v, :] = S_j[v, :]·𝒜_jᵀ + ℬ_j[v, :]``, and the stored transition rows are ``𝒜_jᵀ`` already. The state
-stays fp32; the products run at the plan's ``dot_precision``. The scan goes in order with a fixed slice width, so
-an entry state depends only on the segments before it, in one order, whatever the plan's slices.
+stays fp32; the products run at the plan's ``dot_precision``. The scan goes in segment order, and each state row
+is its own product's row, so an entry state depends only on the segments before it, in one order, whatever the
+plan's slices and scan width (a wider program loads each transition once for more rows: fewer programs, more
+work a step).
 
 It also counts malformed ``cu_seqlens`` (:mod:`fastkda.errors`), once per sequence, as the serial recurrence does.
 Under the plan's ``transitions_in_order`` (``ORDERED``) the transition kernel ran only the first ``run_rows`` rows
