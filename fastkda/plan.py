@@ -441,7 +441,8 @@ class PrefillPlan:
              + (" (the Gluon kernel)" if self.warpgroup_transition else "")
              + (f", on the order's first {self.transition_rows} of {self.segment_programs} segment programs"
                 if self.transitions_in_order else "")
-             + ", a scan over each sequence's segments, then the recurrence over every segment from its entry state"),
+             + f", a scan over each sequence's segments ({self.scan_width} state columns a program, "
+             f"{_counted(self.scan_warps, 'warp')}), then the recurrence over every segment from its entry state"),
             f"why: {self.reason}",
             f"CPU path: chunks of {self.cpu_chunk} tokens",
         ])

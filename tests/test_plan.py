@@ -98,7 +98,7 @@ def test_the_scan_width_is_a_launch_number_checked_against_the_state():
     segmented = plan(1, 12, sequence_parallel=1024)
     assert segmented.scan_width == 16 and segmented.scan_grid == (8, 12, 1)
     wider = segmented.replace(scan_width=64)
-    assert wider.scan_grid == (2, 12, 1)
+    assert wider.scan_grid == (2, 12, 1) and "scan over each sequence's segments (64 state columns" in wider.describe()
     assert PrefillPlan.from_launch_numbers(wider.launch_numbers(), wider.dot_precision) == wider
     narrow = choose_plan(1, 12, 8192, 128, 64, 132, sequence_parallel=1024)
     for bad in ((segmented, dict(scan_width=8)), (segmented, dict(scan_width=128)), (narrow, dict(scan_width=128)),
