@@ -101,10 +101,10 @@ def test_the_scan_width_is_a_launch_number_checked_against_the_state():
     assert wider.scan_grid == (2, 12, 1) and "scan over each sequence's segments (64 state columns" in wider.describe()
     assert PrefillPlan.from_launch_numbers(wider.launch_numbers(), wider.dot_precision) == wider
     narrow = choose_plan(1, 12, 8192, 128, 64, 132, sequence_parallel=1024)
-    for bad in ((segmented, dict(scan_width=8)), (segmented, dict(scan_width=128)), (narrow, dict(scan_width=128)),
-                (segmented, dict(scan_width=48))):
+    for chosen, bad in ((segmented, dict(scan_width=8)), (segmented, dict(scan_width=128)),
+                        (narrow, dict(scan_width=128)), (segmented, dict(scan_width=48))):
         with pytest.raises(ValueError, match="fastkda plan: .*scan_width must be one of"):
-            bad[0].replace(**bad[1])
+            chosen.replace(**bad)
 
 
 def test_the_warpgroup_recurrence_takes_slices_of_64_and_128_columns():
