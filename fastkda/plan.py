@@ -47,6 +47,10 @@ WARPGROUP_RECURRENCE_STAGES = {64: 5, 128: 4}  # the Gluon recurrence's ring by 
 WARPGROUP_SLICE_WIDTHS = (64, 128)  # the Gluon recurrence's slices: a warpgroup per 64 columns (the products' rows)
 SHARED_MEMORY_PER_PROGRAM = 232448  # bytes of shared memory one program may take on sm_90 (227 KB)
 SOLVE_WARPS = 1  # the inverse works in 16x16 blocks: one warp holds them, and more programs per SM hide latency
+SOLVE_PROGRAMS_PER_SM = 25  # solve programs an SM holds under the series' register cap (solve_registers): 80
+# registers, where ptxas (sm_90a) compiles the series' same instructions without spill, against 96 (21 an SM)
+# uncapped; near a wave one program's chain is the kernel's time, so a wave less is a chain less
+# (docs/perf-notes.md, "Session 51: the solve kernel's register cap")
 HORNER_PROGRAMS_PER_SM = 32  # (chunk, head) pairs an SM at most for Horner's rule (horner_inverse): in about one
 # wave of solve programs a program's chain of layout changes is the kernel's time, past that its tensor-core products
 ENV_SEQUENCE_PARALLEL = "FASTKDA_SEQUENCE_PARALLEL"
@@ -145,7 +149,8 @@ class PrefillPlan:
     bits) of the first kernel, and
     ``prepare_registers``, its cap on registers per thread (0: the compiler's choice; a cap fits more programs on
     an SM at the price of spills; derived from the warps, so a plan changed to other warps keeps the old cap unless
-    it is changed too); warps and stages of the solve kernel. Sequence parallelism
+    it is changed too); warps, stages and register cap (``solve_registers``, likewise) of the solve kernel.
+    Sequence parallelism
     (``docs/sequence-parallel.md``): ``segment_chunks`` (0: off) cuts every sequence, from its first token, into
     segments of that many chunks; the transition kernel runs each segment from a zero state over the V value
     columns and K identity columns in slices of ``transition_width``, the scan (``scan_width`` state columns a
@@ -200,6 +205,7 @@ class PrefillPlan:
     solve_warps: int
     solve_stages: int
     prepare_registers: int = 0
+    solve_registers: int = 0
     segment_chunks: int = 0
     transition_width: int = 0
     scan_warps: int = 4
@@ -239,8 +245,9 @@ class PrefillPlan:
         for name in ("recurrence_warps", "prepare_warps", "solve_warps"):
             _check(getattr(self, name) in WARP_CHOICES, lambda: (f"{name} must be one of {WARP_CHOICES}, got "
                                                                  f"{getattr(self, name)}"))
-        _check(self.prepare_registers == 0 or 24 <= self.prepare_registers <= 255,
-               lambda: f"prepare_registers must be 0 (the compiler's choice) or 24..255, got {self.prepare_registers}")
+        for name in ("prepare_registers", "solve_registers"):
+            _check(getattr(self, name) == 0 or 24 <= getattr(self, name) <= 255,
+                   lambda: f"{name} must be 0 (the compiler's choice) or 24..255, got {getattr(self, name)}")
         for name in ("recurrence_stages", "prepare_stages", "solve_stages", "transition_stages"):
             _check(getattr(self, name) >= 1, lambda: f"{name} must be >= 1, got {getattr(self, name)}")
         _check(self.prepare_channels in (16, 32, 64, 128) and self.key_dim % self.prepare_channels == 0,
@@ -421,7 +428,8 @@ class PrefillPlan:
             f"{self.prepare_channels} key channels per step, {self.prepare_token_run} consecutive tokens per thread"
             + (f", at most {self.prepare_registers} registers a thread" if self.prepare_registers else "") + "; "
             + ("the first kernel then inverts its chunk" if self.inverse_in_prepare
-               else f"solve kernel on {_counted(self.solve_warps, 'warp')}, {self.solve_stages} stages")
+               else f"solve kernel on {_counted(self.solve_warps, 'warp')}, {self.solve_stages} stages"
+               + (f", at most {self.solve_registers} registers a thread" if self.solve_registers else ""))
             + ": T·diag(β)" + (", diagonal blocks by Horner's rule in fp16 operands" if self.horner_inverse else "")
             + ("; both from the last chunks back to the first, heads innermost" if self.early_chunks_last else ""),
             f"recurrence: v_slices={self.v_slices} (V cut into {self.v_slices} slice(s) of {self.slice_width} "
@@ -534,6 +542,16 @@ def prepare_registers(lower_bound_gate: bool, warps: int) -> int:
     if not lower_bound_gate:
         return 0
     return min(REGISTERS_PER_SM // (PREPARE_PROGRAMS_PER_SM * warps * 32) // 8 * 8, 255)
+
+
+def solve_registers(horner_inverse: bool, warps: int) -> int:
+    """The solve kernel's cap on registers per thread: for the series, what lets :data:`SOLVE_PROGRAMS_PER_SM` of its
+    programs share an SM's register file (rounded down to ptxas's allocation unit of 8), a wave of programs less
+    wherever the solve runs in a few. Under Horner's rule, 0 (the compiler's choice): at that cap its form spills, and
+    its plans hold about one wave of programs anyway, where a longer chain is the kernel's time."""
+    if horner_inverse:
+        return 0
+    return min(REGISTERS_PER_SM // (SOLVE_PROGRAMS_PER_SM * warps * 32) // 8 * 8, 255)
 
 
 def prepare_token_run(chunk: int, key_dim: int, warps: int) -> int:
@@ -842,6 +860,10 @@ def _choose_plan(num_seqs, heads, seq_len, key_dim, value_dim, sms, varlen, lowe
     if inverse_in_prepare:
         reason += (f"; the first kernel inverts its own chunk ({prepare_programs} programs in one wave of "
                    f"{PREPARE_PROGRAMS_PER_SM} an SM)")
+    solve_cap = solve_registers(horner_inverse, SOLVE_WARPS)
+    if solve_cap and not inverse_in_prepare:
+        reason += (f"; the solve at most {solve_cap} registers a thread: {SOLVE_PROGRAMS_PER_SM} of its programs "
+                   f"an SM, {solve_programs} in all")
     # a run of programs reads one chunk's rows of every head (docs/perf-notes.md, "Session 48", on an H100 in
     # same-run A/Bs: the rows 1.2-2.8% faster but H12 N1 and N4 T1024, within noise; the varlen mixes about 3%, the
     # segmented rows 1.8-4.5%, H12 N1 and N2 T8192 under 1%; the gain is the first kernel's reads more than the
@@ -857,7 +879,8 @@ def _choose_plan(num_seqs, heads, seq_len, key_dim, value_dim, sms, varlen, lowe
         prepare_warps=prepare_warps, prepare_stages=3, prepare_channels=prepare_channels(key_dim, lower_bound_gate),
         prepare_token_run=prepare_token_run(CHUNK, key_dim, prepare_warps),
         prepare_registers=prepare_registers(lower_bound_gate, prepare_warps), solve_warps=SOLVE_WARPS,
-        solve_stages=3, horner_inverse=horner_inverse, inverse_in_prepare=inverse_in_prepare,
+        solve_stages=3, solve_registers=solve_cap, horner_inverse=horner_inverse,
+        inverse_in_prepare=inverse_in_prepare,
         early_chunks_last=True, transitions_in_order=transitions_in_order,
         segment_chunks=segment_chunks, transition_width=transition_width, scan_warps=8 if key_dim >= 128 else 4,
         reason=reason)

@@ -113,7 +113,8 @@ def prefill_launches(plan, checkpoints=0, l2norm=True, beta_sigmoid=True):
         segment_chunks=plan.segment_chunks, SEGMENTED=plan.sequence_parallel, LONGEST_FIRST=plan.longest_first)
     found = dict(prepare=(prepare.prepare_kernel, prepare_args, plan.prepare_warps, plan.prepare_stages,
                           plan.prepare_registers or None),
-                 solve=(solve.solve_kernel, solve_args, plan.solve_warps, plan.solve_stages, None),
+                 solve=(solve.solve_kernel, solve_args, plan.solve_warps, plan.solve_stages,
+                        plan.solve_registers or None),
                  recurrence=(recurrence.recurrence_kernel, recurrence_args, plan.recurrence_warps,
                              plan.recurrence_stages, None))
     triton_only = ("STATE_ROWS_V", "EMULATE")  # the Gluon kernels take STAGES in place of these constexprs

@@ -173,5 +173,5 @@ def launch_solve(plan, ws, beta, use_beta_sigmoid, errors, emulate):
         segment_chunks, beta.stride(1), beta.stride(2), plan.seq_len, plan.num_seqs, plan.heads,
         C=plan.chunk, BC=plan.block, IS_VARLEN=plan.varlen, BETA_SIGMOID=use_beta_sigmoid,
         DOT_PRECISION=plan.dot_precision, EMULATE=emulate, **constants, EARLY_CHUNKS_LAST=plan.early_chunks_last,
-        num_warps=plan.solve_warps, num_stages=plan.solve_stages,
+        num_warps=plan.solve_warps, num_stages=plan.solve_stages, maxnreg=plan.solve_registers or None,
     )
