@@ -206,6 +206,19 @@ def test_scan_widths_same_bits_and_replay(lengths, hint, segments, width):
     assert_same_bits_and_replays(inp, plan.replace(scan_width=width), plan.replace(scan_width=16), fresh)
 
 
+@pytest.mark.parametrize("lengths, heads, varlen", [
+    ([6144, 1024, 512, 256, 128, 64, 32, 16, 8, 4, 2, 1, 1], 24, True), ([2000] * 4, 24, False)])
+def test_solve_register_cap_same_bits_and_replay(lengths, heads, varlen):
+    """The automatic plan's cap on the series' solve registers (``solve_registers``, 80) against the compiler's
+    choice: the same bits on the chunked mix's lengths at 24 heads (in segments) and on fixed-length rows with a
+    partial last chunk; a graph captured once, replayed on fresh inputs, equals an eager call on them."""
+    inp = make_inputs(lengths, heads=heads, key_dim=128, varlen=varlen, device="cuda", seed=29)
+    plan = plan_for(inp, sequence_parallel="auto", max_seqlen=max(lengths) if varlen else None)
+    assert plan.solve_registers == 80 and not plan.horner_inverse and not plan.inverse_in_prepare
+    fresh = make_inputs(lengths[::-1], heads=heads, key_dim=128, varlen=varlen, device="cuda", seed=30)
+    assert_same_bits_and_replays(inp, plan, plan.replace(solve_registers=0), fresh)
+
+
 @pytest.mark.parametrize("lengths, hint", [([1024], 1024), ([300, 5, 0, 200, 1, 64], None), ([352] * 3, 352)])
 def test_inverse_in_prepare_same_bits_as_the_solve_kernel_and_replays(lengths, hint):
     """The automatic plan's ``inverse_in_prepare`` (H12 with the first kernel in one wave: the first kernel inverts
