@@ -66,10 +66,13 @@ def split_bf16(x, EMULATE: tl.constexpr):
 
 @triton.jit
 def starting_state(ws_fp32, entries_at, initial_state, state_offsets, local, zero, vv, kk, slot, h, j, c1,
-                   num_chunks, H: tl.constexpr, V: tl.constexpr, K: tl.constexpr, HAS_INITIAL: tl.constexpr,
+                   num_chunks, active, H: tl.constexpr, V: tl.constexpr, K: tl.constexpr, HAS_INITIAL: tl.constexpr,
                    STATE_ROWS_V: tl.constexpr, SEGMENTED: tl.constexpr, TRANSITION: tl.constexpr):
     """The state a :func:`walk_chunks` program starts from, in the form and layout of ``zero`` (its zero tile;
-    ``state_offsets`` address it in ``[N, H, V, K]``, ``local`` in one (slot, head)'s ``[V, K]`` rows)."""
+    ``state_offsets`` address it in ``[N, H, V, K]``, ``local`` in one (slot, head)'s ``[V, K]`` rows). A segment
+    program that walks nothing (not ``active``: it stores nothing either) reads nothing: its loads are masked off,
+    not branched around, so that the walk's pipelining is as before (docs/perf-notes.md, "Session 51: idle segment
+    programs load a state they never use")."""
     if TRANSITION:  # identity columns: the state of column V + p starts as the unit vector e_p
         if STATE_ROWS_V:
             S = tl.where(vv[:, None] - V == kk[None, :], 1.0, 0.0)
@@ -78,16 +81,18 @@ def starting_state(ws_fp32, entries_at, initial_state, state_offsets, local, zer
         if HAS_INITIAL:
             if j == 0:  # the value columns only (an identity slice's rows lie past the state's V)
                 if STATE_ROWS_V:
-                    S += tl.load(initial_state + state_offsets, mask=vv[:, None] < V, other=0.0).to(tl.float32)
+                    S += tl.load(initial_state + state_offsets, mask=(vv[:, None] < V) & active,
+                                 other=0.0).to(tl.float32)
                 else:
-                    S += tl.load(initial_state + state_offsets, mask=vv[None, :] < V, other=0.0).to(tl.float32)
+                    S += tl.load(initial_state + state_offsets, mask=(vv[None, :] < V) & active,
+                                 other=0.0).to(tl.float32)
     elif SEGMENTED:
         # a sequence of several segments: the scan's entry state (the first segment's initial state too: it may be
         # the final state's buffer, which the last segment writes while the first runs); of one: the serial start
         if (c1 < num_chunks) | (j > 0):
-            S = tl.load(entry_state(ws_fp32, entries_at, slot, h, H, V, K) + local)
+            S = tl.load(entry_state(ws_fp32, entries_at, slot, h, H, V, K) + local, mask=active, other=0.0)
         elif HAS_INITIAL:
-            S = tl.load(initial_state + state_offsets).to(tl.float32)
+            S = tl.load(initial_state + state_offsets, mask=active, other=0.0).to(tl.float32)
         else:
             S = zero
     elif HAS_INITIAL:
@@ -226,7 +231,7 @@ def walk_chunks(
         local = tile_offsets(kk, vv, 1, K)
     zero = tl.zeros((BV, K), dtype=tl.float32) if STATE_ROWS_V else tl.zeros((K, BV), dtype=tl.float32)
     S = starting_state(ws_fp32, entries_at, initial_state, state_offsets, local, zero, vv, kk, slot, h, j, c1,
-                       num_chunks, H, V, K, HAS_INITIAL, STATE_ROWS_V, SEGMENTED, TRANSITION)
+                       num_chunks, active, H, V, K, HAS_INITIAL, STATE_ROWS_V, SEGMENTED, TRANSITION)
     # the next chunk's vᵀ is carried over the step as fp32 in 128-wide slices and, for bf16 v, as bf16 in narrower
     # ones (each measured faster than the other there; docs/perf-notes.md, "v_new from kd and v"); fp16 or fp32 v
     # stays fp32, so that every slice width subtracts the same values

@@ -205,7 +205,7 @@ def warpgroup_walk(
     local = tile_offsets(sv, sk, K, 1)  # as walk_chunks addresses the transposed state
     state_offsets = ((n * H + h) * V).to(gl.int64) * K + local
     S = starting_state(ws_fp32, entries_at, initial_state, state_offsets, local, gl.zeros([BV, K], gl.float32, ACC_K),
-                       sv, sk, slot, h, j, c1, num_chunks, H, V, K, HAS_INITIAL, True, SEGMENTED, TRANSITION)
+                       sv, sk, slot, h, j, c1, num_chunks, active, H, V, K, HAS_INITIAL, True, SEGMENTED, TRANSITION)
     zero_C = gl.zeros([BV, C], gl.float32, ACC_C)
 
     async_copy.wait_group(STAGES - 2)  # the first chunk
