@@ -149,14 +149,14 @@ class PrefillPlan:
     bits) of the first kernel, and
     ``prepare_registers``, its cap on registers per thread (0: the compiler's choice; a cap fits more programs on
     an SM at the price of spills; derived from the warps, so a plan changed to other warps keeps the old cap unless
-    it is changed too); warps, stages and register cap (``solve_registers``, likewise) of the solve kernel.
-    Sequence parallelism
-    (``docs/sequence-parallel.md``): ``segment_chunks`` (0: off) cuts every sequence, from its first token, into
-    segments of that many chunks; the transition kernel runs each segment from a zero state over the V value
-    columns and K identity columns in slices of ``transition_width``, the scan (``scan_width`` state columns a
-    program, ``scan_warps``, ``scan_stages``: the next segment's transition is loaded while the current one is
-    applied) composes them into each segment's
-    entry state, and the recurrence reruns every segment from its entry state in ``v_slices`` slices.
+    it is changed too); warps, stages and register cap (``solve_registers``: 0 or a cap as above, derived from
+    ``horner_inverse``, so a plan changed to Horner's rule keeps the series' cap unless it is changed too) of the
+    solve kernel. Sequence parallelism (``docs/sequence-parallel.md``): ``segment_chunks`` (0: off) cuts every
+    sequence, from its first token, into segments of that many chunks; the transition kernel runs each segment from
+    a zero state over the V value columns and K identity columns in slices of ``transition_width``, the scan
+    (``scan_width`` state columns a program, ``scan_warps``, ``scan_stages``: the next segment's transition is
+    loaded while the current one is applied) composes them into each segment's entry state, and the recurrence
+    reruns every segment from its entry state in ``v_slices`` slices.
     ``warpgroup_recurrence``: the recurrence of 64- or 128-column slices runs the Gluon kernel
     (``fastkda/ops/prefill/recurrence_warpgroup.py``: the same bits, its layouts and product order set by hand;
     ``recurrence_stages`` chunks in its shared-memory ring, at least 4) instead of the Triton one;
@@ -860,10 +860,10 @@ def _choose_plan(num_seqs, heads, seq_len, key_dim, value_dim, sms, varlen, lowe
     if inverse_in_prepare:
         reason += (f"; the first kernel inverts its own chunk ({prepare_programs} programs in one wave of "
                    f"{PREPARE_PROGRAMS_PER_SM} an SM)")
-    solve_cap = solve_registers(horner_inverse, SOLVE_WARPS)
-    if solve_cap and not inverse_in_prepare:
+    solve_cap = solve_registers(horner_inverse, SOLVE_WARPS)  # 0 wherever the first kernel inverts (Horner's rows)
+    if solve_cap:
         reason += (f"; the solve at most {solve_cap} registers a thread: {SOLVE_PROGRAMS_PER_SM} of its programs "
-                   f"an SM, {solve_programs} in all")
+                   f"an SM, for {solve_programs} (chunk, head) pairs")
     # a run of programs reads one chunk's rows of every head (docs/perf-notes.md, "Session 48", on an H100 in
     # same-run A/Bs: the rows 1.2-2.8% faster but H12 N1 and N4 T1024, within noise; the varlen mixes about 3%, the
     # segmented rows 1.8-4.5%, H12 N1 and N2 T8192 under 1%; the gain is the first kernel's reads more than the

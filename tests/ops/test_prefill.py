@@ -510,13 +510,14 @@ def test_sequence_parallel_launches_follow_the_plan(monkeypatch):
         monkeypatch.setattr(module, "launch", lambda kernel, grid, *args, **meta: launched.append(
             (kernel.__name__, grid, meta)))
     inp = make_inputs([40, 290], heads=3, key_dim=64, value_dim=128, gate="weak", seed=5)
-    plan = plan_for(inp, 2, sequence_parallel=96, transition_width=32, scan_warps=2)
+    plan = plan_for(inp, 2, sequence_parallel=96, transition_width=32, scan_warps=2, solve_registers=72)
     chunk_kda_forward(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], plan=plan, A_log=None, dt_bias=None,
                       lower_bound=None, scale=0.125, initial_state=None, cu_seqlens=inp["cu_seqlens"],
                       use_qk_l2norm=True, use_beta_sigmoid=True, out=torch.empty_like(inp["v"]), final_state=None)
     names = [name for name, _, _ in launched]
     assert names == ["prepare_kernel", "solve_kernel", "transition_kernel", "segment_scan_kernel",
                      "recurrence_kernel"]
+    assert launched[1][2]["maxnreg"] == 72 and launched[0][2]["maxnreg"] is None  # the precomputed gate: uncapped
     _, grid, meta = launched[2]
     assert grid == plan.transition_grid == (6, 3, 2 + 330 // 96 + 3) and meta["BV"] == 32
     assert meta["num_warps"] == plan.transition_warps
