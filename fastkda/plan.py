@@ -533,25 +533,31 @@ def prepare_channels(key_dim: int, lower_bound_gate: bool) -> int:
     return key_dim if lower_bound_gate else min(32, key_dim)
 
 
+def register_cap(programs_per_sm: int, warps: int) -> int:
+    """Registers per thread that let ``programs_per_sm`` programs of ``warps`` warps share an SM's register file,
+    rounded down to ptxas's allocation unit of 8 (at most 255, ptxas's limit)."""
+    return min(REGISTERS_PER_SM // (programs_per_sm * warps * 32) // 8 * 8, 255)
+
+
 def prepare_registers(lower_bound_gate: bool, warps: int) -> int:
     """The first preparation kernel's cap on registers per thread: under the lower-bound gate, what lets
-    :data:`PREPARE_PROGRAMS_PER_SM` of its programs share an SM's register file (rounded down to ptxas's
-    allocation unit of 8). The kernel waits on its loads' latency, and a third program per SM hides more of it
-    than the few spilled registers cost (docs/perf-notes.md, "Register caps and the solve kernel's warps").
-    Under the precomputed gate, 0 (the compiler's choice): its shared memory admits two programs per SM anyway."""
+    :data:`PREPARE_PROGRAMS_PER_SM` of its programs share an SM's register file (:func:`register_cap`). The kernel
+    waits on its loads' latency, and a third program per SM hides more of it than the few spilled registers cost
+    (docs/perf-notes.md, "Register caps and the solve kernel's warps"). Under the precomputed gate, 0 (the
+    compiler's choice): its shared memory admits two programs per SM anyway."""
     if not lower_bound_gate:
         return 0
-    return min(REGISTERS_PER_SM // (PREPARE_PROGRAMS_PER_SM * warps * 32) // 8 * 8, 255)
+    return register_cap(PREPARE_PROGRAMS_PER_SM, warps)
 
 
 def solve_registers(horner_inverse: bool, warps: int) -> int:
-    """The solve kernel's cap on registers per thread: for the series, what lets :data:`SOLVE_PROGRAMS_PER_SM` of its
-    programs share an SM's register file (rounded down to ptxas's allocation unit of 8), a wave of programs less
-    wherever the solve runs in a few. Under Horner's rule, 0 (the compiler's choice): at that cap its form spills, and
-    its plans hold about one wave of programs anyway, where a longer chain is the kernel's time."""
+    """The solve kernel's cap on registers per thread: for the series, what lets :data:`SOLVE_PROGRAMS_PER_SM` of
+    its programs share an SM's register file (:func:`register_cap`), a wave of programs less wherever the solve runs
+    in a few. Under Horner's rule, 0 (the compiler's choice): at that cap its form spills, and its plans hold about
+    one wave of programs anyway, where a longer chain is the kernel's time."""
     if horner_inverse:
         return 0
-    return min(REGISTERS_PER_SM // (SOLVE_PROGRAMS_PER_SM * warps * 32) // 8 * 8, 255)
+    return register_cap(SOLVE_PROGRAMS_PER_SM, warps)
 
 
 def prepare_token_run(chunk: int, key_dim: int, warps: int) -> int:

@@ -277,17 +277,16 @@ def test_horner_inverse_where_the_solve_runs_in_about_a_wave_and_only_with_tf32_
 def test_the_series_solve_is_capped_so_that_25_programs_share_an_sm_and_horner_is_not():
     """The solve kernel's register cap: the series' one-warp programs at 80 registers (25 of them fill an SM's 64 K
     registers, against 21 at the compiler's 96), on every gate and shape that runs them, and said in the plan's
-    description and reason; Horner's form uncapped (it would spill); where the first kernel inverts, no solve runs,
-    (always under Horner's rule: its programs fit one wave) and no cap is said. A cap outside 24..255 is
-    refused."""
+    description and reason; Horner's form uncapped (it would spill); where the first kernel inverts (always under
+    Horner's rule: its programs fit one wave) no solve runs and no cap is said. A cap outside 24..255 is refused."""
     from fastkda.plan import REGISTERS_PER_SM, SOLVE_PROGRAMS_PER_SM
 
+    assert SOLVE_PROGRAMS_PER_SM * 88 * 32 > REGISTERS_PER_SM  # 80: the largest of ptxas's 8-register steps
     for facts, gate in (((13, 24, 8192), True), ((13, 24, 8192), False), ((1, 24, 65536), True),
                         ((8, 96, 8192), True)):
         chosen = choose_plan(*facts, 128, 128, 132, lower_bound_gate=gate, warpgroup_mma=True)
         assert not chosen.horner_inverse and not chosen.inverse_in_prepare, facts
         assert chosen.solve_registers == 80 and SOLVE_PROGRAMS_PER_SM * 80 * 32 <= REGISTERS_PER_SM, facts
-        assert SOLVE_PROGRAMS_PER_SM * 88 * 32 > REGISTERS_PER_SM  # 80: the largest of ptxas's 8-register steps
         assert "solve kernel on 1 warp, 3 stages, at most 80 registers a thread" in chosen.describe(), facts
         assert "the solve at most 80 registers a thread: 25 of its programs an SM" in chosen.reason, facts
     horner = choose_plan(5, 12, 1024, 128, 128, 132, varlen=False)
