@@ -181,6 +181,9 @@ class PrefillPlan:
     ``transitions_in_order`` (under ``longest_first`` and sequence parallelism): the transition kernel runs the
     first :attr:`transition_rows` rows of the recurrence's order, where every segment with a transition ranks (on
     valid offsets), instead of every row, most of which have none in a batch of many sequences (the same bits).
+    ``rerun_in_order`` (likewise): the rerun's grid is the order's first :attr:`rerun_rows` rows, where every
+    segment with work ranks on valid offsets, instead of every row; the scan writes the final state of a sequence
+    whose first or last segment ranks past them (malformed offsets only; the same bits).
     ``dot_precision``: the kernels' fp32 products ("tf32" or "ieee")."""
 
     seq_len: int
@@ -220,6 +223,7 @@ class PrefillPlan:
     inverse_in_prepare: bool = False
     early_chunks_last: bool = False
     transitions_in_order: bool = False
+    rerun_in_order: bool = False
     dot_precision: str = DOT_PRECISION
     reason: str = dataclasses.field(default="", compare=False)
 
@@ -291,6 +295,10 @@ class PrefillPlan:
         _check(not self.transitions_in_order or (self.longest_first and self.segment_chunks > 0),
                lambda: (f"transitions_in_order takes the transitions' rows from the recurrence's order: it needs "
                         f"longest_first and segments (segment_chunks > 0), got longest_first={self.longest_first}, "
+                        f"segment_chunks={self.segment_chunks}"))
+        _check(not self.rerun_in_order or (self.longest_first and self.segment_chunks > 0),
+               lambda: (f"rerun_in_order takes the rerun's rows from the recurrence's order: it needs longest_first "
+                        f"and segments (segment_chunks > 0), got longest_first={self.longest_first}, "
                         f"segment_chunks={self.segment_chunks}"))
         _check(not self.horner_inverse or self.dot_precision == "tf32",
                lambda: (f"horner_inverse takes fp16 operands in place of tf32 ones (dot_precision='tf32'), got "
@@ -383,6 +391,23 @@ class PrefillPlan:
         return self.segment_programs
 
     @property
+    def rerun_rows(self) -> int:
+        """Segment programs the rerun runs: every one, or under ``rerun_in_order`` the first ``num_seqs + seq_len //
+        segment_tokens`` of the recurrence's order. On valid offsets no more segments have work: each sequence's
+        first (which writes its final state, even when empty), and at most ``seq_len // segment_tokens`` later ones,
+        since each follows ``segment_tokens`` tokens of its own sequence; the idle slots rank after them
+        (:func:`fastkda.ops.prefill.layout.write_longest_first`)."""
+        if self.rerun_in_order:
+            return min(self.segment_programs, self.num_seqs + self.seq_len // self.segment_tokens)
+        return self.segment_programs
+
+    @property
+    def program_rows(self) -> int:
+        """Rows of recurrence programs that the order ranks (under ``longest_first``): sequences, or under sequence
+        parallelism segment programs, whatever part of them the rerun's grid runs."""
+        return self.segment_programs if self.segment_chunks else self.num_seqs
+
+    @property
     def transition_grid(self) -> tuple:
         """Grid of the transition kernel: one program per (slice of the V + K columns, head, segment program)."""
         return ((self.value_dim + self.key_dim) // max(self.transition_width, 1), self.heads, self.transition_rows)
@@ -395,8 +420,8 @@ class PrefillPlan:
     @property
     def recurrence_grid(self) -> tuple:
         """Grid of the recurrence: one program per (V-slice, head, sequence), or per (V-slice, head, segment
-        program) under sequence parallelism."""
-        return (self.v_slices, self.heads, self.segment_programs if self.segment_chunks else self.num_seqs)
+        program) under sequence parallelism (:attr:`rerun_rows` of them)."""
+        return (self.v_slices, self.heads, self.rerun_rows if self.segment_chunks else self.num_seqs)
 
     def replace(self, **changes) -> "PrefillPlan":
         """This plan with some numbers changed (validated), its reason saying which."""
@@ -449,6 +474,7 @@ class PrefillPlan:
              + (" (the Gluon kernel)" if self.warpgroup_transition else "")
              + (f", on the order's first {self.transition_rows} of {self.segment_programs} segment programs"
                 if self.transitions_in_order else "")
+             + (f", the rerun on the order's first {self.rerun_rows}" if self.rerun_in_order else "")
              + f", a scan over each sequence's segments ({self.scan_width} state columns a program, "
              f"{_counted(self.scan_warps, 'warp')}), then the recurrence over every segment from its entry state"),
             f"why: {self.reason}",
@@ -846,6 +872,11 @@ def _choose_plan(num_seqs, heads, seq_len, key_dim, value_dim, sms, varlen, lowe
     transitions_in_order = longest_first and bool(segment_chunks)
     if transitions_in_order:
         reason += "; the transitions on the rows that the order puts first"
+    # the rerun likewise on the rows with work alone: its idle programs, last in the order, landed on the few SMs
+    # that the long segments leave (docs/perf-notes.md, "Session 52: the rerun's grid cut")
+    rerun_in_order = transitions_in_order
+    if rerun_in_order:
+        reason += ", and the rerun"
     prepare_warps = 4
     # the solve's busy programs, counted from the tokens alone, so that a varlen call run as rows (equal_rows)
     # decides as the varlen plan would: the same bits with or without the max_seqlen hint. Measured in one process
@@ -888,6 +919,7 @@ def _choose_plan(num_seqs, heads, seq_len, key_dim, value_dim, sms, varlen, lowe
         solve_stages=3, solve_registers=solve_cap, horner_inverse=horner_inverse,
         inverse_in_prepare=inverse_in_prepare,
         early_chunks_last=True, transitions_in_order=transitions_in_order,
+        rerun_in_order=rerun_in_order,
         segment_chunks=segment_chunks, transition_width=transition_width, scan_warps=8 if key_dim >= 128 else 4,
         reason=reason)
 

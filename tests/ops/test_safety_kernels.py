@@ -89,19 +89,21 @@ def prefill_on_offsets(inp, offsets, segments, **plan_changes):
     return out, final, errors
 
 
-ORDERED = dict(longest_first=True, transitions_in_order=True)
+ORDERED = dict(longest_first=True, transitions_in_order=True, rerun_in_order=True)
 
 
 @pytest.mark.parametrize("offsets", [[0, 40, 200], [0, 60, 30, 100], [-7, 50, 100], [0, 30, 100, 100, 90],
                                      [0, 100, 0, 0, 100]],
                          ids=["last past T", "decreasing", "negative first", "short of T", "back to 0"])
 @pytest.mark.parametrize("segments, changes", [(False, {}), (32, {}), (32, ORDERED)],
-                         ids=["serial", "segments", "segments, transitions in order"])
+                         ids=["serial", "segments", "segments, transitions and rerun in order"])
 def test_malformed_cu_seqlens_stay_inside_the_buffers(offsets, segments, changes, monkeypatch):
-    """Every output finite, though the workspace starts NaN: "back to 0" spans every token twice, so under the
-    plan's ``transitions_in_order`` more segments need a transition than the kernel runs, and the scan reads those
-    as zero. (Offsets out of order, such as [96, 0, 80], can leave a transition unwritten in any grid: the known
-    gap of :func:`test_scrambled_offsets_of_many_sequences_stay_inside_the_buffers`.)"""
+    """Every output finite, though the workspace and the final states start NaN: "back to 0" spans every token
+    twice, so under the plan's ``transitions_in_order`` more segments need a transition than the kernel runs, and
+    the scan reads those as zero, and under its ``rerun_in_order`` more segments have work than the rerun runs, and
+    the scan writes the final states that none of its programs would. (Offsets out of order, such as [96, 0, 80],
+    can leave a transition unwritten in any grid: the known gap of
+    :func:`test_scrambled_offsets_of_many_sequences_stay_inside_the_buffers`.)"""
     nan_workspaces(monkeypatch)
     lengths = [100 // (len(offsets) - 1)] * (len(offsets) - 2)
     lengths.append(100 - sum(lengths))

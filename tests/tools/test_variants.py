@@ -76,6 +76,7 @@ def test_a_package_from_before_the_one_axis_grid_gets_the_two_axis_grid(tmp_path
     source.mkdir()
     (source / "__init__.py").write_text("")
     (source / "layout.py").write_text("def chunk_of_slot():\n    pass\n")
+    (source / "scan.py").write_text("")
     with prefill_package(source, "_variant_old") as package:
         assert not plan_the_package_reads(package, plan).early_chunks_last
     assert plan_the_package_reads(committed, plan) == plan
@@ -92,7 +93,26 @@ def test_a_package_from_before_the_ordered_transitions_runs_every_segment_progra
     source.mkdir()
     (source / "__init__.py").write_text("")
     (source / "layout.py").write_text("def preparation_program():\n    pass\n")
+    (source / "scan.py").write_text("")
     with prefill_package(source, "_variant_old") as package:
         read = plan_the_package_reads(package, plan)
         assert not read.transitions_in_order and read.early_chunks_last
+    assert plan_the_package_reads(committed, plan) == plan
+
+
+def test_a_package_from_before_the_rerun_s_grid_cut_reruns_every_segment_program(tmp_path):
+    """A source package whose scan has no ``rerun_left_out`` (from before ``rerun_in_order``) writes no final state
+    for a sequence left out of a cut grid: it reruns every segment program, its ordered transitions kept."""
+    from fastkda.plan import choose_plan
+
+    plan = choose_plan(13, 24, 8192, 128, 128, 132, max_seqlen=6144)
+    assert plan.rerun_in_order and plan.transitions_in_order
+    source = tmp_path / "prefill"
+    source.mkdir()
+    (source / "__init__.py").write_text("")
+    (source / "layout.py").write_text("def preparation_program():\n    pass\n\n\ndef program_keys():\n    pass\n")
+    (source / "scan.py").write_text("")
+    with prefill_package(source, "_variant_old") as package:
+        read = plan_the_package_reads(package, plan)
+        assert not read.rerun_in_order and read.transitions_in_order and read.early_chunks_last
     assert plan_the_package_reads(committed, plan) == plan

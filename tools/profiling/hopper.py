@@ -87,7 +87,7 @@ def prefill_launches(plan, checkpoints=0, l2norm=True, beta_sigmoid=True):
     beta = dict(beta=BF16, stride_beta_tok=H, stride_beta_head=1, BETA_SIGMOID=beta_sigmoid)
     inverse = dict(  # what the solve kernel, or the first kernel under inverse_in_prepare, takes for the inverse
         cu_seqlens=I32 if plan.varlen or plan.equal_rows else F32, errors=I32 if plan.equal_rows else F32,
-        order_at=at.order, order_count=plan.recurrence_grid[2], segment_chunks=plan.segment_chunks,
+        order_at=at.order, order_count=plan.program_rows, segment_chunks=plan.segment_chunks,
         LONGEST_FIRST=plan.longest_first, SEGMENTED=plan.sequence_parallel, EQUAL_ROWS=plan.equal_rows,
         HORNER=plan.horner_inverse, EARLY_CHUNKS_LAST=plan.early_chunks_last)
     # the first kernel takes the inverse's own arguments only where it inverts, else launch_prepare's stand-ins
@@ -132,11 +132,12 @@ def prefill_launches(plan, checkpoints=0, l2norm=True, beta_sigmoid=True):
             BV=plan.transition_width, HAS_INITIAL=True, STATE_ROWS_V=plan.transition_rows_v,
             segment_chunks=plan.segment_chunks, OPEN_ENTRY=False, LONGEST_FIRST=plan.transitions_in_order)
         scan_args = dict(ws_fp32=F32, transitions_at=at.transitions, entries_at=at.entries, order_at=at.order,
-                         initial_state=F32, exit_maps=F32, cu_seqlens=cu, errors=I32, seq_len=plan.seq_len,
-                         segment_chunks=plan.segment_chunks, order_count=plan.segment_programs,
-                         run_rows=plan.transition_rows, H=H, K=K, V=V, SW=plan.scan_width, C=plan.chunk,
-                         IS_VARLEN=plan.varlen, HAS_INITIAL=True, DOT_PRECISION=plan.dot_precision, OPEN_ENTRY=False,
-                         COMPOSE=False, ORDERED=plan.transitions_in_order)
+                         initial_state=F32, exit_maps=F32, final_state=F32, cu_seqlens=cu, errors=I32,
+                         seq_len=plan.seq_len, segment_chunks=plan.segment_chunks, order_count=plan.program_rows,
+                         run_rows=plan.transition_rows, rerun_rows=plan.rerun_rows, H=H, K=K, V=V,
+                         SW=plan.scan_width, C=plan.chunk, IS_VARLEN=plan.varlen, HAS_INITIAL=True,
+                         DOT_PRECISION=plan.dot_precision, OPEN_ENTRY=False, COMPOSE=False,
+                         ORDERED=plan.transitions_in_order, FINAL_FALLBACK=plan.rerun_in_order)
         transition = (recurrence.transition_kernel, transition_args, plan.transition_warps, plan.transition_stages,
                       None)
         if plan.warpgroup_transition:

@@ -77,12 +77,17 @@ def plan_the_package_reads(package, plan):
     """``plan`` as ``package`` launches it: a prefill package from before the preparation's one-axis grid (its
     layout has no ``preparation_program``) reads the head from the grid's second axis, so it gets the two-axis grid
     (``early_chunks_last`` off); one from before the transitions took their rows from the order (no
-    ``program_keys``) runs them on every segment program (``transitions_in_order`` off). The same bits."""
+    ``program_keys``) runs them on every segment program (``transitions_in_order`` off); one from before the
+    rerun's grid cut (its scan has no ``rerun_left_out``) reruns every segment program (``rerun_in_order`` off).
+    The same bits."""
     layout = importlib.import_module(package.__name__ + ".layout")
+    scan = importlib.import_module(package.__name__ + ".scan")
     if plan.early_chunks_last and not hasattr(layout, "preparation_program"):
         plan = plan.replace(early_chunks_last=False)
     if plan.transitions_in_order and not hasattr(layout, "program_keys"):
         plan = plan.replace(transitions_in_order=False)
+    if plan.rerun_in_order and not hasattr(scan, "rerun_left_out"):
+        plan = plan.replace(rerun_in_order=False)
     return plan
 
 

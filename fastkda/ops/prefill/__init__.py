@@ -69,7 +69,7 @@ def chunk_kda_forward(q, k, v, g, beta, *, plan, A_log, dt_bias, lower_bound, sc
     if plan.num_seqs:
         if plan.sequence_parallel:
             launch_transitions(plan, ws, initial_state, emulate)
-            launch_scan(plan, ws, initial_state, errors)
+            launch_scan(plan, ws, initial_state, errors, final_state)
         launch_recurrence(plan, ws, out, initial_state, final_state, checkpoint_offsets, checkpoint_states, errors,
                           emulate)
 

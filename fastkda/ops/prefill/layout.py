@@ -278,7 +278,7 @@ def plan_layout(plan) -> WorkspaceLayout:
     ``longest_first``, else none)."""
     return workspace_layout(plan.batch * plan.seq_len * plan.heads, plan.chunk_slots, plan.heads, plan.key_dim,
                             plan.value_dim, plan.chunk, plan.segment_slots,
-                            plan.recurrence_grid[2] if plan.longest_first else 0)
+                            plan.program_rows if plan.longest_first else 0)
 
 
 @dataclass

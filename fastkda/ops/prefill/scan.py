@@ -20,6 +20,11 @@ contract (overlapping spans) more segments can need one than that, and a segment
 ranks are in the order section) is read as zero rather than as a transition never written. That covers what the
 cut adds, not every malformed case: where offsets are out of order, the kernels' slot-to-sequence lookups can
 disagree, so a slot's transition may go unwritten in any grid (the known gap of ``tests/ops/test_safety_kernels.py``).
+Under the plan's ``rerun_in_order`` the rerun runs only the order's first ``rerun_rows`` rows, likewise every
+segment with work on valid offsets; on overlapping spans a sequence's first or last segment can rank past them,
+and then no rerun program would write its final state, so the scan writes it (``FINAL_FALLBACK``: its initial
+state, or zeros, as unspecified as :mod:`fastkda.errors` says of such offsets, but written). Its ranks are two
+loads independent of the walk.
 
 With ``OPEN_ENTRY`` (a prefill whose entry state comes later, :func:`fastkda.ops.prefill.open_entry_transitions`)
 the transition kernel has left every segment's map, the first's and the last's too, and the scan applies all of
@@ -61,14 +66,23 @@ def transition_ran(ws_fp32, order_at, order_count, run_rows, row, ORDERED: tl.co
 
 
 @triton.jit
-def segment_scan_kernel(ws_fp32, transitions_at, entries_at, order_at, initial_state, exit_maps, cu_seqlens, errors,
-                        seq_len, segment_chunks, order_count, run_rows, H: tl.constexpr, K: tl.constexpr,
-                        V: tl.constexpr, SW: tl.constexpr, C: tl.constexpr, IS_VARLEN: tl.constexpr,
-                        HAS_INITIAL: tl.constexpr, DOT_PRECISION: tl.constexpr, OPEN_ENTRY: tl.constexpr,
-                        COMPOSE: tl.constexpr, ORDERED: tl.constexpr):
+def rerun_left_out(ws_fp32, order_at, order_count, rerun_rows, row):
+    """Whether the rerun's grid (the order's first ``rerun_rows`` places) leaves segment program ``row`` out: its
+    rank (stored after the ``order_count`` places) is past them."""
+    return tl.load(sequence_order(ws_fp32, order_at) + order_count + row) >= rerun_rows
+
+
+@triton.jit
+def segment_scan_kernel(ws_fp32, transitions_at, entries_at, order_at, initial_state, exit_maps, final_state,
+                        cu_seqlens, errors, seq_len, segment_chunks, order_count, run_rows, rerun_rows,
+                        H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, SW: tl.constexpr, C: tl.constexpr,
+                        IS_VARLEN: tl.constexpr, HAS_INITIAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                        OPEN_ENTRY: tl.constexpr, COMPOSE: tl.constexpr, ORDERED: tl.constexpr,
+                        FINAL_FALLBACK: tl.constexpr):
     """One (row slice, head, sequence): the entry state of each of the sequence's segments after the first; with
     ``OPEN_ENTRY`` of every segment, or (``COMPOSE``) the sequence's exit map into ``exit_maps [N, H, V + K, K]``.
-    ``ORDERED``: a transition that the transition kernel did not run reads as zero (module docstring)."""
+    ``ORDERED``: a transition that the transition kernel did not run reads as zero; ``FINAL_FALLBACK``: the final
+    state ``[N, H, V, K]`` of a sequence that the rerun's grid leaves without a writer (module docstring)."""
     vs = tl.program_id(0)
     h = tl.program_id(1)
     n = tl.program_id(2)
@@ -79,6 +93,12 @@ def segment_scan_kernel(ws_fp32, transitions_at, entries_at, order_at, initial_s
     kk = tl.arange(0, K)
     rows = tile_offsets(rr, kk, K, 1)  # [SW, K] of a state's [v, k] (COMPOSE: of the V + K rows)
     matrix = tile_offsets(V + kk, kk, K, 1)  # the transition's rows, 𝒜ᵀ [K, K]
+    if FINAL_FALLBACK:  # its first segment's row is n, its last's n itself or the last segment slot's
+        last_row = tl.where(segments > 1, tl.num_programs(2) + first + segments - 1, n)
+        if (rerun_left_out(ws_fp32, order_at, order_count, rerun_rows, n)
+                | rerun_left_out(ws_fp32, order_at, order_count, rerun_rows, last_row)):
+            tl.store(final_state + ((n * H + h) * V).to(tl.int64) * K + rows,
+                     initial_rows(initial_state, n, h, rows, H, V, K, SW, HAS_INITIAL))
     if OPEN_ENTRY:
         if COMPOSE:  # the entry [0; I]: value rows from zero, identity rows
             S = tl.where(rr[:, None] - V == kk[None, :], 1.0, 0.0)
@@ -111,10 +131,11 @@ def segment_scan_kernel(ws_fp32, transitions_at, entries_at, order_at, initial_s
         tl.atomic_add(errors + 2, 1, mask=(vs == 0) & (h == 0) & ~in_order, sem="relaxed")
 
 
-def launch_scan(plan, ws, initial_state, errors, open_entry=False, exit_maps=None):
-    """Launch :func:`segment_scan_kernel` between the transitions and the rerun, over ``plan.scan_grid``; with
-    ``open_entry``, over every segment's map (:func:`fastkda.ops.prefill.open_entry_transitions`), and given
-    ``exit_maps [N, H, V + K, K]`` (fp32, contiguous), composing them into it over V + K rows instead."""
+def launch_scan(plan, ws, initial_state, errors, final_state=None, open_entry=False, exit_maps=None):
+    """Launch :func:`segment_scan_kernel` between the transitions and the rerun, over ``plan.scan_grid`` (and,
+    under the plan's ``rerun_in_order``, the fallback into ``final_state`` if given); with ``open_entry``, over
+    every segment's map (:func:`fastkda.ops.prefill.open_entry_transitions`), and given ``exit_maps [N, H, V + K,
+    K]`` (fp32, contiguous), composing them into it over V + K rows instead."""
     layout = ws.layout
     compose = exit_maps is not None
     open_form = open_entry or compose  # every segment's map, the last's too: none left out of the transitions
@@ -124,9 +145,10 @@ def launch_scan(plan, ws, initial_state, errors, open_entry=False, exit_maps=Non
         grid = ((plan.value_dim + plan.key_dim) // plan.scan_width, *grid[1:])
     launch(segment_scan_kernel, grid, ws.fp32, layout.transitions, layout.entries, layout.order,
            initial_state if initial_state is not None else ws.fp32, exit_maps if compose else ws.fp32,
-           ws.cu_seqlens if plan.varlen else ws.fp32, errors, plan.seq_len, plan.segment_chunks,
-           plan.segment_programs, plan.transition_rows, H=plan.heads, K=plan.key_dim, V=plan.value_dim,
-           SW=plan.scan_width, C=plan.chunk, IS_VARLEN=plan.varlen, HAS_INITIAL=initial_state is not None,
-           DOT_PRECISION=precision, OPEN_ENTRY=open_form, COMPOSE=compose,
-           ORDERED=plan.transitions_in_order and not open_form, num_warps=plan.scan_warps,
+           final_state if final_state is not None else ws.fp32, ws.cu_seqlens if plan.varlen else ws.fp32, errors,
+           plan.seq_len, plan.segment_chunks, plan.program_rows, plan.transition_rows, plan.rerun_rows, H=plan.heads,
+           K=plan.key_dim, V=plan.value_dim, SW=plan.scan_width, C=plan.chunk, IS_VARLEN=plan.varlen,
+           HAS_INITIAL=initial_state is not None, DOT_PRECISION=precision, OPEN_ENTRY=open_form, COMPOSE=compose,
+           ORDERED=plan.transitions_in_order and not open_form,
+           FINAL_FALLBACK=plan.rerun_in_order and final_state is not None and not open_form, num_warps=plan.scan_warps,
            num_stages=plan.scan_stages)

@@ -150,7 +150,7 @@ def inverse_arguments(plan, ws, errors):
     ``equal_rows`` checks the rows; the ``order`` section, its length and the segment length, for its
     ``longest_first``) and its own constexprs, for the launch of :func:`solve_kernel` or of the first kernel under
     the plan's ``inverse_in_prepare``."""
-    runtime = (errors if plan.equal_rows else ws.fp32, ws.layout.order, plan.recurrence_grid[2], plan.segment_chunks)
+    runtime = (errors if plan.equal_rows else ws.fp32, ws.layout.order, plan.program_rows, plan.segment_chunks)
     constants = dict(LONGEST_FIRST=plan.longest_first, SEGMENTED=plan.sequence_parallel, EQUAL_ROWS=plan.equal_rows,
                      HORNER=plan.horner_inverse)
     return runtime, constants
