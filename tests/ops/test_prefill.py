@@ -222,7 +222,7 @@ def test_longest_first_orders_the_segment_programs_with_the_same_bits():
         rows.append(min((j + 1) * segment_chunks, chunks[n]) - j * segment_chunks
                     if j > 0 and j * segment_chunks < chunks[n] else 0)
         not_last.append(j > 0 and (j + 1) * segment_chunks < chunks[n])
-    assert len(rows) == plan.recurrence_grid[2]
+    assert len(rows) == plan.program_rows
     want = sorted(range(len(rows)), key=lambda z: (-rows[z], not not_last[z], z))
     assert rows[want[0]] == segment_chunks and rows[want[-1]] == 0
     # a last segment of full length (the 33-token sequence's first, of two chunks) ranks after every segment with a

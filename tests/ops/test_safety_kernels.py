@@ -113,6 +113,21 @@ def test_malformed_cu_seqlens_stay_inside_the_buffers(offsets, segments, changes
     assert errors[2] >= 1 and errors[:2].tolist() == [0, 0]
 
 
+@pytest.mark.parametrize("offsets", [[0, 120, 46, 179], [0, 44, 88, 17, 117]])
+def test_overlapping_spans_whose_last_segment_the_rerun_leaves_out_get_a_final_state(offsets, monkeypatch):
+    """Overlapping spans where a sequence of several segments has its last segment ranked past the ordered rerun's
+    rows, so that no rerun program writes its final state: the scan writes it (its check of the last segment's rank,
+    which "back to 0" above does not reach: there only an empty sequence is left out)."""
+    nan_workspaces(monkeypatch)
+    tokens, sequences = offsets[-1], len(offsets) - 1
+    lengths = [tokens // sequences] * (sequences - 1)
+    lengths.append(tokens - sum(lengths))
+    out, final, errors = prefill_on_offsets(make_inputs(lengths, heads=2, key_dim=64, seed=55), offsets, 32,
+                                            **ORDERED)
+    assert torch.isfinite(out).all() and torch.isfinite(final).all()
+    assert errors[2] >= 1 and errors[:2].tolist() == [0, 0]
+
+
 SCRAMBLED = {64: [0] + [(53 * i) % 100 for i in range(1, 64)] + [100],  # a slot's sequence in one load
              70: [0] + [(37 * i) % 100 for i in range(1, 70)] + [100]}  # by a binary search
 

@@ -76,7 +76,6 @@ def test_a_package_from_before_the_one_axis_grid_gets_the_two_axis_grid(tmp_path
     source.mkdir()
     (source / "__init__.py").write_text("")
     (source / "layout.py").write_text("def chunk_of_slot():\n    pass\n")
-    (source / "scan.py").write_text("")
     with prefill_package(source, "_variant_old") as package:
         assert not plan_the_package_reads(package, plan).early_chunks_last
     assert plan_the_package_reads(committed, plan) == plan
@@ -93,7 +92,6 @@ def test_a_package_from_before_the_ordered_transitions_runs_every_segment_progra
     source.mkdir()
     (source / "__init__.py").write_text("")
     (source / "layout.py").write_text("def preparation_program():\n    pass\n")
-    (source / "scan.py").write_text("")
     with prefill_package(source, "_variant_old") as package:
         read = plan_the_package_reads(package, plan)
         assert not read.transitions_in_order and read.early_chunks_last

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import importlib.util
 import shutil
 import sys
 from dataclasses import dataclass, field
@@ -73,6 +74,12 @@ def variant_package(variant, name):
             yield module
 
 
+def defines(package, module, name):
+    """Whether ``package``'s module ``module`` exists and defines ``name``."""
+    full = f"{package.__name__}.{module}"
+    return importlib.util.find_spec(full) is not None and hasattr(importlib.import_module(full), name)
+
+
 def plan_the_package_reads(package, plan):
     """``plan`` as ``package`` launches it: a prefill package from before the preparation's one-axis grid (its
     layout has no ``preparation_program``) reads the head from the grid's second axis, so it gets the two-axis grid
@@ -81,12 +88,11 @@ def plan_the_package_reads(package, plan):
     rerun's grid cut (its scan has no ``rerun_left_out``) reruns every segment program (``rerun_in_order`` off).
     The same bits."""
     layout = importlib.import_module(package.__name__ + ".layout")
-    scan = importlib.import_module(package.__name__ + ".scan")
     if plan.early_chunks_last and not hasattr(layout, "preparation_program"):
         plan = plan.replace(early_chunks_last=False)
     if plan.transitions_in_order and not hasattr(layout, "program_keys"):
         plan = plan.replace(transitions_in_order=False)
-    if plan.rerun_in_order and not hasattr(scan, "rerun_left_out"):
+    if plan.rerun_in_order and not defines(package, "scan", "rerun_left_out"):
         plan = plan.replace(rerun_in_order=False)
     return plan
 

@@ -23,8 +23,10 @@ disagree, so a slot's transition may go unwritten in any grid (the known gap of 
 Under the plan's ``rerun_in_order`` the rerun runs only the order's first ``rerun_rows`` rows, likewise every
 segment with work on valid offsets; on overlapping spans a sequence's first or last segment can rank past them,
 and then no rerun program would write its final state, so the scan writes it (``FINAL_FALLBACK``: its initial
-state, or zeros, as unspecified as :mod:`fastkda.errors` says of such offsets, but written). Its ranks are two
-loads independent of the walk.
+state, or zeros, as unspecified as :mod:`fastkda.errors` says of such offsets, but written). Only the last segment
+can rank so: a sequence of several segments has the most work a first segment can have, and only the first
+segments of the sequences before it rank before it, so it stays inside the N + T // segment_tokens rows. The rank
+is one load, independent of the walk.
 
 With ``OPEN_ENTRY`` (a prefill whose entry state comes later, :func:`fastkda.ops.prefill.open_entry_transitions`)
 the transition kernel has left every segment's map, the first's and the last's too, and the scan applies all of
@@ -93,10 +95,10 @@ def segment_scan_kernel(ws_fp32, transitions_at, entries_at, order_at, initial_s
     kk = tl.arange(0, K)
     rows = tile_offsets(rr, kk, K, 1)  # [SW, K] of a state's [v, k] (COMPOSE: of the V + K rows)
     matrix = tile_offsets(V + kk, kk, K, 1)  # the transition's rows, 𝒜ᵀ [K, K]
-    if FINAL_FALLBACK:  # its first segment's row is n, its last's n itself or the last segment slot's
+    if FINAL_FALLBACK:  # the row of its last segment: n itself or the last segment slot's (its first segment's row
+        # n ranks inside the rerun's rows whenever it has several: no row ranks before it but rows m < n)
         last_row = tl.where(segments > 1, tl.num_programs(2) + first + segments - 1, n)
-        if (rerun_left_out(ws_fp32, order_at, order_count, rerun_rows, n)
-                | rerun_left_out(ws_fp32, order_at, order_count, rerun_rows, last_row)):
+        if rerun_left_out(ws_fp32, order_at, order_count, rerun_rows, last_row):
             tl.store(final_state + ((n * H + h) * V).to(tl.int64) * K + rows,
                      initial_rows(initial_state, n, h, rows, H, V, K, SW, HAS_INITIAL))
     if OPEN_ENTRY:
