@@ -47,10 +47,6 @@ WARPGROUP_RECURRENCE_STAGES = {64: 5, 128: 4}  # the Gluon recurrence's ring by 
 WARPGROUP_SLICE_WIDTHS = (64, 128)  # the Gluon recurrence's slices: a warpgroup per 64 columns (the products' rows)
 SHARED_MEMORY_PER_PROGRAM = 232448  # bytes of shared memory one program may take on sm_90 (227 KB)
 SOLVE_WARPS = 1  # the inverse works in 16x16 blocks: one warp holds them, and more programs per SM hide latency
-SOLVE_PROGRAMS_PER_SM = 25  # solve programs an SM holds under the series' register cap (solve_registers): 80
-# registers, where ptxas (sm_90a) compiles the series' same instructions without spill, against 96 (21 an SM)
-# uncapped; near a wave one program's chain is the kernel's time, so a wave less is a chain less
-# (docs/perf-notes.md, "Session 51: the solve kernel's register cap")
 HORNER_PROGRAMS_PER_SM = 32  # (chunk, head) pairs an SM at most for Horner's rule (horner_inverse): in about one
 # wave of solve programs a program's chain of layout changes is the kernel's time, past that its tensor-core products
 ENV_SEQUENCE_PARALLEL = "FASTKDA_SEQUENCE_PARALLEL"
@@ -149,9 +145,9 @@ class PrefillPlan:
     bits) of the first kernel, and
     ``prepare_registers``, its cap on registers per thread (0: the compiler's choice; a cap fits more programs on
     an SM at the price of spills; derived from the warps, so a plan changed to other warps keeps the old cap unless
-    it is changed too); warps, stages and register cap (``solve_registers``: 0 or a cap as above, derived from
-    ``horner_inverse``, so a plan changed to Horner's rule keeps the series' cap unless it is changed too) of the
-    solve kernel. Sequence parallelism (``docs/sequence-parallel.md``): ``segment_chunks`` (0: off) cuts every
+    it is changed too); warps, stages and register cap (``solve_registers``: 0 or a cap as above; the automatic plan
+    leaves it to the compiler, since a cap of 80, 25 programs an SM against 21, measured no faster) of the solve
+    kernel. Sequence parallelism (``docs/sequence-parallel.md``): ``segment_chunks`` (0: off) cuts every
     sequence, from its first token, into segments of that many chunks; the transition kernel runs each segment from
     a zero state over the V value columns and K identity columns in slices of ``transition_width``, the scan
     (``scan_width`` state columns a program, ``scan_warps``, ``scan_stages``: the next segment's transition is
@@ -576,16 +572,6 @@ def prepare_registers(lower_bound_gate: bool, warps: int) -> int:
     return register_cap(PREPARE_PROGRAMS_PER_SM, warps)
 
 
-def solve_registers(horner_inverse: bool, warps: int) -> int:
-    """The solve kernel's cap on registers per thread: for the series, what lets :data:`SOLVE_PROGRAMS_PER_SM` of
-    its programs share an SM's register file (:func:`register_cap`), a wave of programs less wherever the solve runs
-    in a few. Under Horner's rule, 0 (the compiler's choice): at that cap its form spills, and its plans hold about
-    one wave of programs anyway, where a longer chain is the kernel's time."""
-    if horner_inverse:
-        return 0
-    return register_cap(SOLVE_PROGRAMS_PER_SM, warps)
-
-
 def prepare_token_run(chunk: int, key_dim: int, warps: int) -> int:
     """Consecutive tokens per thread in the first preparation kernel: Triton lays a ``[chunk, K]`` bf16 tile over
     the warps in 8-element rows of K / 8 threads, so each thread holds chunk·K / (warps·256) rows, filled with runs
@@ -897,10 +883,6 @@ def _choose_plan(num_seqs, heads, seq_len, key_dim, value_dim, sms, varlen, lowe
     if inverse_in_prepare:
         reason += (f"; the first kernel inverts its own chunk ({prepare_programs} programs in one wave of "
                    f"{PREPARE_PROGRAMS_PER_SM} an SM)")
-    solve_cap = solve_registers(horner_inverse, SOLVE_WARPS)  # 0 wherever the first kernel inverts (Horner's rows)
-    if solve_cap:
-        reason += (f"; the solve at most {solve_cap} registers a thread: {SOLVE_PROGRAMS_PER_SM} of its programs "
-                   f"an SM, for {solve_programs} (chunk, head) pairs")
     # a run of programs reads one chunk's rows of every head (docs/perf-notes.md, "Session 48", on an H100 in
     # same-run A/Bs: the rows 1.2-2.8% faster but H12 N1 and N4 T1024, within noise; the varlen mixes about 3%, the
     # segmented rows 1.8-4.5%, H12 N1 and N2 T8192 under 1%; the gain is the first kernel's reads more than the
@@ -916,7 +898,7 @@ def _choose_plan(num_seqs, heads, seq_len, key_dim, value_dim, sms, varlen, lowe
         prepare_warps=prepare_warps, prepare_stages=3, prepare_channels=prepare_channels(key_dim, lower_bound_gate),
         prepare_token_run=prepare_token_run(CHUNK, key_dim, prepare_warps),
         prepare_registers=prepare_registers(lower_bound_gate, prepare_warps), solve_warps=SOLVE_WARPS,
-        solve_stages=3, solve_registers=solve_cap, horner_inverse=horner_inverse,
+        solve_stages=3, horner_inverse=horner_inverse,
         inverse_in_prepare=inverse_in_prepare,
         early_chunks_last=True, transitions_in_order=transitions_in_order,
         rerun_in_order=rerun_in_order,
