@@ -166,6 +166,13 @@ def sequence_order(ws_fp32, order_at):
 
 
 @triton.jit
+def program_ranks(ws_fp32, order_at, count):
+    """The ranks in the ``order`` section (int32): program row z's rank in the order of ``count`` places, stored
+    after them (:func:`write_longest_first`)."""
+    return sequence_order(ws_fp32, order_at) + count
+
+
+@triton.jit
 def program_keys(z, inside, cu_seqlens, seq_len, num_seqs, segment_chunks, C: tl.constexpr,
                  SEGMENTED: tl.constexpr):
     """The sort keys of recurrence programs ``z`` (a vector; ``inside`` masks it): twice their work, serial their
@@ -226,7 +233,7 @@ def write_longest_first(ws_fp32, order_at, cu_seqlens, z, count, seq_len, num_se
         ahead = inside & ((others > own) | ((others == own) & (m < z)))
         rank += tl.sum(ahead.to(tl.int32), axis=0)
     tl.store(sequence_order(ws_fp32, order_at) + rank, z)
-    tl.store(sequence_order(ws_fp32, order_at) + count + z, rank)
+    tl.store(program_ranks(ws_fp32, order_at, count) + z, rank)
 
 
 @triton.jit

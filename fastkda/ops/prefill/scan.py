@@ -45,7 +45,7 @@ import triton.language as tl
 
 from ..common import launch
 from ..tiles import tile_offsets
-from .layout import entry_state, first_slot, segment_exit, sequence_order, sequence_span
+from .layout import entry_state, first_slot, program_ranks, segment_exit, sequence_span
 
 
 @triton.jit
@@ -63,7 +63,7 @@ def transition_ran(ws_fp32, order_at, order_count, run_rows, row, ORDERED: tl.co
     """Whether the transition kernel ran segment program ``row``: always, or under ``ORDERED`` if its rank in the
     recurrence's order (stored after the ``order_count`` places) is below ``run_rows`` (module docstring)."""
     if ORDERED:
-        return tl.load(sequence_order(ws_fp32, order_at) + order_count + row) < run_rows
+        return tl.load(program_ranks(ws_fp32, order_at, order_count) + row) < run_rows
     return row >= 0  # a tensor, as a load's mask takes it
 
 
@@ -71,7 +71,7 @@ def transition_ran(ws_fp32, order_at, order_count, run_rows, row, ORDERED: tl.co
 def rerun_left_out(ws_fp32, order_at, order_count, rerun_rows, row):
     """Whether the rerun's grid (the order's first ``rerun_rows`` places) leaves segment program ``row`` out: its
     rank (stored after the ``order_count`` places) is past them."""
-    return tl.load(sequence_order(ws_fp32, order_at) + order_count + row) >= rerun_rows
+    return tl.load(program_ranks(ws_fp32, order_at, order_count) + row) >= rerun_rows
 
 
 @triton.jit
