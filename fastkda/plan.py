@@ -555,21 +555,15 @@ def prepare_channels(key_dim: int, lower_bound_gate: bool) -> int:
     return key_dim if lower_bound_gate else min(32, key_dim)
 
 
-def register_cap(programs_per_sm: int, warps: int) -> int:
-    """Registers per thread that let ``programs_per_sm`` programs of ``warps`` warps share an SM's register file,
-    rounded down to ptxas's allocation unit of 8 (at most 255, ptxas's limit)."""
-    return min(REGISTERS_PER_SM // (programs_per_sm * warps * 32) // 8 * 8, 255)
-
-
 def prepare_registers(lower_bound_gate: bool, warps: int) -> int:
     """The first preparation kernel's cap on registers per thread: under the lower-bound gate, what lets
-    :data:`PREPARE_PROGRAMS_PER_SM` of its programs share an SM's register file (:func:`register_cap`). The kernel
-    waits on its loads' latency, and a third program per SM hides more of it than the few spilled registers cost
-    (docs/perf-notes.md, "Register caps and the solve kernel's warps"). Under the precomputed gate, 0 (the
-    compiler's choice): its shared memory admits two programs per SM anyway."""
+    :data:`PREPARE_PROGRAMS_PER_SM` of its programs share an SM's register file (rounded down to ptxas's
+    allocation unit of 8). The kernel waits on its loads' latency, and a third program per SM hides more of it
+    than the few spilled registers cost (docs/perf-notes.md, "Register caps and the solve kernel's warps").
+    Under the precomputed gate, 0 (the compiler's choice): its shared memory admits two programs per SM anyway."""
     if not lower_bound_gate:
         return 0
-    return register_cap(PREPARE_PROGRAMS_PER_SM, warps)
+    return min(REGISTERS_PER_SM // (PREPARE_PROGRAMS_PER_SM * warps * 32) // 8 * 8, 255)
 
 
 def prepare_token_run(chunk: int, key_dim: int, warps: int) -> int:
@@ -899,8 +893,7 @@ def _choose_plan(num_seqs, heads, seq_len, key_dim, value_dim, sms, varlen, lowe
         prepare_warps=prepare_warps, prepare_stages=3, prepare_channels=prepare_channels(key_dim, lower_bound_gate),
         prepare_token_run=prepare_token_run(CHUNK, key_dim, prepare_warps),
         prepare_registers=prepare_registers(lower_bound_gate, prepare_warps), solve_warps=SOLVE_WARPS,
-        solve_stages=3, horner_inverse=horner_inverse,
-        inverse_in_prepare=inverse_in_prepare,
+        solve_stages=3, horner_inverse=horner_inverse, inverse_in_prepare=inverse_in_prepare,
         early_chunks_last=True, transitions_in_order=transitions_in_order,
         rerun_in_order=rerun_in_order,
         segment_chunks=segment_chunks, transition_width=transition_width, scan_warps=8 if key_dim >= 128 else 4,
