@@ -179,7 +179,11 @@ class PrefillPlan:
     valid offsets), instead of every row, most of which have none in a batch of many sequences (the same bits).
     ``rerun_in_order`` (likewise): the rerun's grid is the order's first :attr:`rerun_rows` rows, where every
     segment with work ranks on valid offsets, instead of every row; the scan writes the final state of a sequence
-    whose last segment ranks past them (malformed offsets only; the same bits).
+    whose last segment ranks past them (malformed offsets only; the same bits). ``scan_in_order`` (likewise): the
+    scan's grid is the order's first :attr:`scan_rows` places, which hold every sequence of several segments on
+    valid offsets (its first segment has a transition), instead of every sequence; each of its programs also takes
+    every :attr:`scan_rows`-th sequence for the duties of every sequence (the error count, the fallback, and the
+    walk of a sequence of several whose first row ranks past the places, on malformed offsets; the same bits).
     ``dot_precision``: the kernels' fp32 products ("tf32" or "ieee")."""
 
     seq_len: int
@@ -220,6 +224,7 @@ class PrefillPlan:
     early_chunks_last: bool = False
     transitions_in_order: bool = False
     rerun_in_order: bool = False
+    scan_in_order: bool = False
     dot_precision: str = DOT_PRECISION
     reason: str = dataclasses.field(default="", compare=False)
 
@@ -294,6 +299,10 @@ class PrefillPlan:
                         f"segment_chunks={self.segment_chunks}"))
         _check(not self.rerun_in_order or (self.longest_first and self.segment_chunks > 0),
                lambda: (f"rerun_in_order takes the rerun's rows from the recurrence's order: it needs longest_first "
+                        f"and segments (segment_chunks > 0), got longest_first={self.longest_first}, "
+                        f"segment_chunks={self.segment_chunks}"))
+        _check(not self.scan_in_order or (self.longest_first and self.segment_chunks > 0),
+               lambda: (f"scan_in_order takes the scan's rows from the recurrence's order: it needs longest_first "
                         f"and segments (segment_chunks > 0), got longest_first={self.longest_first}, "
                         f"segment_chunks={self.segment_chunks}"))
         _check(not self.horner_inverse or self.dot_precision == "tf32",
@@ -409,9 +418,21 @@ class PrefillPlan:
         return ((self.value_dim + self.key_dim) // max(self.transition_width, 1), self.heads, self.transition_rows)
 
     @property
+    def scan_rows(self) -> int:
+        """The scan's grid rows: every sequence, or under ``scan_in_order`` the order's first ``seq_len //
+        segment_tokens`` places (at least one, at most N). A sequence of several segments has a first segment of
+        ``segment_chunks`` chunks with a transition, the most work a row has, and on valid offsets each such row
+        owns ``segment_tokens`` tokens, so at most that many rows rank with it
+        (:func:`fastkda.ops.prefill.layout.write_longest_first`)."""
+        if self.scan_in_order:
+            return min(self.num_seqs, max(self.seq_len // self.segment_tokens, 1))
+        return self.num_seqs
+
+    @property
     def scan_grid(self) -> tuple:
-        """Grid of the segment scan: one program per (slice of ``scan_width`` columns, head, sequence)."""
-        return (self.value_dim // self.scan_width, self.heads, self.num_seqs)
+        """Grid of the segment scan: one program per (slice of ``scan_width`` columns, head, sequence), or per
+        (slice, head, place of the order's first :attr:`scan_rows`) under ``scan_in_order``."""
+        return (self.value_dim // self.scan_width, self.heads, self.scan_rows)
 
     @property
     def recurrence_grid(self) -> tuple:
@@ -472,7 +493,8 @@ class PrefillPlan:
                 if self.transitions_in_order else "")
              + (f", the rerun on the order's first {self.rerun_rows}" if self.rerun_in_order else "")
              + f", a scan over each sequence's segments ({self.scan_width} state columns a program, "
-             f"{_counted(self.scan_warps, 'warp')}), then the recurrence over every segment from its entry state"),
+             + (f"on the order's first {self.scan_rows} places, " if self.scan_in_order else "")
+             + f"{_counted(self.scan_warps, 'warp')}), then the recurrence over every segment from its entry state"),
             f"why: {self.reason}",
             f"CPU path: chunks of {self.cpu_chunk} tokens",
         ])
@@ -858,6 +880,12 @@ def _choose_plan(num_seqs, heads, seq_len, key_dim, value_dim, sms, varlen, lowe
     rerun_in_order = transitions_in_order
     if rerun_in_order:
         reason += ", and the rerun"
+    # the scan likewise on the places where its sequences of several segments rank: each of its programs holds 72
+    # KB of shared memory, so at the H24 chunked mix 2304 idle programs of one-segment sequences queued through
+    # the slots its 192 working ones left (docs/perf-notes.md, "Session 53")
+    scan_in_order = transitions_in_order
+    if scan_in_order:
+        reason += ", and the scan"
     prepare_warps = 4
     # the solve's busy programs, counted from the tokens alone, so that a varlen call run as rows (equal_rows)
     # decides as the varlen plan would: the same bits with or without the max_seqlen hint. Measured in one process
@@ -895,7 +923,7 @@ def _choose_plan(num_seqs, heads, seq_len, key_dim, value_dim, sms, varlen, lowe
         prepare_registers=prepare_registers(lower_bound_gate, prepare_warps), solve_warps=SOLVE_WARPS,
         solve_stages=3, horner_inverse=horner_inverse, inverse_in_prepare=inverse_in_prepare,
         early_chunks_last=True, transitions_in_order=transitions_in_order,
-        rerun_in_order=rerun_in_order,
+        rerun_in_order=rerun_in_order, scan_in_order=scan_in_order,
         segment_chunks=segment_chunks, transition_width=transition_width, scan_warps=8 if key_dim >= 128 else 4,
         reason=reason)
 

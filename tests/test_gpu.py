@@ -172,15 +172,16 @@ def test_longest_first_same_bits_and_replays_new_offsets(gluon, sequence_paralle
         plan = plan.replace(warpgroup_recurrence=True, recurrence_stages=4)
     fresh = make_inputs([1200, 1, 700, 30, 0, 300, 64, 5], heads=24, key_dim=128, device="cuda", seed=22)
     assert_same_bits_and_replays(inp, plan, plan.replace(longest_first=False, transitions_in_order=False,
-                                                         rerun_in_order=False), fresh)
+                                                         rerun_in_order=False, scan_in_order=False), fresh)
 
 
 @pytest.mark.parametrize("gluon", [False, True])
-@pytest.mark.parametrize("cut", ["transitions", "rerun", "both"])
+@pytest.mark.parametrize("cut", ["transitions", "rerun", "scan", "every one"])
 def test_transitions_in_order_same_bits_and_replays_new_offsets(gluon, cut):
-    """The automatic plan's ``transitions_in_order`` and ``rerun_in_order`` on the chunked mix's lengths at 24 heads
-    with its hint (the transitions on the order's first 5 of 32 segment programs, the rerun on its first 18): the
-    bits of either or both on every segment program, with the Triton and the Gluon kernels; and a graph captured on
+    """The automatic plan's ``transitions_in_order``, ``rerun_in_order`` and ``scan_in_order`` on the chunked mix's
+    lengths at 24 heads with its hint (the transitions on the order's first 5 of 32 segment programs, the rerun on
+    its first 18, the scan on its first 5 places): the bits of each, or all, on every row, with the Triton and the
+    Gluon kernels; and a graph captured on
     one batch, replayed after another batch's offsets (the same lengths in another order) are written, equals an
     eager call on them."""
     lengths = [6144, 1024, 512, 256, 128, 64, 32, 16, 8, 4, 2, 1, 1]
@@ -188,13 +189,15 @@ def test_transitions_in_order_same_bits_and_replays_new_offsets(gluon, cut):
     plan = plan_for(inp, sequence_parallel="auto", max_seqlen=6144)
     assert plan.transitions_in_order and plan.transition_grid[2] == 5 < plan.segment_programs
     assert plan.rerun_in_order and plan.recurrence_grid[2] == 18 < plan.segment_programs
+    assert plan.scan_in_order and plan.scan_grid[2] == 5 < len(lengths)
     if gluon:
         plan = plan.replace(warpgroup_recurrence=True, recurrence_stages=4, warpgroup_transition=True,
                             transition_stages=4)
     fresh = make_inputs([1, 256, 2, 1024, 4, 6144, 8, 512, 16, 128, 32, 64, 1], heads=24, key_dim=128,
                         device="cuda", seed=24)
-    off = dict(transitions=dict(transitions_in_order=False), rerun=dict(rerun_in_order=False),
-               both=dict(transitions_in_order=False, rerun_in_order=False))[cut]
+    off = {"transitions": dict(transitions_in_order=False), "rerun": dict(rerun_in_order=False),
+           "scan": dict(scan_in_order=False),
+           "every one": dict(transitions_in_order=False, rerun_in_order=False, scan_in_order=False)}[cut]
     assert_same_bits_and_replays(inp, plan, plan.replace(**off), fresh)
 
 

@@ -224,23 +224,29 @@ def test_transitions_in_order_where_the_longest_first_order_has_segments():
     """The transition kernel runs the order's first T // segment_tokens rows wherever a varlen plan in segments
     takes its rows longest first (the chunked mix: 5 of 32 segment programs at 24 heads), and the rerun the first
     N + T // segment_tokens (18); every other plan runs every segment program; the describe line says which, and
-    both fields need the order and segments."""
+    the scan the order's first min(N, T // segment_tokens) places (5); the fields need the order and segments."""
     chunked = choose_plan(13, 24, 8192, 128, 128, 132, max_seqlen=6144, warpgroup_mma=True)
     assert chunked.longest_first and chunked.segment_chunks == 48 and chunked.transitions_in_order
     assert chunked.transition_rows == 8192 // (32 * 48) == 5 < chunked.segment_programs == 32
     assert chunked.transition_grid == (4, 24, 5) and chunked.recurrence_grid == (1, 24, 13 + 5)
     assert chunked.rerun_in_order and chunked.rerun_rows == 18 and chunked.program_rows == 32
+    assert chunked.scan_in_order and chunked.scan_rows == 5 and chunked.scan_grid == (8, 24, 5)
     assert "on the order's first 5 of 32 segment programs, the rerun on the order's first 18" in chunked.describe()
-    off = chunked.replace(transitions_in_order=False, rerun_in_order=False)
-    assert off.transition_grid == (4, 24, 32) and off.recurrence_grid == (1, 24, 32)
+    assert "16 state columns a program, on the order's first 5 places" in chunked.describe()
+    off = chunked.replace(transitions_in_order=False, rerun_in_order=False, scan_in_order=False)
+    assert off.transition_grid == (4, 24, 32) and off.recurrence_grid == (1, 24, 32) and off.scan_grid == (8, 24, 13)
     assert "segment programs" not in off.describe() and "the rerun on" not in off.describe()
+    assert "places" not in off.describe()
     short = chunked.replace(seq_len=1000, segment_chunks=48)  # no full segment: one row, idle; the firsts alone
-    assert short.transition_rows == 1 and short.rerun_rows == 13
+    assert short.transition_rows == 1 and short.rerun_rows == 13 and short.scan_rows == 1
+    few = chunked.replace(num_seqs=3)  # fewer sequences than full segments: every sequence a place
+    assert few.scan_rows == 3
     for facts, changes in (((1, 24, 65536), {}), ((2, 12, 65536), dict(max_seqlen=32768)),
                            ((6, 96, 8192), dict(max_seqlen=3063)), ((13, 24, 8192), {})):
         plan = choose_plan(*facts, 128, 128, 132, **changes)
         assert not plan.transitions_in_order and plan.transition_rows == plan.segment_programs, facts
         assert not plan.rerun_in_order and plan.recurrence_grid[2] == plan.program_rows, facts
+        assert not plan.scan_in_order and plan.scan_grid[2] == plan.num_seqs, facts
         assert not (plan.longest_first and plan.segment_chunks), facts
     for changes in (dict(longest_first=False), dict(segment_chunks=0, transition_width=0,
                                                     warpgroup_transition=False)):
@@ -248,6 +254,8 @@ def test_transitions_in_order_where_the_longest_first_order_has_segments():
             chunked.replace(**changes)
         with pytest.raises(ValueError, match="rerun_in_order takes the rerun's rows from the recurrence's order"):
             chunked.replace(transitions_in_order=False, **changes)
+        with pytest.raises(ValueError, match="scan_in_order takes the scan's rows from the recurrence's order"):
+            chunked.replace(transitions_in_order=False, rerun_in_order=False, **changes)
 
 
 def test_horner_inverse_where_the_solve_runs_in_about_a_wave_and_only_with_tf32_products():

@@ -244,24 +244,28 @@ def test_longest_first_orders_the_segment_programs_with_the_same_bits():
 
 @pytest.mark.parametrize("lengths, rows, programs", [([3, 70, 0, 33, 200, 1, 130], 6, 21), ([100, 132], 3, 8)],
                          ids=["many idle", "every row needed"])
-@pytest.mark.parametrize("rerun", [False, True], ids=["every rerun row", "rerun in order"])
-def test_transitions_in_order_run_the_order_s_first_rows_with_the_same_bits(lengths, rows, programs, rerun,
+@pytest.mark.parametrize("rerun, scan", [(False, False), (True, False), (True, True)],
+                         ids=["every rerun row", "rerun in order", "rerun and scan in order"])
+def test_transitions_in_order_run_the_order_s_first_rows_with_the_same_bits(lengths, rows, programs, rerun, scan,
                                                                            monkeypatch):
     """The plan's ``transitions_in_order``: the transition kernel runs only the first ``T // segment_tokens`` rows
     of the recurrence's order (6 of 21 in a batch where most segment programs have no transition; 3 of 8 where all 3
     are needed beside a last segment of full work, the 100-token sequence's 36 tokens in two chunks), and the
     outputs and final states are the grid order's bits, from workspaces and outputs whose unwritten parts are NaN.
     With ``rerun_in_order`` the rerun runs only the first ``N + T // segment_tokens`` rows (13 of 21: every first
-    segment, the empty sequence's too, and the six later ones; 5 of 8: every row with work)."""
+    segment, the empty sequence's too, and the six later ones; 5 of 8: every row with work). With
+    ``scan_in_order`` the scan runs on the order's first ``min(N, T // segment_tokens)`` places (6 of 7 sequences,
+    where the 70-, 200- and 130-token sequences have several segments; 2 of 2)."""
     nan_workspaces(monkeypatch)
     tokens = 64
     inp = make_inputs(lengths, heads=2, key_dim=64, seed=10)
     base_o, base_s = run_triton(inp, 2, sequence_parallel=tokens)
     assert torch.isfinite(base_o).all() and torch.isfinite(base_s).all()
-    ordered = dict(longest_first=True, transitions_in_order=True, rerun_in_order=rerun)
+    ordered = dict(longest_first=True, transitions_in_order=True, rerun_in_order=rerun, scan_in_order=scan)
     plan = plan_for(inp, 2, sequence_parallel=tokens, **ordered)
     assert plan.transition_grid[2] == sum(lengths) // tokens == rows < plan.segment_programs == programs
     assert plan.recurrence_grid[2] == (len(lengths) + rows if rerun else programs)
+    assert plan.scan_grid[2] == (min(len(lengths), rows) if scan else len(lengths))
     for v_slices in (1, 2):
         out, final = run_triton(inp, v_slices, sequence_parallel=tokens, **ordered)
         assert torch.equal(out, base_o) and torch.equal(final, base_s), v_slices

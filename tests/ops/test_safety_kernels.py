@@ -89,19 +89,22 @@ def prefill_on_offsets(inp, offsets, segments, **plan_changes):
     return out, final, errors
 
 
-ORDERED = dict(longest_first=True, transitions_in_order=True, rerun_in_order=True)
+ORDERED = dict(longest_first=True, transitions_in_order=True, rerun_in_order=True, scan_in_order=True)
 
 
 @pytest.mark.parametrize("offsets", [[0, 40, 200], [0, 60, 30, 100], [-7, 50, 100], [0, 30, 100, 100, 90],
                                      [0, 100, 0, 0, 100]],
                          ids=["last past T", "decreasing", "negative first", "short of T", "back to 0"])
-@pytest.mark.parametrize("segments, changes", [(False, {}), (32, {}), (32, ORDERED)],
-                         ids=["serial", "segments", "segments, transitions and rerun in order"])
+@pytest.mark.parametrize("segments, changes", [(False, {}), (32, {}), (32, dict(ORDERED, scan_in_order=False)),
+                                               (32, ORDERED)],
+                         ids=["serial", "segments", "segments, transitions and rerun in order",
+                              "segments, transitions, rerun and scan in order"])
 def test_malformed_cu_seqlens_stay_inside_the_buffers(offsets, segments, changes, monkeypatch):
     """Every output finite, though the workspace and the final states start NaN: "back to 0" spans every token
     twice, so under the plan's ``transitions_in_order`` more segments need a transition than the kernel runs, and
     the scan reads those as zero, and under its ``rerun_in_order`` more segments have work than the rerun runs, and
-    the scan writes the final states that none of its programs would. (Offsets out of order, such as [96, 0, 80],
+    the scan writes the final states that none of its programs would; under its ``scan_in_order`` too. (Offsets
+    out of order, such as [96, 0, 80],
     can leave a transition unwritten in any grid: the known gap of
     :func:`test_scrambled_offsets_of_many_sequences_stay_inside_the_buffers`.)"""
     nan_workspaces(monkeypatch)
@@ -126,6 +129,21 @@ def test_overlapping_spans_whose_last_segment_the_rerun_leaves_out_get_a_final_s
                                             **ORDERED)
     assert torch.isfinite(out).all() and torch.isfinite(final).all()
     assert errors[2] >= 1 and errors[:2].tolist() == [0, 0]
+
+
+def test_overlapping_sequences_of_several_segments_past_the_scan_s_places_are_walked(monkeypatch):
+    """Four overlapping 100-token spans of four 32-token segments each ([0, 100, 0, 100, ...]: the other three
+    clamp to empty), where the ordered scan has min(N, T // 32) = 3 places: the fourth sequence's first row ranks
+    past them, so the scan's program that takes it among every third sequence walks it, and every entry the rerun
+    reads is written (NaN if not); the error counted once per sequence, as with the scan on every sequence."""
+    nan_workspaces(monkeypatch)
+    offsets = [0, 100, 0, 100, 0, 100, 0, 100]
+    inp = make_inputs([14] * 6 + [16], heads=2, key_dim=64, seed=56)
+    out, final, errors = prefill_on_offsets(inp, offsets, 32, **ORDERED)
+    assert plan_for(inp, 1, sequence_parallel=32, **ORDERED).scan_grid[2] == 3
+    assert torch.isfinite(out).all() and torch.isfinite(final).all()
+    _, _, every_sequence = prefill_on_offsets(inp, offsets, 32, **dict(ORDERED, scan_in_order=False))
+    assert errors[2] == every_sequence[2] >= 1 and errors[:2].tolist() == [0, 0]
 
 
 SCRAMBLED = {64: [0] + [(53 * i) % 100 for i in range(1, 64)] + [100],  # a slot's sequence in one load

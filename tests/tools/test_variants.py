@@ -114,3 +114,21 @@ def test_a_package_from_before_the_rerun_s_grid_cut_reruns_every_segment_program
         read = plan_the_package_reads(package, plan)
         assert not read.rerun_in_order and read.transitions_in_order and read.early_chunks_last
     assert plan_the_package_reads(committed, plan) == plan
+
+
+def test_a_package_from_before_the_scan_s_places_scans_every_sequence(tmp_path):
+    """A source package whose scan has no ``walk_entries`` (from before ``scan_in_order``) takes a sequence per
+    grid row: it scans every sequence, its rerun's cut kept."""
+    from fastkda.plan import choose_plan
+
+    plan = choose_plan(13, 24, 8192, 128, 128, 132, max_seqlen=6144)
+    assert plan.scan_in_order and plan.rerun_in_order
+    source = tmp_path / "prefill"
+    source.mkdir()
+    (source / "__init__.py").write_text("")
+    (source / "layout.py").write_text("def preparation_program():\n    pass\n\n\ndef program_keys():\n    pass\n")
+    (source / "scan.py").write_text("def rerun_left_out():\n    pass\n")
+    with prefill_package(source, "_variant_old") as package:
+        read = plan_the_package_reads(package, plan)
+        assert not read.scan_in_order and read.rerun_in_order and read.transitions_in_order
+    assert plan_the_package_reads(committed, plan) == plan

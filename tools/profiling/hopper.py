@@ -133,11 +133,13 @@ def prefill_launches(plan, checkpoints=0, l2norm=True, beta_sigmoid=True):
             segment_chunks=plan.segment_chunks, OPEN_ENTRY=False, LONGEST_FIRST=plan.transitions_in_order)
         scan_args = dict(ws_fp32=F32, transitions_at=at.transitions, entries_at=at.entries, order_at=at.order,
                          initial_state=F32, exit_maps=F32, final_state=F32, cu_seqlens=cu, errors=I32,
-                         seq_len=plan.seq_len, segment_chunks=plan.segment_chunks, order_count=plan.program_rows,
+                         seq_len=plan.seq_len, num_seqs=plan.num_seqs, segment_chunks=plan.segment_chunks,
+                         order_count=plan.program_rows,
                          run_rows=plan.transition_rows, rerun_rows=plan.rerun_rows, H=H, K=K, V=V,
                          SW=plan.scan_width, C=plan.chunk, IS_VARLEN=plan.varlen, HAS_INITIAL=True,
                          DOT_PRECISION=plan.dot_precision, OPEN_ENTRY=False, COMPOSE=False,
-                         ORDERED=plan.transitions_in_order, FINAL_FALLBACK=plan.rerun_in_order)
+                         ORDERED=plan.transitions_in_order, FINAL_FALLBACK=plan.rerun_in_order,
+                         IN_ORDER=plan.scan_in_order)
         transition = (recurrence.transition_kernel, transition_args, plan.transition_warps, plan.transition_stages,
                       None)
         if plan.warpgroup_transition:

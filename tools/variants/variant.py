@@ -85,8 +85,9 @@ def plan_the_package_reads(package, plan):
     layout has no ``preparation_program``) reads the head from the grid's second axis, so it gets the two-axis grid
     (``early_chunks_last`` off); one from before the transitions took their rows from the order (no
     ``program_keys``) runs them on every segment program (``transitions_in_order`` off); one from before the
-    rerun's grid cut (its scan has no ``rerun_left_out``) reruns every segment program (``rerun_in_order`` off).
-    The same bits."""
+    rerun's grid cut (its scan has no ``rerun_left_out``) reruns every segment program (``rerun_in_order`` off);
+    one from before the scan took its rows from the order (no ``walk_entries``) scans every sequence
+    (``scan_in_order`` off). The same bits."""
     layout = importlib.import_module(package.__name__ + ".layout")
     if plan.early_chunks_last and not hasattr(layout, "preparation_program"):
         plan = plan.replace(early_chunks_last=False)
@@ -94,6 +95,8 @@ def plan_the_package_reads(package, plan):
         plan = plan.replace(transitions_in_order=False)
     if plan.rerun_in_order and not defines(package, "scan", "rerun_left_out"):
         plan = plan.replace(rerun_in_order=False)
+    if plan.scan_in_order and not defines(package, "scan", "walk_entries"):
+        plan = plan.replace(scan_in_order=False)
     return plan
 
 

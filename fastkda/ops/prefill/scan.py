@@ -28,6 +28,16 @@ can rank so: a sequence of several segments has the most work a first segment ca
 segments of the sequences before it rank before it, so it stays inside the N + T // segment_tokens rows. The rank
 is one load, independent of the walk.
 
+Under the plan's ``scan_in_order`` (``IN_ORDER``) the grid's rows are the order's first ``scan_rows`` places
+rather than every sequence: in a batch of many short sequences most scan programs would only count errors, and
+each holds the shared memory of a transition while it does (three programs an SM), so they queue behind one
+another. A place holding a sequence's first segment row walks that sequence; on valid offsets every sequence of
+several segments is there, since its first segment has the largest key of the order and at most ``T //
+segment_tokens`` rows share it. The duties every sequence has (the error count, the fallback above, and on
+malformed offsets the walk of a sequence of several whose first row ranks past the places: the ranks are a
+permutation, so each such sequence is walked once, and no entry the rerun reads is left unwritten) are taken by
+program p for the sequences p, p + P, ... (P places).
+
 With ``OPEN_ENTRY`` (a prefill whose entry state comes later, :func:`fastkda.ops.prefill.open_entry_transitions`)
 the transition kernel has left every segment's map, the first's and the last's too, and the scan applies all of
 them from the first segment's entry. Twice: ``COMPOSE``, before the entry is known, walks V + K rows from the
@@ -45,7 +55,7 @@ import triton.language as tl
 
 from ..common import launch
 from ..tiles import tile_offsets
-from .layout import entry_state, first_slot, program_ranks, segment_exit, sequence_span
+from .layout import entry_state, first_slot, program_ranks, segment_exit, sequence_order, sequence_span
 
 
 @triton.jit
@@ -75,82 +85,135 @@ def rerun_left_out(ws_fp32, order_at, order_count, rerun_rows, row):
 
 
 @triton.jit
+def walk_entries(ws_fp32, transitions_at, entries_at, order_at, initial_state, n, h, first, segments, rows, matrix,
+                 num_seqs, order_count, run_rows, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                 SW: tl.constexpr, HAS_INITIAL: tl.constexpr, DOT_PRECISION: tl.constexpr, ORDERED: tl.constexpr):
+    """The entry states of the ``segments`` (> 1) segments of sequence ``n`` from slot ``first``, rows ``rows``
+    of head ``h``: the first segment's is the initial state, each next one the previous one's map applied to it."""
+    S = initial_rows(initial_state, n, h, rows, H, V, K, SW, HAS_INITIAL)
+    tl.store(entry_state(ws_fp32, entries_at, first, h, H, V, K) + rows, S)
+    ran = transition_ran(ws_fp32, order_at, order_count, run_rows, n, ORDERED)  # the first segment's row: n
+    S = tl.load(segment_exit(ws_fp32, transitions_at, first, h, H, V, K) + rows, mask=ran, other=0.0)
+    for j in range(1, segments):  # no branch in the loop, so that Triton prefetches the next transition
+        slot = first + j
+        tl.store(entry_state(ws_fp32, entries_at, slot, h, H, V, K) + rows, S)
+        exits = segment_exit(ws_fp32, transitions_at, slot, h, H, V, K)
+        ran = transition_ran(ws_fp32, order_at, order_count, run_rows, num_seqs + slot, ORDERED)
+        # after the last segment's entry this reads its slot's unwritten transition: in the buffer, unused
+        S = (tl.dot(S, tl.load(exits + matrix, mask=ran, other=0.0), input_precision=DOT_PRECISION)
+             + tl.load(exits + rows, mask=ran, other=0.0))
+
+
+@triton.jit
+def sequence_segments(cu_seqlens, n, seq_len, num_seqs, segment_chunks, C: tl.constexpr, IS_VARLEN: tl.constexpr):
+    """Sequence ``n``'s segment count, first segment slot, and whether its ``cu_seqlens`` entries are in order."""
+    bos, eos, in_order = sequence_span(cu_seqlens, n, seq_len, num_seqs, IS_VARLEN)
+    segments = tl.cdiv(tl.cdiv(eos - bos, C), segment_chunks)
+    return segments, first_slot(n, bos, seq_len, C * segment_chunks, IS_VARLEN), in_order
+
+
+@triton.jit
+def write_final_fallback(ws_fp32, order_at, initial_state, final_state, n, h, first, segments, rows, num_seqs,
+                         order_count, rerun_rows, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                         SW: tl.constexpr, HAS_INITIAL: tl.constexpr):
+    """Sequence ``n``'s final state rows ``rows`` of head ``h`` (its initial state, or zeros) where the rerun's
+    grid leaves its last segment's row out (module docstring)."""
+    # the row of its last segment: n itself or the last segment slot's (its first segment's row n ranks inside the
+    # rerun's rows whenever it has several: no row ranks before it but rows m < n)
+    last_row = tl.where(segments > 1, num_seqs + first + segments - 1, n)
+    if rerun_left_out(ws_fp32, order_at, order_count, rerun_rows, last_row):
+        tl.store(final_state + ((n * H + h) * V).to(tl.int64) * K + rows,
+                 initial_rows(initial_state, n, h, rows, H, V, K, SW, HAS_INITIAL))
+
+
+@triton.jit
 def segment_scan_kernel(ws_fp32, transitions_at, entries_at, order_at, initial_state, exit_maps, final_state,
-                        cu_seqlens, errors, seq_len, segment_chunks, order_count, run_rows, rerun_rows,
+                        cu_seqlens, errors, seq_len, num_seqs, segment_chunks, order_count, run_rows, rerun_rows,
                         H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, SW: tl.constexpr, C: tl.constexpr,
                         IS_VARLEN: tl.constexpr, HAS_INITIAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
                         OPEN_ENTRY: tl.constexpr, COMPOSE: tl.constexpr, ORDERED: tl.constexpr,
-                        FINAL_FALLBACK: tl.constexpr):
+                        FINAL_FALLBACK: tl.constexpr, IN_ORDER: tl.constexpr):
     """One (row slice, head, sequence): the entry state of each of the sequence's segments after the first; with
     ``OPEN_ENTRY`` of every segment, or (``COMPOSE``) the sequence's exit map into ``exit_maps [N, H, V + K, K]``.
     ``ORDERED``: a transition that the transition kernel did not run reads as zero; ``FINAL_FALLBACK``: the final
-    state ``[N, H, V, K]`` of a sequence that the rerun's grid leaves without a writer (module docstring)."""
+    state ``[N, H, V, K]`` of a sequence that the rerun's grid leaves without a writer; ``IN_ORDER``: one (row
+    slice, head, place p of the order's first ones) instead, and the sequences p, p + P, ... (module docstring)."""
     vs = tl.program_id(0)
     h = tl.program_id(1)
-    n = tl.program_id(2)
-    bos, eos, in_order = sequence_span(cu_seqlens, n, seq_len, tl.num_programs(2), IS_VARLEN)
-    segments = tl.cdiv(tl.cdiv(eos - bos, C), segment_chunks)
-    first = first_slot(n, bos, seq_len, C * segment_chunks, IS_VARLEN)
+    p = tl.program_id(2)
     rr = vs * SW + tl.arange(0, SW)
     kk = tl.arange(0, K)
     rows = tile_offsets(rr, kk, K, 1)  # [SW, K] of a state's [v, k] (COMPOSE: of the V + K rows)
     matrix = tile_offsets(V + kk, kk, K, 1)  # the transition's rows, 𝒜ᵀ [K, K]
-    if FINAL_FALLBACK:  # the row of its last segment: n itself or the last segment slot's (its first segment's row
-        # n ranks inside the rerun's rows whenever it has several: no row ranks before it but rows m < n)
-        last_row = tl.where(segments > 1, tl.num_programs(2) + first + segments - 1, n)
-        if rerun_left_out(ws_fp32, order_at, order_count, rerun_rows, last_row):
-            tl.store(final_state + ((n * H + h) * V).to(tl.int64) * K + rows,
-                     initial_rows(initial_state, n, h, rows, H, V, K, SW, HAS_INITIAL))
-    if OPEN_ENTRY:
-        if COMPOSE:  # the entry [0; I]: value rows from zero, identity rows
-            S = tl.where(rr[:, None] - V == kk[None, :], 1.0, 0.0)
-        else:
-            S = initial_rows(initial_state, n, h, rows, H, V, K, SW, HAS_INITIAL)
-        for j in range(0, segments):
-            slot = first + j
-            if not COMPOSE:
-                tl.store(entry_state(ws_fp32, entries_at, slot, h, H, V, K) + rows, S)
-            maps = segment_exit(ws_fp32, transitions_at, slot, h, H, V, K)
-            S = (tl.dot(S, tl.load(maps + matrix), input_precision=DOT_PRECISION)
-                 + tl.load(maps + rows, mask=rr[:, None] < V, other=0.0))  # the identity rows: the linear part
-        if COMPOSE:
-            tl.store(exit_maps + ((n * H + h) * (V + K)).to(tl.int64) * K + rows, S)
-    elif segments > 1:  # the first segment's entry (the rerun of a sequence of one reads the initial state itself)
-        S = initial_rows(initial_state, n, h, rows, H, V, K, SW, HAS_INITIAL)
-        tl.store(entry_state(ws_fp32, entries_at, first, h, H, V, K) + rows, S)
-        ran = transition_ran(ws_fp32, order_at, order_count, run_rows, n, ORDERED)  # the first segment's row: n
-        S = tl.load(segment_exit(ws_fp32, transitions_at, first, h, H, V, K) + rows, mask=ran, other=0.0)
-        num_seqs = tl.num_programs(2)
-        for j in range(1, segments):  # no branch in the loop, so that Triton prefetches the next transition
-            slot = first + j
-            tl.store(entry_state(ws_fp32, entries_at, slot, h, H, V, K) + rows, S)
-            exits = segment_exit(ws_fp32, transitions_at, slot, h, H, V, K)
-            ran = transition_ran(ws_fp32, order_at, order_count, run_rows, num_seqs + slot, ORDERED)
-            # after the last segment's entry this reads its slot's unwritten transition: in the buffer, unused
-            S = (tl.dot(S, tl.load(exits + matrix, mask=ran, other=0.0), input_precision=DOT_PRECISION)
-                 + tl.load(exits + rows, mask=ran, other=0.0))
-    if IS_VARLEN and not COMPOSE:  # fastkda.errors: "cu_seqlens", once per sequence
-        tl.atomic_add(errors + 2, 1, mask=(vs == 0) & (h == 0) & ~in_order, sem="relaxed")
+    if IN_ORDER:
+        places = tl.num_programs(2)
+        row = tl.load(sequence_order(ws_fp32, order_at) + p)
+        if row < num_seqs:  # a sequence's first segment: on valid offsets, every sequence of several is here
+            segments, first, _ = sequence_segments(cu_seqlens, row, seq_len, num_seqs, segment_chunks, C,
+                                                   IS_VARLEN)
+            if segments > 1:
+                walk_entries(ws_fp32, transitions_at, entries_at, order_at, initial_state, row, h, first, segments,
+                             rows, matrix, num_seqs, order_count, run_rows, H, K, V, SW, HAS_INITIAL,
+                             DOT_PRECISION, ORDERED)
+        for n in range(p, num_seqs, places):  # every sequence's other duties
+            segments, first, in_order = sequence_segments(cu_seqlens, n, seq_len, num_seqs, segment_chunks, C,
+                                                          IS_VARLEN)
+            if FINAL_FALLBACK:
+                write_final_fallback(ws_fp32, order_at, initial_state, final_state, n, h, first, segments, rows,
+                                     num_seqs, order_count, rerun_rows, H, K, V, SW, HAS_INITIAL)
+            if segments > 1:  # a first row ranked past the places (malformed offsets only): walked here
+                if tl.load(program_ranks(ws_fp32, order_at, order_count) + n) >= places:
+                    walk_entries(ws_fp32, transitions_at, entries_at, order_at, initial_state, n, h, first,
+                                 segments, rows, matrix, num_seqs, order_count, run_rows, H, K, V, SW, HAS_INITIAL,
+                                 DOT_PRECISION, ORDERED)
+            if IS_VARLEN:  # fastkda.errors: "cu_seqlens", once per sequence
+                tl.atomic_add(errors + 2, 1, mask=(vs == 0) & (h == 0) & ~in_order, sem="relaxed")
+    else:
+        n = p
+        segments, first, in_order = sequence_segments(cu_seqlens, n, seq_len, num_seqs, segment_chunks, C,
+                                                      IS_VARLEN)
+        if FINAL_FALLBACK:
+            write_final_fallback(ws_fp32, order_at, initial_state, final_state, n, h, first, segments, rows,
+                                 num_seqs, order_count, rerun_rows, H, K, V, SW, HAS_INITIAL)
+        if OPEN_ENTRY:
+            if COMPOSE:  # the entry [0; I]: value rows from zero, identity rows
+                S = tl.where(rr[:, None] - V == kk[None, :], 1.0, 0.0)
+            else:
+                S = initial_rows(initial_state, n, h, rows, H, V, K, SW, HAS_INITIAL)
+            for j in range(0, segments):
+                slot = first + j
+                if not COMPOSE:
+                    tl.store(entry_state(ws_fp32, entries_at, slot, h, H, V, K) + rows, S)
+                maps = segment_exit(ws_fp32, transitions_at, slot, h, H, V, K)
+                S = (tl.dot(S, tl.load(maps + matrix), input_precision=DOT_PRECISION)
+                     + tl.load(maps + rows, mask=rr[:, None] < V, other=0.0))  # the identity rows: the linear part
+            if COMPOSE:
+                tl.store(exit_maps + ((n * H + h) * (V + K)).to(tl.int64) * K + rows, S)
+        elif segments > 1:  # (the rerun of a sequence of one segment reads the initial state itself)
+            walk_entries(ws_fp32, transitions_at, entries_at, order_at, initial_state, n, h, first, segments, rows,
+                         matrix, num_seqs, order_count, run_rows, H, K, V, SW, HAS_INITIAL, DOT_PRECISION, ORDERED)
+        if IS_VARLEN and not COMPOSE:  # fastkda.errors: "cu_seqlens", once per sequence
+            tl.atomic_add(errors + 2, 1, mask=(vs == 0) & (h == 0) & ~in_order, sem="relaxed")
 
 
 def launch_scan(plan, ws, initial_state, errors, final_state=None, open_entry=False, exit_maps=None):
     """Launch :func:`segment_scan_kernel` between the transitions and the rerun, over ``plan.scan_grid`` (and,
     under the plan's ``rerun_in_order``, the fallback into ``final_state`` if given); with ``open_entry``, over
     every segment's map (:func:`fastkda.ops.prefill.open_entry_transitions`), and given ``exit_maps [N, H, V + K,
-    K]`` (fp32, contiguous), composing them into it over V + K rows instead."""
+    K]`` (fp32, contiguous), composing them into it over V + K rows instead; both over every sequence."""
     layout = ws.layout
     compose = exit_maps is not None
     open_form = open_entry or compose  # every segment's map, the last's too: none left out of the transitions
     precision = "tf32x3" if open_form else plan.dot_precision  # the module docstring says why
-    grid = plan.scan_grid
-    if compose:
-        grid = ((plan.value_dim + plan.key_dim) // plan.scan_width, *grid[1:])
+    in_order = plan.scan_in_order and not open_form
+    rows = plan.value_dim + plan.key_dim if compose else plan.value_dim
+    grid = (rows // plan.scan_width, plan.heads, plan.scan_rows if in_order else plan.num_seqs)
     launch(segment_scan_kernel, grid, ws.fp32, layout.transitions, layout.entries, layout.order,
            initial_state if initial_state is not None else ws.fp32, exit_maps if compose else ws.fp32,
            final_state if final_state is not None else ws.fp32, ws.cu_seqlens if plan.varlen else ws.fp32, errors,
-           plan.seq_len, plan.segment_chunks, plan.program_rows, plan.transition_rows, plan.rerun_rows, H=plan.heads,
-           K=plan.key_dim, V=plan.value_dim, SW=plan.scan_width, C=plan.chunk, IS_VARLEN=plan.varlen,
-           HAS_INITIAL=initial_state is not None, DOT_PRECISION=precision, OPEN_ENTRY=open_form, COMPOSE=compose,
-           ORDERED=plan.transitions_in_order and not open_form,
-           FINAL_FALLBACK=plan.rerun_in_order and final_state is not None and not open_form, num_warps=plan.scan_warps,
-           num_stages=plan.scan_stages)
+           plan.seq_len, plan.num_seqs, plan.segment_chunks, plan.program_rows, plan.transition_rows,
+           plan.rerun_rows, H=plan.heads, K=plan.key_dim, V=plan.value_dim, SW=plan.scan_width, C=plan.chunk,
+           IS_VARLEN=plan.varlen, HAS_INITIAL=initial_state is not None, DOT_PRECISION=precision,
+           OPEN_ENTRY=open_form, COMPOSE=compose, ORDERED=plan.transitions_in_order and not open_form,
+           FINAL_FALLBACK=plan.rerun_in_order and final_state is not None and not open_form, IN_ORDER=in_order,
+           num_warps=plan.scan_warps, num_stages=plan.scan_stages)
