@@ -25,7 +25,7 @@ from fastkda.bench.runners import fastkda_runner  # noqa: E402
 from fastkda.bench.timing import time_graph  # noqa: E402
 from fastkda.bench.work import plan_for_inputs  # noqa: E402
 from fastkda.bench.workloads import load_workloads, make_prefill_inputs  # noqa: E402
-from fastkda.plan import CHUNK, recurrence_warps, state_rows_v  # noqa: E402
+from fastkda.plan import CHUNK, WARPGROUP_RECURRENCE_STAGES, recurrence_warps, state_rows_v  # noqa: E402
 
 DEFAULT_ONLY = ("H12_N1_T1024", "H12_N1_T8192", "H12_N2_T1024", "H12_N2_T8192", "H12_N1_T65536", "H12_N2_T32768",
                 "H24_N1_T65536", "H16_N1_T131072", "H12_N1_T262144", "H12_chunked_mix", "H24_chunked_mix")
@@ -43,9 +43,12 @@ def variants(inp, segments, widths, slices):
             for s in slices:
                 if width <= min(base.key_dim, base.value_dim) and base.value_dim // s >= 32:
                     width_v = base.value_dim // s
+                    # the Gluon rerun's ring is set by its slice width (the base plan's may be another width's)
+                    gluon = base.warpgroup_recurrence and width_v in WARPGROUP_RECURRENCE_STAGES
                     found.append((f"L{chunks}-w{width}-s{s}", base.replace(
                         transition_width=width, v_slices=s, state_rows_v=state_rows_v(width_v),
-                        recurrence_warps=recurrence_warps(width_v))))
+                        recurrence_warps=recurrence_warps(width_v), warpgroup_recurrence=gluon,
+                        recurrence_stages=WARPGROUP_RECURRENCE_STAGES[width_v] if gluon else 3)))
     return found
 
 
