@@ -131,18 +131,24 @@ def test_overlapping_spans_whose_last_segment_the_rerun_leaves_out_get_a_final_s
     assert errors[2] >= 1 and errors[:2].tolist() == [0, 0]
 
 
-def test_overlapping_sequences_of_several_segments_past_the_scan_s_places_are_walked(monkeypatch):
-    """Four overlapping 100-token spans of four 32-token segments each ([0, 100, 0, 100, ...]: the other three
-    clamp to empty), where the ordered scan has min(N, T // 32) = 3 places: the fourth sequence's first row ranks
-    past them, so the scan's program that takes it among every third sequence walks it, and every entry the rerun
-    reads is written (NaN if not); the error counted once per sequence, as with the scan on every sequence."""
+@pytest.mark.parametrize("sequences", [7, 60])
+@pytest.mark.parametrize("rerun", [True, False], ids=["rerun in order", "every rerun row"])
+def test_overlapping_sequences_of_several_segments_past_the_scan_s_places_are_walked(rerun, sequences,
+                                                                                    monkeypatch):
+    """Overlapping 100-token spans of four 32-token segments each ([0, 100, 0, 100, ...]: every other sequence
+    clamps to empty), where the ordered scan has min(N, T // 32) = 3 places: the fourth such sequence's first row
+    and later ones rank past them, so the scan's program that takes each among every third sequence walks it, and
+    every entry the rerun reads is written (NaN if not); the error counted once per sequence, as with the scan on
+    every sequence (at 60 sequences in two rounds of a program's duties). With the rerun on every row no final
+    state needs the scan's fallback, so the walk's own check is what finds them."""
     nan_workspaces(monkeypatch)
-    offsets = [0, 100, 0, 100, 0, 100, 0, 100]
-    inp = make_inputs([14] * 6 + [16], heads=2, key_dim=64, seed=56)
-    out, final, errors = prefill_on_offsets(inp, offsets, 32, **ORDERED)
-    assert plan_for(inp, 1, sequence_parallel=32, **ORDERED).scan_grid[2] == 3
+    offsets = [100 * (n % 2) for n in range(sequences)] + [100]
+    inp = make_inputs([1] * (sequences - 1) + [101 - sequences], heads=2, key_dim=64, seed=56)
+    ordered = dict(ORDERED, rerun_in_order=rerun)
+    out, final, errors = prefill_on_offsets(inp, offsets, 32, **ordered)
+    assert plan_for(inp, 1, sequence_parallel=32, **ordered).scan_grid[2] == 3
     assert torch.isfinite(out).all() and torch.isfinite(final).all()
-    _, _, every_sequence = prefill_on_offsets(inp, offsets, 32, **dict(ORDERED, scan_in_order=False))
+    _, _, every_sequence = prefill_on_offsets(inp, offsets, 32, **dict(ordered, scan_in_order=False))
     assert errors[2] == every_sequence[2] >= 1 and errors[:2].tolist() == [0, 0]
 
 

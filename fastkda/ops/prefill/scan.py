@@ -36,7 +36,8 @@ several segments is there, since its first segment has the largest key of the or
 segment_tokens`` rows share it. The duties every sequence has (the error count, the fallback above, and on
 malformed offsets the walk of a sequence of several whose first row ranks past the places: the ranks are a
 permutation, so each such sequence is walked once, and no entry the rerun reads is left unwritten) are taken by
-program p for the sequences p, p + P, ... (P places).
+program p for the sequences p, p + P, ... (P places), as vectors of :data:`DUTY_LANES` sequences (two loads in
+series a round, after the walk), the malformed offsets' work behind one branch.
 
 With ``OPEN_ENTRY`` (a prefill whose entry state comes later, :func:`fastkda.ops.prefill.open_entry_transitions`)
 the transition kernel has left every segment's map, the first's and the last's too, and the scan applies all of
@@ -56,6 +57,9 @@ import triton.language as tl
 from ..common import launch
 from ..tiles import tile_offsets
 from .layout import entry_state, first_slot, program_ranks, segment_exit, sequence_order, sequence_span
+
+
+DUTY_LANES = tl.constexpr(16)  # sequences whose per-sequence duties an in-order scan program takes in one round
 
 
 @triton.jit
@@ -155,19 +159,37 @@ def segment_scan_kernel(ws_fp32, transitions_at, entries_at, order_at, initial_s
                 walk_entries(ws_fp32, transitions_at, entries_at, order_at, initial_state, row, h, first, segments,
                              rows, matrix, num_seqs, order_count, run_rows, H, K, V, SW, HAS_INITIAL,
                              DOT_PRECISION, ORDERED)
-        for n in range(p, num_seqs, places):  # every sequence's other duties
+        # every sequence's other duties, for the sequences p, p + P, ...: DUTY_LANES of them a round, each round two
+        # loads in series (offsets, then ranks), the rare work of malformed offsets behind one branch
+        ranks = program_ranks(ws_fp32, order_at, order_count)
+        lanes = tl.arange(0, DUTY_LANES)
+        for base in range(p, num_seqs, places * DUTY_LANES):
+            inside = base + places * lanes < num_seqs
+            n = tl.where(inside, base + places * lanes, 0)
             segments, first, in_order = sequence_segments(cu_seqlens, n, seq_len, num_seqs, segment_chunks, C,
                                                           IS_VARLEN)
+            rare = inside & (segments > 1) & (tl.load(ranks + n, mask=inside, other=0) >= places)  # unwalked
             if FINAL_FALLBACK:
-                write_final_fallback(ws_fp32, order_at, initial_state, final_state, n, h, first, segments, rows,
-                                     num_seqs, order_count, rerun_rows, H, K, V, SW, HAS_INITIAL)
-            if segments > 1:  # a first row ranked past the places (malformed offsets only): walked here
-                if tl.load(program_ranks(ws_fp32, order_at, order_count) + n) >= places:
-                    walk_entries(ws_fp32, transitions_at, entries_at, order_at, initial_state, n, h, first,
-                                 segments, rows, matrix, num_seqs, order_count, run_rows, H, K, V, SW, HAS_INITIAL,
-                                 DOT_PRECISION, ORDERED)
+                last_row = tl.where(segments > 1, num_seqs + first + segments - 1, n)
+                rare = rare | (inside & (tl.load(ranks + last_row, mask=inside, other=0) >= rerun_rows))
             if IS_VARLEN:  # fastkda.errors: "cu_seqlens", once per sequence
-                tl.atomic_add(errors + 2, 1, mask=(vs == 0) & (h == 0) & ~in_order, sem="relaxed")
+                malformed = tl.sum((inside & ~in_order).to(tl.int32), axis=0)
+                tl.atomic_add(errors + 2, malformed, mask=(vs == 0) & (h == 0) & (malformed > 0), sem="relaxed")
+            if tl.max(rare.to(tl.int32), axis=0) > 0:  # malformed offsets only: one sequence at a time
+                for i in range(0, DUTY_LANES):
+                    m = base + places * i
+                    if m < num_seqs:
+                        segments_m, first_m, _ = sequence_segments(cu_seqlens, m, seq_len, num_seqs,
+                                                                   segment_chunks, C, IS_VARLEN)
+                        if FINAL_FALLBACK:
+                            write_final_fallback(ws_fp32, order_at, initial_state, final_state, m, h, first_m,
+                                                 segments_m, rows, num_seqs, order_count, rerun_rows, H, K, V, SW,
+                                                 HAS_INITIAL)
+                        if segments_m > 1:  # a first row ranked past the places: walked here
+                            if tl.load(ranks + m) >= places:
+                                walk_entries(ws_fp32, transitions_at, entries_at, order_at, initial_state, m, h,
+                                             first_m, segments_m, rows, matrix, num_seqs, order_count, run_rows,
+                                             H, K, V, SW, HAS_INITIAL, DOT_PRECISION, ORDERED)
     else:
         n = p
         segments, first, in_order = sequence_segments(cu_seqlens, n, seq_len, num_seqs, segment_chunks, C,
