@@ -421,9 +421,9 @@ class PrefillPlan:
     def scan_rows(self) -> int:
         """The scan's grid rows: every sequence, or under ``scan_in_order`` the order's first ``seq_len //
         segment_tokens`` places (at least one, at most N). A sequence of several segments has a first segment of
-        ``segment_chunks`` chunks with a transition, the most work a row has, and on valid offsets each such row
-        owns ``segment_tokens`` tokens, so at most that many rows rank with it
-        (:func:`fastkda.ops.prefill.layout.write_longest_first`)."""
+        ``segment_chunks`` chunks with a transition, the most work a row has, and equal work ranks in grid order,
+        so only the first rows of the sequences of several before it rank ahead of it: on valid offsets each owns
+        ``segment_tokens`` tokens, so fewer than this many (:func:`fastkda.ops.prefill.layout.write_longest_first`)."""
         if self.scan_in_order:
             return min(self.num_seqs, max(self.seq_len // self.segment_tokens, 1))
         return self.num_seqs

@@ -32,8 +32,9 @@ Under the plan's ``scan_in_order`` (``IN_ORDER``) the grid's rows are the order'
 rather than every sequence: in a batch of many short sequences most scan programs would only count errors, and
 each holds the shared memory of a transition while it does (three programs an SM), so they queue behind one
 another. A place holding a sequence's first segment row walks that sequence; on valid offsets every sequence of
-several segments is there, since its first segment has the largest key of the order and at most ``T //
-segment_tokens`` rows share it. The duties every sequence has (the error count, the fallback above, and on
+several segments is there: its first segment has the largest key of the order, equal work ranks in grid order, so
+only the first rows of the sequences of several before it rank ahead of it, and there are fewer than ``min(N, T //
+segment_tokens)`` of those. The duties every sequence has (the error count, the fallback above, and on
 malformed offsets the walk of a sequence of several whose first row ranks past the places: the ranks are a
 permutation, so each such sequence is walked once, and no entry the rerun reads is left unwritten) are taken by
 program p for the sequences p, p + P, ... (P places), as vectors of :data:`DUTY_LANES` sequences (two loads in
@@ -219,7 +220,7 @@ def segment_scan_kernel(ws_fp32, transitions_at, entries_at, order_at, initial_s
 
 
 def launch_scan(plan, ws, initial_state, errors, final_state=None, open_entry=False, exit_maps=None):
-    """Launch :func:`segment_scan_kernel` between the transitions and the rerun, over ``plan.scan_grid`` (and,
+    """Launch :func:`segment_scan_kernel` between the transitions and the rerun, over the plan's ``scan_grid`` (and,
     under the plan's ``rerun_in_order``, the fallback into ``final_state`` if given); with ``open_entry``, over
     every segment's map (:func:`fastkda.ops.prefill.open_entry_transitions`), and given ``exit_maps [N, H, V + K,
     K]`` (fp32, contiguous), composing them into it over V + K rows instead; both over every sequence."""
