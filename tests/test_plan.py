@@ -224,14 +224,18 @@ def test_transitions_in_order_where_the_longest_first_order_has_segments():
     """The transition kernel runs the order's first T // segment_tokens rows wherever a varlen plan in segments
     takes its rows longest first (the chunked mix: 5 of 32 segment programs at 24 heads), and the rerun the first
     N + T // segment_tokens (18); every other plan runs every segment program; the describe line says which, and
-    the scan the order's first min(N, T // segment_tokens) places (5); the fields need the order and segments."""
+    the scan, where a plan sets it (the automatic plan does not), the order's first min(N, T // segment_tokens)
+    places (5); the fields need the order and segments."""
     chunked = choose_plan(13, 24, 8192, 128, 128, 132, max_seqlen=6144, warpgroup_mma=True)
     assert chunked.longest_first and chunked.segment_chunks == 48 and chunked.transitions_in_order
     assert chunked.transition_rows == 8192 // (32 * 48) == 5 < chunked.segment_programs == 32
     assert chunked.transition_grid == (4, 24, 5) and chunked.recurrence_grid == (1, 24, 13 + 5)
     assert chunked.rerun_in_order and chunked.rerun_rows == 18 and chunked.program_rows == 32
-    assert chunked.scan_in_order and chunked.scan_rows == 5 and chunked.scan_grid == (8, 24, 5)
+    assert not chunked.scan_in_order and chunked.scan_grid == (8, 24, 13)  # not chosen: measured no faster
     assert "on the order's first 5 of 32 segment programs, the rerun on the order's first 18" in chunked.describe()
+    assert "places" not in chunked.describe()
+    chunked = chunked.replace(scan_in_order=True)
+    assert chunked.scan_rows == 5 and chunked.scan_grid == (8, 24, 5)
     assert "16 state columns a program, on the order's first 5 places" in chunked.describe()
     off = chunked.replace(transitions_in_order=False, rerun_in_order=False, scan_in_order=False)
     assert off.transition_grid == (4, 24, 32) and off.recurrence_grid == (1, 24, 32) and off.scan_grid == (8, 24, 13)
