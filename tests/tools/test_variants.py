@@ -81,6 +81,27 @@ def test_a_package_from_before_the_one_axis_grid_gets_the_two_axis_grid(tmp_path
     assert plan_the_package_reads(committed, plan) == plan
 
 
+def old_prefill_source(tmp_path, layout_functions, scan_functions=None):
+    """A stand-in prefill source package from before a change: its layout (and, if given, its scan module) defines
+    only the named functions, which is all ``plan_the_package_reads`` looks at."""
+    def module_text(names):
+        return "\n\n".join(f"def {name}():\n    pass\n" for name in names)
+
+    source = tmp_path / "prefill"
+    source.mkdir()
+    (source / "__init__.py").write_text("")
+    (source / "layout.py").write_text(module_text(layout_functions))
+    if scan_functions is not None:
+        (source / "scan.py").write_text(module_text(scan_functions))
+    return source
+
+
+def read_by_old_package(tmp_path, plan, layout_functions, scan_functions=None):
+    """``plan`` as the stand-in package of :func:`old_prefill_source` reads it."""
+    with prefill_package(old_prefill_source(tmp_path, layout_functions, scan_functions), "_variant_old") as package:
+        return plan_the_package_reads(package, plan)
+
+
 def test_a_package_from_before_the_ordered_transitions_runs_every_segment_program(tmp_path):
     """A source package whose layout has no ``program_keys`` (from before ``transitions_in_order``) runs its
     transitions on every segment program; the committed package keeps the plan as chosen."""
@@ -88,13 +109,8 @@ def test_a_package_from_before_the_ordered_transitions_runs_every_segment_progra
 
     plan = choose_plan(13, 24, 8192, 128, 128, 132, max_seqlen=6144)
     assert plan.transitions_in_order
-    source = tmp_path / "prefill"
-    source.mkdir()
-    (source / "__init__.py").write_text("")
-    (source / "layout.py").write_text("def preparation_program():\n    pass\n")
-    with prefill_package(source, "_variant_old") as package:
-        read = plan_the_package_reads(package, plan)
-        assert not read.transitions_in_order and read.early_chunks_last
+    read = read_by_old_package(tmp_path, plan, ["preparation_program"])
+    assert not read.transitions_in_order and read.early_chunks_last
     assert plan_the_package_reads(committed, plan) == plan
 
 
@@ -105,14 +121,8 @@ def test_a_package_from_before_the_rerun_s_grid_cut_reruns_every_segment_program
 
     plan = choose_plan(13, 24, 8192, 128, 128, 132, max_seqlen=6144)
     assert plan.rerun_in_order and plan.transitions_in_order
-    source = tmp_path / "prefill"
-    source.mkdir()
-    (source / "__init__.py").write_text("")
-    (source / "layout.py").write_text("def preparation_program():\n    pass\n\n\ndef program_keys():\n    pass\n")
-    (source / "scan.py").write_text("")
-    with prefill_package(source, "_variant_old") as package:
-        read = plan_the_package_reads(package, plan)
-        assert not read.rerun_in_order and read.transitions_in_order and read.early_chunks_last
+    read = read_by_old_package(tmp_path, plan, ["preparation_program", "program_keys"], [])
+    assert not read.rerun_in_order and read.transitions_in_order and read.early_chunks_last
     assert plan_the_package_reads(committed, plan) == plan
 
 
@@ -123,12 +133,6 @@ def test_a_package_from_before_the_scan_s_places_scans_every_sequence(tmp_path):
 
     plan = choose_plan(13, 24, 8192, 128, 128, 132, max_seqlen=6144).replace(scan_in_order=True)
     assert plan.rerun_in_order
-    source = tmp_path / "prefill"
-    source.mkdir()
-    (source / "__init__.py").write_text("")
-    (source / "layout.py").write_text("def preparation_program():\n    pass\n\n\ndef program_keys():\n    pass\n")
-    (source / "scan.py").write_text("def rerun_left_out():\n    pass\n")
-    with prefill_package(source, "_variant_old") as package:
-        read = plan_the_package_reads(package, plan)
-        assert not read.scan_in_order and read.rerun_in_order and read.transitions_in_order
+    read = read_by_old_package(tmp_path, plan, ["preparation_program", "program_keys"], ["rerun_left_out"])
+    assert not read.scan_in_order and read.rerun_in_order and read.transitions_in_order
     assert plan_the_package_reads(committed, plan) == plan
