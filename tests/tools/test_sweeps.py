@@ -10,7 +10,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository r
 
 from fastkda.bench.workloads import make_prefill_inputs  # noqa: E402
 from fastkda.plan import CHUNK, V_SLICE_CHOICES  # noqa: E402
-from tools.sweeps import checkpoint_cost, decode_sweep, exactness_matrix, plan_sweep  # noqa: E402
+from tools.sweeps import checkpoint_cost, decode_sweep, exactness_matrix, plan_sweep, segment_sweep  # noqa: E402
 
 
 def test_decode_sweep_settings_are_decode_plans():
@@ -63,3 +63,24 @@ def test_exactness_rejects_v_slices_among_the_changes(capsys):
     with pytest.raises(SystemExit):
         exactness_matrix.main(["--set", "v_slices=2", "--device", "cpu", "--shapes", "0"])
     assert "v_slices: this tool sets it itself" in capsys.readouterr().err
+
+
+def test_segment_sweep_variants_are_valid_plans_on_a_hopper_gpu(monkeypatch):
+    """Every variant the segment sweep builds for its default workloads, as an H200 would plan them (132 SMs,
+    warpgroup MMA: the Gluon kernels' rings), is a valid plan: a base plan of 64-column rerun slices (5 stages)
+    swept at one slice once failed a device call. Shapes only (meta tensors)."""
+    import fastkda.api
+    from fastkda.bench.workloads import load_workloads
+
+    monkeypatch.setattr(fastkda.api, "_sms_of", lambda q: 132)
+    monkeypatch.setattr(fastkda.api, "_warpgroup_mma_of", lambda q: True)
+    by_name = {w["name"]: w for w in load_workloads()["prefill"]}
+    for name in segment_sweep.DEFAULT_ONLY:
+        lengths, heads = by_name[name]["lengths"], by_name[name]["H"]
+        tokens = sum(lengths)
+        q = torch.empty(1, tokens, heads, 128, device="meta")
+        inp = dict(q=q, v=q, cu_seqlens=torch.empty(len(lengths) + 1, device="meta"), max_seqlen=max(lengths),
+                   lengths=lengths)
+        found = segment_sweep.variants(inp, [2, 3, 4, 5, 6, 7, 8, 16], [64, 128], [1, 2])
+        assert len(found) > 2 and all(plan.heads == heads for _, plan in found), name
+        assert any(plan.warpgroup_recurrence for _, plan in found), name
