@@ -294,18 +294,12 @@ class PrefillPlan:
                "Gluon kernels for rows of one token); got seq_len=1")
         _check(not self.longest_first or self.varlen,
                "longest_first orders the recurrence of a varlen batch (varlen=True), got varlen=False")
-        _check(not self.transitions_in_order or (self.longest_first and self.segment_chunks > 0),
-               lambda: (f"transitions_in_order takes the transitions' rows from the recurrence's order: it needs "
-                        f"longest_first and segments (segment_chunks > 0), got longest_first={self.longest_first}, "
-                        f"segment_chunks={self.segment_chunks}"))
-        _check(not self.rerun_in_order or (self.longest_first and self.segment_chunks > 0),
-               lambda: (f"rerun_in_order takes the rerun's rows from the recurrence's order: it needs longest_first "
-                        f"and segments (segment_chunks > 0), got longest_first={self.longest_first}, "
-                        f"segment_chunks={self.segment_chunks}"))
-        _check(not self.scan_in_order or (self.longest_first and self.segment_chunks > 0),
-               lambda: (f"scan_in_order takes the scan's rows from the recurrence's order: it needs longest_first "
-                        f"and segments (segment_chunks > 0), got longest_first={self.longest_first}, "
-                        f"segment_chunks={self.segment_chunks}"))
+        for name, kernel in (("transitions_in_order", "transitions'"), ("rerun_in_order", "rerun's"),
+                             ("scan_in_order", "scan's")):
+            _check(not getattr(self, name) or (self.longest_first and self.segment_chunks > 0),
+                   lambda: (f"{name} takes the {kernel} rows from the recurrence's order: it needs longest_first "
+                            f"and segments (segment_chunks > 0), got longest_first={self.longest_first}, "
+                            f"segment_chunks={self.segment_chunks}"))
         _check(not self.horner_inverse or self.dot_precision == "tf32",
                lambda: (f"horner_inverse takes fp16 operands in place of tf32 ones (dot_precision='tf32'), got "
                         f"dot_precision={self.dot_precision!r}: replace horner_inverse=False with it"))

@@ -88,10 +88,9 @@ def plan_the_package_reads(package, plan):
     rerun's grid cut (its scan has no ``rerun_left_out``) reruns every segment program (``rerun_in_order`` off);
     one from before the scan took its rows from the order (no ``walk_entries``) scans every sequence
     (``scan_in_order`` off). The same bits."""
-    layout = importlib.import_module(package.__name__ + ".layout")
-    if plan.early_chunks_last and not hasattr(layout, "preparation_program"):
+    if plan.early_chunks_last and not defines(package, "layout", "preparation_program"):
         plan = plan.replace(early_chunks_last=False)
-    if plan.transitions_in_order and not hasattr(layout, "program_keys"):
+    if plan.transitions_in_order and not defines(package, "layout", "program_keys"):
         plan = plan.replace(transitions_in_order=False)
     if plan.rerun_in_order and not defines(package, "scan", "rerun_left_out"):
         plan = plan.replace(rerun_in_order=False)

@@ -118,15 +118,20 @@ def sequence_segments(cu_seqlens, n, seq_len, num_seqs, segment_chunks, C: tl.co
 
 
 @triton.jit
+def last_segment_row(n, first, segments, num_seqs):
+    """The order's row of sequence ``n``'s last segment (``n`` may be a vector): ``n`` itself, its first segment's,
+    or that of its last segment slot (its first segment's row n ranks inside the rerun's rows whenever it has
+    several: no row ranks before it but rows m < n)."""
+    return tl.where(segments > 1, num_seqs + first + segments - 1, n)
+
+
+@triton.jit
 def write_final_fallback(ws_fp32, order_at, initial_state, final_state, n, h, first, segments, rows, num_seqs,
                          order_count, rerun_rows, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                          SW: tl.constexpr, HAS_INITIAL: tl.constexpr):
     """Sequence ``n``'s final state rows ``rows`` of head ``h`` (its initial state, or zeros) where the rerun's
     grid leaves its last segment's row out (module docstring)."""
-    # the row of its last segment: n itself or the last segment slot's (its first segment's row n ranks inside the
-    # rerun's rows whenever it has several: no row ranks before it but rows m < n)
-    last_row = tl.where(segments > 1, num_seqs + first + segments - 1, n)
-    if rerun_left_out(ws_fp32, order_at, order_count, rerun_rows, last_row):
+    if rerun_left_out(ws_fp32, order_at, order_count, rerun_rows, last_segment_row(n, first, segments, num_seqs)):
         tl.store(final_state + ((n * H + h) * V).to(tl.int64) * K + rows,
                  initial_rows(initial_state, n, h, rows, H, V, K, SW, HAS_INITIAL))
 
@@ -171,7 +176,7 @@ def segment_scan_kernel(ws_fp32, transitions_at, entries_at, order_at, initial_s
                                                           IS_VARLEN)
             rare = inside & (segments > 1) & (tl.load(ranks + n, mask=inside, other=0) >= places)  # unwalked
             if FINAL_FALLBACK:
-                last_row = tl.where(segments > 1, num_seqs + first + segments - 1, n)
+                last_row = last_segment_row(n, first, segments, num_seqs)
                 rare = rare | (inside & (tl.load(ranks + last_row, mask=inside, other=0) >= rerun_rows))
             if IS_VARLEN:  # fastkda.errors: "cu_seqlens", once per sequence
                 malformed = tl.sum((inside & ~in_order).to(tl.int32), axis=0)
